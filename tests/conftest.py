@@ -1,0 +1,28 @@
+"""Test set-up: on a machine without CUDA, Triton kernels run in the interpreter (TRITON_INTERPRET=1).
+
+Must run before triton is imported anywhere, hence at conftest import time.
+"""
+import os
+
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; run on the GPU machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def device():
+    """Device for kernel tests: CUDA when present, else CPU tensors through the Triton interpreter."""
+    return torch.device("cuda" if HAS_CUDA else "cpu")
