@@ -1,0 +1,438 @@
+"""Decode attention over the packed KV cache: a query chunk against INT4/INT2/INT8 blocks + the INT8 tail.
+
+What it implements:
+- TurboAttention (Kang et al., 2024) §3.1 eq. 8 / §3.3: packed INT4/INT2 blocks are turned back into INT8
+  in registers by integer arithmetic (``code * scale_int + zero``), then INT8 x INT8 -> INT32 dots run
+  (INT-FlashAttention) for Q·Kᵀ and P·V; the INT8 tail buffer (< BS tokens, universal scale) is read in
+  the same pass. §4 SAS (sparse activated softmax) as an option.
+- INT-FlashAttention's static P scale: ``p8 = round(127 * exp2(s - m))``; the row sum ``l`` accumulates the
+  same integers, so ``O = Σ p8·v8 / Σ p8 · s_v`` (the 1/127 cancels; every row stays a convex combination
+  of the quantized values).
+- FlashAttention-3's K-major rule for 8-bit dots: K tiles are ``[tokens, D]`` (D contiguous), V tiles
+  ``[D, tokens]`` (tokens contiguous), so both dots read their reduction axis contiguously.
+- GQA packing: the G query heads of one KV head and the chunk's Lq queries form the M rows of one
+  program (row ``r = head_in_group * Lq + query``), so K/V tiles are read once per KV head.
+- Lean Attention's split of the context over the GPU: the tiles of each (batch, KV head, M tile) are cut
+  into equal contiguous shares so that the grid is about ``waves x #SMs``; partial ``(m, l, O)`` triples
+  merge by the associative rescale in a second small kernel. This is the two-kernel split-K variant of
+  stream-K (no cross-(batch, head) shares); with one share the first kernel writes the output directly.
+
+Query preparation (torch, tiny): K's universal per-channel scale is folded into the query,
+``q' = q · s_k`` (per channel), then per-row symmetric INT8 ``q8`` with scale ``sq`` (softmax scale and
+log2(e) folded in), so ``s = sq · Σ q8·k8`` is in log2 units. K smoothing (subtracting the prompt's channel
+mean μ) leaves softmax unchanged; with logit softcapping the exact correction ``scale·log2e · q·μ`` is
+added to every logit of the row before the cap, so smoothing stays valid there too.
+Rounding: float -> int8 rounds half away from zero, as in ``reference.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from .pack import PackedKV, _dequant_tile, _unpack_tile
+
+__all__ = ["turbo_decode_attention", "prepare_query", "plan_splits"]
+
+
+def _interpreter_index_compat() -> None:
+    """TRITON_INTERPRET=1 with NumPy >= 2.3: Triton 3.6's interpreter converts a runtime scalar (a 1-element
+    array) to a Python int with ``int(arr)``, which NumPy now refuses, so ``for t in range(lo, hi)`` with
+    runtime bounds fails. Re-register ``tensor.__index__`` through ``.item()``. Interpreter only; idempotent."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    try:
+        import triton.runtime.interpreter as interp
+    except ImportError:  # pragma: no cover
+        return
+    if getattr(interp, "_turbo_index_compat", False) or not hasattr(interp, "_patch_lang_tensor"):
+        return
+    orig = interp._patch_lang_tensor
+
+    def _patch_lang_tensor(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interp._patch_lang_tensor = _patch_lang_tensor
+    interp._turbo_index_compat = True
+
+
+_interpreter_index_compat()
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+# TurboAttention §4: e^{-x} ≈ POLY3(x) on [0, 1]; evaluated at x = f ln2 with the ln2 powers folded in
+SAS_POLY = (-0.1025, 0.4626, -0.9922, 0.9996)
+A3, A2, A1, A0 = (tl.constexpr(c * LN2 ** (3 - i)) for i, c in enumerate(SAS_POLY))
+
+
+# ----------------------------------------------------------------------------------------- Triton
+@triton.jit
+def _sas_exp2(x, thr):
+    """SAS approximation of exp2(x) for x <= 0 (base-2 logits), the formula of reference.sas_exp2:
+    0 where -x > thr; else 2^(-n) * POLY3(f ln2) with y = -x, n = floor(y), f = y - n, the ln2 powers
+    folded into the coefficients and 2^(-n) built in the float's exponent bits (no MUFU)."""
+    y = -x
+    yc = tl.minimum(tl.maximum(y, 0.0), 126.0)
+    n = tl.floor(yc)
+    f = yc - n
+    poly = ((A3 * f + A2) * f + A1) * f + A0
+    pow2 = ((127 - n.to(tl.int32)) << 23).to(tl.float32, bitcast=True)
+    return tl.where(y > thr, 0.0, poly * pow2)
+
+
+@triton.jit
+def _attend_tile(
+    b_acc, b_m, b_l, b_q, b_sq, b_qb, b_k, b_v, o_key, m_key, o_pos, window, softcap, sas_thr,
+    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, USE_SAS: tl.constexpr,
+):
+    """One online-softmax step: q8 [BM, BD] · k8 [BS, BD]ᵀ -> scores, p8 [BM, BS] · v8 [BD, BS]ᵀ."""
+    b_s = tl.dot(b_q, tl.trans(b_k), out_dtype=tl.int32).to(tl.float32) * b_sq[:, None]
+    if HAS_SOFTCAP:  # base-2 logits: softcap * tanh(s / softcap), tanh via exp2 (reference formula)
+        b_s = b_s + b_qb[:, None]
+        b_s = (1.0 - 2.0 / (tl.exp2(b_s * (2.0 / softcap)) + 1.0)) * (softcap * 1.4426950408889634)
+    m_s = m_key[None, :]
+    if IS_CAUSAL:
+        m_s = m_s & (o_key[None, :] <= o_pos[:, None])
+    if HAS_WINDOW:
+        m_s = m_s & (o_key[None, :] > o_pos[:, None] - window)
+    b_s = tl.where(m_s, b_s, float("-inf"))
+    b_mn = tl.maximum(b_m, tl.max(b_s, 1))
+    b_ms = tl.where(b_mn == float("-inf"), 0.0, b_mn)
+    b_alpha = tl.exp2(b_m - b_ms)
+    if USE_SAS:
+        b_p = _sas_exp2(b_s - b_ms[:, None], sas_thr)
+    else:
+        b_p = tl.exp2(b_s - b_ms[:, None])
+    b_p8 = (b_p * 127.0 + 0.5).to(tl.int8)
+    b_l = b_l * b_alpha + tl.sum(b_p8.to(tl.int32), 1).to(tl.float32)
+    b_pv = tl.dot(b_p8, tl.trans(b_v), out_dtype=tl.int32).to(tl.float32)
+    b_acc = b_acc * b_alpha[:, None] + b_pv
+    return b_acc, b_mn, b_l
+
+
+@triton.jit(do_not_specialize=["n_blocks", "n_tail", "Lq", "kv_len", "TPS", "window",
+                               "stride_kb", "stride_kh", "stride_sb", "stride_sh", "stride_vb", "stride_vh"])
+def _decode_kernel(
+    q8, sq, qb, heads, kp, ks, kz, vp, vs, vz, kt, vt, sv, kvalid, o, po, pml,
+    n_blocks, n_tail, Lq, kv_len, TPS, window, softcap, sas_thr,
+    stride_kb, stride_kh, stride_sb, stride_sh, stride_vb, stride_vh,
+    H, HK,
+    G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr,
+    BITS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_KVALID: tl.constexpr, USE_SAS: tl.constexpr, SPLIT: tl.constexpr,
+):
+    """grid = (n_splits, n_m_tiles, b * H); H = KV heads of this bit group, heads[H] their layer index.
+
+    q8 [b, HQ, Lq, D] int8, sq/qb [b, HQ, Lq] fp32; packed blocks as in pack.py; kt [b, HK, BS, D],
+    vt [b, HK, D, BS] int8 tail; sv [b, HK, D] fp32; kvalid [b, kv_len] int8; o [b, Lq, HQ, D];
+    po [S, b*H, n_m*BM, BD] fp32 and pml [S, b*H, n_m*BM, 2] fp32 partials (SPLIT only).
+    """
+    tl.static_assert(BITS == 2 or BITS == 4 or BITS == 8)
+    i_s, i_m, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    i_hk = tl.load(heads + i_h).to(tl.int64)
+    i_b64 = i_b.to(tl.int64)
+    HQ = HK * G
+    M = G * Lq
+    PB: tl.constexpr = 8 // BITS
+    BDK: tl.constexpr = BD // PB  # packed bytes per K row (padded)
+    DK: tl.constexpr = D // PB
+    BSB: tl.constexpr = BS // PB  # packed bytes per V row
+
+    o_r = i_m * BM + tl.arange(0, BM)
+    m_r = o_r < M
+    o_qi = o_r % Lq
+    o_pos = kv_len - Lq + o_qi
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    o_n = tl.arange(0, BS)
+
+    # query rows of the GQA group: contiguous in q8 [b, HQ, Lq, D]
+    p_q = q8 + ((i_b64 * HQ + i_hk * G) * Lq + o_r[:, None]) * D + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_r[:, None] & m_d[None, :], other=0)
+    o_row = (i_b64 * HQ + i_hk * G) * Lq + o_r
+    b_sq = tl.load(sq + o_row, mask=m_r, other=0.0)
+    if HAS_SOFTCAP:
+        b_qb = tl.load(qb + o_row, mask=m_r, other=0.0)
+    else:
+        b_qb = b_sq
+
+    b_acc = tl.zeros([BM, BD], dtype=tl.float32)
+    b_m = tl.full([BM], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([BM], dtype=tl.float32)
+
+    n_tiles = n_blocks
+    if n_tail > 0:
+        n_tiles += 1
+    t_lo = i_s * TPS
+    t_hi = t_lo + TPS
+    if t_hi > n_tiles:
+        t_hi = n_tiles
+    t_hp = t_hi  # end of this share's packed tiles
+    if t_hp > n_blocks:
+        t_hp = n_blocks
+    p_kb = kp + i_b64 * stride_kb + i_h * stride_kh
+    p_vb = vp + i_b64 * stride_vb + i_h * stride_vh
+    o_sbase = i_b64 * stride_sb + i_h * stride_sh
+    # ---- packed blocks
+    for t in range(t_lo, t_hp):
+        if BITS == 8:
+            b_k = tl.load(p_kb + t * (BS * D) + o_n[:, None] * D + o_d[None, :],
+                          mask=m_d[None, :], other=0)
+            b_v = tl.load(p_vb + t * (D * BS) + o_d[:, None] * BS + o_n[None, :],
+                          mask=m_d[:, None], other=0)
+        else:
+            o_dk = tl.arange(0, BDK)
+            b_kp = tl.load(p_kb + t * (BS * DK) + o_n[:, None] * DK + o_dk[None, :],
+                           mask=(o_dk < DK)[None, :], other=0)
+            o_sb = tl.arange(0, BSB)
+            b_vp = tl.load(p_vb + t * (D * BSB) + o_d[:, None] * BSB + o_sb[None, :],
+                           mask=m_d[:, None], other=0)
+            o_sc = o_sbase + t * D + o_d
+            b_ks = tl.load(ks + o_sc, mask=m_d, other=0).to(tl.int32)
+            b_kz = tl.load(kz + o_sc, mask=m_d, other=0).to(tl.int32)
+            b_vs = tl.load(vs + o_sc, mask=m_d, other=0).to(tl.int32)
+            b_vz = tl.load(vz + o_sc, mask=m_d, other=0).to(tl.int32)
+            b_k = _dequant_tile(_unpack_tile(b_kp, BS, BD, BITS), b_ks, b_kz, 0)
+            b_v = _dequant_tile(_unpack_tile(b_vp, BD, BS, BITS), b_vs, b_vz, 1)
+        o_key = t * BS + o_n
+        if HAS_KVALID:
+            m_key = tl.load(kvalid + i_b64 * kv_len + o_key) != 0
+        else:
+            m_key = o_n < BS
+        b_acc, b_m, b_l = _attend_tile(b_acc, b_m, b_l, b_q, b_sq, b_qb, b_k, b_v, o_key, m_key, o_pos,
+                                       window, softcap, sas_thr, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, USE_SAS)
+    # ---- INT8 tail (the last tile)
+    if t_hi > n_blocks:
+        m_n = o_n < n_tail
+        p_kt = kt + ((i_b64 * HK + i_hk) * BS + o_n[:, None]) * D + o_d[None, :]
+        b_k = tl.load(p_kt, mask=m_n[:, None] & m_d[None, :], other=0)
+        p_vt = vt + ((i_b64 * HK + i_hk) * D + o_d[:, None]) * BS + o_n[None, :]
+        b_v = tl.load(p_vt, mask=m_d[:, None] & m_n[None, :], other=0)
+        o_key = n_blocks * BS + o_n
+        m_key = m_n
+        if HAS_KVALID:
+            m_key = m_key & (tl.load(kvalid + i_b64 * kv_len + o_key, mask=m_n, other=0) != 0)
+        b_acc, b_m, b_l = _attend_tile(b_acc, b_m, b_l, b_q, b_sq, b_qb, b_k, b_v, o_key, m_key, o_pos,
+                                       window, softcap, sas_thr, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, USE_SAS)
+
+    if SPLIT:
+        n_mp = tl.num_programs(1) * BM
+        o_p = (i_s.to(tl.int64) * tl.num_programs(2) + i_bh) * n_mp + i_m * BM + tl.arange(0, BM)
+        tl.store(po + o_p[:, None] * BD + o_d[None, :], b_acc)
+        tl.store(pml + o_p * 2, b_m)
+        tl.store(pml + o_p * 2 + 1, b_l)
+    else:
+        b_sv = tl.load(sv + (i_b64 * HK + i_hk) * D + o_d, mask=m_d, other=0.0)
+        b_o = tl.where(b_l[:, None] > 0, b_acc / tl.maximum(b_l, 1.0)[:, None], 0.0) * b_sv[None, :]
+        o_qh = i_hk * G + o_r // Lq
+        p_o = o + ((i_b64 * Lq + o_qi) * HQ + o_qh)[:, None] * D + o_d[None, :]
+        tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_r[:, None] & m_d[None, :])
+
+
+@triton.jit(do_not_specialize=["Lq", "S"])
+def _merge_kernel(
+    po, pml, heads, sv, o, Lq, S, H, HK,
+    G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr,
+):
+    """grid = (n_m_tiles, b * H): merge S partial (m, l, acc) by the associative rescale, write o."""
+    i_m, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    i_hk = tl.load(heads + i_h).to(tl.int64)
+    i_b64 = i_b.to(tl.int64)
+    HQ = HK * G
+    M = G * Lq
+    o_r = i_m * BM + tl.arange(0, BM)
+    m_r = o_r < M
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    n_mp = tl.num_programs(0) * BM
+    b_acc = tl.zeros([BM, BD], dtype=tl.float32)
+    b_m = tl.full([BM], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([BM], dtype=tl.float32)
+    for s in range(0, S):
+        o_p = (s * tl.num_programs(1) + i_bh) * n_mp + o_r
+        b_ms = tl.load(pml + o_p * 2)
+        b_ls = tl.load(pml + o_p * 2 + 1)
+        b_as = tl.load(po + o_p[:, None] * BD + o_d[None, :])
+        b_mn = tl.maximum(b_m, b_ms)
+        b_mz = tl.where(b_mn == float("-inf"), 0.0, b_mn)
+        b_a0 = tl.exp2(b_m - b_mz)
+        b_a1 = tl.exp2(b_ms - b_mz)
+        b_l = b_l * b_a0 + b_ls * b_a1
+        b_acc = b_acc * b_a0[:, None] + b_as * b_a1[:, None]
+        b_m = b_mn
+    b_sv = tl.load(sv + (i_b64 * HK + i_hk) * D + o_d, mask=m_d, other=0.0)
+    b_o = tl.where(b_l[:, None] > 0, b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None], 0.0) * b_sv[None, :]
+    o_qi = o_r % Lq
+    o_qh = i_hk * G + o_r // Lq
+    p_o = o + ((i_b64 * Lq + o_qi) * HQ + o_qh)[:, None] * D + o_d[None, :]
+    tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_r[:, None] & m_d[None, :])
+
+
+# ----------------------------------------------------------------------------------------- launcher
+def _round_half_away(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(x >= 0, x + 0.5, x - 0.5).trunc()
+
+
+def prepare_query(q: torch.Tensor, k_scale: torch.Tensor, k_mean: Optional[torch.Tensor], scale: float,
+                  softcap: Optional[float]) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Fold K's per-channel scale into q and quantize per row (symmetric INT8, round half away).
+
+    Args:
+        q: ``[b, HQ, Lq, D]`` float; k_scale, k_mean: ``[b, HK, D]`` fp32.
+    Returns:
+        ``q8 [b, HQ, Lq, D] int8``, ``sq [b, HQ, Lq] fp32`` (times scale·log2e: base-2 logits) and,
+        with softcap and a K mean, ``qb [b, HQ, Lq]`` = scale·log2e · q·μ (the smoothing correction
+        added to every base-2 logit of the row before the cap), else None.
+    """
+    g = q.shape[1] // k_scale.shape[1]
+    qf = q.float()
+    qs = qf * k_scale.repeat_interleave(g, dim=1)[:, :, None, :]
+    amax = qs.abs().amax(-1)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q8 = _round_half_away(qs * inv[..., None]).clamp_(-127, 127).to(torch.int8)
+    sq = (amax / 127.0) * (scale * LOG2E)
+    qb = None
+    if softcap and k_mean is not None:
+        qb = (qf * k_mean.repeat_interleave(g, dim=1)[:, :, None, :]).sum(-1) * (scale * LOG2E)
+    return q8, sq, qb
+
+
+def plan_splits(n_tiles: int, work_units: int, device: torch.device, waves: float = 2.0,
+                n_splits: Optional[int] = None) -> tuple[int, int]:
+    """Shares of the context per (batch, head, M tile): ``(n_splits, tiles_per_split)``.
+
+    About ``waves x #SMs`` programs in all (Lean Attention), never an empty share. On CPU (interpreter)
+    4 "SMs" are assumed so tests exercise the split + merge path.
+    """
+    if n_tiles <= 0:
+        return 1, 1
+    if n_splits is None:
+        if device.type == "cuda":
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+        else:
+            sms = 4
+        n_splits = max(1, math.ceil(waves * sms / max(work_units, 1)))
+    n_splits = max(1, min(int(n_splits), n_tiles))
+    tps = math.ceil(n_tiles / n_splits)
+    return math.ceil(n_tiles / tps), tps
+
+
+def turbo_decode_attention(
+    q: torch.Tensor,
+    groups: Sequence[PackedKV],
+    k_tail: torch.Tensor,
+    v_tail: torch.Tensor,
+    n_tail: int,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    k_mean: Optional[torch.Tensor] = None,
+    *,
+    scale: Optional[float] = None,
+    causal: bool = True,
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    key_valid: Optional[torch.Tensor] = None,
+    softmax: str = "exact",
+    sas_threshold: float = 6.0,
+    n_splits: Optional[int] = None,
+    waves: float = 2.0,
+    block_m: Optional[int] = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """Attention of a query chunk over a packed KV cache (all of ``groups``' blocks, then the tail).
+
+    Args:
+        q: ``[b, HQ, Lq, D]`` bf16/fp16/fp32 queries (RoPE applied); query ``i`` sits at position
+            ``kv_len - Lq + i`` where ``kv_len = n_blocks * BS + n_tail`` (the new tokens are stored already).
+        groups: one :class:`~.pack.PackedKV` per bit width; together their ``heads`` cover ``0..HK-1``
+            once; all hold the same ``n_blocks``.
+        k_tail: ``[b, HK, BS, D]`` int8; v_tail: ``[b, HK, D, BS]`` int8 (transposed); ``n_tail < BS`` valid.
+        k_scale, v_scale: ``[b, HK, D]`` fp32 universal INT8 scales; k_mean: ``[b, HK, D]`` fp32 or None.
+        scale: softmax scale (default ``D**-0.5``). causal: mask keys after each query's position.
+        window: sliding window (key ``j`` visible from position ``i`` iff ``i - j < window``).
+        softcap: logit softcapping ``softcap * tanh(s / softcap)``. key_valid: ``[b, kv_len]`` bool.
+        softmax: ``"exact"`` or ``"sas"``; sas_threshold in natural-log units.
+        n_splits / waves / block_m / num_warps / num_stages: launch overrides (tests, tuning).
+    Returns:
+        ``[b, Lq, HQ, D]`` in ``q.dtype``.
+    """
+    if q.dim() != 4:
+        raise ValueError(f"q must be [b, HQ, Lq, D], got shape {tuple(q.shape)}")
+    b, HQ, Lq, D = q.shape
+    HK = k_tail.shape[1]
+    BS = k_tail.shape[2]
+    if HQ % HK:
+        raise ValueError(f"{HQ} query heads are not a multiple of {HK} KV heads")
+    if softmax not in ("exact", "sas"):
+        raise ValueError(f"softmax={softmax!r} must be 'exact' or 'sas'")
+    if not groups:
+        raise ValueError("groups is empty: pass at least one PackedKV (possibly with 0 blocks)")
+    n_blocks = groups[0].n_blocks
+    if any(g_.n_blocks != n_blocks for g_ in groups):
+        raise ValueError(f"bit groups hold different block counts {[g_.n_blocks for g_ in groups]}")
+    if not 0 <= n_tail < BS:
+        raise ValueError(f"n_tail={n_tail} must lie in [0, {BS})")
+    kv_len = n_blocks * BS + n_tail
+    if Lq > kv_len:
+        raise ValueError(f"query chunk of {Lq} tokens exceeds the {kv_len} stored tokens (store first)")
+    G = HQ // HK
+    scale = D ** -0.5 if scale is None else float(scale)
+    q8, sq, qb = prepare_query(q, k_scale, k_mean, scale, softcap)
+    has_softcap = bool(softcap)
+    if has_softcap and qb is None:
+        qb = torch.zeros_like(sq)
+    o = torch.empty(b, Lq, HQ, D, dtype=q.dtype, device=q.device)
+    kvalid = None
+    if key_valid is not None:
+        if tuple(key_valid.shape) != (b, kv_len):
+            raise ValueError(f"key_valid must be [b, kv_len] = {(b, kv_len)}, got {tuple(key_valid.shape)}")
+        kvalid = key_valid.to(torch.int8).contiguous()
+    BD = triton.next_power_of_2(D)
+    M = G * Lq
+    BM = block_m or min(64, max(16, triton.next_power_of_2(M)))
+    n_m = triton.cdiv(M, BM)
+    n_tiles = n_blocks + (1 if n_tail > 0 else 0)
+    k_tail, v_tail = k_tail.contiguous(), v_tail.contiguous()
+    sv = v_scale.float().contiguous()
+    dummy = sq
+    for grp in groups:
+        H = len(grp.heads)
+        if H == 0:
+            continue
+        S, tps = plan_splits(n_tiles, b * H * n_m, q.device, waves, n_splits)
+        split = S > 1
+        if split:
+            po = torch.empty(S, b * H, n_m * BM, BD, dtype=torch.float32, device=q.device)
+            pml = torch.empty(S, b * H, n_m * BM, 2, dtype=torch.float32, device=q.device)
+        else:
+            po = pml = dummy
+        kp, vp = grp.k, grp.v
+        ks = grp.k_scale if grp.bits != 8 else kp
+        sst = (ks.stride(0), ks.stride(1)) if grp.bits != 8 else (0, 0)
+        _decode_kernel[(S, n_m, b * H)](
+            q8, sq, qb if has_softcap else dummy, grp.heads, kp,
+            ks, grp.k_zero if grp.bits != 8 else kp, vp,
+            grp.v_scale if grp.bits != 8 else kp, grp.v_zero if grp.bits != 8 else kp,
+            k_tail, v_tail, sv, kvalid if kvalid is not None else q8, o, po, pml,
+            n_blocks, n_tail, Lq, kv_len, tps, int(window or 0), float(softcap or 1.0),
+            float(sas_threshold * LOG2E),
+            kp.stride(0), kp.stride(1), sst[0], sst[1], vp.stride(0), vp.stride(1),
+            H, HK,
+            G=G, D=D, BD=BD, BS=BS, BM=BM, BITS=grp.bits, IS_CAUSAL=bool(causal),
+            HAS_WINDOW=bool(window), HAS_SOFTCAP=has_softcap, HAS_KVALID=kvalid is not None,
+            USE_SAS=softmax == "sas", SPLIT=split, num_warps=num_warps, num_stages=num_stages,
+        )
+        if split:
+            _merge_kernel[(n_m, b * H)](po, pml, grp.heads, sv, o, Lq, S, H, HK,
+                                        G=G, D=D, BD=BD, BM=BM, num_warps=num_warps)
+    return o

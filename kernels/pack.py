@@ -1,0 +1,327 @@
+"""Progressive KV-cache packing: INT8 -> per-block, per-channel INT4/INT2 (TurboAttention "FlashQ").
+
+TurboAttention (Kang et al., 2024) §3.1, eq. 7-8: a KV cache already quantized to INT8 with a per-channel
+"universal" scale (step 1, :func:`quantize_int8`) is re-quantized, one block of ``BS`` tokens at a time, per
+channel and asymmetrically, in integer arithmetic (step 2, :func:`pack_blocks`)::
+
+    zero      = min over the block's INT8 codes of that channel
+    scale_int = max(1, ceil((max - min) / (2**bits - 1)))
+    code      = clamp(round((x8 - zero) / scale_int), 0, 2**bits - 1)    (round half up, integers only)
+
+and restored to INT8 at attention time by ``x8' = clamp(code * scale_int + zero, -127, 127)``
+(:func:`_unpack_tile`, used by the decode kernel in registers). bits=8 heads keep the INT8 codes unchanged.
+
+DESIGN.md puts pack/unpack in ``quant.py``; we split it out (one job per file: ``quant.py`` quantizes
+attention operands for prefill, this module owns the packed cache *format*).
+
+Format (one bit-width group of KV heads of one layer, ``b`` batch, ``H`` heads of the group, ``NB`` block
+capacity, ``BS`` block size, ``D`` head dim, ``PB = 8 // bits`` codes per byte):
+
+  k       ``[b, H, NB, BS, D // PB]``  uint8   K packed along ``D`` (tile ``[tokens, D]``, ``D`` contiguous)
+  v       ``[b, H, NB, D, BS // PB]``  uint8   V transposed, packed along tokens (tile ``[D, tokens]``)
+  k_scale, k_zero, v_scale, v_zero  ``[b, H, NB, D]`` int8   per block and channel (absent for bits=8)
+
+Blocks are contiguous (block-major), so a block tile is one contiguous load and the buffers grow by
+appending along ``NB``. For bits=8 ``k``/``v`` are int8 with ``PB = 1``.
+
+Byte layout ("interleaved"): byte ``j`` of a row holds codes ``PB*j + p`` in bits ``[bits*p, bits*p + bits)``,
+``p = 0..PB-1``. Unpacking a row of bytes in registers is a few shifts/masks and ``tl.join`` + ``tl.reshape``
+(no gathers); the same layout serves K (packed along channels) and V (packed along tokens).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["PackedKV", "quantize_int8", "pack_blocks", "unpack_blocks", "kv_bytes_per_token"]
+
+
+# ----------------------------------------------------------------------------------------- Triton
+@triton.jit
+def _unpack_tile(b_p, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr):
+    """[R, C*BITS//8] packed bytes (any int dtype) -> [R, C] int32 codes, interleaved layout."""
+    b_p = b_p.to(tl.int32) & 255
+    if BITS == 4:
+        b_c = tl.reshape(tl.join(b_p & 15, b_p >> 4), (R, C))
+    elif BITS == 2:
+        b_c = tl.reshape(
+            tl.join(tl.join(b_p & 3, (b_p >> 4) & 3), tl.join((b_p >> 2) & 3, b_p >> 6)), (R, C)
+        )
+    else:
+        b_c = b_p
+    return b_c
+
+
+@triton.jit
+def _dequant_tile(b_c, b_scale, b_zero, AXIS: tl.constexpr):
+    """codes [R, C] -> INT8 values: clamp(code * scale + zero, -127, 127); channels along rows (AXIS=1)
+    or columns (AXIS=0), i.e. scale/zero are [C] for AXIS=0 and [R] for AXIS=1."""
+    if AXIS == 0:
+        b_x = b_c * b_scale[None, :] + b_zero[None, :]
+    else:
+        b_x = b_c * b_scale[:, None] + b_zero[:, None]
+    return tl.minimum(tl.maximum(b_x, -127), 127).to(tl.int8)
+
+
+@triton.jit
+def _pack_kernel(
+    x, p, s, z,
+    stride_xn, stride_xr, stride_xc,
+    R: tl.constexpr, C: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+    BITS: tl.constexpr, AXIS: tl.constexpr,
+):
+    """One block tile x [R, C] int8 -> packed p [R, C*BITS//8] uint8 + scale/zero per channel.
+
+    AXIS=0: channels are columns (K tile [tokens, D]); AXIS=1: channels are rows (V tile [D, tokens]).
+    BR/BC are R/C rounded up to powers of two (head dims 80, 96); the padding never enters a min/max,
+    which runs over the token axis (a power of two).
+    """
+    i_n = tl.program_id(0).to(tl.int64)
+    QMAX: tl.constexpr = (1 << BITS) - 1
+    PB: tl.constexpr = 8 // BITS
+    CB: tl.constexpr = C // PB
+    BCB: tl.constexpr = BC // PB
+    o_r = tl.arange(0, BR)
+    o_c = tl.arange(0, BC)
+    m_x = (o_r[:, None] < R) & (o_c[None, :] < C)
+    b_x = tl.load(x + i_n * stride_xn + o_r[:, None] * stride_xr + o_c[None, :] * stride_xc,
+                  mask=m_x, other=0).to(tl.int32)
+    b_min = tl.min(b_x, axis=AXIS)
+    b_max = tl.max(b_x, axis=AXIS)
+    b_scale = tl.maximum((b_max - b_min + QMAX - 1) // QMAX, 1)
+    if AXIS == 0:
+        b_n = b_x - b_min[None, :]
+        b_sc = b_scale[None, :]
+    else:
+        b_n = b_x - b_min[:, None]
+        b_sc = b_scale[:, None]
+    # round half up of b_n / b_sc (b_n >= 0), in integers
+    b_c = tl.minimum((2 * b_n + b_sc) // (2 * b_sc), QMAX)
+    if BITS == 4:
+        b_c0, b_c1 = tl.split(tl.reshape(b_c, (BR, BCB, 2)))
+        b_p = b_c0 | (b_c1 << 4)
+    else:
+        b_a, b_b = tl.split(tl.reshape(b_c, (BR, BCB, 2, 2)))
+        b_c0, b_c2 = tl.split(b_a)
+        b_c1, b_c3 = tl.split(b_b)
+        b_p = b_c0 | (b_c1 << 2) | (b_c2 << 4) | (b_c3 << 6)
+    o_cb = tl.arange(0, BCB)
+    tl.store(p + i_n * (R * CB) + o_r[:, None] * CB + o_cb[None, :], b_p.to(tl.uint8),
+             mask=(o_r[:, None] < R) & (o_cb[None, :] < CB))
+    NCH: tl.constexpr = C if AXIS == 0 else R
+    BCH: tl.constexpr = BC if AXIS == 0 else BR
+    o_ch = tl.arange(0, BCH)
+    tl.store(s + i_n * NCH + o_ch, b_scale.to(tl.int8), mask=o_ch < NCH)
+    tl.store(z + i_n * NCH + o_ch, b_min.to(tl.int8), mask=o_ch < NCH)
+
+
+@triton.jit
+def _unpack_kernel(
+    p, s, z, x,
+    R: tl.constexpr, C: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+    BITS: tl.constexpr, AXIS: tl.constexpr,
+):
+    """Inverse of _pack_kernel (up to the quantization): packed [R, C*BITS//8] -> INT8 [R, C]."""
+    i_n = tl.program_id(0).to(tl.int64)
+    CB: tl.constexpr = C * BITS // 8
+    BCB: tl.constexpr = BC * BITS // 8
+    NCH: tl.constexpr = C if AXIS == 0 else R
+    BCH: tl.constexpr = BC if AXIS == 0 else BR
+    o_r = tl.arange(0, BR)
+    o_c = tl.arange(0, BC)
+    o_cb = tl.arange(0, BCB)
+    o_ch = tl.arange(0, BCH)
+    b_p = tl.load(p + i_n * (R * CB) + o_r[:, None] * CB + o_cb[None, :],
+                  mask=(o_r[:, None] < R) & (o_cb[None, :] < CB), other=0)
+    b_s = tl.load(s + i_n * NCH + o_ch, mask=o_ch < NCH, other=0).to(tl.int32)
+    b_z = tl.load(z + i_n * NCH + o_ch, mask=o_ch < NCH, other=0).to(tl.int32)
+    b_x = _dequant_tile(_unpack_tile(b_p, BR, BC, BITS), b_s, b_z, AXIS)
+    tl.store(x + i_n * (R * C) + o_r[:, None] * C + o_c[None, :], b_x,
+             mask=(o_r[:, None] < R) & (o_c[None, :] < C))
+
+
+# ----------------------------------------------------------------------------------------- public
+def quantize_int8(x: torch.Tensor, scale: torch.Tensor, mean: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """FlashQ step 1 with a fixed ("universal") per-channel scale; outliers clamp to +-127.
+
+    Args:
+        x: ``[b, H, T, D]`` float keys or values.
+        scale: ``[b, H, D]`` fp32 per-channel scale (amax / 127 of the first prefill).
+        mean: optional ``[b, H, D]`` fp32 channel mean subtracted first (K smoothing).
+    Returns:
+        ``[b, H, T, D]`` int8 ``clamp(round(x / scale), -127, 127)``, rounding half away from zero
+        (twin: ``reference.quantize_int8_universal_ref``).
+    """
+    xf = x.float()
+    if mean is not None:
+        xf = xf - mean[:, :, None, :]
+    xf = xf / scale[:, :, None, :]
+    return torch.where(xf >= 0, xf + 0.5, xf - 0.5).trunc_().clamp_(-127, 127).to(torch.int8)
+
+
+def _check_blocks(x8: torch.Tensor, bits: int) -> None:
+    if bits not in (2, 4, 8):
+        raise ValueError(f"bits={bits} is not supported; choose 2, 4 or 8")
+    if x8.dtype != torch.int8 or x8.dim() != 3:
+        raise ValueError(f"expected int8 block tiles [N, R, C], got {x8.dtype} {tuple(x8.shape)}")
+    if x8.shape[-1] % (8 // bits):
+        raise ValueError(f"the packed axis ({x8.shape[-1]}) must be a multiple of {8 // bits} for {bits}-bit codes")
+
+
+def pack_blocks(x8: torch.Tensor, bits: int, axis: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pack N block tiles of INT8 codes to ``bits`` (2 or 4) along their last axis.
+
+    Args:
+        x8: ``[N, R, C]`` int8 (any strides). K tiles: ``[N, BS, D]`` with ``axis=0`` (channels = columns);
+            V tiles: ``[N, D, BS]`` (transposed) with ``axis=1`` (channels = rows).
+        bits: 2 or 4.
+        axis: the axis reduced for the per-channel min/max (0 for K, 1 for V).
+    Returns:
+        ``packed [N, R, C*bits//8] uint8``, ``scale_int [N, NCH] int8``, ``zero [N, NCH] int8``
+        with ``NCH = C if axis == 0 else R``.
+    """
+    _check_blocks(x8, bits)
+    if bits == 8:
+        raise ValueError("bits=8 blocks are stored unpacked; pack_blocks takes bits 2 or 4")
+    N, R, C = x8.shape
+    nch = C if axis == 0 else R
+    p = torch.empty(N, R, C * bits // 8, dtype=torch.uint8, device=x8.device)
+    s = torch.empty(N, nch, dtype=torch.int8, device=x8.device)
+    z = torch.empty(N, nch, dtype=torch.int8, device=x8.device)
+    if N:
+        _pack_kernel[(N,)](x8, p, s, z, *x8.stride(), R=R, C=C, BR=triton.next_power_of_2(R),
+                           BC=triton.next_power_of_2(C), BITS=bits, AXIS=axis)
+    return p, s, z
+
+
+def unpack_blocks(p: torch.Tensor, s: torch.Tensor, z: torch.Tensor, bits: int, axis: int) -> torch.Tensor:
+    """Inverse of :func:`pack_blocks`: ``[N, R, C*bits//8]`` uint8 -> ``[N, R, C]`` int8 (dequantized codes)."""
+    N, R, CB = p.shape
+    C = CB * 8 // bits
+    x = torch.empty(N, R, C, dtype=torch.int8, device=p.device)
+    if N:
+        _unpack_kernel[(N,)](p.contiguous(), s.contiguous(), z.contiguous(), x, R=R, C=C,
+                             BR=triton.next_power_of_2(R), BC=triton.next_power_of_2(C), BITS=bits, AXIS=axis)
+    return x
+
+
+def kv_bytes_per_token(head_dim: int, bits: int, block_size: int) -> float:
+    """Bytes per token and KV head of a full packed block, K and V together, scales/zeros included."""
+    data = 2 * head_dim * bits / 8
+    meta = 0 if bits == 8 else 2 * 2 * head_dim / block_size  # int8 scale_int + zero, per channel, K and V
+    return data + meta
+
+
+# ----------------------------------------------------------------------------------------- storage
+@dataclasses.dataclass
+class PackedKV:
+    """Packed full blocks of one bit-width group of KV heads of one layer (format in the module doc).
+
+    ``heads`` ``[H]`` int32 holds the layer's KV-head index of each slot; ``n_blocks`` full blocks are
+    valid out of the allocated capacity ``k.shape[2]``, which grows by doubling.
+    """
+
+    bits: int
+    heads: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: Optional[torch.Tensor] = None
+    k_zero: Optional[torch.Tensor] = None
+    v_scale: Optional[torch.Tensor] = None
+    v_zero: Optional[torch.Tensor] = None
+    n_blocks: int = 0
+
+    TENSORS = ("k", "v", "k_scale", "k_zero", "v_scale", "v_zero")
+
+    @classmethod
+    def empty(cls, bits: int, heads: torch.Tensor, batch: int, head_dim: int, block_size: int,
+              device, capacity: int = 1) -> "PackedKV":
+        H, D, BS = len(heads), head_dim, block_size
+        pb = 8 // bits
+        dt = torch.int8 if bits == 8 else torch.uint8
+        g = cls(bits=bits, heads=heads.to(device=device, dtype=torch.int32),
+                k=torch.empty(batch, H, capacity, BS, D // pb, dtype=dt, device=device),
+                v=torch.empty(batch, H, capacity, D, BS // pb, dtype=dt, device=device))
+        if bits != 8:
+            for name in ("k_scale", "k_zero", "v_scale", "v_zero"):
+                setattr(g, name, torch.empty(batch, H, capacity, D, dtype=torch.int8, device=device))
+        return g
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    def _tensors(self):
+        return [(n, getattr(self, n)) for n in self.TENSORS if getattr(self, n) is not None]
+
+    def reserve(self, n_blocks: int) -> None:
+        """Grow the capacity (doubling) to hold ``n_blocks``; the valid blocks are copied once."""
+        if n_blocks <= self.capacity:
+            return
+        cap = max(n_blocks, 2 * self.capacity)
+        for name, t in self._tensors():
+            new = t.new_empty(t.shape[:2] + (cap,) + t.shape[3:])
+            new[:, :, : self.n_blocks] = t[:, :, : self.n_blocks]
+            setattr(self, name, new)
+
+    def append(self, k8: torch.Tensor, v8: torch.Tensor) -> None:
+        """Append full blocks of INT8 codes (never re-quantizes stored blocks).
+
+        Args:
+            k8: ``[b, H, n*BS, D]`` int8 keys of this group's heads (universal scale, smoothed).
+            v8: ``[b, H, n*BS, D]`` int8 values.
+        """
+        b, H, T, D = k8.shape
+        BS = self.k.shape[3]
+        n = T // BS
+        if n == 0:
+            return
+        self.reserve(self.n_blocks + n)
+        sl = slice(self.n_blocks, self.n_blocks + n)
+        kb = k8.reshape(b, H, n, BS, D)
+        vb = v8.reshape(b, H, n, BS, D).transpose(-1, -2)  # [b, H, n, D, BS]
+        if self.bits == 8:
+            self.k[:, :, sl] = kb
+            self.v[:, :, sl] = vb
+        else:
+            kp, ks, kz = pack_blocks(kb.reshape(b * H * n, BS, D), self.bits, axis=0)
+            vp, vs, vz = pack_blocks(vb.reshape(b * H * n, D, BS), self.bits, axis=1)
+            self.k[:, :, sl] = kp.view(b, H, n, BS, -1)
+            self.v[:, :, sl] = vp.view(b, H, n, D, -1)
+            self.k_scale[:, :, sl] = ks.view(b, H, n, D)
+            self.k_zero[:, :, sl] = kz.view(b, H, n, D)
+            self.v_scale[:, :, sl] = vs.view(b, H, n, D)
+            self.v_zero[:, :, sl] = vz.view(b, H, n, D)
+        self.n_blocks += n
+
+    def unpack_block(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block ``i`` back to INT8: ``(k8 [b, H, BS, D], v8 [b, H, BS, D])`` (used by ``crop``)."""
+        k, v = self.k[:, :, i], self.v[:, :, i]
+        b, H = k.shape[:2]
+        if self.bits == 8:
+            return k.clone(), v.transpose(-1, -2).clone()
+        k8 = unpack_blocks(k.reshape(b * H, *k.shape[2:]), self.k_scale[:, :, i].reshape(b * H, -1),
+                           self.k_zero[:, :, i].reshape(b * H, -1), self.bits, axis=0)
+        v8 = unpack_blocks(v.reshape(b * H, *v.shape[2:]), self.v_scale[:, :, i].reshape(b * H, -1),
+                           self.v_zero[:, :, i].reshape(b * H, -1), self.bits, axis=1)
+        return k8.view(b, H, *k8.shape[1:]), v8.view(b, H, *v8.shape[1:]).transpose(-1, -2)
+
+    def truncate(self, n_blocks: int) -> None:
+        self.n_blocks = min(self.n_blocks, n_blocks)
+
+    def index_batch(self, idx: torch.Tensor) -> None:
+        """Keep/reorder/repeat batch rows: ``t = t[idx]`` for every buffer (beam search, batch select)."""
+        for name, t in self._tensors():
+            setattr(self, name, t.index_select(0, idx.to(t.device)))
+
+    def used_bytes(self) -> int:
+        """Bytes of the ``n_blocks`` valid blocks (data + scales/zeros)."""
+        return sum(t[:, :, : self.n_blocks].numel() * t.element_size() for _, t in self._tensors())
+
+    def allocated_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for _, t in self._tensors())
