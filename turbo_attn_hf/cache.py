@@ -1,0 +1,449 @@
+"""TurboCache: a Hugging Face ``Cache`` whose KV lives as an INT8 tail + head-wise INT4/INT2 packed blocks.
+
+TurboAttention (Kang et al., 2024) §3.1-3.3 as storage (format in ``turbo_attn_hf.kernels.pack``):
+
+* first prefill of a layer: per (batch row, KV head, channel) fp32 "universal" scales are fixed —
+  ``s_k = amax|k - μ| / 127`` with μ the channel mean of the prompt's keys (``smooth_k``), ``s_v = amax|v| / 127``;
+* every token (prompt and later) is quantized to INT8 with those scales (outliers clamp to ±127);
+* full blocks of ``block_size`` tokens are re-quantized per channel to INT4/INT2 (integer scale/zero) into the
+  buffer of their head's bit width (``TurboConfig.layer_head_bits``: a per-layer head permutation); the
+  remaining < ``block_size`` tokens stay in the INT8 tail; a full tail is packed into one block. Nothing
+  stored is ever re-quantized (``crop`` into a packed block is the one exception, see ``TurboLayer.crop``).
+
+``update()`` stores and returns key/value tensors that carry ``turbo_cache_layer`` (the layer): the real
+new K/V at the first prefill (the INT8 prefill kernel runs on them), zero-memory placeholders of the right
+shape afterwards. The attention function then calls ``layer.attention(...)``, which runs the decode kernel
+(``kernels.decode.turbo_decode_attention``) over the packed blocks + tail. No bf16 copy of the cache exists.
+
+Left padding: the universal scales of a row include its padded prompt positions (update() does not see the
+mask); the padded keys are masked in attention. Sliding-window layers keep all tokens (the window is applied
+in attention), so their ``get_mask_sizes`` offset is 0.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
+
+from .config import TurboConfig, TurboConfigError
+from .kernels.pack import PackedKV, kv_bytes_per_token, quantize_int8
+
+__all__ = ["TurboCache", "TurboLayer", "TurboSlidingWindowLayer"]
+
+_BITS_ORDER = (8, 4, 2)
+
+
+def _resolve_config(turbo_config: TurboConfig | str | None, model_config: Any = None) -> TurboConfig:
+    if isinstance(turbo_config, TurboConfig):
+        return turbo_config
+    if isinstance(turbo_config, str):
+        return TurboConfig.preset(turbo_config)
+    if turbo_config is None:
+        try:
+            from .capabilities import get_turbo_config
+
+            return get_turbo_config(model_config)
+        except ImportError:  # pragma: no cover - glue not installed
+            return TurboConfig.preset("int4")
+    if isinstance(turbo_config, dict):
+        return TurboConfig.from_dict(turbo_config)
+    raise TurboConfigError(
+        f"turbo_config must be a TurboConfig, a preset name or a YAML path, got {type(turbo_config).__name__}"
+    )
+
+
+def _use_triton(device: torch.device) -> bool:
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+class TurboLayer(CacheLayerMixin):
+    """One full-attention layer's quantized KV (INT8 tail + packed blocks per bit width).
+
+    Args:
+        turbo_config: the quantization settings.
+        layer_idx: index of this layer in the model (selects its row of ``head_bits``).
+        n_layers: number of layers of the model (checks an explicit ``head_bits`` map), or None.
+    """
+
+    is_sliding = False
+    is_croppable = True
+    is_compileable = False
+
+    def __init__(self, turbo_config: TurboConfig, layer_idx: int = 0, n_layers: Optional[int] = None, **kwargs):
+        super().__init__()
+        self.turbo_config = turbo_config
+        self.layer_idx = layer_idx
+        self.n_layers = n_layers
+        self._clear()
+
+    def _clear(self) -> None:
+        self.keys = self.values = None  # HF code that probes .keys finds no bf16 copy
+        self.is_initialized = False
+        self.groups: list[PackedKV] = []
+        self.head_bits: list[int] = []
+        self.k_tail = self.v_tail = None
+        self.n_tail = 0
+        self.k_mean = self.k_scale = self.v_scale = None
+        self._first_prefill = False
+
+    # ------------------------------------------------------------------ set-up
+    def _layer_head_bits(self, n_kv_heads: int) -> list[int]:
+        cfg = self.turbo_config
+        if cfg.head_bits is not None:
+            n_layers = self.n_layers if self.n_layers is not None else len(cfg.head_bits)
+            if self.layer_idx >= len(cfg.head_bits):
+                raise TurboConfigError(
+                    f"head_bits has {len(cfg.head_bits)} layers but layer {self.layer_idx} was updated; "
+                    "re-run turbo_attn_hf.calibrate for this model"
+                )
+            return cfg.layer_head_bits(self.layer_idx, n_layers, n_kv_heads)
+        return cfg.layer_head_bits(self.layer_idx, self.n_layers or self.layer_idx + 1, n_kv_heads)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, hk, _, d = key_states.shape
+        if tuple(value_states.shape[:2]) != (b, hk) or value_states.shape[-1] != d:
+            raise ValueError(f"keys {tuple(key_states.shape)} and values {tuple(value_states.shape)} disagree")
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.batch, self.n_kv_heads, self.head_dim = b, hk, d
+        bs = self.turbo_config.block_size
+        self.head_bits = self._layer_head_bits(hk)
+        self.groups = []
+        for bits in _BITS_ORDER:
+            heads = [h for h, hb in enumerate(self.head_bits) if hb == bits]
+            if heads:
+                self.groups.append(PackedKV.empty(bits, torch.tensor(heads, dtype=torch.int32), b, d, bs,
+                                                  self.device))
+        self.k_tail = torch.zeros(b, hk, bs, d, dtype=torch.int8, device=self.device)
+        self.v_tail = torch.zeros(b, hk, d, bs, dtype=torch.int8, device=self.device)
+        self.n_tail = 0
+        self.is_initialized = True
+
+    # ------------------------------------------------------------------ storing
+    @property
+    def n_blocks(self) -> int:
+        return self.groups[0].n_blocks if self.groups else 0
+
+    def _append_blocks(self, k8: torch.Tensor, v8: torch.Tensor) -> None:
+        for grp in self.groups:
+            idx = grp.heads.long()
+            grp.append(k8.index_select(1, idx), v8.index_select(1, idx))
+
+    def _store(self, k8: torch.Tensor, v8: torch.Tensor) -> None:
+        """Append INT8 tokens ``[b, Hk, T, d]``: fill the tail, pack every full block, keep the rest."""
+        bs = self.turbo_config.block_size
+        T = k8.shape[2]
+        pos = 0
+        if self.n_tail > 0 or T < bs:
+            take = min(bs - self.n_tail, T)
+            self.k_tail[:, :, self.n_tail:self.n_tail + take] = k8[:, :, :take]
+            self.v_tail[:, :, :, self.n_tail:self.n_tail + take] = v8[:, :, :take].transpose(-1, -2)
+            self.n_tail += take
+            pos = take
+            if self.n_tail == bs:
+                self._append_blocks(self.k_tail, self.v_tail.transpose(-1, -2))
+                self.n_tail = 0
+        n_full = (T - pos) // bs
+        if n_full:
+            self._append_blocks(k8[:, :, pos:pos + n_full * bs], v8[:, :, pos:pos + n_full * bs])
+            pos += n_full * bs
+        r = T - pos
+        if r:
+            self.k_tail[:, :, :r] = k8[:, :, pos:]
+            self.v_tail[:, :, :, :r] = v8[:, :, pos:].transpose(-1, -2)
+            self.n_tail = r
+
+    def _fix_scales(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        kf, vf = key_states.float(), value_states.float()
+        if self.turbo_config.smooth_k:
+            self.k_mean = kf.mean(dim=2)
+            kf = kf - self.k_mean[:, :, None, :]
+        else:
+            self.k_mean = None
+        ks = kf.abs().amax(dim=2) / 127.0
+        vs = vf.abs().amax(dim=2) / 127.0
+        self.k_scale = torch.where(ks > 0, ks, torch.ones_like(ks))
+        self.v_scale = torch.where(vs > 0, vs, torch.ones_like(vs))
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, cache_kwargs: Optional[dict] = None,
+               *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store new K/V ``[b, Hk, T, d]``; return tensors carrying ``turbo_cache_layer = self``: the given
+        ones at the first prefill, else zero-memory placeholders ``[b, Hk, seq_len, d]``."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        b, hk, T, d = key_states.shape
+        if (b, hk, d) != (self.batch, self.n_kv_heads, self.head_dim):
+            raise ValueError(
+                f"TurboCache layer {self.layer_idx} holds [batch {self.batch}, {self.n_kv_heads} KV heads, "
+                f"head_dim {self.head_dim}] but got key states {tuple(key_states.shape)}"
+            )
+        first = self.k_scale is None
+        if first:
+            if T == 0:
+                return self._placeholders(0)
+            self._fix_scales(key_states, value_states)
+        k8 = quantize_int8(key_states, self.k_scale, self.k_mean)
+        v8 = quantize_int8(value_states, self.v_scale)
+        self._store(k8, v8)
+        self._first_prefill = first
+        if first:
+            k, v = key_states, value_states
+            k.turbo_cache_layer = self
+            v.turbo_cache_layer = self
+            return k, v
+        return self._placeholders(self.get_seq_length())
+
+    def _placeholders(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        base = torch.empty(1, dtype=self.dtype, device=self.device)
+        k = base.expand(self.batch, self.n_kv_heads, n, self.head_dim)
+        v = base.expand(self.batch, self.n_kv_heads, n, self.head_dim)
+        k.turbo_cache_layer = self
+        v.turbo_cache_layer = self
+        return k, v
+
+    # ------------------------------------------------------------------ attention
+    def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, scale=None,
+                  causal: bool = True, window=None, softcap=None, key_valid=None) -> torch.Tensor:
+        """Attention of ``query [b, Hq, Lq, d]`` over this layer's cache -> ``[b, Lq, Hq, d]`` (query dtype).
+
+        The first prefill runs the INT8 flash-attention prefill on the given ``key``/``value``; every later
+        call runs the decode kernel over the packed blocks + tail (causal within a multi-token chunk).
+        """
+        cfg = self.turbo_config
+        if self._first_prefill and key.shape[2] == query.shape[2] and key.stride(-1) == 1:
+            from .kernels import reference
+
+            fn = reference.turbo_attention
+            if _use_triton(query.device):
+                try:
+                    from .kernels.prefill import turbo_attention as fn
+                except ImportError:  # prefill kernel not built yet: same math in PyTorch
+                    pass
+            q, k, v = query, key, value
+            if q.dtype not in (torch.bfloat16, torch.float16) and fn is not reference.turbo_attention:
+                q, k, v = q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16)
+            out = fn(q, k, v, scale=scale, causal=causal, window=window, softcap=softcap, key_valid=key_valid,
+                     softmax=cfg.softmax, sas_threshold=cfg.sas_threshold, smooth_k=cfg.smooth_k)
+            return out.to(query.dtype)
+        kw = dict(scale=scale, causal=causal, window=window, softcap=softcap, key_valid=key_valid,
+                  softmax=cfg.softmax, sas_threshold=cfg.sas_threshold)
+        args = (query, self.groups, self.k_tail, self.v_tail, self.n_tail, self.k_scale, self.v_scale, self.k_mean)
+        if _use_triton(query.device):
+            from .kernels.decode import turbo_decode_attention
+
+            return turbo_decode_attention(*args, **kw)
+        from .kernels.reference import turbo_decode_ref
+
+        return turbo_decode_ref(*args, **kw)
+
+    # ------------------------------------------------------------------ HF cache API
+    def get_seq_length(self) -> int:
+        if not self.is_initialized:
+            return 0
+        return self.n_blocks * self.turbo_config.block_size + self.n_tail
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        """Drop everything; the next update is a first prefill again (new universal scales)."""
+        self._clear()
+
+    def _tensors(self):
+        names = ("k_tail", "v_tail", "k_mean", "k_scale", "v_scale")
+        return [(n, getattr(self, n)) for n in names if getattr(self, n) is not None]
+
+    def _index_batch(self, idx: torch.Tensor) -> None:
+        if not self.is_initialized:
+            return
+        idx = idx.to(self.device)
+        for name, t in self._tensors():
+            setattr(self, name, t.index_select(0, idx))
+        for grp in self.groups:
+            grp.index_batch(idx)
+        self.batch = int(idx.numel())
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row ``i`` becomes old row ``beam_idx[i]`` (packed storage gathered, not dequantized)."""
+        self._index_batch(torch.as_tensor(beam_idx, dtype=torch.long))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self._index_batch(torch.arange(self.batch).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        idx = torch.as_tensor(indices)
+        if idx.dtype == torch.bool:
+            idx = idx.nonzero().flatten()
+        self._index_batch(idx.long())
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` tokens (negative, transformers >= 5.2x) or keep the first
+        ``tokens_to_remove`` (positive: the older ``max_length`` meaning).
+
+        Cropping inside a packed block moves that block's kept tokens back into the INT8 tail as their
+        dequantized INT8 values (``code * scale_int + zero``), exactly what attention read before; when the
+        tail fills again they are packed with the new tokens (a second rounding of those tokens only).
+        """
+        if not self.is_initialized:
+            return
+        n = self.get_seq_length()
+        new_len = max(n + tokens_to_remove, 0) if tokens_to_remove < 0 else min(tokens_to_remove, n)
+        if new_len >= n:
+            return
+        if new_len == 0:
+            self._clear()
+            return
+        bs = self.turbo_config.block_size
+        nb, nt = divmod(new_len, bs)
+        if nb < self.n_blocks:
+            if nt:
+                for grp in self.groups:
+                    k8, v8 = grp.unpack_block(nb)
+                    idx = grp.heads.long()
+                    self.k_tail[:, idx, :nt] = k8[:, :, :nt]
+                    self.v_tail[:, idx, :, :nt] = v8[:, :, :nt].transpose(-1, -2)
+            for grp in self.groups:
+                grp.truncate(nb)
+        self.n_tail = nt
+
+    def offload(self):
+        if self.is_initialized:
+            self._move("cpu")
+
+    def prefetch(self):
+        if self.is_initialized and self.k_tail.device != self.device:
+            self._move(self.device)
+
+    def _move(self, device) -> None:
+        for name, t in self._tensors():
+            setattr(self, name, t.to(device, non_blocking=True))
+        for grp in self.groups:
+            for name, t in grp._tensors():
+                setattr(grp, name, t.to(device, non_blocking=True))
+            grp.heads = grp.heads.to(device)
+
+    # ------------------------------------------------------------------ memory
+    def bytes_per_token(self) -> float:
+        """Bytes per stored token of one sequence in full packed blocks (K + V of all KV heads, with the
+        per-block scale/zero bytes amortised): Σ_h 2·d·bits_h/8 (+ 4·d/block_size for 2/4-bit heads)."""
+        if not self.is_initialized:
+            return 0.0
+        return sum(kv_bytes_per_token(self.head_dim, hb, self.turbo_config.block_size) for hb in self.head_bits)
+
+    def memory_bytes(self, allocated: bool = False) -> int:
+        """Bytes of this layer's cache: the valid packed blocks (data + scale/zero), the INT8 tail buffers
+        (their full ``block_size`` capacity), and the fp32 universal scales/means. ``allocated=True``
+        counts the packed buffers' reserved capacity instead of the valid blocks."""
+        if not self.is_initialized:
+            return 0
+        total = sum(t.numel() * t.element_size() for _, t in self._tensors())
+        for grp in self.groups:
+            total += grp.allocated_bytes() if allocated else grp.used_bytes()
+        return total
+
+
+class TurboSlidingWindowLayer(TurboLayer):
+    """Sliding-window twin: stores every token like :class:`TurboLayer` (the window is applied in attention,
+    so the mask offset stays 0); ``sliding_window`` is kept for reference."""
+
+    is_sliding = True
+
+    def __init__(self, turbo_config: TurboConfig, layer_idx: int = 0, n_layers: Optional[int] = None,
+                 sliding_window: Optional[int] = None, **kwargs):
+        super().__init__(turbo_config, layer_idx, n_layers)
+        self.sliding_window = sliding_window
+
+    def activate_past_recording(self):  # every token is kept already; nothing to record
+        self.record_past = True
+
+
+def _layer_types(text_config) -> list[str]:
+    n = text_config.num_hidden_layers
+    types = getattr(text_config, "layer_types", None)
+    if types is None:
+        if getattr(text_config, "sliding_window", None) is not None:
+            types = ["sliding_attention"] * n
+        else:
+            types = ["full_attention"] * n
+    return list(types)
+
+
+class TurboCache(Cache):
+    """Quantized KV cache for ``attn_implementation="turbo_int8"`` (pass it as ``past_key_values=``).
+
+    Args:
+        turbo_config: a :class:`~turbo_attn_hf.config.TurboConfig`, a preset name (``"int8"``, ``"int4"``,
+            ``"mixed"``) or a YAML path; None = the model's configured one (``config.turbo_attn``), else the
+            default preset.
+        config: the model's (HF) config; gives the layer count and which layers are full / sliding-window
+            attention. Without it layers are created on first use as full-attention layers.
+    """
+
+    def __init__(self, turbo_config: TurboConfig | str | None = None, *, config: Any = None,
+                 layers: Optional[list] = None):
+        self.turbo_config = _resolve_config(turbo_config, config)
+        self.n_layers: Optional[int] = None
+        if layers is None and config is not None:
+            text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+            self.n_layers = text.num_hidden_layers
+            layers = []
+            for i, t in enumerate(_layer_types(text)):
+                if t == "full_attention":
+                    layers.append(TurboLayer(self.turbo_config, i, self.n_layers))
+                elif t in ("sliding_attention", "chunked_attention"):
+                    w = getattr(text, "sliding_window", None) if t == "sliding_attention" else \
+                        getattr(text, "attention_chunk_size", None)
+                    layers.append(TurboSlidingWindowLayer(self.turbo_config, i, self.n_layers, sliding_window=w))
+                else:
+                    from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING
+
+                    layers.append(DYNAMIC_LAYER_TYPE_MAPPING.get(t, DynamicLayer)())
+        elif layers is not None:
+            self.n_layers = len(layers)
+        super().__init__(layers=layers if layers is not None else [])
+
+    @classmethod
+    def from_template(cls, cache: Cache, turbo_config: TurboConfig | str | None, model_config: Any = None
+                      ) -> "TurboCache":
+        """Convert a freshly built ``DynamicCache`` layer by layer: full-attention and sliding-window layers
+        become their turbo twins, any other layer object is kept. A template layer that already holds
+        tokens is quantized into its twin (as a first prefill)."""
+        cfg = _resolve_config(turbo_config, model_config)
+        if not cache.layers:
+            return cls(cfg, config=model_config)
+        n = len(cache.layers)
+        layers = []
+        for i, layer in enumerate(cache.layers):
+            if type(layer) is DynamicLayer:
+                new = TurboLayer(cfg, i, n)
+            elif type(layer) is DynamicSlidingWindowLayer:
+                new = TurboSlidingWindowLayer(cfg, i, n, sliding_window=layer.sliding_window)
+            else:
+                layers.append(layer)
+                continue
+            if layer.is_initialized and layer.keys is not None and layer.keys.numel() and layer.get_seq_length():
+                new.update(layer.keys, layer.values)
+            layers.append(new)
+        return cls(cfg, layers=layers)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        while len(self.layers) <= layer_idx:  # no model config given: full-attention layers on first use
+            self.layers.append(TurboLayer(self.turbo_config, len(self.layers), self.n_layers))
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def memory_bytes(self, allocated: bool = False) -> int:
+        """Bytes held by all turbo layers (see :meth:`TurboLayer.memory_bytes`)."""
+        return sum(l.memory_bytes(allocated) for l in self.layers if isinstance(l, TurboLayer))
+
+    def bytes_per_token(self) -> float:
+        """KV bytes per token of one sequence over all turbo layers, in full packed blocks."""
+        return sum(l.bytes_per_token() for l in self.layers if isinstance(l, TurboLayer))
+
+    def __repr__(self) -> str:
+        return f"TurboCache(preset={self.turbo_config.name!r}, layers={len(self.layers)})"
