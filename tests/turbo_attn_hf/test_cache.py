@@ -1,0 +1,242 @@
+"""TurboCache: storage across block boundaries == the reference packed state, HF cache API on packed storage.
+
+CPU: Triton interpreter (pack + decode kernels), d 32, block 64 (the presets' block), small batch.
+"""
+import pytest
+import torch
+
+from turbo_attn_hf.cache import TurboCache, TurboLayer, TurboSlidingWindowLayer
+from turbo_attn_hf.config import TurboConfig, TurboConfigError
+from turbo_attn_hf.kernels import reference as R
+from turbo_attn_hf.kernels.decode import plan_splits
+from turbo_attn_hf.kernels.pack import kv_bytes_per_token
+
+# layer.attention (kernel) vs reference on the same packed state, CPU interpreter: measured max |diff| 9e-8.
+ATOL = 1e-5
+BS = 64
+
+
+def _kv(b, hk, L, d, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(b, hk, L, d, generator=g) + 0.5 * torch.randn(1, hk, 1, d, generator=g)
+    v = torch.randn(b, hk, L, d, generator=g)
+    return k.to(device), v.to(device)
+
+
+def _ref(q, k, v, n_prefill, layer, **kw):
+    """Reference attention of q over the packed state of all of k, v (scales from the first n_prefill)."""
+    groups, kt, vt, nt, ks, vs, mu = R.build_packed_cache_ref(k.cpu(), v.cpu(), n_prefill, layer.head_bits, BS)
+    n_tiles = groups[0].n_blocks + (1 if nt else 0)
+    b, hq, lq, _ = q.shape
+    n_m = -(-(hq // k.shape[1] * lq) // 64)
+    splits = {g.bits: plan_splits(n_tiles, b * len(g.heads) * n_m, q.device)[0] for g in groups}
+    return R.turbo_decode_ref(q.cpu(), groups, kt, vt, nt, ks, vs, mu, n_splits=splits, **kw)
+
+
+def _close(a, b, atol=ATOL):
+    d = (a.float().cpu() - b.float().cpu()).abs().max()
+    assert d <= atol, f"max |diff| {d:.3g}"
+
+
+def _cfg(**kw):
+    base = dict(bits=4, n_2bit_heads=1, block_size=BS, softmax="exact")
+    base.update(kw)
+    return TurboConfig(**base)
+
+
+def test_sequence_across_block_boundaries(device):
+    """prefill 70, 1-token updates to 131, then a 5-token chunk: every stored token equals the reference."""
+    b, hk, G, d = 2, 2, 2, 32
+    L = 136
+    k, v = _kv(b, hk, L, d, device=device)
+    q = torch.randn(b, hk * G, L, d, generator=torch.Generator().manual_seed(1)).to(device)
+    cache = TurboCache(_cfg())
+    steps = [70] + [1] * (131 - 70) + [5]
+    pos = 0
+    for T in steps:
+        assert cache.get_seq_length() == pos
+        assert cache.get_mask_sizes(T, 0) == ((pos + T, 0) if pos else (T, 0))
+        kk, vv = cache.update(k[:, :, pos:pos + T], v[:, :, pos:pos + T], 0)
+        pos += T
+        layer = cache.layers[0]
+        assert kk.turbo_cache_layer is layer and vv.turbo_cache_layer is layer
+        assert kk.shape == (b, hk, pos if pos > T else T, d)
+        if pos == T:  # first prefill: the real tensors come back
+            assert kk.data_ptr() == k[:, :, :T].data_ptr() or torch.equal(kk, k[:, :, :T])
+            continue
+        assert kk.stride() == (0, 0, 0, 0)  # zero-memory placeholder
+        if T == 1 and pos not in (71, 127, 128, 129, 131):
+            continue
+        out = layer.attention(q[:, :, pos - T:pos], kk, vv)
+        _close(out, _ref(q[:, :, pos - T:pos], k[:, :, :pos], v[:, :, :pos], 70, layer))
+    layer = cache.layers[0]
+    assert (layer.n_blocks, layer.n_tail) == (2, 8)
+    assert cache.get_seq_length() == 136
+
+
+def _filled(b=3, hk=2, d=32, L=131, cfg=None, device="cpu", seed=0):
+    k, v = _kv(b, hk, L, d, seed=seed, device=device)
+    cache = TurboCache(cfg or _cfg())
+    cache.update(k[:, :, :70], v[:, :, :70], 0)
+    cache.update(k[:, :, 70:L], v[:, :, 70:L], 0)
+    return cache, k, v
+
+
+def _query(b, hq, lq, d, device, seed=5):
+    return torch.randn(b, hq, lq, d, generator=torch.Generator().manual_seed(seed)).to(device)
+
+
+@pytest.mark.parametrize("op", ["reorder", "select", "select_bool", "repeat"])
+def test_batch_ops_on_packed_storage(op, device):
+    cache, k, v = _filled(device=device)
+    if op == "reorder":
+        idx = torch.tensor([2, 0, 0])
+        cache.reorder_cache(idx.to(device))
+    elif op == "select":
+        idx = torch.tensor([2, 0])
+        cache.batch_select_indices(idx.to(device))
+    elif op == "select_bool":
+        idx = torch.tensor([0, 2])
+        cache.batch_select_indices(torch.tensor([True, False, True], device=device))
+    else:
+        idx = torch.arange(3).repeat_interleave(2)
+        cache.batch_repeat_interleave(2)
+    layer = cache.layers[0]
+    n = len(idx)
+    q = _query(n, 4, 1, 32, device)
+    kk, vv = cache.update(k[idx, :, 130:131], v[idx, :, 130:131], 0)  # one more token per row
+    assert kk.shape[0] == n and cache.get_seq_length() == 132
+    out = layer.attention(q, kk, vv)
+    ks = torch.cat([k[idx, :, :131], k[idx, :, 130:131]], 2)
+    vs = torch.cat([v[idx, :, :131], v[idx, :, 130:131]], 2)
+    _close(out, _ref(q, ks, vs, 70, layer))
+
+
+def test_crop_within_tail_and_into_packed_block(device):
+    cache, k, v = _filled(b=2, device=device)
+    layer = cache.layers[0]
+    q = _query(2, 4, 1, 32, device)
+    cache.crop(-2)  # 131 -> 129: tail only
+    assert cache.get_seq_length() == 129 and (layer.n_blocks, layer.n_tail) == (2, 1)
+    kk, vv = layer._placeholders(129)
+    _close(layer.attention(q, kk, vv), _ref(q, k[:, :, :129], v[:, :, :129], 70, layer))
+
+    cache.crop(-8)  # 129 -> 121: into block 1, whose first 57 tokens return to the tail as their INT8 values
+    assert cache.get_seq_length() == 121 and (layer.n_blocks, layer.n_tail) == (1, 57)
+    groups, kt, vt, nt, ks, vs, mu = R.build_packed_cache_ref(k.cpu(), v.cpu()[:, :, :], 70, layer.head_bits, BS)
+    kt, vt = torch.zeros_like(kt), torch.zeros_like(vt)
+    for g in groups:  # the reference of "unpack block 1 into the tail"
+        h = g.heads.long()
+        if g.bits == 8:
+            k8, v8t = g.k[:, :, 1], g.v[:, :, 1]
+        else:
+            bh = g.k.shape[0] * len(h)
+            k8 = R.unpack_blocks_ref(g.k[:, :, 1].reshape(bh, BS, -1), g.k_scale[:, :, 1].reshape(bh, -1),
+                                     g.k_zero[:, :, 1].reshape(bh, -1), g.bits, 0).view(-1, len(h), BS, 32)
+            v8t = R.unpack_blocks_ref(g.v[:, :, 1].reshape(bh, 32, -1), g.v_scale[:, :, 1].reshape(bh, -1),
+                                      g.v_zero[:, :, 1].reshape(bh, -1), g.bits, 1).view(-1, len(h), 32, BS)
+        kt[:, h, :57] = k8[:, :, :57]
+        vt[:, h, :, :57] = v8t[:, :, :, :57]
+        g.n_blocks = 1
+    assert torch.equal(layer.k_tail[:, :, :57].cpu(), kt[:, :, :57])
+    assert torch.equal(layer.v_tail[:, :, :, :57].cpu(), vt[:, :, :, :57])
+    kk, vv = layer._placeholders(121)
+    ref = R.turbo_decode_ref(q.cpu(), groups, kt, vt, 57, ks, vs, mu,
+                             n_splits={g.bits: plan_splits(2, 2 * len(g.heads), q.device)[0] for g in groups})
+    _close(layer.attention(q, kk, vv), ref)
+
+    kk, vv = cache.update(k[:, :, 121:131], v[:, :, 121:131], 0)  # grows again across the boundary
+    assert cache.get_seq_length() == 131 and (layer.n_blocks, layer.n_tail) == (2, 3)
+    out = layer.attention(q, kk, vv)
+    f = R.attention_fp64(q.cpu(), k[:, :, :131].cpu(), v[:, :, :131].cpu()).float()
+    assert torch.isfinite(out).all() and ((out.cpu().float() - f).norm() / f.norm()) < 1.1
+
+    cache.crop(50)  # positive: the older "max_length" meaning
+    assert cache.get_seq_length() == 50 and layer.n_blocks == 0
+    cache.crop(-50)
+    assert cache.get_seq_length() == 0 and not layer.is_initialized
+
+
+def test_reset_makes_next_update_a_first_prefill(device):
+    cache, k, v = _filled(b=1, device=device)
+    cache.reset()
+    assert cache.get_seq_length() == 0
+    kk, _ = cache.update(k[:, :, :10], v[:, :, :10], 0)
+    assert kk.stride(-1) == 1 and torch.equal(kk, k[:, :, :10]) and cache.layers[0].n_tail == 10
+    assert cache.get_seq_length() == 10
+
+
+def test_memory_bytes_equals_format_arithmetic(device):
+    b, hk, d = 3, 2, 32
+    cache, _, _ = _filled(b=b, hk=hk, d=d, L=131, device=device)
+    layer = cache.layers[0]
+    assert layer.head_bits == [4, 2]
+    per_token = kv_bytes_per_token(d, 4, BS) + kv_bytes_per_token(d, 2, BS)
+    assert layer.bytes_per_token() == per_token == cache.bytes_per_token()
+    tail = 2 * b * hk * BS * d  # INT8 K and V tail buffers (full capacity)
+    scales = 3 * b * hk * d * 4  # fp32 k_mean, k_scale, v_scale
+    assert cache.memory_bytes() == b * 2 * BS * per_token + tail + scales
+    assert cache.memory_bytes(allocated=True) >= cache.memory_bytes()
+
+
+@pytest.mark.parametrize("preset,limit", [("int4", 0.3), ("mixed", 0.22), ("int8", 0.51)])
+def test_bytes_per_token_targets(preset, limit):
+    # Llama-3-8B shape: 8 KV heads, head_dim 128; bf16 = 2 (K, V) * 8 * 128 * 2 bytes
+    layer = TurboLayer(TurboConfig.preset(preset), 0, 32)
+    layer.lazy_initialization(torch.zeros(1, 8, 0, 128, dtype=torch.bfloat16), torch.zeros(1, 8, 0, 128))
+    ratio = layer.bytes_per_token() / (2 * 8 * 128 * 2)
+    assert ratio <= limit, f"{preset}: {ratio:.3f}x of bf16"
+
+
+def test_bad_configs_raise_named_errors():
+    with pytest.raises(TurboConfigError, match="bits=3"):
+        TurboConfig(bits=3)
+    with pytest.raises(TurboConfigError, match="block_size=48"):
+        TurboConfig(block_size=48)
+    # head map with 3 heads for a layer that has 2 KV heads: raises at the first update
+    cache = TurboCache(TurboConfig(head_bits=[[4, 2, 2]], block_size=BS))
+    k = torch.zeros(1, 2, 4, 32)
+    with pytest.raises(TurboConfigError, match="3 heads but the model has 2 KV heads"):
+        cache.update(k, k, 0)
+    cache = TurboCache(TurboConfig(head_bits=[[4, 2]], block_size=BS))
+    cache.update(k, k, 0)
+    with pytest.raises(TurboConfigError, match="head_bits has 1 layers"):
+        cache.update(k, k, 1)
+    with pytest.raises(TurboConfigError, match="unknown preset"):
+        TurboCache("int3")
+
+
+def _tiny_config(kind):
+    from transformers import LlamaConfig, Qwen2Config
+
+    if kind == "llama":
+        return LlamaConfig(hidden_size=64, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+                           num_hidden_layers=2, vocab_size=32)
+    return Qwen2Config(hidden_size=64, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+                       num_hidden_layers=3, vocab_size=32, use_sliding_window=True, sliding_window=8,
+                       max_window_layers=1)
+
+
+def test_construction_from_model_config_and_template():
+    from transformers import DynamicCache
+
+    cfg = TurboConfig.preset("int4")
+    c = TurboCache(cfg, config=_tiny_config("llama"))
+    assert [type(l) for l in c.layers] == [TurboLayer, TurboLayer]
+    qcfg = _tiny_config("qwen2")
+    c = TurboCache("mixed", config=qcfg)
+    kinds = [type(l) for l in c.layers]
+    assert kinds.count(TurboSlidingWindowLayer) == qcfg.layer_types.count("sliding_attention")
+    t = TurboCache.from_template(DynamicCache(config=qcfg), cfg, qcfg)
+    assert [type(l) for l in t.layers] == kinds and t.turbo_config is cfg
+    assert all(l.sliding_window == 8 for l in t.layers if isinstance(l, TurboSlidingWindowLayer))
+    # a template layer that already holds tokens is quantized into its twin
+    dc = DynamicCache()
+    k, v = _kv(1, 1, 20, 64)
+    dc.update(k, v, 0)
+    t = TurboCache.from_template(dc, cfg, _tiny_config("llama"))
+    assert t.get_seq_length() == 20 and isinstance(t.layers[0], TurboLayer)
+    # layers are created on first use without a model config
+    c = TurboCache(cfg)
+    c.update(k, v, 1)
+    assert len(c.layers) == 2 and c.get_seq_length(1) == 20 and c.get_seq_length(0) == 0
