@@ -1,0 +1,168 @@
+"""GPU-only decode tests (marked ``gpu``; CI skips them): real sizes, int64 offsets, a quick timing.
+
+Run on the GPU machine: ``python -m pytest tests/kernels/test_decode_gpu.py -q -s``.
+"""
+import math
+
+import pytest
+import torch
+
+from turbo_attn_hf.kernels import reference as R
+from turbo_attn_hf.kernels.decode import turbo_decode_attention
+from turbo_attn_hf.kernels.pack import PackedKV
+
+pytestmark = pytest.mark.gpu
+
+
+def _to_packed(groups):
+    out = []
+    for g in groups:
+        kw = {n: (None if getattr(g, n) is None else getattr(g, n).contiguous())
+              for n in ("k", "v", "k_scale", "k_zero", "v_scale", "v_zero")}
+        out.append(PackedKV(bits=g.bits, heads=g.heads, n_blocks=g.n_blocks, **kw))
+    return out
+
+
+def _rel(a, b):
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-12)), float((a - b).abs().max())
+
+
+# Kernel vs reference on the H100: the kernel's exp2 (ex2.approx) differs from torch's in the last bits, which
+# flips an occasional p8 = round(127 p) by one; everything else (integer dots, same fp32 order) agrees.
+# Measured on the H100 (see the report of issue 3): rms-relative <= RMS_MEASURED below -> bound 5e-3, max-abs 5e-2.
+REAL_CASES = [("int8", 1, "exact"), ("int4", 1, "sas"), ("mixed", 1, "exact"), ("mixed", 7, "sas"),
+              ("int4", 7, "exact")]
+
+
+@pytest.mark.parametrize("bits_name,lq,softmax", REAL_CASES, ids=["-".join(map(str, c)) for c in REAL_CASES])
+def test_decode_real_sizes_match_reference(bits_name, lq, softmax):
+    torch.manual_seed(0)
+    b, hk, G, d, L, bs = 2, 8, 4, 128, 4096 + 37, 64
+    head_bits = {"int8": [8] * hk, "int4": [4] * hk, "mixed": [4] * (hk // 2) + [2] * (hk // 2)}[bits_name]
+    k = torch.randn(b, hk, L, d, device="cuda") + 0.5 * torch.randn(1, hk, 1, d, device="cuda")
+    v = torch.randn(b, hk, L, d, device="cuda")
+    q = torch.randn(b, hk * G, lq, d, device="cuda", dtype=torch.bfloat16) * 2
+    groups, kt, vt, nt, ks, vs, mu = R.build_packed_cache_ref(k, v, 2048, head_bits, bs)
+    for S in (1, 5):
+        out = turbo_decode_attention(q, _to_packed(groups), kt, vt, nt, ks, vs, mu, softmax=softmax, n_splits=S)
+        torch.cuda.synchronize()
+        ref = R.turbo_decode_ref(q.float(), groups, kt, vt, nt, ks, vs, mu, softmax=softmax, n_splits=S)
+        rel, mx = _rel(out, ref)
+        print(f"\n[decode-gpu] {bits_name} lq={lq} {softmax} S={S}: rms-rel {rel:.2e} max-abs {mx:.2e}")
+        assert rel < 5e-3 and mx < 5e-2
+    # default split plan (SM count) against the fp64 attention (loose: the format's own error)
+    out = turbo_decode_attention(q, _to_packed(groups), kt, vt, nt, ks, vs, mu, softmax=softmax)
+    f = R.attention_fp64(q.float(), k, v)
+    print(f"[decode-gpu] {bits_name} vs fp64: {_rel(out, f)[0]:.3f}")
+    assert _rel(out, f)[0] < {"int8": 0.1, "int4": 0.3, "mixed": 1.1}[bits_name]
+
+
+def test_decode_int64_offsets_past_2_31_elements():
+    """An 8-bit K buffer of > 2^31 elements: the last batch row lives past 2^31; its output must equal the
+    output for the same data in a small tensor (split plan fixed)."""
+    b, hk, G, d, bs = 8, 8, 4, 128, 64
+    nb = (2 ** 31 // (b * hk * bs * d)) * 9 // 8 + 3  # 2.4e9 elements
+    heads = torch.arange(hk, dtype=torch.int32, device="cuda")
+    big = PackedKV.empty(8, heads, b, d, bs, "cuda", capacity=nb)
+    assert big.k.numel() > 2 ** 31
+    big.k.random_(-127, 128)
+    big.v.random_(-127, 128)
+    big.n_blocks = nb
+    kt = torch.randint(-127, 128, (b, hk, bs, d), dtype=torch.int8, device="cuda")
+    vt = torch.randint(-127, 128, (b, hk, d, bs), dtype=torch.int8, device="cuda")
+    ks = torch.rand(b, hk, d, device="cuda") * 0.02 + 0.01
+    vs = torch.rand(b, hk, d, device="cuda") * 0.02 + 0.01
+    q = torch.randn(b, hk * G, 1, d, device="cuda", dtype=torch.bfloat16)
+    out = turbo_decode_attention(q, [big], kt, vt, 5, ks, vs, None, n_splits=16)
+    small = PackedKV(bits=8, heads=heads, k=big.k[-1:].clone(), v=big.v[-1:].clone(), n_blocks=nb)
+    ref = turbo_decode_attention(q[-1:], [small], kt[-1:], vt[-1:], 5, ks[-1:], vs[-1:], None, n_splits=16)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+    assert torch.equal(out[-1:], ref)
+
+
+def _bench(fn, warmup=3, rep=20):
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep)  # ms, median
+
+
+def test_decode_timing_32k():
+    """Quick timing (the full benchmark lives in eval/): 32k context, GQA 32/8, d 128, one decode token."""
+    import triton
+
+    from turbo_attn_hf.cache import TurboCache
+    from turbo_attn_hf.config import TurboConfig
+
+    ctx, hq, hk, d = 32768, 32, 8, 128
+    name = torch.cuda.get_device_name()
+    bw_ceiling = None
+    x = torch.empty(2 ** 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    t = _bench(lambda: y.copy_(x))
+    bw_ceiling = 2 * x.numel() / t / 1e6  # GB/s
+    del x, y
+    print(f"\n[timing] {name}, torch {torch.__version__}, triton {triton.__version__}; copy {bw_ceiling:.0f} GB/s")
+    for b in (1, 8):
+        k = torch.randn(b, hk, ctx + 1, d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(b, hk, ctx + 1, d, device="cuda", dtype=torch.bfloat16)
+        q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.bfloat16)
+        kr, vr = k.repeat_interleave(hq // hk, 1), v.repeat_interleave(hq // hk, 1)
+        sd = _bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, kr, vr))
+        try:
+            sdg = _bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+        except Exception:  # pragma: no cover
+            sdg = float("nan")
+        del kr, vr
+        bf16_bytes = 2 * b * hk * (ctx + 1) * d * 2
+        base = min(sd, sdg) if not math.isnan(sdg) else sd
+        print(f"[timing] b={b}: sdpa bf16 (repeated KV) {sd * 1e3:.1f} us, sdpa enable_gqa {sdg * 1e3:.1f} us; "
+              f"bf16 KV {bf16_bytes / 1e6:.0f} MB -> {bf16_bytes / base / 1e6:.0f} GB/s")
+        for preset in ("int8", "int4", "mixed"):
+            cfg = TurboConfig.preset(preset)
+            cache = TurboCache(cfg)
+            cache.update(k[:, :, :ctx], v[:, :, :ctx], 0)
+            kk, vv = cache.update(k[:, :, ctx:], v[:, :, ctx:], 0)
+            layer = cache.layers[0]
+            nbytes = layer.memory_bytes()
+            best = None
+            for waves, warps, stages in [(1, 4, 2), (2, 4, 2), (4, 4, 2), (2, 4, 3), (4, 4, 3)]:
+                args = (q, layer.groups, layer.k_tail, layer.v_tail, layer.n_tail, layer.k_scale, layer.v_scale,
+                        layer.k_mean)
+                kw = dict(softmax=cfg.softmax, sas_threshold=cfg.sas_threshold, waves=waves, num_warps=warps,
+                          num_stages=stages)
+                ms = _bench(lambda: turbo_decode_attention(*args, **kw))
+                if best is None or ms < best[0]:
+                    best = (ms, waves, warps, stages)
+            ms = _bench(lambda: layer.attention(q, kk, vv))
+            print(f"[timing] b={b} {preset:5s}: layer.attention {ms * 1e3:.1f} us (best launch {best[0] * 1e3:.1f} us "
+                  f"waves={best[1]} warps={best[2]} stages={best[3]}); KV {nbytes / 1e6:.0f} MB "
+                  f"({layer.bytes_per_token() / (2 * hk * d * 2):.3f}x bf16) -> {nbytes / best[0] / 1e6:.0f} GB/s "
+                  f"({nbytes / best[0] / 1e6 / bw_ceiling:.0%} of copy); speed-up vs sdpa {base / ms:.2f}x "
+                  f"(best launch {base / best[0]:.2f}x)")
+            del cache, layer, kk, vv
+        del k, v
+        torch.cuda.empty_cache()
+
+
+def _one_decode_call():
+    """A small decode call (mixed bits, split + merge, tail, key_valid) for compute-sanitizer memcheck:
+    ``compute-sanitizer --tool memcheck python tests/kernels/test_decode_gpu.py``."""
+    torch.manual_seed(0)
+    b, hk, G, d, L = 2, 4, 4, 128, 300
+    k = torch.randn(b, hk, L, d, device="cuda")
+    v = torch.randn(b, hk, L, d, device="cuda")
+    q = torch.randn(b, hk * G, 3, d, device="cuda", dtype=torch.bfloat16)
+    groups, kt, vt, nt, ks, vs, mu = R.build_packed_cache_ref(k, v, 200, [8, 4, 2, 2], 64)
+    kv = torch.ones(b, L, dtype=torch.bool, device="cuda")
+    kv[0, :7] = False
+    out = turbo_decode_attention(q, _to_packed(groups), kt, vt, nt, ks, vs, mu, key_valid=kv, n_splits=3,
+                                 softmax="sas")
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+    print("decode call ok", tuple(out.shape))
+
+
+if __name__ == "__main__":
+    _one_decode_call()
