@@ -17,7 +17,8 @@ What it implements:
   merge by the associative rescale in a second small kernel. This is the two-kernel split-K variant of
   stream-K (no cross-(batch, head) shares); with one share the first kernel writes the output directly.
 
-Query preparation (torch, tiny): K's universal per-channel scale is folded into the query,
+Query preparation (in the kernel's prologue; twin ``reference.prepare_query_ref``): K's universal
+per-channel scale is folded into the query,
 ``q' = q · s_k`` (per channel), then per-row symmetric INT8 ``q8`` with scale ``sq`` (softmax scale and
 log2(e) folded in), so ``s = sq · Σ q8·k8`` is in log2 units. K smoothing (subtracting the prompt's channel
 mean μ) leaves softmax unchanged; with logit softcapping the exact correction ``scale·log2e · q·μ`` is
@@ -27,6 +28,7 @@ Rounding: float -> int8 rounds half away from zero, as in ``reference.py``.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional, Sequence
 
@@ -36,7 +38,7 @@ import triton.language as tl
 
 from .pack import PackedKV, _dequant_tile, _unpack_tile
 
-__all__ = ["turbo_decode_attention", "prepare_query", "plan_splits"]
+__all__ = ["turbo_decode_attention", "plan_splits"]
 
 
 def _interpreter_index_compat() -> None:
@@ -117,22 +119,23 @@ def _attend_tile(
     return b_acc, b_mn, b_l
 
 
-@triton.jit(do_not_specialize=["n_blocks", "n_tail", "Lq", "kv_len", "TPS", "window",
-                               "stride_kb", "stride_kh", "stride_sb", "stride_sh", "stride_vb", "stride_vh"])
+@triton.jit(do_not_specialize=["n_blocks", "n_tail", "Lq", "kv_len", "TPS", "window"])
 def _decode_kernel(
-    q8, sq, qb, heads, kp, ks, kz, vp, vs, vz, kt, vt, sv, kvalid, o, po, pml,
-    n_blocks, n_tail, Lq, kv_len, TPS, window, softcap, sas_thr,
+    q, sk, mk, heads, kp, ks, kz, vp, vs, vz, kt, vt, sv, kvalid, o, po, pml,
+    n_blocks, n_tail, Lq, kv_len, TPS, window, softcap, sas_thr, qscale,
+    stride_qb, stride_qh, stride_ql,
     stride_kb, stride_kh, stride_sb, stride_sh, stride_vb, stride_vh,
     H, HK,
     G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr,
     BITS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_KVALID: tl.constexpr, USE_SAS: tl.constexpr, SPLIT: tl.constexpr,
+    HAS_MEAN: tl.constexpr, HAS_KVALID: tl.constexpr, USE_SAS: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """grid = (n_splits, n_m_tiles, b * H); H = KV heads of this bit group, heads[H] their layer index.
 
-    q8 [b, HQ, Lq, D] int8, sq/qb [b, HQ, Lq] fp32; packed blocks as in pack.py; kt [b, HK, BS, D],
-    vt [b, HK, D, BS] int8 tail; sv [b, HK, D] fp32; kvalid [b, kv_len] int8; o [b, Lq, HQ, D];
-    po [S, b*H, n_m*BM, BD] fp32 and pml [S, b*H, n_m*BM, 2] fp32 partials (SPLIT only).
+    q [b, HQ, Lq, D] (any float dtype, strides given, D contiguous); sk/mk/sv [b, HK, D] fp32 (K scale,
+    K mean, V scale); packed blocks as in pack.py; kt [b, HK, BS, D], vt [b, HK, D, BS] int8 tail;
+    kvalid [b, kv_len] int8; o [b, Lq, HQ, D]; po [S, b*H, n_m*BM, BD] and pml [S, b*H, n_m*BM, 2] fp32
+    partials (SPLIT only). Strides stay specialised (multiples of 16 -> 16-byte vector loads).
     """
     tl.static_assert(BITS == 2 or BITS == 4 or BITS == 8)
     i_s, i_m, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -149,20 +152,33 @@ def _decode_kernel(
     o_r = i_m * BM + tl.arange(0, BM)
     m_r = o_r < M
     o_qi = o_r % Lq
+    o_qh = i_hk * G + o_r // Lq
     o_pos = kv_len - Lq + o_qi
     o_d = tl.arange(0, BD)
-    m_d = o_d < D
-    o_n = tl.arange(0, BS)
-
-    # query rows of the GQA group: contiguous in q8 [b, HQ, Lq, D]
-    p_q = q8 + ((i_b64 * HQ + i_hk * G) * Lq + o_r[:, None]) * D + o_d[None, :]
-    b_q = tl.load(p_q, mask=m_r[:, None] & m_d[None, :], other=0)
-    o_row = (i_b64 * HQ + i_hk * G) * Lq + o_r
-    b_sq = tl.load(sq + o_row, mask=m_r, other=0.0)
-    if HAS_SOFTCAP:
-        b_qb = tl.load(qb + o_row, mask=m_r, other=0.0)
+    if D == BD:  # a constant-true mask folds away and keeps loads vectorised
+        m_d = tl.full([BD], 1, tl.int1)
     else:
-        b_qb = b_sq
+        m_d = o_d < D
+    o_n = tl.arange(0, BS)
+    o_kvh = (i_b64 * HK + i_hk) * D
+
+    # ---- query: fold K's per-channel scale in, per-row symmetric INT8 (round half away), as prepare_query_ref
+    p_q = q + i_b64 * stride_qb + o_qh[:, None].to(tl.int64) * stride_qh + o_qi[:, None] * stride_ql + o_d[None, :]
+    b_qf = tl.load(p_q, mask=m_r[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+    b_sk = tl.load(sk + o_kvh + o_d, mask=m_d, other=0.0)
+    b_qs = b_qf * b_sk[None, :]
+    b_amax = tl.max(tl.abs(b_qs), 1)
+    b_inv = tl.where(b_amax > 0, tl.math.div_rn(tl.full([BM], 127.0, tl.float32), tl.where(b_amax > 0, b_amax, 1.0)),
+                     0.0)
+    b_x = b_qs * b_inv[:, None]
+    b_x = tl.where(b_x >= 0, b_x + 0.5, b_x - 0.5).to(tl.int32)
+    b_q = tl.minimum(tl.maximum(b_x, -127), 127).to(tl.int8)
+    b_sq = tl.math.div_rn(b_amax, tl.full([BM], 127.0, tl.float32)) * qscale
+    if HAS_SOFTCAP and HAS_MEAN:  # smoothing correction qscale * q.mean_k, added before the cap
+        b_mk = tl.load(mk + o_kvh + o_d, mask=m_d, other=0.0)
+        b_qb = tl.sum(b_qf * b_mk[None, :], 1) * qscale
+    else:
+        b_qb = tl.zeros([BM], dtype=tl.float32)
 
     b_acc = tl.zeros([BM, BD], dtype=tl.float32)
     b_m = tl.full([BM], float("-inf"), dtype=tl.float32)
@@ -190,8 +206,11 @@ def _decode_kernel(
                           mask=m_d[:, None], other=0)
         else:
             o_dk = tl.arange(0, BDK)
-            b_kp = tl.load(p_kb + t * (BS * DK) + o_n[:, None] * DK + o_dk[None, :],
-                           mask=(o_dk < DK)[None, :], other=0)
+            if D == BD:
+                b_kp = tl.load(p_kb + t * (BS * DK) + o_n[:, None] * DK + o_dk[None, :])
+            else:
+                b_kp = tl.load(p_kb + t * (BS * DK) + o_n[:, None] * DK + o_dk[None, :],
+                               mask=(o_dk < DK)[None, :], other=0)
             o_sb = tl.arange(0, BSB)
             b_vp = tl.load(p_vb + t * (D * BSB) + o_d[:, None] * BSB + o_sb[None, :],
                            mask=m_d[:, None], other=0)
@@ -209,17 +228,17 @@ def _decode_kernel(
             m_key = o_n < BS
         b_acc, b_m, b_l = _attend_tile(b_acc, b_m, b_l, b_q, b_sq, b_qb, b_k, b_v, o_key, m_key, o_pos,
                                        window, softcap, sas_thr, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, USE_SAS)
-    # ---- INT8 tail (the last tile)
+    # ---- INT8 tail (the last tile). All BS slots are read (stale slots hold finite int8); keys at or past
+    # n_tail are masked in the scores, so their p8 is 0.
     if t_hi > n_blocks:
-        m_n = o_n < n_tail
-        p_kt = kt + ((i_b64 * HK + i_hk) * BS + o_n[:, None]) * D + o_d[None, :]
-        b_k = tl.load(p_kt, mask=m_n[:, None] & m_d[None, :], other=0)
-        p_vt = vt + ((i_b64 * HK + i_hk) * D + o_d[:, None]) * BS + o_n[None, :]
-        b_v = tl.load(p_vt, mask=m_d[:, None] & m_n[None, :], other=0)
+        p_kt = kt + (o_kvh * BS + o_n[:, None] * D + o_d[None, :])
+        b_k = tl.load(p_kt, mask=m_d[None, :], other=0)
+        p_vt = vt + (o_kvh * BS + o_d[:, None] * BS + o_n[None, :])
+        b_v = tl.load(p_vt, mask=m_d[:, None], other=0)
         o_key = n_blocks * BS + o_n
-        m_key = m_n
+        m_key = o_n < n_tail
         if HAS_KVALID:
-            m_key = m_key & (tl.load(kvalid + i_b64 * kv_len + o_key, mask=m_n, other=0) != 0)
+            m_key = m_key & (tl.load(kvalid + i_b64 * kv_len + o_key, mask=m_key, other=0) != 0)
         b_acc, b_m, b_l = _attend_tile(b_acc, b_m, b_l, b_q, b_sq, b_qb, b_k, b_v, o_key, m_key, o_pos,
                                        window, softcap, sas_thr, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, USE_SAS)
 
@@ -230,9 +249,8 @@ def _decode_kernel(
         tl.store(pml + o_p * 2, b_m)
         tl.store(pml + o_p * 2 + 1, b_l)
     else:
-        b_sv = tl.load(sv + (i_b64 * HK + i_hk) * D + o_d, mask=m_d, other=0.0)
+        b_sv = tl.load(sv + o_kvh + o_d, mask=m_d, other=0.0)
         b_o = tl.where(b_l[:, None] > 0, b_acc / tl.maximum(b_l, 1.0)[:, None], 0.0) * b_sv[None, :]
-        o_qh = i_hk * G + o_r // Lq
         p_o = o + ((i_b64 * Lq + o_qi) * HQ + o_qh)[:, None] * D + o_d[None, :]
         tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_r[:, None] & m_d[None, :])
 
@@ -278,32 +296,9 @@ def _merge_kernel(
 
 
 # ----------------------------------------------------------------------------------------- launcher
-def _round_half_away(x: torch.Tensor) -> torch.Tensor:
-    return torch.where(x >= 0, x + 0.5, x - 0.5).trunc()
-
-
-def prepare_query(q: torch.Tensor, k_scale: torch.Tensor, k_mean: Optional[torch.Tensor], scale: float,
-                  softcap: Optional[float]) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """Fold K's per-channel scale into q and quantize per row (symmetric INT8, round half away).
-
-    Args:
-        q: ``[b, HQ, Lq, D]`` float; k_scale, k_mean: ``[b, HK, D]`` fp32.
-    Returns:
-        ``q8 [b, HQ, Lq, D] int8``, ``sq [b, HQ, Lq] fp32`` (times scale·log2e: base-2 logits) and,
-        with softcap and a K mean, ``qb [b, HQ, Lq]`` = scale·log2e · q·μ (the smoothing correction
-        added to every base-2 logit of the row before the cap), else None.
-    """
-    g = q.shape[1] // k_scale.shape[1]
-    qf = q.float()
-    qs = qf * k_scale.repeat_interleave(g, dim=1)[:, :, None, :]
-    amax = qs.abs().amax(-1)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    q8 = _round_half_away(qs * inv[..., None]).clamp_(-127, 127).to(torch.int8)
-    sq = (amax / 127.0) * (scale * LOG2E)
-    qb = None
-    if softcap and k_mean is not None:
-        qb = (qf * k_mean.repeat_interleave(g, dim=1)[:, :, None, :]).sum(-1) * (scale * LOG2E)
-    return q8, sq, qb
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def plan_splits(n_tiles: int, work_units: int, device: torch.device, waves: float = 2.0,
@@ -317,7 +312,7 @@ def plan_splits(n_tiles: int, work_units: int, device: torch.device, waves: floa
         return 1, 1
     if n_splits is None:
         if device.type == "cuda":
-            sms = torch.cuda.get_device_properties(device).multi_processor_count
+            sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
         else:
             sms = 4
         n_splits = max(1, math.ceil(waves * sms / max(work_units, 1)))
@@ -387,10 +382,9 @@ def turbo_decode_attention(
         raise ValueError(f"query chunk of {Lq} tokens exceeds the {kv_len} stored tokens (store first)")
     G = HQ // HK
     scale = D ** -0.5 if scale is None else float(scale)
-    q8, sq, qb = prepare_query(q, k_scale, k_mean, scale, softcap)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
     has_softcap = bool(softcap)
-    if has_softcap and qb is None:
-        qb = torch.zeros_like(sq)
     o = torch.empty(b, Lq, HQ, D, dtype=q.dtype, device=q.device)
     kvalid = None
     if key_valid is not None:
@@ -403,8 +397,9 @@ def turbo_decode_attention(
     n_m = triton.cdiv(M, BM)
     n_tiles = n_blocks + (1 if n_tail > 0 else 0)
     k_tail, v_tail = k_tail.contiguous(), v_tail.contiguous()
+    sk = k_scale.float().contiguous()
     sv = v_scale.float().contiguous()
-    dummy = sq
+    mk = k_mean.float().contiguous() if k_mean is not None else sk
     for grp in groups:
         H = len(grp.heads)
         if H == 0:
@@ -415,22 +410,24 @@ def turbo_decode_attention(
             po = torch.empty(S, b * H, n_m * BM, BD, dtype=torch.float32, device=q.device)
             pml = torch.empty(S, b * H, n_m * BM, 2, dtype=torch.float32, device=q.device)
         else:
-            po = pml = dummy
+            po = pml = sv
         kp, vp = grp.k, grp.v
-        ks = grp.k_scale if grp.bits != 8 else kp
-        sst = (ks.stride(0), ks.stride(1)) if grp.bits != 8 else (0, 0)
+        packed = grp.bits != 8
+        ks = grp.k_scale if packed else kp
+        sst = (ks.stride(0), ks.stride(1)) if packed else (0, 0)
         _decode_kernel[(S, n_m, b * H)](
-            q8, sq, qb if has_softcap else dummy, grp.heads, kp,
-            ks, grp.k_zero if grp.bits != 8 else kp, vp,
-            grp.v_scale if grp.bits != 8 else kp, grp.v_zero if grp.bits != 8 else kp,
-            k_tail, v_tail, sv, kvalid if kvalid is not None else q8, o, po, pml,
+            q, sk, mk, grp.heads, kp, ks, grp.k_zero if packed else kp, vp,
+            grp.v_scale if packed else kp, grp.v_zero if packed else kp,
+            k_tail, v_tail, sv, kvalid if kvalid is not None else k_tail, o, po, pml,
             n_blocks, n_tail, Lq, kv_len, tps, int(window or 0), float(softcap or 1.0),
-            float(sas_threshold * LOG2E),
+            float(sas_threshold * LOG2E), float(scale * LOG2E),
+            q.stride(0), q.stride(1), q.stride(2),
             kp.stride(0), kp.stride(1), sst[0], sst[1], vp.stride(0), vp.stride(1),
             H, HK,
             G=G, D=D, BD=BD, BS=BS, BM=BM, BITS=grp.bits, IS_CAUSAL=bool(causal),
-            HAS_WINDOW=bool(window), HAS_SOFTCAP=has_softcap, HAS_KVALID=kvalid is not None,
-            USE_SAS=softmax == "sas", SPLIT=split, num_warps=num_warps, num_stages=num_stages,
+            HAS_WINDOW=bool(window), HAS_SOFTCAP=has_softcap, HAS_MEAN=k_mean is not None,
+            HAS_KVALID=kvalid is not None, USE_SAS=softmax == "sas", SPLIT=split,
+            num_warps=num_warps, num_stages=num_stages,
         )
         if split:
             _merge_kernel[(n_m, b * H)](po, pml, grp.heads, sv, o, Lq, S, H, HK,
