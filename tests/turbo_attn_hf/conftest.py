@@ -56,6 +56,7 @@ def make_model(arch: str, dtype=torch.bfloat16, seed: int = 0, attn: str | None 
         setattr(config, k, v)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn or ref_attn, dtype=dtype)
+    model.generation_config.eos_token_id = None  # generate exactly max_new_tokens (no early stop / pad)
     return model.eval()
 
 
@@ -77,6 +78,34 @@ def token_ids(batch: int, length: int, seed: int = 1) -> torch.Tensor:
 @pytest.fixture(params=ARCHS)
 def arch(request):
     return request.param
+
+
+@pytest.fixture(scope="session")
+def tm():
+    """The helpers of this file (test modules cannot import a conftest by name)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(make_model=make_model, reference_attn=reference_attn, rel_rms=rel_rms,
+                           token_ids=token_ids, turbo_cache_available=turbo_cache_available, ARCHS=ARCHS,
+                           VOCAB=VOCAB)
+
+
+@pytest.fixture
+def pytorch_reference_kernels(monkeypatch):
+    """Run INT8 prefill and decode attention through kernels/reference.py instead of the Triton interpreter.
+
+    Same quantized math (the kernels are tested against it in tests/kernels); ~4x faster on CPU, which is
+    what lets the generate() tests fit the CPU budget. test_generate_through_triton_kernels still runs
+    the Triton kernels. (Cache packing keeps using its kernel: it has no PyTorch path.) No effect on CUDA.
+    """
+    from turbo_attn_hf import capabilities
+
+    monkeypatch.setattr(capabilities, "triton_interpret", lambda: False)
+    try:
+        from turbo_attn_hf import cache
+    except ImportError:
+        return
+    monkeypatch.setattr(cache, "_use_triton", lambda device: device.type == "cuda", raising=False)
 
 
 def turbo_cache_available() -> bool:

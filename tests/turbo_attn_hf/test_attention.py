@@ -1,0 +1,336 @@
+"""Unit tests of the HF glue: registration, the mask function, the attention function's routing and errors.
+
+No model here (see test_models.py): a bare module stands in for a transformers attention module.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import turbo_attn_hf
+from turbo_attn_hf import TurboConfig, TurboUnsupportedError, capabilities as caps
+from turbo_attn_hf.attention import torch_attention, turbo_attention_forward
+from turbo_attn_hf.masks import classify_mask_function, turbo_mask
+
+mu = pytest.importorskip("transformers.masking_utils")
+
+
+def _module(head_dim=64, is_causal=True, **config):
+    m = torch.nn.Module()
+    m.is_causal = is_causal
+    m.config = SimpleNamespace(model_type="tinytest", architectures=["TinyTestForCausalLM"], **config)
+    return m
+
+
+def rel_rms(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item()
+
+
+def _qkv(b=2, hq=4, hk=2, lq=5, lk=21, d=64, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, lq, d, generator=g).to(dtype)
+    k = torch.randn(b, hk, lk, d, generator=g).to(dtype)
+    v = torch.randn(b, hk, lk, d, generator=g).to(dtype)
+    return q, k, v
+
+
+# ------------------------------------------------------------------------------------------ registration
+def test_registered_under_a_safe_name():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    assert turbo_attn_hf.REGISTERED
+    assert ALL_ATTENTION_FUNCTIONS["turbo_int8"] is turbo_attention_forward
+    assert "turbo_int8" in AttentionInterface._global_mapping
+    assert ALL_MASK_ATTENTION_FUNCTIONS["turbo_int8"] is turbo_mask
+    # transformers matches these substrings to pick code paths
+    for bad in ("flash", "sdpa", "flex_attention", "paged"):
+        assert bad not in turbo_attn_hf.ATTN_NAME
+
+
+def test_generate_hook_installed_once():
+    from transformers.generation.utils import GenerationMixin
+
+    from turbo_attn_hf import generation
+
+    fn = GenerationMixin._prepare_cache_for_generation
+    assert getattr(fn, "_turbo_attn_wrapped", False)
+    assert generation.install()  # idempotent: no second wrapper
+    assert GenerationMixin._prepare_cache_for_generation is fn
+
+
+def test_generate_hook_warns_when_transformers_lacks_the_method(monkeypatch):
+    from transformers.generation.utils import GenerationMixin
+
+    from turbo_attn_hf import generation
+
+    monkeypatch.delattr(GenerationMixin, "_prepare_cache_for_generation")
+    with pytest.warns(RuntimeWarning, match="_prepare_cache_for_generation"):
+        assert generation.install() is False
+
+
+def test_kernels_import_without_transformers():
+    """turbo_attn_hf.kernels must import (and nothing register) when transformers is absent."""
+    code = (
+        "import sys; sys.modules['transformers'] = None\n"
+        "import turbo_attn_hf, turbo_attn_hf.kernels, turbo_attn_hf.kernels.reference\n"
+        "assert turbo_attn_hf.REGISTERED is False\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
+
+
+# ------------------------------------------------------------------------------------------ settings
+def test_default_preset_and_env_override(monkeypatch):
+    monkeypatch.delenv("TURBO_ATTN_PRESET", raising=False)
+    assert turbo_attn_hf.get_turbo_config().name == "int4"
+    monkeypatch.setenv("TURBO_ATTN_PRESET", "mixed")
+    assert turbo_attn_hf.get_turbo_config().name == "mixed"
+    monkeypatch.setenv("TURBO_ATTN_PRESET", "nope")
+    with pytest.raises(turbo_attn_hf.TurboConfigError, match="unknown preset 'nope'"):
+        turbo_attn_hf.get_turbo_config()
+
+
+def test_set_turbo_config_stores_a_json_serialisable_dict():
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(hidden_size=128, num_attention_heads=2, num_hidden_layers=1, vocab_size=64)
+    holder = SimpleNamespace(config=cfg)
+    assert turbo_attn_hf.set_turbo_config(holder, "int8") is holder
+    assert turbo_attn_hf.get_turbo_config(holder).name == "int8"
+    assert turbo_attn_hf.get_turbo_config(cfg).bits == 8
+    custom = TurboConfig(bits=4, softmax="sas", name="mine")
+    turbo_attn_hf.set_turbo_config(cfg, custom)
+    d = json.loads(cfg.to_json_string())
+    assert d["turbo_attn"]["softmax"] == "sas"
+    assert type(cfg).from_dict(d).turbo_attn["name"] == "mine"  # survives save/load
+    with pytest.raises(TypeError, match="preset name"):
+        turbo_attn_hf.set_turbo_config(cfg, 3)
+
+
+def test_check_model_config_reports_unsupported_features():
+    from transformers import LlamaConfig
+
+    ok = LlamaConfig(hidden_size=128, num_attention_heads=2)
+    assert turbo_attn_hf.check_model_config(ok) == []
+    bad = LlamaConfig(hidden_size=224, num_attention_heads=2)  # head_dim 112
+    (msg,) = turbo_attn_hf.check_model_config(bad)
+    assert "head_dim 112" in msg and "(64, 80, 96, 128, 256)" in msg and "attn_implementation='sdpa'" in msg
+
+
+# ------------------------------------------------------------------------------------------ mask function
+def test_mask_recognises_causal_and_sliding_window():
+    assert classify_mask_function(mu.causal_mask_function) == (True, None)
+    assert classify_mask_function(mu.sliding_window_causal_mask_function(7)) == (True, 7)
+
+
+@pytest.mark.parametrize(
+    "make_fn, feature",
+    [
+        (lambda: mu.chunked_causal_mask_function(8, torch.zeros(1, dtype=torch.long)), "chunked attention"),
+        (lambda: mu.bidirectional_mask_function, "bidirectional attention"),
+        (lambda: mu.sliding_window_bidirectional_mask_function(4), "bidirectional attention"),
+        (lambda: mu.or_masks(mu.causal_mask_function, lambda b, h, q, k: q < 2), "custom mask functions"),
+        (lambda: mu.and_masks(mu.causal_mask_function, lambda b, h, q, k: k > 0), "custom mask functions"),
+        (lambda: mu.and_masks(mu.causal_mask_function, mu.packed_sequence_mask_function(torch.zeros(1, 4))),
+         "packed sequences"),
+    ],
+    ids=["chunked", "bidirectional", "bidirectional-window", "or-mask", "and-mask", "packed"],
+)
+def test_mask_refuses_what_it_cannot_represent(make_fn, feature):
+    cfg = SimpleNamespace(architectures=["TinyTestForCausalLM"])
+    with pytest.raises(TurboUnsupportedError, match=feature) as e:
+        turbo_mask(batch_size=1, q_length=4, kv_length=4, mask_function=make_fn(), config=cfg)
+    assert "TinyTestForCausalLM" in str(e.value)
+
+
+def test_mask_padding_becomes_key_valid_vector():
+    am = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    # no padding at all -> None (the kernels skip the validity loads)
+    assert turbo_mask(2, 6, 6, attention_mask=torch.ones(2, 6, dtype=torch.bool),
+                      mask_function=mu.causal_mask_function) is None
+    assert turbo_mask(2, 6, 6, attention_mask=None) is None
+    kv = turbo_mask(2, 6, 6, attention_mask=am, mask_function=mu.causal_mask_function)
+    assert kv.dtype == torch.bool and kv.shape == (2, 6) and torch.equal(kv, am)
+    # sliding-window cache layer: keys start at kv_offset (decode step: 1 query, 3 kept keys + 1 new)
+    kv = turbo_mask(2, 1, 4, q_offset=4, kv_offset=1, attention_mask=am,
+                    mask_function=mu.sliding_window_causal_mask_function(4))
+    assert torch.equal(kv, am[:, 1:5])
+    # a mask shorter than the keys: missing positions are padding (as transformers' prepare_padding_mask)
+    kv = turbo_mask(2, 2, 8, q_offset=6, attention_mask=am, mask_function=mu.causal_mask_function)
+    assert kv.shape == (2, 8) and not kv[:, 6:].any()
+
+
+def test_mask_refuses_static_cache_alignment():
+    with pytest.raises(TurboUnsupportedError, match="static cache"):
+        turbo_mask(1, 3, 16, q_offset=0, kv_offset=0, mask_function=mu.causal_mask_function)
+    with pytest.raises(TurboUnsupportedError, match="static cache"):
+        turbo_mask(1, 1, 16, q_offset=torch.tensor(4), mask_function=mu.causal_mask_function)
+
+
+# ------------------------------------------------------------------------------------------ attention fn
+def test_attention_plumbing_matches_reference():
+    """scaling, GQA, bottom-right causal, window, softcap and key_valid reach the kernel: same output as
+    kernels.reference.turbo_attention called directly."""
+    from turbo_attn_hf.kernels.reference import turbo_attention as ref
+
+    q, k, v = _qkv(lq=5, lk=21)
+    key_valid = torch.ones(2, 21, dtype=torch.bool)
+    key_valid[1, 12:14] = False
+    mod = _module()
+    turbo_attn_hf.set_turbo_config(mod, TurboConfig(bits=4, softmax="sas", name="t"))
+    args = dict(scale=0.1, window=9, softcap=2.0, key_valid=key_valid)
+    out, w = turbo_attention_forward(mod, q, k, v, key_valid, scaling=0.1, sliding_window=9, softcap=2.0)
+    assert w is None and out.shape == (2, 5, 4, 64) and out.dtype == torch.bfloat16
+    exp = ref(q, k, v, causal=True, softmax="sas", **args)
+    # Triton kernel (interpreter) vs its PyTorch twin: measured 3.9e-3 relative RMS (bf16 output rounding); bound 1e-2.
+    assert rel_rms(out, exp) < 1e-2
+    # Dropping any one argument moves the reference by (measured) window 0.77, key_valid 0.38,
+    # softcap 0.15, scale 0.093: all far above the bound, so the check above sees a lost argument.
+    for drop in ("window", "key_valid", "softcap", "scale"):
+        wrong = ref(q, k, v, causal=True, softmax="sas", **{**args, drop: None})
+        assert rel_rms(wrong, exp) > 5e-2, drop
+
+
+def test_turbo_config_reaches_the_kernel(monkeypatch):
+    from turbo_attn_hf import attention
+
+    seen = {}
+
+    def fake(q, k, v, **kw):
+        seen.update(kw)
+        return torch.zeros(q.shape[0], q.shape[2], q.shape[1], q.shape[3], dtype=q.dtype)
+
+    monkeypatch.setattr(attention, "_prefill_fn", lambda device, model: fake)
+    mod = _module()
+    turbo_attn_hf.set_turbo_config(mod, TurboConfig(softmax="sas", sas_threshold=4.5, smooth_k=False))
+    q, k, v = _qkv()
+    turbo_attention_forward(mod, q, k, v, None)
+    assert seen["softmax"] == "sas" and seen["sas_threshold"] == 4.5 and seen["smooth_k"] is False
+    assert seen["causal"] is True and seen["window"] is None and seen["key_valid"] is None
+
+
+def test_attention_is_causal_from_module_and_kwargs():
+    from turbo_attn_hf.kernels.reference import turbo_attention as ref
+
+    q, k, v = _qkv(b=1, lq=7, lk=7)
+    full = ref(q, k, v, causal=False)
+    causal = ref(q, k, v, causal=True)
+    out_mod, _ = turbo_attention_forward(_module(is_causal=False), q, k, v, None)
+    out_kw, _ = turbo_attention_forward(_module(is_causal=True), q, k, v, None, is_causal=False)
+    out_c, _ = turbo_attention_forward(_module(is_causal=True), q, k, v, None)
+    assert rel_rms(out_mod, full) < 1e-2 and rel_rms(out_kw, full) < 1e-2 and rel_rms(out_c, causal) < 1e-2
+
+
+def test_turbo_cache_layer_is_used_when_keys_carry_it():
+    calls = {}
+
+    class FakeLayer:
+        def attention(self, query, key, value, **kw):
+            calls.update(kw)
+            return torch.zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3], dtype=query.dtype)
+
+    q, k, v = _qkv(lq=1, lk=9)
+    k.turbo_cache_layer = FakeLayer()
+    kv = torch.ones(2, 9, dtype=torch.bool)
+    kv[0, 0] = False
+    out, _ = turbo_attention_forward(_module(), q, k, v, kv, scaling=0.2, sliding_window=4, softcap=3.0)
+    assert out.shape == (2, 1, 4, 64)
+    assert calls["scale"] == 0.2 and calls["window"] == 4 and calls["softcap"] == 3.0 and calls["causal"] is True
+    assert torch.equal(calls["key_valid"], kv)
+
+
+def test_head_dim_error_names_model_value_and_fix():
+    q, k, v = _qkv(d=112)
+    with pytest.raises(TurboUnsupportedError) as e:
+        turbo_attention_forward(_module(), q, k, v, None)
+    msg = str(e.value)
+    assert "TinyTestForCausalLM" in msg and "head_dim 112" in msg and "(64, 80, 96, 128, 256)" in msg
+    assert "attn_implementation='sdpa'" in msg
+
+
+def test_refuses_output_attentions_and_bad_shapes():
+    q, k, v = _qkv(lq=5, lk=21)
+    with pytest.raises(TurboUnsupportedError, match="output_attentions"):
+        turbo_attention_forward(_module(), q, k, v, None, output_attentions=True)
+    with pytest.raises(TurboUnsupportedError, match="q_len <= kv_len"):
+        turbo_attention_forward(_module(), k.repeat(1, 2, 1, 1), q[:, :2], q[:, :2], None)
+    dense = torch.ones(2, 1, 5, 21, dtype=torch.bool)
+    with pytest.raises(TurboUnsupportedError, match="prepared attention mask"):
+        turbo_attention_forward(_module(), q, k, v, dense)
+    with pytest.raises(TurboUnsupportedError, match="2D attention mask"):
+        turbo_attention_forward(_module(), q, k, v, torch.ones(2, 30, dtype=torch.bool))
+
+
+def test_4d_single_row_mask_is_a_padding_mask():
+    q, k, v = _qkv(lq=1, lk=21)
+    kv = torch.ones(2, 21, dtype=torch.bool)
+    kv[:, :3] = False
+    bias = torch.zeros(2, 1, 1, 21).masked_fill(~kv[:, None, None, :], torch.finfo(torch.float32).min)
+    a, _ = turbo_attention_forward(_module(), q, k, v, kv)
+    b_, _ = turbo_attention_forward(_module(), q, k, v, bias)
+    assert torch.equal(a, b_)
+
+
+def test_training_falls_back_to_pytorch_attention_once(caplog):
+    q, k, v = (t.float().requires_grad_() for t in _qkv(lq=6, lk=6))
+    caps._logged.discard("grad-fallback")
+    with caplog.at_level(logging.WARNING, logger="turbo_attn_hf"):
+        out, _ = turbo_attention_forward(_module(), q, k, v, None, dropout=0.0)
+        turbo_attention_forward(_module(), q, k, v, None, dropout=0.0)
+    assert sum("no backward" in r.message for r in caplog.records) == 1
+    exp = torch_attention(q, k, v)
+    assert torch.allclose(out, exp)
+    out.sum().backward()
+    assert q.grad is not None and q.grad.abs().sum() > 0
+
+
+def test_float32_is_cast_to_bf16_with_one_warning(caplog):
+    q, k, v = _qkv(dtype=torch.float32)
+    caps._logged.discard(f"cast-{torch.float32}")
+    with caplog.at_level(logging.WARNING, logger="turbo_attn_hf"):
+        out, _ = turbo_attention_forward(_module(), q, k, v, None)
+        turbo_attention_forward(_module(), q, k, v, None)
+    assert out.dtype == torch.float32
+    assert sum("cast to torch.bfloat16" in r.message for r in caplog.records) == 1
+    from turbo_attn_hf.kernels.reference import attention_fp64
+
+    # INT8 error on N(0,1) inputs, Lk 21: measured 1.08e-2 relative RMS vs fp64 (reference); bound 3e-2.
+    assert rel_rms(out, attention_fp64(q, k, v)) < 3e-2
+
+
+def test_cpu_without_interpreter_uses_reference_with_one_warning(monkeypatch, caplog):
+    from turbo_attn_hf.kernels.reference import turbo_attention as ref
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    caps._logged.discard("cpu-reference")
+    q, k, v = _qkv()
+    with caplog.at_level(logging.WARNING, logger="turbo_attn_hf"):
+        out, _ = turbo_attention_forward(_module(), q, k, v, None)
+        turbo_attention_forward(_module(), q, k, v, None)
+    msgs = [r.message for r in caplog.records if "reference" in r.message]
+    assert len(msgs) == 1 and "slow" in msgs[0] and "INT8" in msgs[0]
+    assert torch.equal(out, ref(q, k, v, softmax=turbo_attn_hf.get_turbo_config().softmax))
+
+
+def test_module_checks_run_once_and_expire_on_set_turbo_config():
+    mod = _module()
+    q, k, v = _qkv()
+    turbo_attention_forward(mod, q, k, v, None)
+    st = mod._turbo_attn_state
+    turbo_attention_forward(mod, q, k, v, None)
+    assert mod._turbo_attn_state is st
+    turbo_attn_hf.set_turbo_config(mod, "mixed")
+    turbo_attention_forward(mod, q, k, v, None)
+    assert mod._turbo_attn_state is not st and mod._turbo_attn_state.turbo.name == "mixed"
