@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from .pack import PackedKV, _dequant_tile, _unpack_tile
+from .softmax import sas_exp2
 
 __all__ = ["turbo_decode_attention", "plan_splits"]
 
@@ -69,26 +70,9 @@ _interpreter_index_compat()
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-# TurboAttention §4: e^{-x} ≈ POLY3(x) on [0, 1]; evaluated at x = f ln2 with the ln2 powers folded in
-SAS_POLY = (-0.1025, 0.4626, -0.9922, 0.9996)
-A3, A2, A1, A0 = (tl.constexpr(c * LN2 ** (3 - i)) for i, c in enumerate(SAS_POLY))
 
 
 # ----------------------------------------------------------------------------------------- Triton
-@triton.jit
-def _sas_exp2(x, thr):
-    """SAS approximation of exp2(x) for x <= 0 (base-2 logits), the formula of reference.sas_exp2:
-    0 where -x > thr; else 2^(-n) * POLY3(f ln2) with y = -x, n = floor(y), f = y - n, the ln2 powers
-    folded into the coefficients and 2^(-n) built in the float's exponent bits (no MUFU)."""
-    y = -x
-    yc = tl.minimum(tl.maximum(y, 0.0), 126.0)
-    n = tl.floor(yc)
-    f = yc - n
-    poly = ((A3 * f + A2) * f + A1) * f + A0
-    pow2 = ((127 - n.to(tl.int32)) << 23).to(tl.float32, bitcast=True)
-    return tl.where(y > thr, 0.0, poly * pow2)
-
-
 @triton.jit
 def _attend_tile(
     b_acc, b_m, b_l, b_q, b_sq, b_qb, b_k, b_v, o_key, m_key, o_pos, window, softcap, sas_thr,
@@ -109,7 +93,7 @@ def _attend_tile(
     b_ms = tl.where(b_mn == float("-inf"), 0.0, b_mn)
     b_alpha = tl.exp2(b_m - b_ms)
     if USE_SAS:
-        b_p = _sas_exp2(b_s - b_ms[:, None], sas_thr)
+        b_p = sas_exp2(b_s - b_ms[:, None], sas_thr)
     else:
         b_p = tl.exp2(b_s - b_ms[:, None])
     b_p8 = (b_p * 127.0 + 0.5).to(tl.int8)
