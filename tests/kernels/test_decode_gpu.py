@@ -30,7 +30,8 @@ def _rel(a, b):
 
 # Kernel vs reference on the H100: the kernel's exp2 (ex2.approx) differs from torch's in the last bits, which
 # flips an occasional p8 = round(127 p) by one; everything else (integer dots, same fp32 order) agrees.
-# Measured on the H100 (see the report of issue 3): rms-relative <= RMS_MEASURED below -> bound 5e-3, max-abs 5e-2.
+# Measured on the H100 (torch 2.11, triton 3.6; 5 cases x splits 1/5, L 4133, d 128): rms-relative 1.62e-3 ..
+# 1.68e-3, max-abs 1.8e-3 .. 3.9e-3 -> bounds 5e-3 (rms-relative) and 2e-2 (max-abs).
 REAL_CASES = [("int8", 1, "exact"), ("int4", 1, "sas"), ("mixed", 1, "exact"), ("mixed", 7, "sas"),
               ("int4", 7, "exact")]
 
@@ -50,8 +51,9 @@ def test_decode_real_sizes_match_reference(bits_name, lq, softmax):
         ref = R.turbo_decode_ref(q.float(), groups, kt, vt, nt, ks, vs, mu, softmax=softmax, n_splits=S)
         rel, mx = _rel(out, ref)
         print(f"\n[decode-gpu] {bits_name} lq={lq} {softmax} S={S}: rms-rel {rel:.2e} max-abs {mx:.2e}")
-        assert rel < 5e-3 and mx < 5e-2
-    # default split plan (SM count) against the fp64 attention (loose: the format's own error)
+        assert rel < 5e-3 and mx < 2e-2
+    # default split plan (SM count) against the fp64 attention (loose: the format's own error);
+    # measured on the H100: int8 0.039, int4 0.213-0.219, mixed 0.72-0.82 (2-bit heads on Gaussian data)
     out = turbo_decode_attention(q, _to_packed(groups), kt, vt, nt, ks, vs, mu, softmax=softmax)
     f = R.attention_fp64(q.float(), k, v)
     print(f"[decode-gpu] {bits_name} vs fp64: {_rel(out, f)[0]:.3f}")
