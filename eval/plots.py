@@ -1,0 +1,181 @@
+"""PNG plots made from the benchmark JSON files (the JSON is the source of truth; plots are derived).
+
+    python -m eval.plots [eval/results/bench_prefill.json ...]     # default: every known result file there
+
+Each ``plot_*`` takes the JSON path, writes ``<same name>.png`` beside it and returns that path, or None
+(with a message) when matplotlib is missing — the GPU image has it; ``pip install matplotlib`` elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Optional
+
+from .bench_common import RESULTS_DIR
+
+
+def _plt():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        return plt
+    except ImportError:
+        print("plots: matplotlib is not installed; skipping PNG (pip install matplotlib)", file=sys.stderr)
+        return None
+
+
+def _load(path) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def _title(data: dict, what: str) -> str:
+    m = data.get("machine", {})
+    return f"{what} — {m.get('device', '?')}, torch {m.get('torch', '?')}, triton {m.get('triton', '?')}, {m.get('date_utc', '')[:10]}"
+
+
+def _save(fig, path: Path) -> Path:
+    png = path.with_suffix(".png")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    return png
+
+
+def plot_prefill(path) -> Optional[Path]:
+    """TFLOP/s vs sequence length, one panel per (head_dim, causal), one line per provider."""
+    plt = _plt()
+    if plt is None:
+        return None
+    path = Path(path)
+    data = _load(path)
+    rows = [r for r in data["rows"] if r.get("tflops") is not None]
+    dims = sorted({r["d"] for r in rows})
+    causals = sorted({r["causal"] for r in rows})
+    if not dims:
+        return None
+    fig, axes = plt.subplots(len(causals), len(dims), figsize=(4.2 * len(dims), 3.4 * len(causals)), squeeze=False)
+    for i, causal in enumerate(causals):
+        for j, d in enumerate(dims):
+            ax = axes[i][j]
+            lines = defaultdict(list)
+            for r in rows:
+                if (r["d"], r["causal"]) == (d, causal):
+                    lines[r["provider"]].append((r["L"], r["tflops"]))
+            for prov, pts in sorted(lines.items()):
+                pts.sort()
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=prov,
+                        linestyle="--" if prov.startswith(("sdpa", "sage")) else "-")
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("sequence length L")
+            ax.set_ylabel("TFLOP/s (4·b·h·L²·d, ½ causal)")
+            ax.set_title(f"d={d}, {'causal' if causal else 'non-causal'}")
+            ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=7)
+    fig.suptitle(_title(data, "prefill attention"), fontsize=9)
+    return _save(fig, path)
+
+
+def plot_decode(path) -> Optional[Path]:
+    """Time per decode step vs batch, one panel per context, one line per provider; plus GB/s."""
+    plt = _plt()
+    if plt is None:
+        return None
+    path = Path(path)
+    data = _load(path)
+    rows = [r for r in data["rows"] if r.get("ms") is not None and r.get("provider") not in ("all", "setup")]
+    ctxs = sorted({r["context"] for r in rows})
+    if not ctxs:
+        return None
+    fig, axes = plt.subplots(2, len(ctxs), figsize=(4.2 * len(ctxs), 6.4), squeeze=False)
+    ceil = (data.get("copy_ceiling") or {}).get("GBps_read_plus_write")
+    for j, T in enumerate(ctxs):
+        lines = defaultdict(list)
+        for r in rows:
+            if r["context"] == T:
+                lines[r["provider"]].append((r["batch"], r["ms"], r.get("GBps")))
+        for prov, pts in sorted(lines.items()):
+            pts.sort()
+            style = "--" if prov.startswith(("sdpa", "dequant")) else "-"
+            axes[0][j].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", linestyle=style, label=prov)
+            axes[1][j].plot([p[0] for p in pts], [p[2] for p in pts], marker="o", linestyle=style, label=prov)
+        for i, ylabel in enumerate(("ms per decode step (1 layer)", "effective GB/s (bytes read / time)")):
+            ax = axes[i][j]
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("batch")
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+        axes[0][j].set_yscale("log")
+        axes[0][j].set_title(f"context {T}")
+        if ceil:
+            axes[1][j].axhline(ceil, color="k", linewidth=0.8, linestyle=":", label="copy ceiling")
+    axes[0][-1].legend(fontsize=7)
+    fig.suptitle(_title(data, "decode attention, GQA 32/8, d 128"), fontsize=9)
+    return _save(fig, path)
+
+
+def plot_e2e(path) -> Optional[Path]:
+    """Prefill latency and decode tokens/s per configuration (sdpa vs presets), per context."""
+    plt = _plt()
+    if plt is None:
+        return None
+    path = Path(path)
+    data = _load(path)
+    pre = [r for r in data.get("prefill", []) if r.get("ms") is not None]
+    dec = [r for r in data.get("decode", []) if r.get("tokens_per_s") is not None]
+    if not pre and not dec:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    impls = sorted({r["impl"] for r in pre + dec}, key=lambda s: (s != "sdpa", s))
+    ctxs = sorted({r["context"] for r in pre})
+    width = 0.8 / max(len(impls), 1)
+    for i, impl in enumerate(impls):
+        ys = [next((r["ms"] for r in pre if r["impl"] == impl and r["context"] == c), 0) for c in ctxs]
+        axes[0].bar([x + i * width for x in range(len(ctxs))], ys, width, label=impl)
+    axes[0].set_xticks([x + width * (len(impls) - 1) / 2 for x in range(len(ctxs))], [str(c) for c in ctxs])
+    axes[0].set_xlabel("prompt tokens (batch 1)")
+    axes[0].set_ylabel("prefill latency, ms")
+    axes[0].legend(fontsize=7)
+    keys = sorted({(r["context"], r["batch"]) for r in dec})
+    for i, impl in enumerate(impls):
+        ys = [next((r["tokens_per_s"] for r in dec if r["impl"] == impl and (r["context"], r["batch"]) == kb), 0)
+              for kb in keys]
+        axes[1].bar([x + i * width for x in range(len(keys))], ys, width, label=impl)
+    axes[1].set_xticks([x + width * (len(impls) - 1) / 2 for x in range(len(keys))],
+                       [f"{c // 1024}k×{b}" for c, b in keys], fontsize=7)
+    axes[1].set_xlabel("context × batch")
+    axes[1].set_ylabel("decode tokens/s (all sequences)")
+    axes[1].set_yscale("log")
+    for ax in axes:
+        ax.grid(alpha=0.3, axis="y")
+    cfg = data.get("config", {})
+    fig.suptitle(_title(data, f"end to end, Llama-3-8B-shaped ({cfg.get('layers', '?')} layers)"), fontsize=9)
+    return _save(fig, path)
+
+
+PLOTTERS = {"bench_prefill": plot_prefill, "bench_decode": plot_decode, "bench_e2e": plot_e2e}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    paths = [Path(p) for p in (argv if argv else [])] or [RESULTS_DIR / f"{n}.json" for n in PLOTTERS]
+    for p in paths:
+        if not p.is_file():
+            print(f"plots: {p} not found, skipped")
+            continue
+        key = next((k for k in PLOTTERS if p.stem.startswith(k)), None)
+        if key is None:
+            print(f"plots: no plot for {p.name}")
+            continue
+        png = PLOTTERS[key](p)
+        if png:
+            print(f"wrote {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
