@@ -23,6 +23,14 @@ from transformers.cache_utils import DynamicCache
 import turbo_attn_hf
 from turbo_attn_hf import TurboConfig, TurboUnsupportedError
 
+
+def turbo_cache_available() -> bool:
+    try:
+        from turbo_attn_hf.cache import TurboCache  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
 MEAN_GAP = 0.4
 MAX_GAP = 1.6
 #: block 16 instead of 64, so a 20-token prompt already packs one block and decoding fills the tail
@@ -133,12 +141,30 @@ def test_sampling_and_beam_search(mode, tm, pytorch_reference_kernels):
     assert _gaps(tm.make_model("gemma2"), seq, 14).mean().item() < 2.0
 
 
+def _crop_zero_empties_turbo_cache(model, ids) -> bool:
+    if not turbo_cache_available():
+        return False
+    from turbo_attn_hf.cache import TurboCache
+
+    c = TurboCache("int8", config=model.config)
+    with torch.no_grad():
+        model(ids, past_key_values=c)
+    n = c.get_seq_length()
+    c.crop(0)  # transformers' "remove 0 tokens" (assisted decoding when every candidate matched)
+    return c.get_seq_length() != n
+
+
 def test_assisted_decoding(tm, pytorch_reference_kernels):
+    """An assistant identical to the model: every candidate matches, so the cache is cropped by 0 and by
+    partial candidate runs; the result must track the reference like plain greedy decoding."""
     model = tm.make_model("llama", attn="turbo_int8")
-    assistant = tm.make_model("llama", attn="turbo_int8", seed=7)
+    assistant = tm.make_model("llama", attn="turbo_int8")
     ids = tm.token_ids(1, 16)
-    seq = model.generate(ids, assistant_model=assistant, max_new_tokens=5, do_sample=False)
-    assert seq.shape == (1, 21)
+    if _crop_zero_empties_turbo_cache(model, ids):
+        pytest.xfail("TurboCache.crop(0) empties the cache (turbo_attn_hf/cache.py); transformers calls crop(0) "
+                     "in assisted decoding when all candidates match")
+    seq = model.generate(ids, assistant_model=assistant, max_new_tokens=8, do_sample=False)
+    assert seq.shape == (1, 24)
     _assert_tracks(tm.make_model("llama"), seq, 16)
 
 
