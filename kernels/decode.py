@@ -12,6 +12,7 @@ What it implements:
   ``[D, tokens]`` (tokens contiguous), so both dots read their reduction axis contiguously.
 - GQA packing: the G query heads of one KV head and the chunk's Lq queries form the M rows of one
   program (row ``r = head_in_group * Lq + query``), so K/V tiles are read once per KV head.
+- Sliding window: tiles that no query of the chunk can see are not visited (``first_visible_tile``).
 - Lean Attention's split of the context over the GPU: the tiles of each (batch, KV head, M tile) are cut
   into equal contiguous shares so that the grid is about ``waves x #SMs``; partial ``(m, l, O)`` triples
   merge by the associative rescale in a second small kernel. This is the two-kernel split-K variant of
@@ -39,7 +40,7 @@ import triton.language as tl
 from .pack import PackedKV, _dequant_tile, _unpack_tile
 from .softmax import sas_exp2
 
-__all__ = ["turbo_decode_attention", "plan_splits"]
+__all__ = ["turbo_decode_attention", "plan_splits", "first_visible_tile"]
 
 
 def _interpreter_index_compat() -> None:
@@ -103,10 +104,10 @@ def _attend_tile(
     return b_acc, b_mn, b_l
 
 
-@triton.jit(do_not_specialize=["n_blocks", "n_tail", "Lq", "kv_len", "TPS", "window"])
+@triton.jit(do_not_specialize=["n_blocks", "n_tail", "Lq", "kv_len", "T0", "TPS", "window"])
 def _decode_kernel(
     q, sk, mk, heads, kp, ks, kz, vp, vs, vz, kt, vt, sv, kvalid, o, po, pml,
-    n_blocks, n_tail, Lq, kv_len, TPS, window, softcap, sas_thr, qscale,
+    n_blocks, n_tail, Lq, kv_len, T0, TPS, window, softcap, sas_thr, qscale,
     stride_qb, stride_qh, stride_ql,
     stride_kb, stride_kh, stride_sb, stride_sh, stride_vb, stride_vh,
     H, HK,
@@ -171,7 +172,7 @@ def _decode_kernel(
     n_tiles = n_blocks
     if n_tail > 0:
         n_tiles += 1
-    t_lo = i_s * TPS
+    t_lo = T0 + i_s * TPS  # T0: first tile any query of the chunk can see (sliding window)
     t_hi = t_lo + TPS
     if t_hi > n_tiles:
         t_hi = n_tiles
@@ -285,6 +286,14 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def first_visible_tile(kv_len: int, lq: int, window: Optional[int], block: int) -> int:
+    """First tile (block) that a query of the chunk can see: with a sliding window ``w`` the first query
+    (position ``kv_len - lq``) sees keys from ``kv_len - lq - w + 1`` on; earlier tiles are skipped."""
+    if not window:
+        return 0
+    return max(0, (kv_len - lq - int(window) + 1) // block)
+
+
 def plan_splits(n_tiles: int, work_units: int, device: torch.device, waves: float = 2.0,
                 n_splits: Optional[int] = None) -> tuple[int, int]:
     """Shares of the context per (batch, head, M tile): ``(n_splits, tiles_per_split)``.
@@ -380,6 +389,7 @@ def turbo_decode_attention(
     BM = block_m or min(64, max(16, triton.next_power_of_2(M)))
     n_m = triton.cdiv(M, BM)
     n_tiles = n_blocks + (1 if n_tail > 0 else 0)
+    t0 = first_visible_tile(kv_len, Lq, window, BS)
     k_tail, v_tail = k_tail.contiguous(), v_tail.contiguous()
     sk = k_scale.float().contiguous()
     sv = v_scale.float().contiguous()
@@ -388,7 +398,7 @@ def turbo_decode_attention(
         H = len(grp.heads)
         if H == 0:
             continue
-        S, tps = plan_splits(n_tiles, b * H * n_m, q.device, waves, n_splits)
+        S, tps = plan_splits(n_tiles - t0, b * H * n_m, q.device, waves, n_splits)
         split = S > 1
         if split:
             po = torch.empty(S, b * H, n_m * BM, BD, dtype=torch.float32, device=q.device)
@@ -403,7 +413,7 @@ def turbo_decode_attention(
             q, sk, mk, grp.heads, kp, ks, grp.k_zero if packed else kp, vp,
             grp.v_scale if packed else kp, grp.v_zero if packed else kp,
             k_tail, v_tail, sv, kvalid if kvalid is not None else k_tail, o, po, pml,
-            n_blocks, n_tail, Lq, kv_len, tps, int(window or 0), float(softcap or 1.0),
+            n_blocks, n_tail, Lq, kv_len, t0, tps, int(window or 0), float(softcap or 1.0),
             float(sas_threshold * LOG2E), float(scale * LOG2E),
             q.stride(0), q.stride(1), q.stride(2),
             kp.stride(0), kp.stride(1), sst[0], sst[1], vp.stride(0), vp.stride(1),

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from turbo_attn_hf.kernels import reference as R
-from turbo_attn_hf.kernels.decode import plan_splits, turbo_decode_attention
+from turbo_attn_hf.kernels.decode import first_visible_tile, plan_splits, turbo_decode_attention
 from turbo_attn_hf.kernels.pack import PackedKV
 
 # kernel vs reference, CPU interpreter: measured max |diff| 1.2e-7 over the cases below (the same fp32 ops in
@@ -84,6 +84,7 @@ def test_decode_masks_and_softcap(variant, device):
     kw = dict(scale=0.3)
     if variant == "window":
         kw["window"] = 21
+        assert first_visible_tile(L, lq, 21, bs) == 4  # the kernel skips 4 of the 6 tiles
     elif variant == "softcap":
         kw["softcap"] = 5.0
     elif variant == "key_valid":
