@@ -34,7 +34,6 @@ from .bench_common import (
     bench_ms,
     copy_ceiling,
     free_gpu_memory,
-    is_oom,
     machine_info,
     machine_line,
     parse_int_list,
@@ -157,6 +156,7 @@ def run(contexts, batches, presets, *, hq=HQ, hk=HK, d=D, dry_run=False, ceiling
             base = {"context": T + 1, "batch": b}
             ref = None
             providers = []
+            setup_failed = False
             try:
                 k1 = torch.randn_like(k[:, :, :1])
                 v1 = torch.randn_like(v[:, :, :1])
@@ -184,9 +184,11 @@ def run(contexts, batches, presets, *, hq=HQ, hk=HK, d=D, dry_run=False, ceiling
                             return sdpa_fold(q, kd, vd, None if dev == "cpu" else _flash())
                         providers.append((f"dequant_{p}", deq, nbytes + 2 * bf16_bytes, layer.bytes_per_token()))
             except Exception as e:  # noqa: BLE001
-                if is_oom(e):
-                    free_gpu_memory()
                 rows.append({**base, "provider": "setup", "error": f"{type(e).__name__}: {str(e)[:160]}"})
+                setup_failed = True
+            if setup_failed:
+                k = v = kf = vf = caches = providers = None
+                free_gpu_memory()
                 continue
             for name, fn, nbytes, bpt in providers:
                 row = {**base, "provider": name, "bytes_read": nbytes, "kv_bytes_per_token": bpt}
@@ -202,16 +204,15 @@ def run(contexts, batches, presets, *, hq=HQ, hk=HK, d=D, dry_run=False, ceiling
                     if ceiling:
                         row["frac_ceiling"] = row["GBps"] / ceiling
                 except Exception as e:  # noqa: BLE001
-                    if is_oom(e):
-                        free_gpu_memory()
                     row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+                if "error" in row:
+                    free_gpu_memory()
                 rows.append(row)
             ms_ref = next((r.get("ms") for r in rows[-len(providers):] if r["provider"] == "sdpa_flash"), None)
             for r in rows[-len(providers):]:
                 if ms_ref and r.get("ms") and math.isfinite(r["ms"]):
                     r["x_sdpa"] = ms_ref / r["ms"]
-            del providers, ref
-            caches = None
+            providers = ref = caches = kf = vf = q = None
             free_gpu_memory()
             if save is not None:
                 save(rows)  # partial results survive a timeout

@@ -21,7 +21,6 @@ Measured, each on a fresh cache:
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 import sys
@@ -60,7 +59,7 @@ def build_model(layers: int, shape: dict, device, dtype):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    import turbo_attn_hf  # noqa: F401 - registers turbo_int8
+    import turbo_attn_hf  # noqa: F401  (registers turbo_int8)
 
     cfg = LlamaConfig(num_hidden_layers=layers, max_position_embeddings=1 << 20, tie_word_embeddings=False,
                       attn_implementation="sdpa", **shape)
@@ -206,7 +205,7 @@ def longest(model, impl: str, bytes_per_token: float, verify: bool) -> dict:
             if not is_oom(e):
                 raise
             row.update(verified_tokens=None, verify_error="OOM at 95% of the estimate")
-            free_gpu_memory()
+    free_gpu_memory()  # after the except block: the traceback no longer pins the failed step's tensors
     return row
 
 
@@ -274,7 +273,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 row["tokens_per_s"] = T / (row["ms"] * 1e-3)
             except Exception as e:  # noqa: BLE001
                 row["error"] = "OOM" if is_oom(e) else f"{type(e).__name__}: {str(e)[:160]}"
-                free_gpu_memory()
+            free_gpu_memory()  # outside the except block, so the traceback's frames (and tensors) are gone
             pre_rows.append(row)
             print(f"  prefill {impl} {T}: {row.get('ms', row.get('error'))}", flush=True)
         for T in ctxs:
@@ -284,7 +283,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     row.update(decode(model, impl, b, T, steps))
                 except Exception as e:  # noqa: BLE001
                     row["error"] = "OOM" if is_oom(e) else f"{type(e).__name__}: {str(e)[:160]}"
-                    free_gpu_memory()
+                free_gpu_memory()
                 dec_rows.append(row)
                 print(f"  decode {impl} ctx {T} batch {b}: {row.get('tokens_per_s', row.get('error'))}", flush=True)
         if not args.dry_run:

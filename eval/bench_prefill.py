@@ -29,7 +29,6 @@ from typing import Callable, Optional
 from .bench_common import (
     bench_ms,
     free_gpu_memory,
-    is_oom,
     machine_info,
     machine_line,
     parse_int_list,
@@ -57,7 +56,6 @@ def rel_l2(a, b) -> float:
 
 def make_providers(q, k, v, causal: bool, names, dry_run: bool = False) -> dict[str, Callable]:
     """Provider name -> zero-argument callable returning ``o [b, L, H, d]``; unavailable ones are skipped."""
-    import torch
     import torch.nn.functional as F
 
     from turbo_attn_hf.kernels import prefill, quant, reference
@@ -134,9 +132,9 @@ def run(shapes: list[tuple[int, int]], causals: list[bool], providers: list[str]
                     row.update(t)
                     row["tflops"] = flops(b, h, L, d, causal) / (t["ms"] * 1e-3) / 1e12
                 except Exception as e:  # noqa: BLE001 - one provider failing must not stop the table
-                    if is_oom(e):
-                        free_gpu_memory()
                     row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+                if "error" in row:
+                    free_gpu_memory()
                 rows.append(row)
             by = {r["provider"]: r for r in rows if (r["d"], r["L"], r["causal"]) == (d, L, causal)}
             for r in by.values():

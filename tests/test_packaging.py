@@ -12,7 +12,6 @@ import importlib.metadata
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
