@@ -132,6 +132,8 @@ def collect(res: dict) -> tuple[dict, dict]:
     for task, samples in res.get("samples", {}).items():
         per = {}
         for s in samples:
+            if s["doc_id"] in per:  # built-in tasks log one sample per filter: keep the first
+                continue
             text = s["resps"][0][0] if s["resps"] and s["resps"][0] else ""
             if task.startswith(OUR_GROUPS):
                 ans = tu.extract(task, text, s["doc"])
