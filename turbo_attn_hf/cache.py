@@ -284,13 +284,14 @@ class TurboLayer(CacheLayerMixin):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last ``-tokens_to_remove`` tokens (negative, transformers >= 5.2x) or keep the first
-        ``tokens_to_remove`` (positive: the older ``max_length`` meaning).
+        ``tokens_to_remove`` (positive: the older ``max_length`` meaning); 0 removes nothing (transformers
+        calls ``crop(0)`` in assisted decoding when every candidate matched).
 
         Cropping inside a packed block moves that block's kept tokens back into the INT8 tail as their
         dequantized INT8 values (``code * scale_int + zero``), exactly what attention read before; when the
         tail fills again they are packed with the new tokens (a second rounding of those tokens only).
         """
-        if not self.is_initialized:
+        if not self.is_initialized or tokens_to_remove == 0:
             return
         n = self.get_seq_length()
         new_len = max(n + tokens_to_remove, 0) if tokens_to_remove < 0 else min(tokens_to_remove, n)

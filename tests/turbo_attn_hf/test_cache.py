@@ -116,6 +116,8 @@ def test_crop_within_tail_and_into_packed_block(device):
     cache, k, v = _filled(b=2, device=device)
     layer = cache.layers[0]
     q = _query(2, 4, 1, 32, device)
+    cache.crop(0)  # "remove 0 tokens" (assisted decoding when every candidate matched): a no-op
+    assert cache.get_seq_length() == 131 and (layer.n_blocks, layer.n_tail) == (2, 3)
     cache.crop(-2)  # 131 -> 129: tail only
     assert cache.get_seq_length() == 129 and (layer.n_blocks, layer.n_tail) == (2, 1)
     kk, vv = layer._placeholders(129)
