@@ -136,3 +136,15 @@ def test_training_uses_pytorch_attention_and_backpropagates(tm):
     # unquantized fallback: same loss and gradient as sdpa up to fp32 reduction order
     assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=1e-5)
     assert torch.allclose(grad, ref_grad, rtol=1e-3, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_logits_match_reference_on_gpu(arch, tm):
+    """GPU: compiled kernels, the same tiny models and bounds as test_logits_match_reference (same math)."""
+    model = tm.make_model(arch).cuda()
+    ids = tm.token_ids(2, SEQ).cuda()
+    ref = _logits(model, ids)
+    model.set_attn_implementation("turbo_int8")
+    out = _logits(model, ids)
+    err, mx = tm.rel_rms(out, ref), (out - ref).abs().max().item()
+    assert err < LOGITS_REL_BOUND and mx < LOGITS_ABS_BOUND, f"{arch}: rel {err:.4f} max {mx:.3f}"
