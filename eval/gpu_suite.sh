@@ -4,7 +4,7 @@
 #   bash eval/gpu_suite.sh                    # every step, within SUITE_BUDGET seconds (default 520)
 #   bash eval/gpu_suite.sh prefill decode     # only these steps (to split the suite over two runs)
 #
-# Steps, in order: setup tests memcheck accuracy prefill decode e2e  (setup always runs)
+# Steps, in order: setup tests memcheck accuracy prefill decode e2e chat  (setup always runs)
 #   setup     install the carried wheels (.carry/wh, see ../shared/tools/device-wheels) into /tmp/site and this
 #             project (pip install --no-deps --no-build-isolation -e .), print the machine line
 #   tests     python -m pytest -m gpu tests (the memcheck test is left to the next step)
@@ -13,6 +13,8 @@
 #   prefill   python -m eval.bench_prefill --quick     (FA3 protocol subset, SDPA cuDNN/flash, Sage, turbo)
 #   decode    python -m eval.bench_decode --quick      (4k/32k x batch 1/8/32, presets vs SDPA vs dequant+SDPA)
 #   e2e       python -m eval.bench_e2e --quick         (Llama-3-8B-shaped, E2E_LAYERS layers, default 32)
+#   chat      turbo-attn chat on SmolLM2-135M-Instruct, turbo_int8 vs sdpa tokens/s and KV memory, when the GGUF
+#             was staged (SMOL_GGUF, default /tmp/m/smol.gguf: ../shared/tools/stage-model, two runs); else skipped
 # Every step has its own time limit, cut to what is left of SUITE_BUDGET; a step that fails or times out is
 # reported and the suite goes on (the long benchmarks rewrite their JSON after every configuration, so a
 # timeout keeps what was measured). Results in $OUT (the run tool's folder; default eval/results/gpu_run):
@@ -31,7 +33,8 @@ E2E_LAYERS=${E2E_LAYERS:-32}
 PY=${PYTHON:-python3}
 START=$(date +%s)
 STEPS=("$@")
-[ ${#STEPS[@]} -eq 0 ] && STEPS=(tests memcheck accuracy prefill decode e2e)
+[ ${#STEPS[@]} -eq 0 ] && STEPS=(tests memcheck accuracy prefill decode e2e chat)
+SMOL_GGUF=${SMOL_GGUF:-/tmp/m/smol.gguf}
 export PYTHONUNBUFFERED=1
 
 exec > >(tee -a "$OUT/suite.log") 2>&1
@@ -115,6 +118,14 @@ want accuracy && run_step accuracy 90 $PY -m eval.kernel_accuracy --quick --out 
 want prefill && run_step prefill 150 $PY -m eval.bench_prefill --quick --out "$RES"
 want decode && run_step decode 120 $PY -m eval.bench_decode --quick --out "$RES"
 want e2e && run_step e2e 170 $PY -m eval.bench_e2e --quick --layers "$E2E_LAYERS" --out "$RES"
+if want chat; then
+  if [ -f "$SMOL_GGUF" ]; then
+    run_step chat 90 $PY -m turbo_attn_hf.eval.cli chat --model "$SMOL_GGUF" --preset int4 --max-new-tokens 64 \
+      --prompt "What is the capital of France? Answer in one sentence."
+  else
+    SUMMARY+=("chat: SKIPPED (no GGUF at $SMOL_GGUF; stage it with ../shared/tools/stage-model)")
+  fi
+fi
 
 # ------------------------------------------------------------------------------------------------ bundle
 {
