@@ -1,0 +1,485 @@
+"""INT8 flash-attention forward (prefill): causal / GQA / sliding window / softcap / padding mask.
+
+What it implements:
+- INT-FlashAttention (Chen et al., 2024, Alg. 1): Q.K^T and P.V both as INT8 x INT8 -> INT32 tensor-core
+  dots inside one FlashAttention-2 online-softmax loop; Q, K per-token symmetric INT8 scales, V a
+  per-(block, channel) scale that factors out of P.V, P an INT8 code of the probabilities.
+- P scale (``p_scale``): "static" is INT-FlashAttention's ``p8 = round(127 exp2(S2 - m_running))``;
+  "block" (default) quantizes each block relative to its own row max, ``p8 = round(127 exp2(S2 - bmax))``,
+  and folds ``w = exp2(bmax - m_new)`` back into the fp32 update. Measured on CPU with the reference
+  (d 128, L 1k-4k, vs fp64; tests/kernels/test_reference.py keeps a small version of it): FA3's outlier
+  test (N(0,1) + N(0,100) Bernoulli(0.001)) gives RMSE 2.3e-2 - 3.7e-2 with "static" (a row dominated by a
+  few keys rounds every other weight to 0) and 4.4e-3 - 6.2e-3 with "block" (FA3-FP8: 9.1e-3); N(0,1)
+  MRE (mean |o - ref| / mean |ref|) 2.1-3.0 % static, 1.5 % block; U(-0.5, 0.5) 0.5 % both.
+  The cost is one exp2 per row and one multiply per accumulator element per block.
+- TurboAttention (Kang et al., 2024) §4: SAS softmax as an option (``softmax="sas"``, kernels/softmax.py);
+  the rescale factor alpha = exp2(m_old - m_new) stays exact.
+- FlashAttention-3 (Shah et al., 2024) §3.3: 8-bit wgmma needs both operands K-major: K tiles are loaded
+  as ``[d, tokens]`` views of ``k8 [tokens, d]`` (d contiguous), V tiles as ``[d, tokens]`` blocks of the
+  transposed ``v8t [d, Lpad]`` (tokens contiguous) and ``tl.trans``-ed, so both dots read their reduction
+  axis contiguously.
+- Hopper's conversion unit runs 16 results/clock/SM, as slow as MUFU.EX2, so int32 -> fp32 of the dot
+  results and fp32 -> int8 of P use the magic number C = 1.5 * 2^23 (one integer add + one float add;
+  exact while |x| < 2^22, which ``tl.static_assert`` checks for the tile sizes).
+
+Layout of the work: a 1-D grid of cdiv(Lq, BLOCK_M) * b * Hq programs, the row blocks of one head
+next to each other (its K/V stay in L2), heaviest causal row blocks first; the KV head of
+query head h is h // (Hq // Hk) (GQA/MQA without repeating K/V). Each program runs up to three loops over
+KV blocks: [lo, full_lo) with masks (window edge), [full_lo, full_hi) without (only the key-padding mask
+if any), [full_hi, hi) with masks (causal diagonal and the Lk tail). Blocks after the causal diagonal and
+before the window are never visited. The output is written as ``[b, Lq, Hq, d]``.
+
+Speed (H200, b1 H16 L8192 d128, bf16 in/out, quantization included; FLOPs 4 b h L^2 d, halved causal):
+356 TFLOP/s full / 296 causal with the default block_n 64, against SDPA-flash (FA2) 358 / 285 and
+SDPA-cuDNN 644 / 542; block_n=128 gives 463 / 373 for ~10-15 % more error (N(0,1) MRE 1.5 -> 1.7 %, FA3
+outlier RMSE 6.2e-3 -> 8.3e-3 at L 1k causal). The loop is ALU-bound, not MUFU-bound: the per-block
+int32 -> fp32 rescale of the [BLOCK_M, d] P.V result dominates (hence block_n 128 halving it per token),
+and SAS's polynomial is slower than ex2 here (226 vs 331 TFLOP/s at d128 full, (128, 8, 3) tiles).
+
+Tiers (FLA style): ``_int8_attn_fwd_kernel`` (``@triton.jit``) -> ``_launch`` (grid, strides, tiles) ->
+``int8_flash_attention`` (quantized operands) / ``turbo_attention`` (bf16/fp16 in, bf16/fp16 out).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .quant import _check_device, interpreting, k_smooth_mean, quantize_per_token, quantize_v_blocks
+from .reference import (
+    DEFAULT_BLOCK_N,
+    DEFAULT_P_SCALE,
+    LOG2E,
+    MAGIC,
+    MAGIC_BITS,
+    P_SCALE_MODES,
+    SOFTMAX_MODES,
+    SUPPORTED_HEAD_DIMS,
+)
+from .softmax import sas_exp2
+
+__all__ = [
+    "turbo_attention",
+    "int8_flash_attention",
+    "quantize_per_token",
+    "quantize_v_blocks",
+    "sas_exp2",
+    "SUPPORTED_HEAD_DIMS",
+    "SUPPORTED_DTYPES",
+]
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+
+_MAGIC = tl.constexpr(MAGIC)
+_MAGIC_BITS = tl.constexpr(MAGIC_BITS)
+_TWO_POW_22 = tl.constexpr(4194304)
+
+# Tiles per (BLOCK_D, causal): (BLOCK_M, num_warps, num_stages). BLOCK_N is the V quantization block
+# (``block_n``, default 64), not a tuning knob here. Autotuning proper is a later issue.
+# Kernel alone on an H200, b1 H16 L8192, block_n 64, TFLOP/s full / causal (2026-11-22):
+#   d64 : (128, 4, 3) 255 / 208, (64, 4, 3) 234 / 207, (64, 4, 4) 214 / 208
+#   d128: (64, 4, 3) 370-380 / 329-333, (64, 4, 4) 371 / 325, (64, 4, 2) 333 / 283, (128, 8, 3) 331 / 271,
+#         (128, 8, 2) 282, (128, 4, 3) 222   -- one warpgroup per program, two programs per SM
+#   d256: (64, 8, 2) 267 / 231, (64, 4, 2) 227 / 215, (64, 4, 3) 183 / 156
+# (block_n 128 with (64, 4, 3) at d128: 518 / 445.)
+_GPU_CONFIGS = {
+    (64, False): (128, 4, 3),
+    (64, True): (128, 4, 3),
+    (128, False): (64, 4, 3),
+    (128, True): (64, 4, 3),
+    (256, False): (64, 8, 2),
+    (256, True): (64, 8, 2),
+}
+_INTERPRET_CONFIG = (32, 1, 1)
+_GPU_BLOCK_N = (32, 64, 128)
+_INTERPRET_BLOCK_N = (16, 32, 64, 128)
+
+
+# ------------------------------------------------------------------------------------------ kernel
+@triton.jit
+def _i32_to_f32(x):
+    """float(x) for int32 |x| < 2^22, exact, by an integer add and a float add (no I2F instruction)."""
+    return (x + _MAGIC_BITS).to(tl.float32, bitcast=True) - _MAGIC
+
+
+@triton.jit
+def _attn_fwd_inner(
+    acc, l_i, m_i, b_q, b_sq, o_pos, o_d, m_d,
+    p_kbase, p_skbase, p_vbase, p_svbase, p_kvbase,
+    stride_kn, stride_vd, stride_svn,
+    lo, hi, Lk, window, softcap_in, softcap_out, thr2,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_KEY_VALID: tl.constexpr, USE_SAS: tl.constexpr, BLOCK_P_SCALE: tl.constexpr,
+    BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
+):
+    """KV blocks [lo, hi) (lo a multiple of BLOCK_N) of one row block; MASKED adds the position masks."""
+    o_n0 = tl.arange(0, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        o_n = start_n + o_n0
+        p_k = p_kbase + o_n[None, :] * stride_kn + o_d[:, None]  # [BD, BN] view of k8 [BN, d]: K-major
+        p_v = p_vbase + o_d[:, None] * stride_vd + o_n[None, :]  # [BD, BN] of v8t: tokens contiguous
+        if MASKED:
+            m_n = o_n < Lk
+            b_k = tl.load(p_k, mask=m_d[:, None] & m_n[None, :], other=0)
+            b_sk = tl.load(p_skbase + o_n, mask=m_n, other=0.0)
+        else:
+            if EVEN_D:
+                b_k = tl.load(p_k)
+            else:
+                b_k = tl.load(p_k, mask=m_d[:, None], other=0)
+            b_sk = tl.load(p_skbase + o_n)
+        # S2 = (q8 . k8)_int32 * sq * sk: base-2 logits (softmax scale and log2 e are in sq)
+        b_s = _i32_to_f32(tl.dot(b_q, b_k)) * b_sq[:, None] * b_sk[None, :]
+        if HAS_SOFTCAP:  # softcap * tanh(S2 ln2 / softcap) * log2 e, tanh(z) = 1 - 2 / (e^(2z) + 1)
+            b_s = (1.0 - 2.0 / (tl.exp2(b_s * softcap_in) + 1.0)) * softcap_out
+        if MASKED:
+            m_s = m_n[None, :]
+            if IS_CAUSAL:
+                m_s = m_s & (o_n[None, :] <= o_pos[:, None])
+            if HAS_WINDOW:
+                m_s = m_s & ((o_pos[:, None] - o_n[None, :]) < window)
+            if HAS_KEY_VALID:
+                b_kv = tl.load(p_kvbase + o_n, mask=m_n, other=0)
+                m_s = m_s & (b_kv != 0)[None, :]
+            b_s = tl.where(m_s, b_s, float("-inf"))
+        elif HAS_KEY_VALID:
+            b_kv = tl.load(p_kvbase + o_n)
+            b_s = tl.where((b_kv != 0)[None, :], b_s, float("-inf"))
+        # online softmax, base 2; rows whose max is still -inf use 0 so that exp2 gives 0, not NaN
+        b_bmax = tl.max(b_s, 1)
+        m_new = tl.maximum(m_i, b_bmax)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_safe)
+        if BLOCK_P_SCALE:
+            b_safe = tl.where(b_bmax == float("-inf"), 0.0, b_bmax)
+            b_x = b_s - b_safe[:, None]
+            if USE_SAS:  # SAS threshold relative to the row max: m_new - S2 > thr2
+                b_p = sas_exp2(b_x, thr2)
+                b_p = tl.where(-b_x > (thr2 - (m_safe - b_safe))[:, None], 0.0, b_p)
+            else:
+                b_p = tl.math.exp2(b_x)
+            b_w = tl.math.exp2(b_safe - m_safe)
+        else:
+            b_x = b_s - m_safe[:, None]
+            if USE_SAS:
+                b_p = sas_exp2(b_x, thr2)
+            else:
+                b_p = tl.math.exp2(b_x)
+        # p8 = round(127 p) through C: bits(127 p + C) - bits(C), an integer in [0, 127]
+        b_pi = (b_p * 127.0 + _MAGIC).to(tl.int32, bitcast=True) - _MAGIC_BITS
+        b_psum = tl.sum(b_pi, 1).to(tl.float32)
+        if EVEN_D:
+            b_vt = tl.load(p_v)
+        else:
+            b_vt = tl.load(p_v, mask=m_d[:, None], other=0)
+        b_sv = tl.load(p_svbase + (start_n // BLOCK_N) * stride_svn + o_d, mask=m_d, other=0.0)
+        # chained int8 dot: P (from the first dot) x V, V as a K-major [BN, BD] view of the [BD, BN] tile
+        b_pv = _i32_to_f32(tl.dot(b_pi.to(tl.int8), tl.trans(b_vt))) * b_sv[None, :]
+        if BLOCK_P_SCALE:
+            l_i = l_i * alpha + b_w * b_psum
+            acc = acc * alpha[:, None] + b_pv * b_w[:, None]
+        else:
+            l_i = l_i * alpha + b_psum
+            acc = acc * alpha[:, None] + b_pv
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=["Lq", "Lk", "stride_sqb", "stride_sqh", "stride_skb", "stride_skh",
+                               "stride_kvb"])
+def _int8_attn_fwd_kernel(
+    Q8, SQ, K8, SK, VT, SV, KV, O,
+    Lq, Lk, HQ, G, window, softcap_in, softcap_out, thr2,
+    stride_qb, stride_qh, stride_qm,
+    stride_sqb, stride_sqh,
+    stride_kb, stride_kh, stride_kn,
+    stride_skb, stride_skh,
+    stride_vb, stride_vh, stride_vd,
+    stride_svb, stride_svh, stride_svn,
+    stride_kvb,
+    stride_ob, stride_om, stride_oh,
+    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_KEY_VALID: tl.constexpr, USE_SAS: tl.constexpr, BLOCK_P_SCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    """grid (cdiv(Lq, BLOCK_M) * b * HQ,): row blocks of one head are neighbours (K/V stay in L2).
+
+    Q8 [b, HQ, Lq, D] int8, SQ [b, HQ, Lq] fp32; K8 [b, HK, Lk, D] int8, SK [b, HK, Lk] fp32;
+    VT [b, HK, D, Lpad] int8 (Lpad a multiple of BLOCK_N), SV [b, HK, Lpad / BLOCK_N, D] fp32;
+    KV [b, Lk] uint8 key validity (HAS_KEY_VALID); O [b, Lq, HQ, D] (last stride 1). G = HQ // HK.
+    """
+    tl.static_assert(BLOCK_D * 127 * 127 < _TWO_POW_22)  # |q8 . k8| < 2^22: exact _i32_to_f32
+    tl.static_assert(BLOCK_N * 127 * 127 < _TWO_POW_22)  # |p8 . v8| < 2^22
+    tl.static_assert(HEAD_DIM <= BLOCK_D)
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    n_m = tl.cdiv(Lq, BLOCK_M)
+    i_m = n_m - 1 - tl.program_id(0) % n_m  # longest (causal) row blocks first
+    i_bh = tl.program_id(0) // n_m  # 1-D grid: b * HQ may pass the 65535 limit of grid axis 1
+    i_b, i_hq = i_bh // HQ, i_bh % HQ
+    i_hk = i_hq // G
+    i_b64, i_hq64, i_hk64 = i_b.to(tl.int64), i_hq.to(tl.int64), i_hk.to(tl.int64)
+
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_d = tl.arange(0, BLOCK_D)
+    m_m, m_d = o_m < Lq, o_d < HEAD_DIM
+    o_pos = o_m + (Lk - Lq)  # absolute query positions (bottom-right aligned)
+
+    p_q = Q8 + i_b64 * stride_qb + i_hq64 * stride_qh + o_m[:, None] * stride_qm + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_m[:, None] & m_d[None, :], other=0)
+    b_sq = tl.load(SQ + i_b64 * stride_sqb + i_hq64 * stride_sqh + o_m, mask=m_m, other=0.0)
+    p_kbase = K8 + i_b64 * stride_kb + i_hk64 * stride_kh
+    p_skbase = SK + i_b64 * stride_skb + i_hk64 * stride_skh
+    p_vbase = VT + i_b64 * stride_vb + i_hk64 * stride_vh
+    p_svbase = SV + i_b64 * stride_svb + i_hk64 * stride_svh
+    p_kvbase = KV + i_b64 * stride_kvb
+
+    # KV block ranges: [lo, full_lo) masked, [full_lo, full_hi) unmasked, [full_hi, hi) masked
+    pos_min = i_m * BLOCK_M + (Lk - Lq)
+    pos_max = pos_min + (BLOCK_M - 1)
+    lo = 0
+    hi = Lk
+    if IS_CAUSAL:
+        hi = tl.minimum(hi, pos_max + 1)
+    full_lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(pos_min - window + 1, 0) // BLOCK_N * BLOCK_N
+        full_lo = tl.cdiv(tl.maximum(pos_max - window + 1, 0), BLOCK_N) * BLOCK_N
+        full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = Lk // BLOCK_N * BLOCK_N
+    if IS_CAUSAL:
+        full_hi = tl.minimum(full_hi, (pos_min + 1) // BLOCK_N * BLOCK_N)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if HAS_WINDOW:
+        acc, l_i, m_i = _attn_fwd_inner(
+            acc, l_i, m_i, b_q, b_sq, o_pos, o_d, m_d, p_kbase, p_skbase, p_vbase, p_svbase, p_kvbase,
+            stride_kn, stride_vd, stride_svn, lo, full_lo, Lk, window, softcap_in, softcap_out, thr2,
+            True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_VALID, USE_SAS, BLOCK_P_SCALE, BLOCK_N, EVEN_D)
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc, l_i, m_i, b_q, b_sq, o_pos, o_d, m_d, p_kbase, p_skbase, p_vbase, p_svbase, p_kvbase,
+        stride_kn, stride_vd, stride_svn, full_lo, full_hi, Lk, window, softcap_in, softcap_out, thr2,
+        False, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_VALID, USE_SAS, BLOCK_P_SCALE, BLOCK_N, EVEN_D)
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc, l_i, m_i, b_q, b_sq, o_pos, o_d, m_d, p_kbase, p_skbase, p_vbase, p_svbase, p_kvbase,
+        stride_kn, stride_vd, stride_svn, full_hi, hi, Lk, window, softcap_in, softcap_out, thr2,
+        True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_VALID, USE_SAS, BLOCK_P_SCALE, BLOCK_N, EVEN_D)
+
+    # epilogue: o = acc / l, 0 for rows without any valid key
+    has_key = l_i > 0
+    b_o = acc / tl.where(has_key, l_i, 1.0)[:, None]
+    b_o = tl.where(has_key[:, None], b_o, 0.0)
+    p_o = O + i_b64 * stride_ob + i_hq64 * stride_oh + o_m[:, None].to(tl.int64) * stride_om + o_d[None, :]
+    tl.store(p_o, b_o.to(O.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
+
+
+# ---------------------------------------------------------------------------------------- launcher
+def _pick_config(head_dim: int, causal: bool):
+    """(BLOCK_M, num_warps, num_stages) from the table (GPU) or small tiles (interpreter)."""
+    if interpreting():
+        return _INTERPRET_CONFIG
+    return _GPU_CONFIGS[(triton.next_power_of_2(head_dim), bool(causal))]
+
+
+def _launch(q8, sq, k8, sk, v8t, sv, out, *, causal, window, softcap, key_valid, use_sas, thr2, block_p,
+            Lk, config=None):
+    b, hq, lq, d = q8.shape
+    hk = k8.shape[1]
+    block_n = v8t.shape[-1] // sv.shape[2]
+    block_m, num_warps, num_stages = config if config is not None else _pick_config(d, causal)
+    if key_valid is not None:
+        kv = key_valid.to(torch.bool).contiguous().view(torch.uint8)
+        stride_kvb = kv.stride(0)
+    else:
+        kv, stride_kvb = sq, 0  # unused pointer
+    has_window = window is not None
+    has_softcap = softcap is not None
+    grid = (triton.cdiv(lq, block_m) * b * hq,)
+    _int8_attn_fwd_kernel[grid](
+        q8, sq, k8, sk, v8t, sv, kv, out,
+        lq, Lk, hq, hq // hk,
+        int(window) if has_window else 0,
+        2.0 / float(softcap) if has_softcap else 0.0,
+        float(softcap) * LOG2E if has_softcap else 0.0,
+        float(thr2),
+        q8.stride(0), q8.stride(1), q8.stride(2),
+        sq.stride(0), sq.stride(1),
+        k8.stride(0), k8.stride(1), k8.stride(2),
+        sk.stride(0), sk.stride(1),
+        v8t.stride(0), v8t.stride(1), v8t.stride(2),
+        sv.stride(0), sv.stride(1), sv.stride(2),
+        stride_kvb,
+        out.stride(0), out.stride(1), out.stride(2),
+        IS_CAUSAL=bool(causal), HAS_WINDOW=has_window, HAS_SOFTCAP=has_softcap,
+        HAS_KEY_VALID=key_valid is not None, USE_SAS=bool(use_sas), BLOCK_P_SCALE=bool(block_p),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(d), HEAD_DIM=d,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------------- public: checks
+def _check_head_dim(d: int) -> None:
+    if d not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(
+            f"head_dim {d} is not supported by turbo_int8 (supported: {SUPPORTED_HEAD_DIMS}); "
+            "load the model with attn_implementation='sdpa'"
+        )
+
+
+def _check_options(causal, window, softcap, softmax, p_scale, sas_threshold) -> None:
+    if softmax not in SOFTMAX_MODES:
+        raise ValueError(f"softmax={softmax!r} must be one of {SOFTMAX_MODES}")
+    if p_scale not in P_SCALE_MODES:
+        raise ValueError(f"p_scale={p_scale!r} must be one of {P_SCALE_MODES}")
+    if window is not None and (int(window) != window or window < 1):
+        raise ValueError(f"window={window!r} must be a positive integer (sliding window size) or None")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap={softcap!r} must be > 0 or None")
+    if softmax == "sas" and not sas_threshold > 0:
+        raise ValueError(f"sas_threshold={sas_threshold!r} must be > 0")
+
+
+def _check_key_valid(key_valid, b, lk, device) -> None:
+    if key_valid is None:
+        return
+    if tuple(key_valid.shape) != (b, lk):
+        raise ValueError(f"key_valid must be [b, Lk] = {(b, lk)} (True = real token); got {tuple(key_valid.shape)}")
+    if key_valid.dtype != torch.bool:
+        raise ValueError(f"key_valid must be a bool tensor; got {key_valid.dtype}")
+    if key_valid.device != device:
+        raise ValueError(f"key_valid is on {key_valid.device}, the attention inputs on {device}")
+
+
+def _check_out(out, shape, dtype, device):
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != device:
+        raise ValueError(f"out must be {tuple(shape)} {dtype} on {device}; got {tuple(out.shape)} {out.dtype} "
+                         f"on {out.device}")
+    if out.stride(-1) != 1:
+        raise ValueError("out must have a contiguous last dimension")
+    return out
+
+
+# ---------------------------------------------------------------------------------- public: kernels
+def int8_flash_attention(q8, sq, k8, sk, v8t, sv, *, causal=True, window=None, softcap=None, key_valid=None,
+                         softmax="exact", sas_threshold=6.0, Lk=None, out_dtype=torch.bfloat16,
+                         p_scale=DEFAULT_P_SCALE, out=None, _config=None):
+    """The INT8 flash-attention kernel alone, on quantized operands (for kernel-only benchmarks).
+
+    q8: ``[b, Hq, Lq, d]`` int8, sq: ``[b, Hq, Lq]`` fp32 with the softmax scale and log2(e) folded in
+    (``quantize_per_token(q, scale=scale * log2 e)``); k8: ``[b, Hk, Lk, d]`` int8, sk: ``[b, Hk, Lk]``;
+    v8t: ``[b, Hk, d, Lpad]`` int8, sv: ``[b, Hk, Lpad // block, d]`` (``quantize_v_blocks``). The KV block
+    of the loop is the V block. Lk: number of real keys (default k8.shape[2]).
+    Returns ``o [b, Lq, Hq, d]`` in ``out_dtype`` (written into ``out`` if given). Other arguments: see
+    ``turbo_attention``. ``_config=(BLOCK_M, num_warps, num_stages)`` overrides the tile table.
+    """
+    _check_device(q8, "q8")
+    for name, t, dt in (("q8", q8, torch.int8), ("k8", k8, torch.int8), ("v8t", v8t, torch.int8),
+                        ("sq", sq, torch.float32), ("sk", sk, torch.float32), ("sv", sv, torch.float32)):
+        if t.dtype != dt:
+            raise ValueError(f"{name} must be {dt}; got {t.dtype}")
+        if t.device != q8.device:
+            raise ValueError(f"{name} is on {t.device}, q8 on {q8.device}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension")
+    if out_dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"out_dtype must be one of {SUPPORTED_DTYPES}; got {out_dtype}")
+    if q8.dim() != 4 or k8.dim() != 4 or v8t.dim() != 4:
+        raise ValueError("q8, k8, v8t must be 4-D")
+    b, hq, lq, d = q8.shape
+    _, hk, lk_k, _ = k8.shape
+    Lk = lk_k if Lk is None else int(Lk)
+    _check_head_dim(d)
+    if k8.shape[0] != b or k8.shape[3] != d or tuple(v8t.shape[:3]) != (b, hk, d):
+        raise ValueError(f"shapes disagree: q8 {tuple(q8.shape)}, k8 {tuple(k8.shape)}, v8t {tuple(v8t.shape)}")
+    if hq % hk != 0:
+        raise ValueError(f"query heads {hq} are not a multiple of key/value heads {hk}")
+    if not 0 < Lk <= lk_k or Lk > v8t.shape[-1]:
+        raise ValueError(f"Lk={Lk} must be in [1, {min(lk_k, v8t.shape[-1])}]")
+    if lq > Lk:
+        raise ValueError(f"q_len {lq} > kv_len {Lk}: queries must be the last Lq of the Lk positions")
+    if tuple(sq.shape) != (b, hq, lq) or tuple(sk.shape[:2]) != (b, hk) or sk.shape[2] < Lk:
+        raise ValueError(f"scale shapes disagree: sq {tuple(sq.shape)}, sk {tuple(sk.shape)}")
+    nblk = sv.shape[2] if sv.dim() == 4 else 0
+    if sv.dim() != 4 or tuple(sv.shape) != (b, hk, nblk, d) or nblk == 0 or v8t.shape[-1] % nblk:
+        raise ValueError(f"sv {tuple(sv.shape)} does not match v8t {tuple(v8t.shape)}")
+    block_n = v8t.shape[-1] // nblk
+    allowed = _INTERPRET_BLOCK_N if interpreting() else _GPU_BLOCK_N
+    if block_n not in allowed:
+        raise ValueError(f"V block {block_n} is not supported (supported: {allowed})")
+    _check_options(causal, window, softcap, softmax, p_scale, sas_threshold)
+    _check_key_valid(key_valid, b, Lk, q8.device)
+    out = _check_out(out, (b, lq, hq, d), out_dtype, q8.device)
+    if lq == 0 or b * hq == 0:
+        return out
+    return _launch(q8, sq, k8, sk, v8t, sv, out, causal=causal, window=window, softcap=softcap,
+                   key_valid=key_valid, use_sas=softmax == "sas", thr2=float(sas_threshold) * LOG2E,
+                   block_p=p_scale == "block", Lk=Lk, config=_config)
+
+
+def turbo_attention(q, k, v, *, scale=None, causal=True, window=None, softcap=None, key_valid=None,
+                    softmax="exact", sas_threshold=6.0, smooth_k=True, out=None, p_scale=DEFAULT_P_SCALE,
+                    block_n=DEFAULT_BLOCK_N):
+    """INT8 flash attention from bf16/fp16 Q, K, V: fused quantization + the INT8 kernel.
+
+    q: ``[b, Hq, Lq, d]``, k, v: ``[b, Hk, Lk, d]``, fp16 or bf16 (any strides), Hq % Hk == 0, Lq <= Lk,
+    d in (64, 80, 96, 128, 256). Returns ``o [b, Lq, Hq, d]`` in q's dtype (written into ``out`` if given).
+      scale: softmax scale (natural-log units), default d**-0.5.
+      causal: query i sits at absolute position Lk - Lq + i (bottom-right); attends key j iff j <= pos_i.
+      window: sliding window W (HF semantics): also require pos_i - j < W. None = no window.
+      softcap: Gemma-2 logit softcap, s = softcap * tanh(s / softcap) on natural-unit scores, before masking.
+      key_valid: bool ``[b, Lk]`` padding mask (False = padded key) or None. Rows with no valid key
+        return zeros.
+      softmax: "exact" (exp2) or "sas" (TurboAttention's sparse activated softmax: weights more than
+        ``sas_threshold`` natural-log units below the row max are dropped, the rest use FMA-only exp).
+      smooth_k: subtract K's per-channel mean before quantizing (SageAttention); forced off with softcap
+        (the mean only commutes with softmax, not with tanh).
+      p_scale: "block" (default) or "static" quantization of P, see the module docstring.
+      block_n: KV tile = V quantization block (tokens), default 64.
+    The plain-PyTorch twin is ``turbo_attn_hf.kernels.reference.turbo_attention`` (same arguments).
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor [b, H, L, d]; got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"{name} is {t.dtype}; turbo_attention takes {SUPPORTED_DTYPES} (use "
+                             "turbo_attn_hf.kernels.reference.turbo_attention for float32)")
+        _check_device(t, name)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
+    b, hq, lq, d = q.shape
+    _, hk, lk, dk = k.shape
+    if k.shape[0] != b or dk != d:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree in batch size or head_dim")
+    _check_head_dim(d)
+    if hq % hk != 0:
+        raise ValueError(f"query heads {hq} are not a multiple of key/value heads {hk}")
+    if lq > lk:
+        raise ValueError(f"q_len {lq} > kv_len {lk}: queries must be the last Lq of the Lk positions")
+    allowed = _INTERPRET_BLOCK_N if interpreting() else _GPU_BLOCK_N
+    if block_n not in allowed:
+        raise ValueError(f"block_n={block_n} is not supported (supported: {allowed})")
+    _check_options(causal, window, softcap, softmax, p_scale, sas_threshold)
+    _check_key_valid(key_valid, b, lk, q.device)
+    out = _check_out(out, (b, lq, hq, d), q.dtype, q.device)
+    if lq == 0 or b * hq == 0:
+        return out
+    scale = d ** -0.5 if scale is None else float(scale)
+    q8, sq = quantize_per_token(q, scale=scale * LOG2E)
+    mean = k_smooth_mean(k) if (smooth_k and softcap is None) else None
+    k8, sk = quantize_per_token(k, smooth=mean)
+    v8t, sv = quantize_v_blocks(v, block_n)
+    return _launch(q8, sq, k8, sk, v8t, sv, out, causal=causal, window=window, softcap=softcap,
+                   key_valid=key_valid, use_sas=softmax == "sas", thr2=float(sas_threshold) * LOG2E,
+                   block_p=p_scale == "block", Lk=lk)

@@ -1,0 +1,615 @@
+"""Plain-PyTorch twin of the kernels' quantized math (the oracle), plus fp64 exact attention.
+
+Two references, two tolerances (STYLE.md, "References beside kernels"):
+  * ``turbo_attention`` / ``int8_flash_attention`` / ``quantize_per_token`` / ``quantize_v_blocks`` /
+    ``sas_exp2`` compute exactly what ``kernels/quant.py``, ``kernels/prefill.py`` and ``kernels/softmax.py``
+    compute, in the same order of fp32 operations where that matters (tight match; the quantizers bit-exact);
+  * ``attention_fp64`` is exact attention in float64 (the accuracy budget).
+
+This module imports torch only (no triton), so it runs anywhere, fp32 inputs included.
+
+The math (INT-FlashAttention, Chen et al. 2024, Alg. 1; TurboAttention §4 for SAS; SageAttention §3 for
+K smoothing; FlashAttention-3 §3.3 for the transposed V layout):
+  * Q, K: per-token symmetric INT8, ``s = amax|x_row| / 127``; the softmax scale and log2(e) are folded into
+    Q's scale once, so ``S2 = (q8 . k8^T)_int32 * sq * sk`` are base-2 logits. K is first centred by its
+    per-(batch, head, channel) mean over all keys (``smooth_k``; off with softcap).
+  * V: per block of ``block_n`` tokens and per channel, ``sv = amax / 127``, stored transposed ``[d, L]``.
+  * Online softmax in base 2 with fp32 ``m, l, acc``; ``P`` quantized as ``p8 = floor(127 p + 0.5)``
+    (static scale 1/127, ``p_scale="static"``) or relative to the block's row max (``p_scale="block"``,
+    see ``int8_flash_attention``); ``l`` accumulates exactly the weights that multiply V.
+
+Float <-> int conversions. The quantizers round half away from zero, ``trunc(x + copysign(0.5, x))``
+(bit-exact in the Triton pass). Inside the attention loop the kernel avoids the GPU's conversion unit (16
+results/clock/SM on Hopper, as slow as MUFU.EX2) with the "magic number" C = 1.5 * 2^23: for an integer
+|i| < 2^22, ``float(i) = bitcast_f32(i + bits(C)) - C`` (exact), and ``p8 = bits(127 p + C) - bits(C)``
+rounds 127 p to nearest, ties to even: ``floor(127 p + 0.5)`` except at exact ties. This module computes
+the same formulas in fp32 (the GPU fuses ``127 p + C`` into one FMA; the interpreter does not).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+__all__ = [
+    "LOG2E",
+    "LN2",
+    "SAS_POLY",
+    "SAS_POLY_BASE2",
+    "SUPPORTED_HEAD_DIMS",
+    "SOFTMAX_MODES",
+    "P_SCALE_MODES",
+    "DEFAULT_BLOCK_N",
+    "DEFAULT_P_SCALE",
+    "sas_exp2",
+    "quantize_p",
+    "k_smooth_mean",
+    "quantize_per_token",
+    "quantize_v_blocks",
+    "int8_flash_attention",
+    "turbo_attention",
+    "attention_fp64",
+]
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+#: TurboAttention §4: cubic fit of e^(-x) on [0, 1], highest power first: c3 x^3 + c2 x^2 + c1 x + c0.
+SAS_POLY = (-0.1025, 0.4626, -0.9922, 0.9996)
+#: The same polynomial evaluated at x = f * ln2 (f in [0, 1)), ln2 powers folded into the coefficients,
+#: so that POLY3(f ln2) ~ 2^(-f): a3 f^3 + a2 f^2 + a1 f + a0 (highest power first).
+SAS_POLY_BASE2 = tuple(c * LN2 ** (3 - i) for i, c in enumerate(SAS_POLY))
+
+#: head dims the prefill kernel supports (non-powers of two run with BLOCK_D = next power of two, masked).
+SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
+SOFTMAX_MODES = ("exact", "sas")
+#: "static": p8 = round(127 p), p relative to the running row max (INT-FlashAttention).
+#: "block": p8 = round(127 p / pmax_block), pmax_block = max of the block's p per row, folded back in fp32.
+P_SCALE_MODES = ("static", "block")
+#: tokens per KV block: the V quantization block and the kernel's BLOCK_N (they must be equal).
+DEFAULT_BLOCK_N = 64
+#: default P scale: "block" meets FA3's outlier RMSE bound, "static" does not (measured, see
+#: tests/kernels/test_reference.py::test_p_scale_accuracy and the module docstring of prefill.py).
+DEFAULT_P_SCALE = "block"
+
+#: C = 1.5 * 2^23 and its bit pattern: round-to-integer and int<->float conversion by one add.
+MAGIC = 12582912.0
+MAGIC_BITS = 0x4B400000
+
+
+# --------------------------------------------------------------------------------------------- helpers
+def _round_half_away(x: torch.Tensor) -> torch.Tensor:
+    """trunc(x + copysign(0.5, x)) in x's dtype: the kernels' float -> int rounding."""
+    return torch.where(x >= 0, x + 0.5, x - 0.5).trunc()
+
+
+def _symmetric_int8(x: torch.Tensor, amax: torch.Tensor, dim: int) -> torch.Tensor:
+    """int8 codes of fp32 ``x`` with step amax/127 (amax broadcast along ``dim``); amax == 0 gives codes 0."""
+    # correctly rounded 127 / amax (kernel: div_rn); note `127.0 / tensor` would be reciprocal() * 127
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    xs = x * inv.unsqueeze(dim)
+    return _round_half_away(xs).clamp_(-127, 127).to(torch.int8)
+
+
+def _div127(amax: torch.Tensor) -> torch.Tensor:
+    """amax / 127 correctly rounded (kernel: div_rn); on CUDA `tensor / 127.0` multiplies by 1/127."""
+    return amax / torch.full_like(amax, 127.0)
+
+
+def sas_exp2(x: torch.Tensor, threshold2: float) -> torch.Tensor:
+    """SAS approximation of ``exp2(x)`` for x <= 0 (TurboAttention §4, in base 2), fp32.
+
+    ``y = -x``; 0 where ``y > threshold2`` (the sparse part: threshold2 = sas_threshold * log2(e));
+    otherwise ``y = n + f`` with integer n and f in [0, 1], and ``2^(-n) * POLY3(f ln2)``: 2^(-n) is built
+    in the float's exponent bits ((127 - n) << 23), the polynomial runs in Horner form
+    ((a3 f + a2) f + a1) f + a0. n = floor(y) is computed without a conversion instruction as
+    ``r = (y - 0.5) + C``, ``n = r - C`` (round to nearest even of y - 0.5: floor(y), or y - 1 with f = 1
+    when y is an integer, which is as exact), and n's bits are ``bits(r) - bits(C)``. Adds, FMAs and integer
+    ops only: the kernel keeps it off the MUFU unit that limits 8-bit attention on Hopper.
+    """
+    x = x.float()
+    y = -x
+    yc = torch.clamp(y, 0.0, 126.0)  # keeps the exponent field valid; lanes above threshold are zeroed
+    r = (yc - 0.5) + MAGIC
+    n = r - MAGIC
+    f = yc - n
+    a3, a2, a1, a0 = SAS_POLY_BASE2
+    poly = ((a3 * f + a2) * f + a1) * f + a0
+    ni = r.view(torch.int32) - MAGIC_BITS
+    pow2 = torch.bitwise_left_shift(127 - ni, 23).view(torch.float32)
+    return torch.where(y > threshold2, torch.zeros_like(poly), poly * pow2)
+
+
+def quantize_p(p: torch.Tensor) -> torch.Tensor:
+    """P codes as fp32 integers in [0, 127]: ``(127 p + C) - C`` (round to nearest, ties even)."""
+    return (127.0 * p + MAGIC) - MAGIC
+
+
+def _tanh_softcap_base2(s2: torch.Tensor, softcap: float) -> torch.Tensor:
+    """Gemma-2 softcap on base-2 logits: S2' = softcap * tanh(S2 ln2 / softcap) * log2(e).
+
+    tanh(z) = 1 - 2 / (2^(2 z log2 e) + 1) with 2 z log2(e) = 2 S2 / softcap: exactly the kernel's formula.
+    """
+    e = torch.exp2(s2 * (2.0 / softcap))
+    t = 1.0 - 2.0 / (e + 1.0)
+    return t * (softcap * LOG2E)
+
+
+def _check_head_dim(d: int) -> None:
+    if d not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(
+            f"head_dim {d} is not supported {SUPPORTED_HEAD_DIMS}; "
+            "load the model with attn_implementation='sdpa'"
+        )
+
+
+# ------------------------------------------------------------------------------------------ quantizers
+def k_smooth_mean(k: torch.Tensor) -> torch.Tensor:
+    """Per-(..., channel) mean of K over its tokens in fp32: ``[..., L, d] -> [..., d]``.
+
+    The kernels' pipeline computes the mean with this same torch reduction, so reference and kernel
+    quantize K against an identical mean (bit-exact K codes on the same device).
+    """
+    return k.mean(dim=-2, dtype=torch.float32)
+
+
+def quantize_per_token(x: torch.Tensor, *, scale: float = 1.0, smooth: Optional[torch.Tensor] = None):
+    """Per-token symmetric INT8: ``x [..., L, d] -> (x8 int8 [..., L, d], s fp32 [..., L])``.
+
+    ``smooth`` (fp32 ``[..., d]``, e.g. ``k_smooth_mean(k)``) is subtracted first. ``s = amax/127 * scale``
+    (fold the softmax scale and log2(e) into Q's scale here); rows of zeros give codes 0 and s = 0.
+    """
+    xf = x.float()
+    if smooth is not None:
+        xf = xf - smooth.float().reshape(*xf.shape[:-2], 1, xf.shape[-1])
+    amax = xf.abs().amax(dim=-1)
+    x8 = _symmetric_int8(xf, amax, -1)
+    s = _div127(amax) * scale
+    return x8.contiguous(), s.contiguous()
+
+
+def quantize_v_blocks(v: torch.Tensor, block: int = DEFAULT_BLOCK_N):
+    """Per-block, per-channel symmetric INT8 of V, stored transposed.
+
+    v: ``[b, H, L, d]`` -> ``v8t int8 [b, H, d, Lpad]`` (tokens contiguous; Lpad = L rounded up to
+    ``block``; padded tokens are 0) and ``sv fp32 [b, H, Lpad // block, d]`` (amax over the block / 127).
+    """
+    b, h, L, d = v.shape
+    nblk = max(1, -(-L // block))
+    lpad = nblk * block
+    vf = torch.zeros(b, h, lpad, d, dtype=torch.float32, device=v.device)
+    vf[:, :, :L] = v.float()
+    vb = vf.view(b, h, nblk, block, d)
+    amax = vb.abs().amax(dim=3)  # [b, h, nblk, d]
+    v8 = _symmetric_int8(vb, amax, 3)
+    v8t = v8.view(b, h, lpad, d).transpose(-1, -2).contiguous()
+    sv = _div127(amax).contiguous()
+    return v8t, sv
+
+
+# ------------------------------------------------------------------------------------ int8 attention
+def int8_flash_attention(q8, sq, k8, sk, v8t, sv, *, causal=True, window=None, softcap=None, key_valid=None,
+                         softmax="exact", sas_threshold=6.0, Lk=None, out_dtype=torch.bfloat16,
+                         p_scale=DEFAULT_P_SCALE, out=None):
+    """Reference of the INT8 flash-attention loop on quantized operands (same blocking as the kernel).
+
+    q8 ``[b, Hq, Lq, d]`` int8, sq ``[b, Hq, Lq]`` (base-2 logit scale folded in), k8 ``[b, Hk, Lk, d]``,
+    sk ``[b, Hk, Lk]``, v8t ``[b, Hk, d, Lpad]``, sv ``[b, Hk, nblk, d]``; the block of the online loop is
+    the V block ``Lpad // nblk``. Returns ``o [b, Lq, Hq, d]`` in ``out_dtype`` (written into ``out`` if
+    given). See ``turbo_attention`` for the mask arguments.
+
+    Per KV block (fp32 state m, l, acc; masked scores -inf; m_safe = 0 while a row's max is still -inf):
+      static: m_new = max(m, rowmax S2); p = exp2(S2 - m_new) (or sas_exp2); p8 = quantize_p(p);
+              l = l alpha + sum p8;  acc = acc alpha + (p8 . v8)_int32 * sv_block;  alpha = exp2(m - m_new)
+      block : bmax = rowmax S2; p = exp2(S2 - bmax) (sas: zero where m_new - S2 > threshold);
+              p8 = quantize_p(p); w = exp2(bmax - m_new);
+              l = l alpha + w sum p8;  acc = acc alpha + w (p8 . v8)_int32 * sv_block
+    and o = acc / l (0 where l == 0).
+    """
+    if softmax not in SOFTMAX_MODES:
+        raise ValueError(f"softmax={softmax!r} must be one of {SOFTMAX_MODES}")
+    if p_scale not in P_SCALE_MODES:
+        raise ValueError(f"p_scale={p_scale!r} must be one of {P_SCALE_MODES}")
+    b, hq, lq, d = q8.shape
+    hk = k8.shape[1]
+    g = hq // hk
+    if Lk is None:
+        Lk = k8.shape[2]
+    lpad = v8t.shape[-1]
+    nblk = sv.shape[2]
+    block = lpad // nblk
+    dev = q8.device
+    thr2 = float(sas_threshold) * LOG2E
+
+    # integer dots in floating point, exact: every partial sum is an integer of magnitude below
+    # 256 * 127^2 < 2^24 (d <= 256, block <= 1024), so fp32 is exact on CUDA unless TF32 is on; fp64 else.
+    idt = torch.float32 if (dev.type == "cuda" and not torch.backends.cuda.matmul.allow_tf32
+                            and d <= 256 and block <= 1024) else torch.float64
+    qf = q8.to(idt)
+    kf = k8[:, :, :Lk].to(idt).repeat_interleave(g, dim=1)  # [b, hq, Lk, d]
+    vf = v8t.to(idt).transpose(-1, -2).repeat_interleave(g, dim=1)  # [b, hq, Lpad, d]
+    skr = sk[:, :, :Lk].float().repeat_interleave(g, dim=1)  # [b, hq, Lk]
+    svr = sv.float().repeat_interleave(g, dim=1)  # [b, hq, nblk, d]
+    sqf = sq.float()
+    pos = torch.arange(lq, device=dev) + (Lk - lq)  # absolute position of each query row
+    kv = None if key_valid is None else key_valid.to(device=dev, dtype=torch.bool)
+
+    m = torch.full((b, hq, lq), -math.inf, dtype=torch.float32, device=dev)
+    l = torch.zeros((b, hq, lq), dtype=torch.float32, device=dev)
+    acc = torch.zeros((b, hq, lq, d), dtype=torch.float32, device=dev)
+    ninf = torch.tensor(-math.inf, dtype=torch.float32, device=dev)
+    for start in range(0, Lk, block):
+        end = min(start + block, Lk)
+        j = torch.arange(start, end, device=dev)
+        s_int = (qf @ kf[:, :, start:end].transpose(-1, -2)).to(torch.float32)
+        s2 = s_int * sqf[..., None] * skr[:, :, None, start:end]
+        if softcap is not None:
+            s2 = _tanh_softcap_base2(s2, float(softcap))
+        mask = torch.ones(lq, end - start, dtype=torch.bool, device=dev)
+        if causal:
+            mask &= j[None, :] <= pos[:, None]
+        if window is not None:
+            mask &= (pos[:, None] - j[None, :]) < window
+        mask = mask.expand(b, hq, lq, end - start)
+        if kv is not None:
+            mask = mask & kv[:, None, None, start:end]
+        s2 = torch.where(mask, s2, ninf)
+        bmax = s2.amax(dim=-1)
+        m_new = torch.maximum(m, bmax)
+        m_safe = torch.where(m_new == -math.inf, torch.zeros_like(m_new), m_new)
+        alpha = torch.exp2(m - m_safe)
+        if p_scale == "static":
+            x = s2 - m_safe[..., None]
+            p = torch.exp2(x) if softmax == "exact" else sas_exp2(x, thr2)
+            w = None
+        else:
+            b_safe = torch.where(bmax == -math.inf, torch.zeros_like(bmax), bmax)
+            x = s2 - b_safe[..., None]
+            if softmax == "exact":
+                p = torch.exp2(x)
+            else:  # threshold relative to the row max: m_new - S2 > thr2  <=>  -x > thr2 - (m_new - bmax)
+                p = sas_exp2(x, thr2)
+                p = torch.where(-x > (thr2 - (m_safe - b_safe))[..., None], torch.zeros_like(p), p)
+            w = torch.exp2(b_safe - m_safe)
+        p8 = quantize_p(p)  # integer-valued fp32 in [0, 127]
+        psum = p8.sum(dim=-1)
+        pv = (p8.to(idt) @ vf[:, :, start:end]).to(torch.float32)
+        pvs = pv * svr[:, :, start // block][:, :, None, :]
+        if w is None:
+            l = l * alpha + psum
+            acc = acc * alpha[..., None] + pvs
+        else:
+            l = l * alpha + w * psum
+            acc = acc * alpha[..., None] + pvs * w[..., None]
+        m = m_new
+    o = torch.where(l[..., None] > 0, acc / torch.where(l > 0, l, torch.ones_like(l))[..., None],
+                    torch.zeros_like(acc))
+    o = o.transpose(1, 2).to(out_dtype)
+    if out is not None:
+        out.copy_(o)
+        return out
+    return o.contiguous()
+
+
+def turbo_attention(q, k, v, *, scale=None, causal=True, window=None, softcap=None, key_valid=None,
+                    softmax="exact", sas_threshold=6.0, smooth_k=True, out=None, p_scale=DEFAULT_P_SCALE,
+                    block_n=DEFAULT_BLOCK_N):
+    """INT8 attention, plain PyTorch: the same math as ``turbo_attn_hf.kernels.prefill.turbo_attention``.
+
+    q ``[b, Hq, Lq, d]``, k, v ``[b, Hk, Lk, d]`` (bf16/fp16/fp32), Hq % Hk == 0, Lq <= Lk.
+    Returns ``o [b, Lq, Hq, d]`` in q's dtype.
+      scale: softmax scale (natural-log units), default d**-0.5.
+      causal: query i sits at absolute position Lk - Lq + i (bottom-right); attends key j iff j <= pos_i.
+      window: sliding window W (HF semantics): also require pos_i - j < W. None = no window.
+      softcap: Gemma-2 logit softcap, s = softcap * tanh(s / softcap), before masking.
+      key_valid: bool ``[b, Lk]``, False = padded key. Rows with no valid key return zeros.
+      softmax: "exact" (exp2) or "sas" (TurboAttention sparse activated softmax, ``sas_threshold`` in
+        natural-log units below the row max). smooth_k: subtract K's channel mean (forced off with softcap).
+      p_scale: "static" or "block" (see ``int8_flash_attention``). block_n: KV block (V scale block).
+    """
+    _check_inputs_ref(q, k, v, key_valid)
+    d = q.shape[-1]
+    scale = d ** -0.5 if scale is None else float(scale)
+    use_smooth = smooth_k and softcap is None
+    q8, sq = quantize_per_token(q, scale=scale * LOG2E)
+    k8, sk = quantize_per_token(k, smooth=k_smooth_mean(k) if use_smooth else None)
+    v8t, sv = quantize_v_blocks(v, block_n)
+    return int8_flash_attention(q8, sq, k8, sk, v8t, sv, causal=causal, window=window, softcap=softcap,
+                                key_valid=key_valid, softmax=softmax, sas_threshold=sas_threshold,
+                                Lk=k.shape[2], out_dtype=q.dtype, p_scale=p_scale, out=out)
+
+
+def _check_inputs_ref(q, k, v, key_valid) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be 4-D [b, H, L, d]; got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
+    b, hq, lq, d = q.shape
+    _, hk, lk, dk = k.shape
+    if k.shape[0] != b or dk != d:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree in batch or head_dim")
+    _check_head_dim(d)
+    if hq % hk != 0:
+        raise ValueError(f"query heads {hq} are not a multiple of key/value heads {hk}")
+    if lq > lk:
+        raise ValueError(f"q_len {lq} > kv_len {lk}: queries must be the last Lq of the Lk positions")
+    if key_valid is not None and tuple(key_valid.shape) != (b, lk):
+        raise ValueError(f"key_valid must be bool [b, Lk] = {(b, lk)}; got {tuple(key_valid.shape)}")
+
+
+# ------------------------------------------------------------------------------------- fp64 attention
+def attention_fp64(q, k, v, *, scale=None, causal=True, window=None, softcap=None, key_valid=None):
+    """Exact attention in float64: ``o [b, Lq, Hq, d]`` fp64 (same mask semantics as turbo_attention).
+
+    Works head group by head group so that the [Lq, Lk] score matrix stays below ~1 GiB.
+    """
+    b, hq, lq, d = q.shape
+    hk, lk = k.shape[1], k.shape[2]
+    g = hq // hk
+    scale = d ** -0.5 if scale is None else float(scale)
+    dev = q.device
+    pos = torch.arange(lq, device=dev) + (lk - lq)
+    j = torch.arange(lk, device=dev)
+    mask = torch.ones(lq, lk, dtype=torch.bool, device=dev)
+    if causal:
+        mask &= j[None, :] <= pos[:, None]
+    if window is not None:
+        mask &= (pos[:, None] - j[None, :]) < window
+    out = torch.empty(b, lq, hq, d, dtype=torch.float64, device=dev)
+    chunk = max(1, min(hq, (1 << 27) // max(1, lq * lk)))
+    for ib in range(b):
+        mb = mask if key_valid is None else mask & key_valid[ib].to(dev, torch.bool)[None, :]
+        for h0 in range(0, hq, chunk):
+            hs = torch.arange(h0, min(hq, h0 + chunk), device=dev)
+            qh = q[ib, hs].double()
+            kh = k[ib, hs // g].double()
+            vh = v[ib, hs // g].double()
+            s = (qh @ kh.transpose(-1, -2)) * scale
+            if softcap is not None:
+                s = softcap * torch.tanh(s / softcap)
+            s = s.masked_fill(~mb, -math.inf)
+            mx = s.amax(dim=-1, keepdim=True)
+            mx = torch.where(torch.isinf(mx), torch.zeros_like(mx), mx)
+            p = torch.exp(s - mx)
+            den = p.sum(dim=-1, keepdim=True)
+            o = (p @ vh) / torch.where(den > 0, den, torch.ones_like(den))
+            out[ib, :, h0:h0 + len(hs)] = o.transpose(0, 1)
+    return out
+
+
+# ===== KV cache: progressive packing and decode =====
+# Owned by the TurboCache work (kernels/pack.py, kernels/decode.py, turbo_attn_hf/cache.py); plain-PyTorch
+# twins of the packed-cache math. Format, rounding and layout are documented in kernels/pack.py.
+
+
+def kv_universal_scales_ref(k: torch.Tensor, v: torch.Tensor, smooth_k: bool = True):
+    """FlashQ step 1 scales, fixed at the first prefill: ``k, v [b, H, L, d]`` ->
+    ``(k_mean [b, H, d] or None, k_scale [b, H, d], v_scale [b, H, d])`` fp32, scale = amax / 127
+    (K after subtracting its channel mean). A zero channel gets scale 1 (codes 0)."""
+    kf, vf = k.float(), v.float()
+    mean = k_smooth_mean(k) if smooth_k else None
+    if mean is not None:
+        kf = kf - mean[:, :, None, :]
+    ks = kf.abs().amax(dim=2) / 127.0
+    vs = vf.abs().amax(dim=2) / 127.0
+    return mean, torch.where(ks > 0, ks, torch.ones_like(ks)), torch.where(vs > 0, vs, torch.ones_like(vs))
+
+
+def quantize_int8_universal_ref(x: torch.Tensor, scale: torch.Tensor, mean: Optional[torch.Tensor] = None):
+    """``x [b, H, T, d]`` -> int8 ``clamp(round_half_away((x - mean) / scale), -127, 127)`` (outliers clamp)."""
+    xf = x.float()
+    if mean is not None:
+        xf = xf - mean[:, :, None, :]
+    return _round_half_away(xf / scale[:, :, None, :]).clamp_(-127, 127).to(torch.int8)
+
+
+def pack_blocks_ref(x8: torch.Tensor, bits: int, axis: int):
+    """TurboAttention eq. 7 on block tiles ``x8 [N, R, C]`` int8; ``axis`` (of the tile) is reduced for the
+    per-channel min/max: 0 for K tiles ``[BS, d]``, 1 for V tiles ``[d, BS]``.
+
+    Returns ``packed [N, R, C*bits//8] uint8`` (interleaved: byte j holds codes PB*j + p in bits
+    [bits*p, bits*p + bits)), ``scale_int [N, NCH] int8``, ``zero [N, NCH] int8``.
+    """
+    qmax = (1 << bits) - 1
+    pb = 8 // bits
+    x = x8.to(torch.int32)
+    dim = axis + 1
+    mn = x.amin(dim=dim, keepdim=True)
+    mx = x.amax(dim=dim, keepdim=True)
+    sc = torch.clamp(torch.div(mx - mn + qmax - 1, qmax, rounding_mode="floor"), min=1)
+    code = torch.clamp(torch.div(2 * (x - mn) + sc, 2 * sc, rounding_mode="floor"), max=qmax)
+    N, R, C = x.shape
+    code = code.view(N, R, C // pb, pb)
+    shifts = torch.arange(pb, device=x.device, dtype=torch.int32) * bits
+    packed = (code << shifts).sum(-1).to(torch.uint8)
+    return packed, sc.squeeze(dim).to(torch.int8), mn.squeeze(dim).to(torch.int8)
+
+
+def unpack_blocks_ref(p: torch.Tensor, s: torch.Tensor, z: torch.Tensor, bits: int, axis: int):
+    """Inverse of ``pack_blocks_ref``: INT8 ``clamp(code * scale_int + zero, -127, 127)`` ``[N, R, C]``."""
+    pb = 8 // bits
+    N, R, CB = p.shape
+    shifts = torch.arange(pb, device=p.device, dtype=torch.int32) * bits
+    code = ((p.to(torch.int32)[..., None] >> shifts) & ((1 << bits) - 1)).view(N, R, CB * pb)
+    dim = axis + 1
+    x = code * s.to(torch.int32).unsqueeze(dim) + z.to(torch.int32).unsqueeze(dim)
+    return x.clamp_(-127, 127).to(torch.int8)
+
+
+def prepare_query_ref(q, k_scale, k_mean, scale, softcap):
+    """Twin of ``decode.prepare_query``: q' = q * s_k (per channel), per-row INT8 ``q8``, ``sq`` with
+    scale*log2e folded in, and with softcap the smoothing correction ``qb = scale*log2e * q.mean_k``."""
+    g = q.shape[1] // k_scale.shape[1]
+    qf = q.float()
+    qs = qf * k_scale.repeat_interleave(g, dim=1)[:, :, None, :]
+    amax = qs.abs().amax(-1)
+    q8 = _symmetric_int8(qs, amax, -1)
+    sq = (amax / 127.0) * (scale * LOG2E)
+    qb = None
+    if softcap and k_mean is not None:
+        qb = (qf * k_mean.repeat_interleave(g, dim=1)[:, :, None, :]).sum(-1) * (scale * LOG2E)
+    return q8, sq, qb
+
+
+def _group_tiles_ref(grp, k_tail, v_tail, n_tail):
+    """Yield ``(start, k8 [b, H, n, d], v8 [b, H, n, d])`` int8 per tile of one bit group (blocks, tail)."""
+    bs = k_tail.shape[2]
+    heads = grp.heads.long().to(k_tail.device)
+    for t in range(grp.n_blocks):
+        k, v = grp.k[:, :, t], grp.v[:, :, t]
+        b, h = k.shape[:2]
+        if grp.bits == 8:
+            k8, v8t = k, v
+        else:
+            k8 = unpack_blocks_ref(k.reshape(b * h, *k.shape[2:]), grp.k_scale[:, :, t].reshape(b * h, -1),
+                                   grp.k_zero[:, :, t].reshape(b * h, -1), grp.bits, 0).view(b, h, bs, -1)
+            v8t = unpack_blocks_ref(v.reshape(b * h, *v.shape[2:]), grp.v_scale[:, :, t].reshape(b * h, -1),
+                                    grp.v_zero[:, :, t].reshape(b * h, -1), grp.bits, 1).view(b, h, -1, bs)
+        yield t * bs, k8, v8t.transpose(-1, -2)
+    if n_tail:
+        yield (grp.n_blocks * bs, k_tail[:, heads, :n_tail], v_tail[:, heads, :, :n_tail].transpose(-1, -2))
+
+
+def turbo_decode_ref(q, groups, k_tail, v_tail, n_tail, k_scale, v_scale, k_mean=None, *, scale=None,
+                     causal=True, window=None, softcap=None, key_valid=None, softmax="exact",
+                     sas_threshold=6.0, n_splits=1):
+    """Twin of ``decode.turbo_decode_attention`` (same arguments; ``groups`` are ``PackedKV``-like objects
+    with ``bits, heads, k, v, k_scale, k_zero, v_scale, v_zero, n_blocks``), same tile order and split:
+    the ``n_tiles`` tiles (blocks, then the tail) are cut into shares of ``ceil(n_tiles / n_splits)``
+    (``n_splits``: an int, or a dict bits -> int per bit group); with a sliding window the tiles no query
+    of the chunk can see are skipped first (``decode.first_visible_tile``);
+    each share runs the online softmax from scratch; shares merge by the rescale
+    ``m = max m_s, l = Σ l_s 2^(m_s - m), acc = Σ acc_s 2^(m_s - m)``. Per tile (fp32 state)::
+
+        s2 = (q8 . k8)_int * sq  [+ qb, softcap]; masked -> -inf; m_new = max(m, rowmax s2)
+        p = exp2(s2 - m_safe) (or sas_exp2); p8 = floor(127 p + 0.5)
+        l = l * alpha + Σ p8;  acc = acc * alpha + (p8 . v8)_int;  alpha = exp2(m - m_safe)
+
+    and ``o = acc / l * s_v`` (0 where l == 0). Returns ``[b, Lq, HQ, d]`` in q's dtype.
+    """
+    b, hq, lq, d = q.shape
+    hk = k_tail.shape[1]
+    bs = k_tail.shape[2]
+    g = hq // hk
+    dev = q.device
+    scale = d ** -0.5 if scale is None else float(scale)
+    thr2 = float(sas_threshold) * LOG2E
+    n_blocks = groups[0].n_blocks
+    kv_len = n_blocks * bs + n_tail
+    q8, sq, qb = prepare_query_ref(q, k_scale, k_mean, scale, softcap)
+    pos = torch.arange(lq, device=dev) + (kv_len - lq)
+    kv = None if key_valid is None else key_valid.to(device=dev, dtype=torch.bool)
+    out = torch.zeros(b, lq, hq, d, dtype=torch.float32, device=dev)
+    ninf = torch.tensor(-math.inf, dtype=torch.float32, device=dev)
+    n_tiles = n_blocks + (1 if n_tail else 0)
+    t0 = max(0, (kv_len - lq - int(window) + 1) // bs) if window else 0  # tiles before: outside the window
+    for grp in groups:
+        heads = grp.heads.long().to(dev)
+        if len(heads) == 0:
+            continue
+        S = n_splits.get(grp.bits, 1) if isinstance(n_splits, dict) else n_splits
+        S = max(1, min(int(S), max(n_tiles - t0, 1)))
+        tps = -(-max(n_tiles - t0, 1) // S)
+        qh = (heads[:, None] * g + torch.arange(g, device=dev)[None, :]).reshape(-1)  # [H*g] query heads
+        h = len(heads)
+        qg = q8[:, qh].to(torch.float64).view(b, h, g * lq, d)
+        sqg = sq[:, qh].reshape(b, h, g * lq)
+        qbg = None if qb is None else qb[:, qh].reshape(b, h, g * lq)
+        rpos = pos.repeat(g)  # row r = head_in_group * lq + i
+        tiles = list(_group_tiles_ref(grp, k_tail, v_tail, n_tail))[t0:]
+        parts = []
+        for s0 in range(0, len(tiles), tps):
+            m = torch.full((b, h, g * lq), -math.inf, dtype=torch.float32, device=dev)
+            l = torch.zeros_like(m)
+            acc = torch.zeros(b, h, g * lq, d, dtype=torch.float32, device=dev)
+            for start, k8, v8 in tiles[s0:s0 + tps]:
+                n = k8.shape[2]
+                j = torch.arange(start, start + n, device=dev)
+                s2 = (qg @ k8.to(torch.float64).transpose(-1, -2)).to(torch.float32) * sqg[..., None]
+                if softcap:
+                    if qbg is not None:
+                        s2 = s2 + qbg[..., None]
+                    s2 = _tanh_softcap_base2(s2, float(softcap))
+                mask = torch.ones(g * lq, n, dtype=torch.bool, device=dev)
+                if causal:
+                    mask &= j[None, :] <= rpos[:, None]
+                if window:
+                    mask &= j[None, :] > rpos[:, None] - window
+                mask = mask.expand(b, h, g * lq, n)
+                if kv is not None:
+                    mask = mask & kv[:, None, None, start:start + n]
+                s2 = torch.where(mask, s2, ninf)
+                m_new = torch.maximum(m, s2.amax(-1))
+                m_safe = torch.where(m_new == -math.inf, torch.zeros_like(m_new), m_new)
+                alpha = torch.exp2(m - m_safe)
+                x = s2 - m_safe[..., None]
+                p = torch.exp2(x) if softmax == "exact" else sas_exp2(x, thr2)
+                p8 = torch.floor(p * 127.0 + 0.5)
+                l = l * alpha + p8.sum(-1)
+                acc = acc * alpha[..., None] + (p8.to(torch.float64) @ v8.to(torch.float64)).to(torch.float32)
+                m = m_new
+            parts.append((m, l, acc))
+        if len(parts) == 1:
+            m, l, acc = parts[0]
+        else:
+            m = torch.full_like(parts[0][0], -math.inf)
+            l = torch.zeros_like(parts[0][1])
+            acc = torch.zeros_like(parts[0][2])
+            for ms, ls, accs in parts:
+                mn = torch.maximum(m, ms)
+                mz = torch.where(mn == -math.inf, torch.zeros_like(mn), mn)
+                a0, a1 = torch.exp2(m - mz), torch.exp2(ms - mz)
+                l = l * a0 + ls * a1
+                acc = acc * a0[..., None] + accs * a1[..., None]
+                m = mn
+        o = torch.where(l[..., None] > 0, acc / torch.where(l > 0, l, torch.ones_like(l))[..., None],
+                        torch.zeros_like(acc))
+        o = o * v_scale.float()[:, heads][:, :, None, :]
+        out[:, :, qh] = o.view(b, h, g, lq, d).permute(0, 3, 1, 2, 4).reshape(b, lq, h * g, d)
+    return out.to(q.dtype)
+
+
+class _GroupRef:
+    """Minimal PackedKV stand-in for the reference (no triton import here)."""
+
+    def __init__(self, bits, heads, k, v, k_scale=None, k_zero=None, v_scale=None, v_zero=None, n_blocks=0):
+        self.bits, self.heads, self.k, self.v = bits, heads, k, v
+        self.k_scale, self.k_zero, self.v_scale, self.v_zero, self.n_blocks = k_scale, k_zero, v_scale, v_zero, n_blocks
+
+
+def build_packed_cache_ref(k, v, n_prefill, head_bits, block_size, smooth_k=True):
+    """The packed state a TurboCache holds after storing ``k, v [b, Hk, L, d]`` (scales fixed by the first
+    ``n_prefill`` tokens): ``(groups, k_tail [b,Hk,BS,d], v_tail [b,Hk,d,BS], n_tail, k_scale, v_scale, k_mean)``
+    — the arguments of ``turbo_decode_ref`` (blocks are independent, so packing all at once equals packing
+    them one by one as the cache does)."""
+    b, hk, L, d = k.shape
+    bs = block_size
+    mean, ks, vs = kv_universal_scales_ref(k[:, :, :n_prefill], v[:, :, :n_prefill], smooth_k)
+    k8 = quantize_int8_universal_ref(k, ks, mean)
+    v8 = quantize_int8_universal_ref(v, vs)
+    nb, nt = L // bs, L % bs
+    groups = []
+    for bits in (8, 4, 2):
+        heads = [i for i, hb in enumerate(head_bits) if hb == bits]
+        if not heads:
+            continue
+        hi = torch.tensor(heads, dtype=torch.long, device=k.device)
+        h = len(heads)
+        kb = k8[:, hi, : nb * bs].reshape(b, h, nb, bs, d)
+        vb = v8[:, hi, : nb * bs].reshape(b, h, nb, bs, d).transpose(-1, -2)
+        if bits == 8:
+            groups.append(_GroupRef(8, hi.int(), kb, vb, n_blocks=nb))
+            continue
+        kp, ksc, kz = pack_blocks_ref(kb.reshape(-1, bs, d), bits, 0)
+        vp, vsc, vz = pack_blocks_ref(vb.reshape(-1, d, bs), bits, 1)
+        groups.append(_GroupRef(bits, hi.int(), kp.view(b, h, nb, bs, -1), vp.view(b, h, nb, d, -1),
+                                ksc.view(b, h, nb, d), kz.view(b, h, nb, d), vsc.view(b, h, nb, d),
+                                vz.view(b, h, nb, d), n_blocks=nb))
+    k_tail = torch.zeros(b, hk, bs, d, dtype=torch.int8, device=k.device)
+    v_tail = torch.zeros(b, hk, d, bs, dtype=torch.int8, device=k.device)
+    k_tail[:, :, :nt] = k8[:, :, nb * bs:]
+    v_tail[:, :, :, :nt] = v8[:, :, nb * bs:].transpose(-1, -2)
+    return groups, k_tail, v_tail, nt, ks, vs, mean

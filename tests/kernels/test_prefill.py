@@ -1,0 +1,295 @@
+"""INT8 flash-attention prefill kernel vs its PyTorch twin (tight) on small, awkward shapes.
+
+Runs the real Triton kernel: in the interpreter on a CPU machine (TRITON_INTERPRET=1, tests/conftest.py),
+compiled on a GPU. Outputs are allocated NaN-poisoned so that an unwritten tile fails.
+
+Tolerances (measured in the interpreter, Triton 3.6, on these cases; bound = measurement x ~3):
+the kernel runs the reference's fp32 steps, so differences come from the output rounding (fp16: <= 1 ulp;
+bf16: the interpreter truncates fp32 -> bf16, <= 1 ulp = 2^-8 relative) and from a rare p8 code flip
+where FMA contraction or summation order moves 127 p across a rounding boundary.
+"max-abs" is max |out - ref| / max(1, |ref|) (an ulp grows with the value).
+  fp16: rms-rel <= 2.1e-4, max-abs <= 4.9e-4 measured   -> bounds 1e-3, 2e-3
+  bf16: rms-rel <= 3.3e-3, max-abs <= 7.0e-3 measured   -> bounds 8e-3, 1.2e-2 (RTZ: < 2^-7)
+"""
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from turbo_attn_hf.kernels import prefill, quant
+from turbo_attn_hf.kernels import reference as R
+
+TOL = {torch.float16: (1e-3, 2e-3), torch.bfloat16: (8e-3, 1.2e-2)}
+
+
+def assert_close(name, ref, out, rms_tol, max_tol):
+    """RMS-relative + max-abs (scaled by max(1, |ref|)) comparison, FLA style; prints the worst index."""
+    ref, out = ref.float().cpu(), out.float().cpu()
+    bad = ~torch.isfinite(out)
+    assert not bad.any(), f"{name}: {int(bad.sum())} non-finite outputs (unwritten tile?), first at " \
+                          f"{bad.nonzero()[0].tolist()}"
+    diff = (out - ref).abs()
+    rms = (diff.pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-12)).item()
+    diff = diff / ref.abs().clamp_min(1.0)
+    mx = diff.max().item()
+    idx = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape))
+    msg = (f"{name}: rms-rel {rms:.2e} (tol {rms_tol:.1e}), max-abs {mx:.2e} (tol {max_tol:.1e}) at {idx}: "
+           f"ref {ref[idx].item():.5f} out {out[idx].item():.5f}")
+    print(msg)
+    assert rms <= rms_tol and mx <= max_tol, msg
+
+
+def make_qkv(b, hq, hk, lq, lk, d, dtype, device, seed=0, hf_layout=False):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, lq, d, generator=g)
+    k = torch.randn(b, hk, lk, d, generator=g) + 0.5 * torch.randn(1, 1, 1, d, generator=g)  # channel bias
+    v = torch.randn(b, hk, lk, d, generator=g)
+    q, k, v = (t.to(dtype=dtype, device=device) for t in (q, k, v))
+    if hf_layout:  # HF hands over [b, L, H, d] storage viewed as [b, H, L, d]
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    return q, k, v
+
+
+def padding_mask(b, lk, device, left=(0, 7), hole=(20, 23)):
+    """bool [b, Lk]: batch row i has ``left[i]`` left-padded keys; row 0 also has a hole."""
+    kv = torch.ones(b, lk, dtype=torch.bool)
+    for i in range(b):
+        kv[i, : left[i % len(left)]] = False
+    if hole is not None and lk > hole[1]:
+        kv[0, hole[0]:hole[1]] = False
+    return kv.to(device)
+
+
+# b, hq, hk, lq, lk, d, dtype, block_n, options
+CASES = [
+    (2, 4, 1, 63, 111, 80, torch.float16, 16, dict(causal=True)),
+    (1, 2, 2, 65, 65, 64, torch.float16, 32, dict(causal=False)),
+    (1, 7, 1, 111, 111, 96, torch.float16, 32, dict(causal=True)),
+    (1, 2, 1, 63, 63, 128, torch.bfloat16, 16, dict(causal=True)),
+    (1, 2, 1, 33, 40, 256, torch.float16, 16, dict(causal=True)),
+    (1, 2, 1, 1, 65, 64, torch.float16, 16, dict(causal=True)),
+    (1, 4, 2, 65, 111, 64, torch.float16, 16, dict(causal=True, window=37)),
+    (1, 2, 1, 63, 63, 64, torch.float16, 16, dict(causal=False, window=20)),
+    (1, 4, 2, 63, 111, 80, torch.float16, 32, dict(causal=True, softcap=5.0)),
+    (2, 4, 2, 63, 63, 64, torch.float16, 16, dict(causal=True, key_valid=True)),
+    (2, 4, 4, 7, 111, 64, torch.float16, 32, dict(causal=False, key_valid=True)),
+    (2, 4, 1, 63, 111, 80, torch.float16, 16, dict(causal=True, softmax="sas")),
+    (1, 4, 2, 65, 111, 64, torch.float16, 16, dict(causal=True, window=37, softmax="sas")),
+    (2, 4, 2, 63, 63, 64, torch.float16, 16, dict(causal=True, key_valid=True, softmax="sas")),
+    (2, 4, 1, 63, 111, 80, torch.float16, 16, dict(causal=True, p_scale="static")),
+    (1, 2, 2, 65, 65, 64, torch.float16, 32, dict(causal=False, p_scale="static", softmax="sas")),
+    (2, 7, 1, 65, 111, 96, torch.bfloat16, 16,
+     dict(causal=True, window=50, softcap=30.0, key_valid=True, softmax="sas", hf_layout=True)),
+]
+
+
+def _case_id(c):
+    b, hq, hk, lq, lk, d, dtype, bn, opts = c
+    tags = [f"B{b}-Lq{lq}-Lk{lk}-HQ{hq}-H{hk}-D{d}", "bf16" if dtype == torch.bfloat16 else "fp16", f"BN{bn}"]
+    for key, val in opts.items():
+        if key == "causal":
+            tags.append("causal" if val else "full")
+        elif val is True:
+            tags.append(key)
+        else:
+            tags.append(f"{key}{val}")
+    return "-".join(tags)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_kernel_matches_reference(case, device):
+    b, hq, hk, lq, lk, d, dtype, block_n, opts = case
+    if device.type == "cuda":
+        block_n = max(block_n, 32)  # compiled int8 dots need a reduction depth >= 32
+    opts = dict(opts)
+    hf_layout = opts.pop("hf_layout", False)
+    q, k, v = make_qkv(b, hq, hk, lq, lk, d, dtype, device, hf_layout=hf_layout)
+    if opts.pop("key_valid", False):
+        opts["key_valid"] = padding_mask(b, lk, device)
+    out = torch.full((b, lq, hq, d), float("nan"), dtype=dtype, device=device)
+    res = prefill.turbo_attention(q, k, v, block_n=block_n, out=out, **opts)
+    assert res.data_ptr() == out.data_ptr() and res.shape == (b, lq, hq, d) and res.dtype == dtype
+    # reference on fp32 copies: same quantized math, fp32 output (the kernel's rounding shows alone)
+    ref = R.turbo_attention(q.float().cpu(), k.float().cpu(), v.float().cpu(), block_n=block_n,
+                            **{key: (val.cpu() if isinstance(val, torch.Tensor) else val)
+                               for key, val in opts.items()})
+    assert_close(_case_id(case), ref, out, *TOL[dtype])
+
+
+def test_default_tiles_and_fresh_output(device):
+    """No out=, default block_n (64) and p_scale; HF-layout fp16 inputs."""
+    q, k, v = make_qkv(1, 4, 2, 70, 130, 64, torch.float16, device, hf_layout=True)
+    o = prefill.turbo_attention(q, k, v)
+    ref = R.turbo_attention(q.float().cpu(), k.float().cpu(), v.float().cpu())
+    assert o.shape == (1, 70, 4, 64) and o.dtype == torch.float16
+    assert_close("defaults", ref, o, *TOL[torch.float16])
+
+
+def test_rows_without_valid_keys_are_zero(device):
+    """Left padding longer than a query's causal reach: those rows attend nothing and must return 0."""
+    b, h, L, d = 2, 2, 40, 64
+    q, k, v = make_qkv(b, h, h, L, L, d, torch.float16, device)
+    kv = torch.ones(b, L, dtype=torch.bool, device=device)
+    kv[1, :19] = False
+    kv[0, :] = False  # a fully padded sequence
+    out = torch.full((b, L, h, d), float("nan"), dtype=torch.float16, device=device)
+    prefill.turbo_attention(q, k, v, key_valid=kv, block_n=16 if device.type == "cpu" else 32, out=out)
+    assert torch.all(out[0] == 0)
+    assert torch.all(out[1, :19] == 0)
+    assert out[1, 19:].abs().sum() > 0
+
+
+def test_int8_flash_attention_on_quantized_operands(device):
+    """The kernel-only entry point with operands from the Triton quantizers vs the reference loop."""
+    b, hq, hk, lq, lk, d = 1, 4, 2, 50, 90, 80
+    q, k, v = make_qkv(b, hq, hk, lq, lk, d, torch.float16, device)
+    scale = 0.1
+    q8, sq = quant.quantize_per_token(q, scale=scale * R.LOG2E)
+    k8, sk = quant.quantize_per_token(k, smooth=quant.k_smooth_mean(k))
+    v8t, sv = quant.quantize_v_blocks(v, 32)
+    for p_scale in R.P_SCALE_MODES:
+        out = torch.full((b, lq, hq, d), float("nan"), dtype=torch.float16, device=device)
+        prefill.int8_flash_attention(q8, sq, k8, sk, v8t, sv, causal=True, window=None, softcap=None,
+                                     key_valid=None, softmax="exact", sas_threshold=6.0, Lk=lk,
+                                     out_dtype=torch.float16, p_scale=p_scale, out=out)
+        ref = R.int8_flash_attention(*(t.cpu() for t in (q8, sq, k8, sk, v8t, sv)), causal=True, Lk=lk,
+                                     out_dtype=torch.float32, p_scale=p_scale)
+        assert_close(f"int8_flash_attention-{p_scale}", ref, out, *TOL[torch.float16])
+    # and the same through turbo_attention (same quantizers, same mean)
+    full = prefill.turbo_attention(q, k, v, scale=scale, block_n=32)
+    assert_close("turbo vs kernel-only", ref.to(torch.float16).float(), full, *TOL[torch.float16])
+
+
+# -------------------------------------------------------------------------- chained int8 dot (#3580)
+@triton.jit
+def _chained_dot_kernel(A, B, VT, OUT, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, D: tl.constexpr):
+    """C = A [M, K] . B^T (B [N, K], K-major); P = C & 127 as int8; OUT = P . VT^T (VT [D, N], N-major)."""
+    o_m, o_k, o_n, o_d = tl.arange(0, M), tl.arange(0, K), tl.arange(0, N), tl.arange(0, D)
+    a = tl.load(A + o_m[:, None] * K + o_k[None, :])
+    bt = tl.load(B + o_n[None, :] * K + o_k[:, None])  # [K, N] view of [N, K]
+    c = tl.dot(a, bt)
+    p = (c & 127).to(tl.int8)
+    vt = tl.load(VT + o_d[:, None] * N + o_n[None, :])  # [D, N], tokens contiguous
+    o = tl.dot(p, tl.trans(vt))
+    tl.store(OUT + o_m[:, None] * D + o_d[None, :], o)
+
+
+@triton.jit
+def _i2f_kernel(X, Y, N, BLOCK: tl.constexpr):
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = o < N
+    tl.store(Y + o, prefill._i32_to_f32(tl.load(X + o, mask=m, other=0)), mask=m)
+
+
+def test_chained_int8_dot(device):
+    """P produced by one int8 dot feeds the next (Triton issue #3580 reported wrong results once)."""
+    M, K, N, D = 64, 64, 32, 64
+    g = torch.Generator().manual_seed(3)
+    a = torch.randint(-127, 128, (M, K), generator=g, dtype=torch.int8)
+    b = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
+    vt = torch.randint(-127, 128, (D, N), generator=g, dtype=torch.int8)
+    c = a.long() @ b.long().T
+    p = c & 127
+    want = (p @ vt.long().T).to(torch.int32)
+    out = torch.full((M, D), -1, dtype=torch.int32, device=device)
+    _chained_dot_kernel[(1,)](a.to(device), b.to(device), vt.to(device), out, M=M, K=K, N=N, D=D)
+    assert torch.equal(out.cpu(), want)
+
+
+def test_i32_to_f32_exact(device):
+    """The magic-number int32 -> fp32 conversion is exact on |x| < 2^22 (the kernel's dot results)."""
+    x = torch.cat([torch.arange(-(1 << 22) + 1, -(1 << 22) + 2000), torch.arange(-3000, 3000),
+                   torch.arange((1 << 22) - 2000, 1 << 22),
+                   torch.randint(-(1 << 22) + 1, 1 << 22, (20000,), generator=torch.Generator().manual_seed(1))])
+    x = x.to(torch.int32)
+    y = torch.full(x.shape, float("nan"), dtype=torch.float32, device=device)
+    n = x.numel()
+    _i2f_kernel[(triton.cdiv(n, 1024),)](x.to(device), y, n, BLOCK=1024)
+    assert torch.equal(y.cpu(), x.float())
+
+
+# -------------------------------------------------------------------------------------- errors
+def _qkv(device, b=1, hq=2, hk=1, lq=8, lk=8, d=64, dtype=torch.float16):
+    return make_qkv(b, hq, hk, lq, lk, d, dtype, device)
+
+
+@pytest.mark.parametrize("d", [32, 112, 160])
+def test_unsupported_head_dim_raises(device, d):
+    q, k, v = _qkv(device, d=d)
+    with pytest.raises(ValueError, match=rf"head_dim {d} .*\(64, 80, 96, 128, 256\).*attn_implementation='sdpa'"):
+        prefill.turbo_attention(q, k, v)
+    with pytest.raises(ValueError, match=rf"head_dim {d}"):
+        R.turbo_attention(q.cpu(), k.cpu(), v.cpu())
+
+
+def test_bad_inputs_raise(device):
+    q, k, v = _qkv(device)
+    with pytest.raises(ValueError, match="float32"):
+        prefill.turbo_attention(q.float(), k.float(), v.float())
+    with pytest.raises(ValueError, match="same shape"):
+        prefill.turbo_attention(q, k, v[:, :, :5])
+    with pytest.raises(ValueError, match="q_len 9 > kv_len 8"):
+        prefill.turbo_attention(torch.cat([q, q[:, :, :1]], 2), k, v)
+    q3, k2, v2 = _qkv(device, hq=3, hk=2)
+    with pytest.raises(ValueError, match="not a multiple"):
+        prefill.turbo_attention(q3, k2, v2)
+    with pytest.raises(ValueError, match="share a dtype"):
+        prefill.turbo_attention(q, k.bfloat16(), v.bfloat16())
+    with pytest.raises(ValueError, match="key_valid"):
+        prefill.turbo_attention(q, k, v, key_valid=torch.ones(1, 7, dtype=torch.bool, device=device))
+    with pytest.raises(ValueError, match="key_valid"):
+        prefill.turbo_attention(q, k, v, key_valid=torch.ones(1, 8, dtype=torch.int64, device=device))
+    with pytest.raises(ValueError, match="softmax"):
+        prefill.turbo_attention(q, k, v, softmax="fast")
+    with pytest.raises(ValueError, match="window"):
+        prefill.turbo_attention(q, k, v, window=0)
+    with pytest.raises(ValueError, match="softcap"):
+        prefill.turbo_attention(q, k, v, softcap=-1.0)
+    with pytest.raises(ValueError, match="block_n"):
+        prefill.turbo_attention(q, k, v, block_n=48)
+    with pytest.raises(ValueError, match="out must be"):
+        prefill.turbo_attention(q, k, v, out=torch.empty(1, 8, 2, 64, dtype=torch.bfloat16, device=device))
+    with pytest.raises(ValueError, match="4-D"):
+        prefill.turbo_attention(q[0], k[0], v[0])
+
+
+def test_cpu_tensors_without_interpreter_raise(monkeypatch):
+    """Outside the interpreter, CPU tensors are refused with a pointer to the PyTorch reference."""
+    monkeypatch.setattr(quant, "interpreting", lambda: False)
+    q, k, v = _qkv(torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"CUDA.*TRITON_INTERPRET=1.*reference\.turbo_attention"):
+        prefill.turbo_attention(q, k, v)
+    with pytest.raises(ValueError, match="CUDA"):
+        quant.quantize_per_token(q)
+
+
+def test_quantized_operand_checks(device):
+    q, k, v = _qkv(device)
+    q8, sq = quant.quantize_per_token(q, scale=0.1)
+    k8, sk = quant.quantize_per_token(k)
+    v8t, sv = quant.quantize_v_blocks(v, 16)
+    kw = dict(causal=True, window=None, softcap=None, key_valid=None, softmax="exact", sas_threshold=6.0,
+              Lk=8, out_dtype=torch.float16)
+    with pytest.raises(ValueError, match="q8 must be torch.int8"):
+        prefill.int8_flash_attention(q8.float(), sq, k8, sk, v8t, sv, **kw)
+    with pytest.raises(ValueError, match="sv"):
+        prefill.int8_flash_attention(q8, sq, k8, sk, v8t, sv[:, :, :, :32], **kw)
+    with pytest.raises(ValueError, match="out_dtype"):
+        prefill.int8_flash_attention(q8, sq, k8, sk, v8t, sv, **{**kw, "out_dtype": torch.float32})
+    with pytest.raises(ValueError, match="Lk=9"):
+        prefill.int8_flash_attention(q8, sq, k8, sk, v8t, sv, **{**kw, "Lk": 9})
+
+
+def test_no_recompile_across_sequence_lengths(device):
+    """Sequence lengths are not specialized: new lengths reuse the compiled kernel (GPU only: the
+    interpreter has no cache)."""
+    if device.type != "cuda":
+        pytest.skip("compilation cache exists on the GPU only")
+    kern = prefill._int8_attn_fwd_kernel
+    counts = []
+    for lk in (64, 77, 128, 129, 200, 333):
+        q, k, v = _qkv(device, lq=lk, lk=lk)
+        prefill.turbo_attention(q, k, v)
+        kernel_cache = kern.device_caches[torch.cuda.current_device()][0]
+        counts.append(len(kernel_cache))
+    assert len(set(counts)) == 1, f"compiled variants after each new length: {counts}"
