@@ -64,6 +64,10 @@ class TurboUnsupportedError(NotImplementedError):
 
 def model_name(obj: Any) -> str:
     """A readable model name from a module, a model or a config (architecture, else model_type, else class)."""
+    if obj is None:
+        return "this model"
+    if isinstance(obj, str):
+        return obj
     config = getattr(obj, "config", obj)
     archs = getattr(config, "architectures", None)
     if archs:

@@ -72,7 +72,7 @@ def classify_mask_function(mask_function: Optional[Callable], config: Any = None
                     return True, w
     # Not representable: name the feature.
     leaves = " ".join(_leaves(mask_function))
-    model = config if config is not None else "this model"
+    model = config
     if "packed_sequence" in leaves:
         raise unsupported("packed sequences", model, "position_ids restart inside a row and no attention_mask was given")
     if "chunked_overlay" in leaves:
@@ -108,11 +108,10 @@ def turbo_mask(
     # caches (incl. sliding-window layers and TurboCache) and no-cache forwards; a static cache returns
     # keys padded to its capacity, where it does not.
     if isinstance(q_offset, torch.Tensor):
-        raise unsupported("static cache", config if config is not None else "this model",
-                          "the cache reports a tensor query offset")
+        raise unsupported("static cache", config, "the cache reports a tensor query offset")
     if int(q_offset) + int(q_length) != int(kv_offset) + int(kv_length):
         raise unsupported(
-            "static cache", config if config is not None else "this model",
+            "static cache", config,
             f"queries end at position {int(q_offset) + int(q_length)} but keys end at {int(kv_offset) + int(kv_length)}",
         )
 
