@@ -3,6 +3,8 @@
     turbo-attn chat [...]           streaming chat demo, turbo_int8 vs sdpa (eval/chat.py)
     turbo-attn info                 versions, device, presets and the capability table
     turbo-attn lm-eval [...]        lm-eval CoT runs, sdpa vs presets (eval/lm_eval_run.py)
+    turbo-attn fidelity [...]       teacher-forced KL / top-1 / perplexity vs eager fp32 (eval/fidelity.py)
+    turbo-attn calibrate [...]      per-layer 2-bit KV heads from gap x std, written as a config (eval/calibrate_cli.py)
     turbo-attn bench-prefill [...]  prefill kernel benchmark (GPU; eval/bench_prefill.py)
     turbo-attn bench-decode [...]   decode kernel benchmark (GPU; eval/bench_decode.py)
     turbo-attn bench-e2e [...]      end-to-end Llama-3-8B-shaped benchmark (GPU; eval/bench_e2e.py)
@@ -24,6 +26,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "chat": ("chat", "streaming chat demo: turbo_int8 vs sdpa tokens/s and KV memory"),
     "info": ("", "versions, device, presets and supported features"),
     "lm-eval": ("lm_eval_run", "lm-eval chain-of-thought runs: sdpa vs presets"),
+    "fidelity": ("fidelity", "teacher-forced KL / top-1 agreement / perplexity vs eager fp32"),
+    "calibrate": ("calibrate_cli", "calibrate the per-layer 2-bit KV heads, write a config"),
     "bench-prefill": ("bench_prefill", "prefill attention benchmark (GPU)"),
     "bench-decode": ("bench_decode", "decode attention benchmark over a packed cache (GPU)"),
     "bench-e2e": ("bench_e2e", "end-to-end benchmark of a Llama-3-8B-shaped model (GPU)"),
@@ -81,7 +85,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return info()
     mod = importlib.import_module(f"{__package__ or 'turbo_attn_hf.eval'}.{COMMANDS[cmd][0]}")
     rc = mod.main(rest)
-    return rc if isinstance(rc, int) else 0
+    return rc if isinstance(rc, int) else 0  # some mains return their results (dict / path)
 
 
 if __name__ == "__main__":

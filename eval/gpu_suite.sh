@@ -15,6 +15,7 @@
 #   e2e       python -m eval.bench_e2e --quick         (Llama-3-8B-shaped, E2E_LAYERS layers, default 32)
 #   chat      turbo-attn chat on SmolLM2-135M-Instruct, turbo_int8 vs sdpa tokens/s and KV memory, when the GGUF
 #             was staged (SMOL_GGUF, default /tmp/m/smol.gguf: ../shared/tools/stage-model, two runs); else skipped
+# Environment: PYTHON (default python3), SUITE_BUDGET (s), E2E_LAYERS, SMOL_GGUF, OUT.
 # Every step has its own time limit, cut to what is left of SUITE_BUDGET; a step that fails or times out is
 # reported and the suite goes on (the long benchmarks rewrite their JSON after every configuration, so a
 # timeout keeps what was measured). Results in $OUT (the run tool's folder; default eval/results/gpu_run):
