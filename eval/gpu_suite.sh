@@ -3,6 +3,8 @@
 #
 #   bash eval/gpu_suite.sh                    # every step, within SUITE_BUDGET seconds (default 520)
 #   bash eval/gpu_suite.sh prefill decode     # only these steps (to split the suite over two runs)
+#   run tool: carry [".carry/wh"] (the wheels of ../shared/tools/device-wheels, incl. sageattention==1.0.6)
+#   suggested split when every step is wanted: run 1 `tests memcheck accuracy`, run 2 `prefill decode e2e chat`
 #
 # Steps, in order: setup tests memcheck accuracy prefill decode e2e chat  (setup always runs)
 #   setup     install the carried wheels (.carry/wh, see ../shared/tools/device-wheels) into /tmp/site and this
@@ -72,6 +74,11 @@ else
   echo "no .carry/wh wheels: SageAttention and lm-eval rows will be missing"
 fi
 $PY -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v "^WARNING\|^ *$" | tail -3
+if ! $PY -c "import turbo_attn_hf.kernels, turbo_attn_hf.configs, turbo_attn_hf.eval"; then
+  echo "FATAL: turbo_attn_hf is not importable with its kernels/configs/eval subpackages after"
+  echo "       'pip install --no-deps --no-build-isolation -e .' (see the pip output above); nothing was measured"
+  exit 3
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader || true
 $PY - <<'PY'
 import torch, triton, transformers, turbo_attn_hf
