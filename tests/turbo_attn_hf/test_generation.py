@@ -103,19 +103,21 @@ def test_left_padded_generate(tm, pytorch_reference_kernels):
     # (the greedy-gap check is too coarse to see ignored padding; test_models checks padding on logits)
 
 
-def test_default_cache_follows_the_attn_implementation(tm, pytorch_reference_kernels):
+def test_default_cache_follows_the_attn_implementation(tm, pytorch_reference_kernels, monkeypatch):
     TurboCache = _turbo_cache_cls(tm)
+    monkeypatch.setenv("TURBO_ATTN_PRESET", "int8")  # default preset of models without a TurboConfig
     model = tm.make_model("qwen2", attn="turbo_int8")
     ids = tm.token_ids(1, 10)
     kw = dict(max_new_tokens=2, do_sample=False, return_dict_in_generate=True)
-    assert isinstance(model.generate(ids, **kw).past_key_values, TurboCache)
+    cache = model.generate(ids, **kw).past_key_values
+    assert isinstance(cache, TurboCache) and cache.turbo_config.name == "int8"
     assert isinstance(model.generate(ids, cache_implementation="dynamic", **kw).past_key_values, TurboCache)
     model.set_attn_implementation("sdpa")  # checked on every call: switches back
     assert type(model.generate(ids, **kw).past_key_values) is DynamicCache
     model.set_attn_implementation("turbo_int8")
+    turbo_attn_hf.set_turbo_config(model, "mixed")
     out = model.generate(ids, **kw)
-    assert isinstance(out.past_key_values, TurboCache)
-    assert out.past_key_values.turbo_config.name == turbo_attn_hf.get_turbo_config(model).name
+    assert isinstance(out.past_key_values, TurboCache) and out.past_key_values.turbo_config.name == "mixed"
 
 
 def test_explicit_caches_are_respected(tm, pytorch_reference_kernels):
