@@ -50,7 +50,10 @@ FORMULAS = {
                   "scale/zero + INT8 tail + universal scales); dequant: turbo bytes + 2 x sdpa bytes "
                   "(bf16 copy written then read)",
     "frac_ceiling": "GBps / measured device-to-device copy GB/s (read + write)",
-    "kv_bytes_per_token": "per layer, all KV heads, K+V: TurboLayer.bytes_per_token(); bf16 = 2*Hk*d*2",
+    "kv_bytes_per_token": "per layer, all KV heads, K+V: TurboLayer.bytes_per_token() (the format's arithmetic, "
+                          "full blocks); bf16 = 2*Hk*d*2",
+    "held_bytes_per_token": "bytes the cache holds / (batch * tokens): packed blocks, the INT8 tail buffer (full "
+                            "capacity) and the fp32 universal scales included",
     "x_sdpa": "sdpa_flash median / provider median",
     "err": "relative L2 of the output vs sdpa_flash on the bf16 cache",
 }
@@ -142,7 +145,7 @@ def run(contexts, batches, presets, *, hq=HQ, hk=HK, d=D, dry_run=False, ceiling
     rows = []
     for T in contexts:
         for b in batches:
-            bf16_bytes = 2 * b * hk * T * d * 2
+            bf16_bytes = 2 * b * hk * (T + 1) * d * 2  # the context + the decode token, K and V
             if dev == "cuda":
                 free = torch.cuda.mem_get_info()[0]
                 if bf16_bytes * 2.2 > mem_frac * free:
@@ -191,7 +194,9 @@ def run(contexts, batches, presets, *, hq=HQ, hk=HK, d=D, dry_run=False, ceiling
                 free_gpu_memory()
                 continue
             for name, fn, nbytes, bpt in providers:
-                row = {**base, "provider": name, "bytes_read": nbytes, "kv_bytes_per_token": bpt}
+                held = nbytes - 2 * bf16_bytes if name.startswith("dequant") else nbytes
+                row = {**base, "provider": name, "bytes_read": nbytes, "kv_bytes_per_token": bpt,
+                       "held_bytes_per_token": held / (b * (T + 1))}
                 try:
                     o = fn()
                     if name == "sdpa_flash":
@@ -290,7 +295,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     rows = run(contexts, batches, presets, dry_run=args.dry_run, ceiling=ceil and ceil["GBps_read_plus_write"],
                warmup=args.warmup, rep=args.rep, with_dequant=not args.no_dequant,
                with_cudnn=not args.dry_run, save=lambda r: write_json(name, payload(r), args.out), **shape)
-    print_table(rows, ["provider", "context", "batch", "ms", "GBps", "frac_ceiling", "x_sdpa", "kv_bytes_per_token", "err"])
+    print_table(rows, ["provider", "context", "batch", "ms", "GBps", "frac_ceiling", "x_sdpa", "kv_bytes_per_token",
+                       "held_bytes_per_token", "err"])
     for r in rows:
         if "error" in r:
             print(f"  {r['provider']} ctx={r.get('context')} b={r.get('batch')}: {r['error']}")

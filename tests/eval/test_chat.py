@@ -152,3 +152,14 @@ def test_embedded_smollm2_chat_prompt():
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     out = res.stdout
     assert "SmolLM2-135M-Instruct" in out and "TurboCache" in out and "DynamicCache" in out
+
+
+@pytest.mark.gpu
+def test_chat_tiny_on_gpu():
+    """On CUDA the demo runs the Triton kernels (bf16) and prints turbo vs sdpa tokens/s and KV memory."""
+    buf = io.StringIO()
+    rc = chat.main(["--tiny", "--prompt", "hi", "--max-new-tokens", "16", "--preset", "mixed"], out=buf)
+    text = buf.getvalue()
+    assert rc == 0, text
+    assert "Triton kernels on" in text and "torch.bfloat16" in text
+    assert "TurboCache" in text and "DynamicCache" in text and "decode tokens/s ratio" in text
