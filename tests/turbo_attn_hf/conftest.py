@@ -7,6 +7,7 @@ Each architecture exercises one seam of the attention function:
   phi3     head_dim 96 (non-power of two), fused qkv
   gemma2   head_dim 256, attention logit softcap 5, query_pre_attn_scalar 64 (scale != d**-0.5),
            alternating sliding (window 12) / full layers; its reference is "eager" (sdpa has no softcap)
+  gemma3   (text) head_dim 256, q/k norms, query_pre_attn_scalar 64, sliding (window 12) + full layer
 
 initializer_range 0.1 (instead of 0.02) makes attention rows peaked, so a dropped window, mask or
 softcap moves the logits far more than INT8 quantization does (the tests check that margin).
@@ -25,7 +26,7 @@ COMMON = dict(vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=256
 
 
 def _configs():
-    from transformers import Gemma2Config, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
+    from transformers import Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
 
     return {
         "llama": (LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4,
@@ -41,10 +42,13 @@ def _configs():
                                 num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=64,
                                 attn_logit_softcapping=5.0, final_logit_softcapping=30.0, sliding_window=12,
                                 **COMMON), "eager"),
+        "gemma3": (Gemma3TextConfig(hidden_size=128, intermediate_size=256, num_attention_heads=2,
+                                    num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=64, sliding_window=12,
+                                    layer_types=["sliding_attention", "full_attention"], **COMMON), "sdpa"),
     }
 
 
-ARCHS = ("llama", "qwen2", "mistral", "phi3", "gemma2")
+ARCHS = ("llama", "qwen2", "mistral", "phi3", "gemma2", "gemma3")
 
 
 def make_model(arch: str, dtype=torch.bfloat16, seed: int = 0, attn: str | None = None, **overrides):
