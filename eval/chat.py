@@ -381,13 +381,13 @@ def main(argv: Optional[list[str]] = None, out: TextIO = sys.stdout, inp: TextIO
 
     if not turbo_attn_hf.REGISTERED:
         raise ChatError("turbo_int8 is not registered (transformers missing?); pip install -e .")
-    turbo_attn_hf.TurboConfig.preset(args.preset)  # fail early on a bad preset name
-    device, dtype = _resolve_device_dtype(args.device, args.dtype)
     t0 = time.perf_counter()
     try:
+        turbo_attn_hf.TurboConfig.preset(args.preset)  # fail early on a bad preset name
+        device, dtype = _resolve_device_dtype(args.device, args.dtype)
         model, tok, label = load_model(args.model, gguf_file=args.gguf_file, tiny=args.tiny, device=str(device),
                                        dtype=dtype)
-    except ChatError as e:
+    except (ChatError, turbo_attn_hf.TurboConfigError) as e:
         out.write(f"error: {e}\n")
         return 2
     out.write(
