@@ -74,7 +74,8 @@ def classify_mask_function(mask_function: Optional[Callable], config: Any = None
     leaves = " ".join(_leaves(mask_function))
     model = config
     if "packed_sequence" in leaves:
-        raise unsupported("packed sequences", model, "position_ids restart inside a row and no attention_mask was given")
+        raise unsupported("packed sequences", model,
+                          "position_ids restart inside a row and no attention_mask was given")
     if "chunked_overlay" in leaves:
         raise unsupported("chunked attention", model)
     if "bidirectional" in leaves:
@@ -112,7 +113,8 @@ def turbo_mask(
     if int(q_offset) + int(q_length) != int(kv_offset) + int(kv_length):
         raise unsupported(
             "static cache", config,
-            f"queries end at position {int(q_offset) + int(q_length)} but keys end at {int(kv_offset) + int(kv_length)}",
+            f"queries end at position {int(q_offset) + int(q_length)} but keys end at "
+            f"{int(kv_offset) + int(kv_length)}",
         )
 
     if attention_mask is None:

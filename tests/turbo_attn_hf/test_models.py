@@ -16,8 +16,8 @@ from turbo_attn_hf import TurboUnsupportedError
 
 # turbo_int8 (Triton prefill kernel, interpreter) vs the bf16 reference (sdpa; eager for Gemma-2), batch
 # 2 x 40 tokens, measured relative RMS: llama 0.020, qwen2 0.023, mistral 0.021, phi3 0.030, gemma2 0.019,
-# gemma3 0.018 (max-abs 0.10-0.29 on logits of RMS 1.1-1.4); the same models' bf16-vs-fp32-eager floor is 0.013-0.018.
-# Bounds: 0.05 and 0.6.
+# gemma3 0.018 (max-abs 0.10-0.29 on logits of RMS 1.1-1.4); the same models' bf16-vs-fp32-eager floor
+# is 0.013-0.018. Bounds: 0.05 and 0.6.
 LOGITS_REL_BOUND = 0.05
 LOGITS_ABS_BOUND = 0.6
 SEQ = 40
