@@ -4,7 +4,8 @@
 #   bash eval/gpu_suite.sh                    # every step, within SUITE_BUDGET seconds (default 520)
 #   bash eval/gpu_suite.sh prefill decode     # only these steps (to split the suite over two runs)
 #   run tool: carry [".carry/wh"] (the wheels of ../shared/tools/device-wheels, incl. sageattention==1.0.6)
-#   suggested split when every step is wanted: run 1 `tests memcheck accuracy`, run 2 `prefill decode e2e chat`
+#   one run of up to 600 s: the default (SUITE_BUDGET=520). Runs limited to 300 s: set SUITE_BUDGET=270 and split,
+#   e.g. `tests memcheck` | `accuracy prefill` | `decode e2e chat` (each run returns its own gpu_suite.tar.gz)
 #
 # Steps, in order: setup tests memcheck accuracy prefill decode e2e chat  (setup always runs)
 #   setup     install the carried wheels (.carry/wh, see ../shared/tools/device-wheels) into /tmp/site and this
