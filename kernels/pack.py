@@ -32,6 +32,7 @@ Byte layout ("interleaved"): byte ``j`` of a row holds codes ``PB*j + p`` in bit
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Optional
 
 import torch
@@ -173,6 +174,10 @@ def _check_blocks(x8: torch.Tensor, bits: int) -> None:
         raise ValueError(f"the packed axis ({x8.shape[-1]}) must be a multiple of {8 // bits} for {bits}-bit codes")
 
 
+def _use_triton(device: torch.device) -> bool:
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def pack_blocks(x8: torch.Tensor, bits: int, axis: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pack N block tiles of INT8 codes to ``bits`` (2 or 4) along their last axis.
 
@@ -184,10 +189,16 @@ def pack_blocks(x8: torch.Tensor, bits: int, axis: int) -> tuple[torch.Tensor, t
     Returns:
         ``packed [N, R, C*bits//8] uint8``, ``scale_int [N, NCH] int8``, ``zero [N, NCH] int8``
         with ``NCH = C if axis == 0 else R``.
+
+    CPU tensors without ``TRITON_INTERPRET=1`` take the PyTorch twin (``reference.pack_blocks_ref``).
     """
     _check_blocks(x8, bits)
     if bits == 8:
         raise ValueError("bits=8 blocks are stored unpacked; pack_blocks takes bits 2 or 4")
+    if not _use_triton(x8.device):
+        from .reference import pack_blocks_ref
+
+        return pack_blocks_ref(x8, bits, axis)
     N, R, C = x8.shape
     nch = C if axis == 0 else R
     p = torch.empty(N, R, C * bits // 8, dtype=torch.uint8, device=x8.device)
@@ -201,6 +212,10 @@ def pack_blocks(x8: torch.Tensor, bits: int, axis: int) -> tuple[torch.Tensor, t
 
 def unpack_blocks(p: torch.Tensor, s: torch.Tensor, z: torch.Tensor, bits: int, axis: int) -> torch.Tensor:
     """Inverse of :func:`pack_blocks`: ``[N, R, C*bits//8]`` uint8 -> ``[N, R, C]`` int8 (dequantized codes)."""
+    if not _use_triton(p.device):
+        from .reference import unpack_blocks_ref
+
+        return unpack_blocks_ref(p, s, z, bits, axis)
     N, R, CB = p.shape
     C = CB * 8 // bits
     x = torch.empty(N, R, C, dtype=torch.int8, device=p.device)

@@ -3,7 +3,9 @@
 TurboAttention (Kang et al., 2024) §3.1-3.3 as storage (format in ``turbo_attn_hf.kernels.pack``):
 
 * first prefill of a layer: per (batch row, KV head, channel) fp32 "universal" scales are fixed —
-  ``s_k = amax|k - μ| / 127`` with μ the channel mean of the prompt's keys (``smooth_k``), ``s_v = amax|v| / 127``;
+  ``s_k = h · amax|k - μ| / 127`` with μ the channel mean of the prompt's keys (``smooth_k``),
+  ``s_v = h · amax|v| / 127``, headroom ``h = DEFAULT_SCALE_HEADROOM`` (2: a short prompt under-estimates
+  the range of later tokens, which would clamp; measurements next to the constant);
 * every token (prompt and later) is quantized to INT8 with those scales (outliers clamp to ±127);
 * full blocks of ``block_size`` tokens are re-quantized per channel to INT4/INT2 (integer scale/zero) into the
   buffer of their head's bit width (``TurboConfig.layer_head_bits``: a per-layer head permutation); the
@@ -34,6 +36,14 @@ from .kernels.pack import PackedKV, kv_bytes_per_token, quantize_int8
 __all__ = ["TurboCache", "TurboLayer", "TurboSlidingWindowLayer"]
 
 _BITS_ORDER = (8, 4, 2)
+#: universal scale = headroom * amax / 127 of the first prefill. 1.0 is the plain FlashQ scale; measured on a
+#: tiny random llama (tests/turbo_attn_hf/conftest.py, 100 decode steps vs unquantized sdpa, per-step max
+#: |logit diff| mean): int8 preset, 20-token prompt 0.60 (h=1) / 0.19 (1.5) / 0.105 (2) / 0.103 (3);
+#: 100-token prompt 0.163 / 0.091 / 0.098 / 0.122; int4 20-token 0.64 / 0.36 / 0.31 / 0.34, 100-token
+#: 0.45 / 0.48 / 0.49 / 0.54 (the DynamicCache path: 0.07). Short prompts under-estimate the channel
+#: range and later tokens clamp; one bit of INT8 resolution is the cheaper loss. A TurboConfig field
+#: ``scale_headroom`` overrides it.
+DEFAULT_SCALE_HEADROOM = 2.0
 
 
 def _resolve_config(turbo_config: TurboConfig | str | None, model_config: Any = None) -> TurboConfig:
@@ -77,6 +87,7 @@ class TurboLayer(CacheLayerMixin):
         self.turbo_config = turbo_config
         self.layer_idx = layer_idx
         self.n_layers = n_layers
+        self.scale_headroom = float(getattr(turbo_config, "scale_headroom", DEFAULT_SCALE_HEADROOM))
         self._clear()
 
     def _clear(self) -> None:
@@ -162,8 +173,8 @@ class TurboLayer(CacheLayerMixin):
             kf = kf - self.k_mean[:, :, None, :]
         else:
             self.k_mean = None
-        ks = kf.abs().amax(dim=2) / 127.0
-        vs = vf.abs().amax(dim=2) / 127.0
+        ks = kf.abs().amax(dim=2) * (self.scale_headroom / 127.0)
+        vs = vf.abs().amax(dim=2) * (self.scale_headroom / 127.0)
         self.k_scale = torch.where(ks > 0, ks, torch.ones_like(ks))
         self.v_scale = torch.where(vs > 0, vs, torch.ones_like(vs))
 

@@ -101,3 +101,11 @@ def test_pack_rejects_bad_bits():
         pack_blocks(x, 8, 0)
     with pytest.raises(ValueError, match="multiple of 4"):
         pack_blocks(torch.zeros(1, 16, 18, dtype=torch.int8), 2, 0)
+
+
+def test_cpu_without_interpreter_uses_the_pytorch_twin(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    x = _tiles(2, 16, 32, seed=9)
+    p, s, z = pack_blocks(x, 2, 0)
+    assert all(torch.equal(a, b) for a, b in zip((p, s, z), R.pack_blocks_ref(x, 2, 0)))
+    assert torch.equal(unpack_blocks(p, s, z, 2, 0), R.unpack_blocks_ref(p, s, z, 2, 0))
