@@ -385,16 +385,16 @@ def attention_fp64(q, k, v, *, scale=None, causal=True, window=None, softcap=Non
 # twins of the packed-cache math. Format, rounding and layout are documented in kernels/pack.py.
 
 
-def kv_universal_scales_ref(k: torch.Tensor, v: torch.Tensor, smooth_k: bool = True):
+def kv_universal_scales_ref(k: torch.Tensor, v: torch.Tensor, smooth_k: bool = True, headroom: float = 1.0):
     """FlashQ step 1 scales, fixed at the first prefill: ``k, v [b, H, L, d]`` ->
-    ``(k_mean [b, H, d] or None, k_scale [b, H, d], v_scale [b, H, d])`` fp32, scale = amax / 127
+    ``(k_mean [b, H, d] or None, k_scale [b, H, d], v_scale [b, H, d])`` fp32, scale = amax * headroom / 127
     (K after subtracting its channel mean). A zero channel gets scale 1 (codes 0)."""
     kf, vf = k.float(), v.float()
     mean = k_smooth_mean(k) if smooth_k else None
     if mean is not None:
         kf = kf - mean[:, :, None, :]
-    ks = kf.abs().amax(dim=2) / 127.0
-    vs = vf.abs().amax(dim=2) / 127.0
+    ks = kf.abs().amax(dim=2) * (headroom / 127.0)
+    vs = vf.abs().amax(dim=2) * (headroom / 127.0)
     return mean, torch.where(ks > 0, ks, torch.ones_like(ks)), torch.where(vs > 0, vs, torch.ones_like(vs))
 
 
@@ -580,14 +580,14 @@ class _GroupRef:
         self.k_scale, self.k_zero, self.v_scale, self.v_zero, self.n_blocks = k_scale, k_zero, v_scale, v_zero, n_blocks
 
 
-def build_packed_cache_ref(k, v, n_prefill, head_bits, block_size, smooth_k=True):
+def build_packed_cache_ref(k, v, n_prefill, head_bits, block_size, smooth_k=True, headroom=1.0):
     """The packed state a TurboCache holds after storing ``k, v [b, Hk, L, d]`` (scales fixed by the first
     ``n_prefill`` tokens): ``(groups, k_tail [b,Hk,BS,d], v_tail [b,Hk,d,BS], n_tail, k_scale, v_scale, k_mean)``
     — the arguments of ``turbo_decode_ref`` (blocks are independent, so packing all at once equals packing
     them one by one as the cache does)."""
     b, hk, L, d = k.shape
     bs = block_size
-    mean, ks, vs = kv_universal_scales_ref(k[:, :, :n_prefill], v[:, :, :n_prefill], smooth_k)
+    mean, ks, vs = kv_universal_scales_ref(k[:, :, :n_prefill], v[:, :, :n_prefill], smooth_k, headroom)
     k8 = quantize_int8_universal_ref(k, ks, mean)
     v8 = quantize_int8_universal_ref(v, vs)
     nb, nt = L // bs, L % bs
