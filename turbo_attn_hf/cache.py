@@ -302,6 +302,7 @@ class TurboLayer(CacheLayerMixin):
         dequantized INT8 values (``code * scale_int + zero``), exactly what attention read before; when the
         tail fills again they are packed with the new tokens (a second rounding of those tokens only).
         """
+        tokens_to_remove = int(tokens_to_remove)  # transformers 5.17 passes a 0-d tensor
         if not self.is_initialized or tokens_to_remove == 0:
             return
         n = self.get_seq_length()
