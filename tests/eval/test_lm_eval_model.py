@@ -38,7 +38,7 @@ def tiny_tokenizer(vocab_size: int = 1024):
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
 
 
-def tiny_llama(vocab_size: int, attn: str):
+def tiny_llama(vocab_size: int, attn: str, dtype=torch.bfloat16):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -47,7 +47,7 @@ def tiny_llama(vocab_size: int, attn: str):
         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
         bos_token_id=0, eos_token_id=1, pad_token_id=2,
     )
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    model = LlamaForCausalLM(cfg).to(dtype).eval()
     model.set_attn_implementation(attn)
     return model
 
@@ -82,11 +82,14 @@ def task_manager():
     return TaskManager(include_path=TASKS_DIR, include_defaults=False, metadata={"data_dir": str(DATA)})
 
 
-def make_lm(tok, preset="int8", batch_size=2, impl=None):
+def make_lm(tok, preset="int8", batch_size=2, impl=None, dtype=None):
     from turbo_attn_hf.lm_eval_model import TurboHFLM
 
     impl = impl or IMPL
-    model = tiny_llama(len(tok), impl)
+    # bf16 matmuls are slow on CPU: the sdpa plumbing runs in fp32 there (turbo_int8 needs bf16/fp16)
+    if dtype is None:
+        dtype = torch.float32 if (impl == "sdpa" and not HAS_CUDA) else torch.bfloat16
+    model = tiny_llama(len(tok), impl, dtype)
     if HAS_CUDA:
         model = model.cuda()
     return TurboHFLM(
@@ -159,7 +162,7 @@ def test_turbo_through_lm_eval_short_prompts(tok):
 
     ll_req = [Instance("loglikelihood", {}, (c, " The answer is 5."), i) for i, c in enumerate(ctxs)]
     ll_turbo = [x[0] for x in lm.loglikelihood(ll_req)]
-    ll_sdpa = [x[0] for x in make_lm(tok, batch_size=3, impl="sdpa").loglikelihood(ll_req)]
+    ll_sdpa = [x[0] for x in make_lm(tok, batch_size=3, impl="sdpa", dtype=torch.bfloat16).loglikelihood(ll_req)]
     # same weights (seeded); lm-eval sums bf16 log-probs, so at |ll| ~ 42 the resolution is 0.25 (one bf16
     # ulp). Measured |turbo - sdpa| <= 0.25 (one ulp, -42.25 vs -42.5); bound: 3 ulps
     for a, b in zip(ll_turbo, ll_sdpa):
