@@ -46,16 +46,21 @@ import torch
 import triton
 import triton.language as tl
 
-from .quant import _check_device, interpreting, k_smooth_mean, quantize_per_token, quantize_v_blocks
+from .quant import (_check_device, interpreting, k_smooth_mean, quantize_per_token, quantize_v_blocks,
+                    quantize_v_channels)
 from .reference import (
     DEFAULT_BLOCK_N,
     DEFAULT_P_SCALE,
+    DEFAULT_V_SCALE,
     LOG2E,
     MAGIC,
     MAGIC_BITS,
+    P_BLOCK_GAP,
     P_SCALE_MODES,
     SOFTMAX_MODES,
+    SQ_MIN,
     SUPPORTED_HEAD_DIMS,
+    V_SCALE_MODES,
 )
 from .softmax import sas_exp2
 
@@ -64,6 +69,7 @@ __all__ = [
     "int8_flash_attention",
     "quantize_per_token",
     "quantize_v_blocks",
+    "quantize_v_channels",
     "sas_exp2",
     "SUPPORTED_HEAD_DIMS",
     "SUPPORTED_DTYPES",
@@ -74,6 +80,8 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 _MAGIC = tl.constexpr(MAGIC)
 _MAGIC_BITS = tl.constexpr(MAGIC_BITS)
 _TWO_POW_22 = tl.constexpr(4194304)
+_P_BLOCK_GAP = tl.constexpr(P_BLOCK_GAP)
+_SQ_MIN = tl.constexpr(SQ_MIN)
 
 # Tiles per (BLOCK_D, causal): (BLOCK_M, num_warps, num_stages). BLOCK_N is the V quantization block
 # (``block_n``, default 64), not a tuning knob here. Autotuning proper is a later issue.
@@ -104,16 +112,28 @@ def _i32_to_f32(x):
 
 
 @triton.jit
+def _i32_scaled(x, s, s_magic):
+    """float(x) * s for int32 |x| < 2^22: bits(x + bits(C)) is the float C + x, so one integer add and one
+    FMA, ``(C + x) * s - C s``, with ``s_magic = C * s`` precomputed per row/column (error <= ulp(C s) / 2,
+    i.e. half a unit of x times s: far below the INT8 step)."""
+    return tl.math.fma((x + _MAGIC_BITS).to(tl.float32, bitcast=True), s, -s_magic)
+
+
+@triton.jit
 def _attn_fwd_inner(
-    acc, l_i, m_i, b_q, b_sq, o_pos, o_d, m_d,
+    acc, l_i, m_i, c_i, b_q, b_sq, o_pos, o_d, m_d,
     p_kbase, p_skbase, p_vbase, p_svbase, p_kvbase,
     stride_kn, stride_vd, stride_svn,
     lo, hi, Lk, window, softcap_in, softcap_out, thr2,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_KEY_VALID: tl.constexpr, USE_SAS: tl.constexpr, BLOCK_P_SCALE: tl.constexpr,
-    BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, PSUM_BIAS: tl.constexpr,
 ):
-    """KV blocks [lo, hi) (lo a multiple of BLOCK_N) of one row block; MASKED adds the position masks."""
+    """KV blocks [lo, hi) (lo a multiple of BLOCK_N) of one row block; MASKED adds the position masks.
+
+    State: m_i running row max, c_i the reference point acc and l are kept relative to (2^c_i), see
+    ``reference.int8_flash_attention``. Per accumulator element and block: one integer add + two FMAs.
+    """
     o_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -130,10 +150,11 @@ def _attn_fwd_inner(
             else:
                 b_k = tl.load(p_k, mask=m_d[:, None], other=0)
             b_sk = tl.load(p_skbase + o_n)
-        # S2 = (q8 . k8)_int32 * sq * sk: base-2 logits (softmax scale and log2 e are in sq)
-        b_s = _i32_to_f32(tl.dot(b_q, b_k)) * b_sq[:, None] * b_sk[None, :]
+        # t = (q8 . k8)_int32 * sk; the base-2 logits are S2 = t * sq (softmax scale and log2 e are in sq)
+        b_t = _i32_scaled(tl.dot(b_q, b_k), b_sk[None, :], (b_sk * _MAGIC)[None, :])
         if HAS_SOFTCAP:  # softcap * tanh(S2 ln2 / softcap) * log2 e, tanh(z) = 1 - 2 / (e^(2z) + 1)
-            b_s = (1.0 - 2.0 / (tl.exp2(b_s * softcap_in) + 1.0)) * softcap_out
+            b_t = b_t * b_sq[:, None]
+            b_t = (1.0 - 2.0 / (tl.exp2(b_t * softcap_in) + 1.0)) * softcap_out
         if MASKED:
             m_s = m_n[None, :]
             if IS_CAUSAL:
@@ -143,48 +164,49 @@ def _attn_fwd_inner(
             if HAS_KEY_VALID:
                 b_kv = tl.load(p_kvbase + o_n, mask=m_n, other=0)
                 m_s = m_s & (b_kv != 0)[None, :]
-            b_s = tl.where(m_s, b_s, float("-inf"))
+            b_t = tl.where(m_s, b_t, float("-inf"))
         elif HAS_KEY_VALID:
             b_kv = tl.load(p_kvbase + o_n)
-            b_s = tl.where((b_kv != 0)[None, :], b_s, float("-inf"))
-        # online softmax, base 2; rows whose max is still -inf use 0 so that exp2 gives 0, not NaN
-        b_bmax = tl.max(b_s, 1)
-        m_new = tl.maximum(m_i, b_bmax)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_i - m_safe)
-        if BLOCK_P_SCALE:
-            b_safe = tl.where(b_bmax == float("-inf"), 0.0, b_bmax)
-            b_x = b_s - b_safe[:, None]
-            if USE_SAS:  # SAS threshold relative to the row max: m_new - S2 > thr2
-                b_p = sas_exp2(b_x, thr2)
-                b_p = tl.where(-b_x > (thr2 - (m_safe - b_safe))[:, None], 0.0, b_p)
-            else:
-                b_p = tl.math.exp2(b_x)
-            b_w = tl.math.exp2(b_safe - m_safe)
+            b_t = tl.where((b_kv != 0)[None, :], b_t, float("-inf"))
+        # online softmax, base 2, relative to c (-inf -> 0 so that exp2 gives 0, not NaN)
+        if HAS_SOFTCAP:
+            b_bmax = tl.max(b_t, 1)
         else:
-            b_x = b_s - m_safe[:, None]
-            if USE_SAS:
-                b_p = sas_exp2(b_x, thr2)
-            else:
-                b_p = tl.math.exp2(b_x)
-        # p8 = round(127 p) through C: bits(127 p + C) - bits(C), an integer in [0, 127]
-        b_pi = (b_p * 127.0 + _MAGIC).to(tl.int32, bitcast=True) - _MAGIC_BITS
-        b_psum = tl.sum(b_pi, 1).to(tl.float32)
+            b_bmax = tl.max(b_t, 1) * b_sq  # sq > 0: rowmax(t sq) = rowmax(t) sq, exactly
+        m_new = tl.maximum(m_i, b_bmax)
+        if BLOCK_P_SCALE:
+            c_new = tl.maximum(b_bmax, m_new - _P_BLOCK_GAP)
+        else:
+            c_new = m_new
+        c_safe = tl.where(c_new == float("-inf"), 0.0, c_new)
+        b_r = tl.math.exp2(c_i - c_safe)
+        if HAS_SOFTCAP:
+            b_x = b_t - c_safe[:, None]
+        else:
+            b_x = tl.math.fma(b_t, b_sq[:, None], -c_safe[:, None])
+        if USE_SAS:
+            b_p = sas_exp2(b_x, thr2)
+            if BLOCK_P_SCALE:  # SAS threshold relative to the row max: m_new - S2 > thr2
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                b_p = tl.where(-b_x > (thr2 - (m_safe - c_safe))[:, None], 0.0, b_p)
+        else:
+            b_p = tl.math.exp2(b_x)
+        # p8 = round(127 p) = bits(127 p + C) - bits(C): its low byte (bits(C)'s is 0, p8 <= 127); the row
+        # sum of p8 = sum(bits) - BLOCK_N bits(C), int32 adds wrapping mod 2^32 (PSUM_BIAS, see _launch)
+        b_pbits = tl.math.fma(b_p, 127.0, _MAGIC).to(tl.int32, bitcast=True)
+        b_pi = b_pbits.to(tl.int8)
+        l_i = l_i * b_r + (tl.sum(b_pbits, 1) - PSUM_BIAS).to(tl.float32)
         if EVEN_D:
             b_vt = tl.load(p_v)
         else:
             b_vt = tl.load(p_v, mask=m_d[:, None], other=0)
         b_sv = tl.load(p_svbase + (start_n // BLOCK_N) * stride_svn + o_d, mask=m_d, other=0.0)
         # chained int8 dot: P (from the first dot) x V, V as a K-major [BN, BD] view of the [BD, BN] tile
-        b_pv = _i32_to_f32(tl.dot(b_pi.to(tl.int8), tl.trans(b_vt))) * b_sv[None, :]
-        if BLOCK_P_SCALE:
-            l_i = l_i * alpha + b_w * b_psum
-            acc = acc * alpha[:, None] + b_pv * b_w[:, None]
-        else:
-            l_i = l_i * alpha + b_psum
-            acc = acc * alpha[:, None] + b_pv
+        b_pv = _i32_scaled(tl.dot(b_pi, tl.trans(b_vt)), b_sv[None, :], (b_sv * _MAGIC)[None, :])
+        acc = tl.math.fma(acc, b_r[:, None], b_pv)
         m_i = m_new
-    return acc, l_i, m_i
+        c_i = c_new
+    return acc, l_i, m_i, c_i
 
 
 @triton.jit(do_not_specialize=["Lq", "Lk", "stride_sqb", "stride_sqh", "stride_skb", "stride_skh",
@@ -203,6 +225,7 @@ def _int8_attn_fwd_kernel(
     IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_KEY_VALID: tl.constexpr, USE_SAS: tl.constexpr, BLOCK_P_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PSUM_BIAS: tl.constexpr,
 ):
     """grid (cdiv(Lq, BLOCK_M) * b * HQ,): row blocks of one head are neighbours (K/V stay in L2).
 
@@ -229,6 +252,7 @@ def _int8_attn_fwd_kernel(
     p_q = Q8 + i_b64 * stride_qb + i_hq64 * stride_qh + o_m[:, None] * stride_qm + o_d[None, :]
     b_q = tl.load(p_q, mask=m_m[:, None] & m_d[None, :], other=0)
     b_sq = tl.load(SQ + i_b64 * stride_sqb + i_hq64 * stride_sqh + o_m, mask=m_m, other=0.0)
+    b_sq = tl.maximum(b_sq, _SQ_MIN)  # an all-zero query row has sq = 0: keep -inf * sq = -inf
     p_kbase = K8 + i_b64 * stride_kb + i_hk64 * stride_kh
     p_skbase = SK + i_b64 * stride_skb + i_hk64 * stride_skh
     p_vbase = VT + i_b64 * stride_vb + i_hk64 * stride_vh
@@ -253,21 +277,22 @@ def _int8_attn_fwd_kernel(
     full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    c_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if HAS_WINDOW:
-        acc, l_i, m_i = _attn_fwd_inner(
-            acc, l_i, m_i, b_q, b_sq, o_pos, o_d, m_d, p_kbase, p_skbase, p_vbase, p_svbase, p_kvbase,
+        acc, l_i, m_i, c_i = _attn_fwd_inner(
+            acc, l_i, m_i, c_i, b_q, b_sq, o_pos, o_d, m_d, p_kbase, p_skbase, p_vbase, p_svbase, p_kvbase,
             stride_kn, stride_vd, stride_svn, lo, full_lo, Lk, window, softcap_in, softcap_out, thr2,
-            True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_VALID, USE_SAS, BLOCK_P_SCALE, BLOCK_N, EVEN_D)
-    acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, b_q, b_sq, o_pos, o_d, m_d, p_kbase, p_skbase, p_vbase, p_svbase, p_kvbase,
+            True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_VALID, USE_SAS, BLOCK_P_SCALE, BLOCK_N, EVEN_D, PSUM_BIAS)
+    acc, l_i, m_i, c_i = _attn_fwd_inner(
+        acc, l_i, m_i, c_i, b_q, b_sq, o_pos, o_d, m_d, p_kbase, p_skbase, p_vbase, p_svbase, p_kvbase,
         stride_kn, stride_vd, stride_svn, full_lo, full_hi, Lk, window, softcap_in, softcap_out, thr2,
-        False, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_VALID, USE_SAS, BLOCK_P_SCALE, BLOCK_N, EVEN_D)
-    acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, b_q, b_sq, o_pos, o_d, m_d, p_kbase, p_skbase, p_vbase, p_svbase, p_kvbase,
+        False, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_VALID, USE_SAS, BLOCK_P_SCALE, BLOCK_N, EVEN_D, PSUM_BIAS)
+    acc, l_i, m_i, c_i = _attn_fwd_inner(
+        acc, l_i, m_i, c_i, b_q, b_sq, o_pos, o_d, m_d, p_kbase, p_skbase, p_vbase, p_svbase, p_kvbase,
         stride_kn, stride_vd, stride_svn, full_hi, hi, Lk, window, softcap_in, softcap_out, thr2,
-        True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_VALID, USE_SAS, BLOCK_P_SCALE, BLOCK_N, EVEN_D)
+        True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_VALID, USE_SAS, BLOCK_P_SCALE, BLOCK_N, EVEN_D, PSUM_BIAS)
 
     # epilogue: o = acc / l, 0 for rows without any valid key
     has_key = l_i > 0
@@ -286,10 +311,10 @@ def _pick_config(head_dim: int, causal: bool):
 
 
 def _launch(q8, sq, k8, sk, v8t, sv, out, *, causal, window, softcap, key_valid, use_sas, thr2, block_p,
-            Lk, config=None):
+            Lk, block_n, config=None):
     b, hq, lq, d = q8.shape
     hk = k8.shape[1]
-    block_n = v8t.shape[-1] // sv.shape[2]
+    stride_svn = sv.stride(2) if sv.shape[2] > 1 else 0  # per-channel V scale: the same row every block
     block_m, num_warps, num_stages = config if config is not None else _pick_config(d, causal)
     if key_valid is not None:
         kv = key_valid.to(torch.bool).contiguous().view(torch.uint8)
@@ -311,12 +336,13 @@ def _launch(q8, sq, k8, sk, v8t, sv, out, *, causal, window, softcap, key_valid,
         k8.stride(0), k8.stride(1), k8.stride(2),
         sk.stride(0), sk.stride(1),
         v8t.stride(0), v8t.stride(1), v8t.stride(2),
-        sv.stride(0), sv.stride(1), sv.stride(2),
+        sv.stride(0), sv.stride(1), stride_svn,
         stride_kvb,
         out.stride(0), out.stride(1), out.stride(2),
         IS_CAUSAL=bool(causal), HAS_WINDOW=has_window, HAS_SOFTCAP=has_softcap,
         HAS_KEY_VALID=key_valid is not None, USE_SAS=bool(use_sas), BLOCK_P_SCALE=bool(block_p),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(d), HEAD_DIM=d,
+        PSUM_BIAS=(block_n * MAGIC_BITS + 2**31) % 2**32 - 2**31,  # BLOCK_N bits(C) as a wrapped int32
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
@@ -369,13 +395,14 @@ def _check_out(out, shape, dtype, device):
 # ---------------------------------------------------------------------------------- public: kernels
 def int8_flash_attention(q8, sq, k8, sk, v8t, sv, *, causal=True, window=None, softcap=None, key_valid=None,
                          softmax="exact", sas_threshold=6.0, Lk=None, out_dtype=torch.bfloat16,
-                         p_scale=DEFAULT_P_SCALE, out=None, _config=None):
+                         p_scale=DEFAULT_P_SCALE, out=None, block_n=None, _config=None):
     """The INT8 flash-attention kernel alone, on quantized operands (for kernel-only benchmarks).
 
     q8: ``[b, Hq, Lq, d]`` int8, sq: ``[b, Hq, Lq]`` fp32 with the softmax scale and log2(e) folded in
     (``quantize_per_token(q, scale=scale * log2 e)``); k8: ``[b, Hk, Lk, d]`` int8, sk: ``[b, Hk, Lk]``;
-    v8t: ``[b, Hk, d, Lpad]`` int8, sv: ``[b, Hk, Lpad // block, d]`` (``quantize_v_blocks``). The KV block
-    of the loop is the V block. Lk: number of real keys (default k8.shape[2]).
+    v8t: ``[b, Hk, d, Lpad]`` int8 with either sv ``[b, Hk, Lpad // block, d]`` (``quantize_v_blocks``: the
+    KV block of the loop is the V block) or sv ``[b, Hk, 1, d]`` (``quantize_v_channels``: the KV block is
+    ``block_n``, default 64, which must divide Lpad). Lk: number of real keys (default k8.shape[2]).
     Returns ``o [b, Lq, Hq, d]`` in ``out_dtype`` (written into ``out`` if given). Other arguments: see
     ``turbo_attention``. ``_config=(BLOCK_M, num_warps, num_stages)`` overrides the tile table.
     """
@@ -409,7 +436,16 @@ def int8_flash_attention(q8, sq, k8, sk, v8t, sv, *, causal=True, window=None, s
     nblk = sv.shape[2] if sv.dim() == 4 else 0
     if sv.dim() != 4 or tuple(sv.shape) != (b, hk, nblk, d) or nblk == 0 or v8t.shape[-1] % nblk:
         raise ValueError(f"sv {tuple(sv.shape)} does not match v8t {tuple(v8t.shape)}")
-    block_n = v8t.shape[-1] // nblk
+    if nblk > 1:
+        if block_n is not None and block_n != v8t.shape[-1] // nblk:
+            raise ValueError(f"block_n={block_n} disagrees with the V blocks of sv {tuple(sv.shape)} "
+                             f"({v8t.shape[-1] // nblk} tokens); leave block_n=None")
+        block_n = v8t.shape[-1] // nblk
+    else:
+        block_n = DEFAULT_BLOCK_N if block_n is None else int(block_n)
+        if v8t.shape[-1] % block_n:
+            raise ValueError(f"block_n={block_n} must divide v8t's padded length {v8t.shape[-1]} "
+                             "(quantize_v_channels(v, block_n) pads to it)")
     allowed = _INTERPRET_BLOCK_N if interpreting() else _GPU_BLOCK_N
     if block_n not in allowed:
         raise ValueError(f"V block {block_n} is not supported (supported: {allowed})")
@@ -420,12 +456,12 @@ def int8_flash_attention(q8, sq, k8, sk, v8t, sv, *, causal=True, window=None, s
         return out
     return _launch(q8, sq, k8, sk, v8t, sv, out, causal=causal, window=window, softcap=softcap,
                    key_valid=key_valid, use_sas=softmax == "sas", thr2=float(sas_threshold) * LOG2E,
-                   block_p=p_scale == "block", Lk=Lk, config=_config)
+                   block_p=p_scale == "block", Lk=Lk, block_n=block_n, config=_config)
 
 
 def turbo_attention(q, k, v, *, scale=None, causal=True, window=None, softcap=None, key_valid=None,
                     softmax="exact", sas_threshold=6.0, smooth_k=True, out=None, p_scale=DEFAULT_P_SCALE,
-                    block_n=DEFAULT_BLOCK_N):
+                    block_n=DEFAULT_BLOCK_N, v_scale=DEFAULT_V_SCALE):
     """INT8 flash attention from bf16/fp16 Q, K, V: fused quantization + the INT8 kernel.
 
     q: ``[b, Hq, Lq, d]``, k, v: ``[b, Hk, Lk, d]``, fp16 or bf16 (any strides), Hq % Hk == 0, Lq <= Lk,
@@ -441,7 +477,9 @@ def turbo_attention(q, k, v, *, scale=None, causal=True, window=None, softcap=No
       smooth_k: subtract K's per-channel mean before quantizing (SageAttention); forced off with softcap
         (the mean only commutes with softmax, not with tanh).
       p_scale: "block" (default) or "static" quantization of P, see the module docstring.
-      block_n: KV tile = V quantization block (tokens), default 64.
+      block_n: KV tile (tokens), default 64; also the V quantization block with v_scale="block".
+      v_scale: "block" (V scale per block_n tokens and channel, default) or "channel" (one scale per
+        channel over the sequence, INT-FlashAttention's choice).
     The plain-PyTorch twin is ``turbo_attn_hf.kernels.reference.turbo_attention`` (same arguments).
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -471,6 +509,8 @@ def turbo_attention(q, k, v, *, scale=None, causal=True, window=None, softcap=No
     if block_n not in allowed:
         raise ValueError(f"block_n={block_n} is not supported (supported: {allowed})")
     _check_options(causal, window, softcap, softmax, p_scale, sas_threshold)
+    if v_scale not in V_SCALE_MODES:
+        raise ValueError(f"v_scale={v_scale!r} must be one of {V_SCALE_MODES}")
     _check_key_valid(key_valid, b, lk, q.device)
     out = _check_out(out, (b, lq, hq, d), q.dtype, q.device)
     if lq == 0 or b * hq == 0:
@@ -479,7 +519,7 @@ def turbo_attention(q, k, v, *, scale=None, causal=True, window=None, softcap=No
     q8, sq = quantize_per_token(q, scale=scale * LOG2E)
     mean = k_smooth_mean(k) if (smooth_k and softcap is None) else None
     k8, sk = quantize_per_token(k, smooth=mean)
-    v8t, sv = quantize_v_blocks(v, block_n)
+    v8t, sv = (quantize_v_blocks if v_scale == "block" else quantize_v_channels)(v, block_n)
     return _launch(q8, sq, k8, sk, v8t, sv, out, causal=causal, window=window, softcap=softcap,
                    key_valid=key_valid, use_sas=softmax == "sas", thr2=float(sas_threshold) * LOG2E,
-                   block_p=p_scale == "block", Lk=lk)
+                   block_p=p_scale == "block", Lk=lk, block_n=block_n)

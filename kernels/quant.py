@@ -24,7 +24,7 @@ import triton.language as tl
 
 from .reference import DEFAULT_BLOCK_N, k_smooth_mean  # noqa: F401  (k_smooth_mean re-exported)
 
-__all__ = ["quantize_per_token", "quantize_v_blocks", "k_smooth_mean", "interpreting"]
+__all__ = ["quantize_per_token", "quantize_v_blocks", "quantize_v_channels", "k_smooth_mean", "interpreting"]
 
 
 def interpreting() -> bool:
@@ -60,7 +60,35 @@ def _interpreter_index_compat() -> None:
     interp._turbo_index_compat = True
 
 
+def _interpreter_exact_fma() -> None:
+    """Triton 3.6's interpreter computes ``tl.math.fma`` as ``x * y + z`` in the operands' dtype (two
+    roundings); the GPU's FFMA rounds once. Compute it in float64 and round once (``reference.fma``), so
+    that the interpreter, the GPU and the reference agree. Interpreter only; idempotent."""
+    if not interpreting():
+        return
+    try:
+        import numpy as np
+        import triton.runtime.interpreter as interp
+    except ImportError:  # pragma: no cover
+        return
+    builder = getattr(interp, "InterpreterBuilder", None)
+    if builder is None or getattr(builder, "_turbo_exact_fma", False):
+        return
+
+    def create_fma(self, x, y, z):
+        dt = z.data.dtype
+        if dt == np.float32:
+            out = (x.data.astype(np.float64) * y.data.astype(np.float64) + z.data.astype(np.float64)).astype(dt)
+        else:
+            out = x.data * y.data + z.data
+        return interp.TensorHandle(out, z.dtype.scalar)
+
+    builder.create_fma = create_fma
+    builder._turbo_exact_fma = True
+
+
 _interpreter_index_compat()
+_interpreter_exact_fma()
 
 
 def _check_device(x: torch.Tensor, what: str) -> None:
@@ -117,14 +145,16 @@ def _quant_tokens_kernel(
 
 @triton.jit(do_not_specialize=["L", "stride_xb", "stride_xh", "stride_xl"])
 def _quant_v_kernel(
-    X, V8T, SV, L, H,
+    X, AMAX, V8T, SV, L, H,
     stride_xb, stride_xh, stride_xl, stride_xd,
     stride_vb, stride_vh, stride_vd,
     stride_sb, stride_sh,
-    D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
+    HAS_AMAX: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
 ):
     """grid (Lpad // BN * b * H,). X [b, H, L, D] -> V8T [b, H, D, Lpad] (tokens contiguous; tokens >= L
-    are 0), SV [b, H, Lpad // BN, D] = amax over the block's tokens / 127 per channel."""
+    are 0), SV [b, H, Lpad // BN, D] = amax over the block's tokens / 127 per channel; with HAS_AMAX the
+    per-channel AMAX [b, H, D] (contiguous) over the whole sequence is used instead and the first block
+    writes SV [b, H, 1, D]."""
     n_blk = tl.maximum(tl.cdiv(L, BN), 1)
     i_n, i_bh = tl.program_id(0) % n_blk, tl.program_id(0) // n_blk
     i_b, i_h = i_bh // H, i_bh % H
@@ -135,7 +165,10 @@ def _quant_v_kernel(
     p_x = (X + i_b.to(tl.int64) * stride_xb + i_h.to(tl.int64) * stride_xh
            + o_t[:, None].to(tl.int64) * stride_xl + o_d[None, :] * stride_xd)
     b_x = tl.load(p_x, mask=m_x, other=0.0).to(tl.float32)
-    b_amax = tl.max(tl.abs(b_x), 0)  # [BD]
+    if HAS_AMAX:
+        b_amax = tl.load(AMAX + i_bh.to(tl.int64) * D + o_d, mask=m_d, other=0.0)
+    else:
+        b_amax = tl.max(tl.abs(b_x), 0)  # [BD]
     b_safe = tl.where(b_amax > 0, b_amax, 1.0)
     b_inv = tl.where(b_amax > 0, tl.math.div_rn(tl.full([BD], 127.0, tl.float32), b_safe), 0.0)
     b_v8t = tl.trans(_to_int8_half_away(b_x, b_inv[None, :]))  # [BD, BN]
@@ -143,7 +176,12 @@ def _quant_v_kernel(
            + o_d[:, None].to(tl.int64) * stride_vd + o_t[None, :])
     tl.store(p_v, b_v8t, mask=m_d[:, None])
     b_sv = tl.math.div_rn(b_amax, tl.full([BD], 127.0, tl.float32))
-    tl.store(SV + i_b.to(tl.int64) * stride_sb + i_h.to(tl.int64) * stride_sh + i_n * D + o_d, b_sv, mask=m_d)
+    if HAS_AMAX:
+        tl.store(SV + i_b.to(tl.int64) * stride_sb + i_h.to(tl.int64) * stride_sh + o_d, b_sv,
+                 mask=m_d & (i_n == 0))
+    else:
+        tl.store(SV + i_b.to(tl.int64) * stride_sb + i_h.to(tl.int64) * stride_sh + i_n * D + o_d, b_sv,
+                 mask=m_d)
 
 
 # ---------------------------------------------------------------------------------------- launchers
@@ -216,9 +254,37 @@ def quantize_v_blocks(v: torch.Tensor, block: int = DEFAULT_BLOCK_N):
     sv = torch.empty(b, h, nblk, d, dtype=torch.float32, device=v.device)
     if b * h > 0:
         _quant_v_kernel[(nblk * b * h,)](
-            v, v8t, sv, L, h,
+            v, sv, v8t, sv, L, h,
             v.stride(0), v.stride(1), v.stride(2), v.stride(3),
             v8t.stride(0), v8t.stride(1), v8t.stride(2), sv.stride(0), sv.stride(1),
-            D=d, BD=triton.next_power_of_2(d), BN=block, num_warps=4, enable_fp_fusion=False,
+            HAS_AMAX=False, D=d, BD=triton.next_power_of_2(d), BN=block, num_warps=4, enable_fp_fusion=False,
+        )
+    return v8t, sv
+
+
+def quantize_v_channels(v: torch.Tensor, block: int = DEFAULT_BLOCK_N):
+    """Per-channel symmetric INT8 of V over the whole sequence (INT-FlashAttention's V scale), transposed.
+
+    v: ``[b, H, L, d]`` fp16/bf16/fp32, any strides. Returns ``v8t int8 [b, H, d, Lpad]`` (Lpad = L rounded
+    up to ``block``, the kernel's KV tile; padded tokens 0) and ``sv fp32 [b, H, 1, d]`` = amax / 127.
+    Two reads of V: the channel amax (a torch reduction), then the Triton pass of ``quantize_v_blocks``.
+    """
+    _check_device(v, "v")
+    if v.dim() != 4:
+        raise ValueError(f"v must be [b, H, L, d]; got shape {tuple(v.shape)}")
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"block={block} must be a power of two >= 16")
+    b, h, L, d = v.shape
+    nblk = max(1, triton.cdiv(L, block))
+    v8t = torch.empty(b, h, d, nblk * block, dtype=torch.int8, device=v.device)
+    sv = torch.empty(b, h, 1, d, dtype=torch.float32, device=v.device)
+    if b * h > 0:
+        amax = (v.abs().amax(dim=2).float() if L > 0 else
+                torch.zeros(b, h, d, dtype=torch.float32, device=v.device)).contiguous()
+        _quant_v_kernel[(nblk * b * h,)](
+            v, amax, v8t, sv, L, h,
+            v.stride(0), v.stride(1), v.stride(2), v.stride(3),
+            v8t.stride(0), v8t.stride(1), v8t.stride(2), sv.stride(0), sv.stride(1),
+            HAS_AMAX=True, D=d, BD=triton.next_power_of_2(d), BN=block, num_warps=4, enable_fp_fusion=False,
         )
     return v8t, sv

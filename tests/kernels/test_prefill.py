@@ -80,6 +80,9 @@ CASES = [
     (1, 2, 2, 65, 65, 64, torch.float16, 32, dict(causal=False, p_scale="static", softmax="sas")),
     (2, 7, 1, 65, 111, 96, torch.bfloat16, 16,
      dict(causal=True, window=50, softcap=30.0, key_valid=True, softmax="sas", hf_layout=True)),
+    (2, 4, 1, 63, 111, 80, torch.float16, 16, dict(causal=True, v_scale="channel")),
+    (1, 4, 2, 65, 111, 64, torch.float16, 32, dict(causal=True, window=37, v_scale="channel", softmax="sas")),
+    (1, 2, 1, 100, 300, 128, torch.float16, 128, dict(causal=True)),
 ]
 
 
@@ -155,6 +158,13 @@ def test_int8_flash_attention_on_quantized_operands(device):
         ref = R.int8_flash_attention(*(t.cpu() for t in (q8, sq, k8, sk, v8t, sv)), causal=True, Lk=lk,
                                      out_dtype=torch.float32, p_scale=p_scale)
         assert_close(f"int8_flash_attention-{p_scale}", ref, out, *TOL[torch.float16])
+    v8c, svc = quant.quantize_v_channels(v, 32)  # per-channel V scale: the KV block is block_n
+    out = torch.full((b, lq, hq, d), float("nan"), dtype=torch.float16, device=device)
+    prefill.int8_flash_attention(q8, sq, k8, sk, v8c, svc, causal=True, Lk=lk, out_dtype=torch.float16,
+                                 out=out, block_n=32)
+    refc = R.int8_flash_attention(*(t.cpu() for t in (q8, sq, k8, sk, v8c, svc)), causal=True, Lk=lk,
+                                  out_dtype=torch.float32, block_n=32)
+    assert_close("int8_flash_attention-channel", refc, out, *TOL[torch.float16])
     # and the same through turbo_attention (same quantizers, same mean)
     full = prefill.turbo_attention(q, k, v, scale=scale, block_n=32)
     assert_close("turbo vs kernel-only", ref.to(torch.float16).float(), full, *TOL[torch.float16])
@@ -247,6 +257,8 @@ def test_bad_inputs_raise(device):
         prefill.turbo_attention(q, k, v, softcap=-1.0)
     with pytest.raises(ValueError, match="block_n"):
         prefill.turbo_attention(q, k, v, block_n=48)
+    with pytest.raises(ValueError, match="v_scale"):
+        prefill.turbo_attention(q, k, v, v_scale="tensor")
     with pytest.raises(ValueError, match="out must be"):
         prefill.turbo_attention(q, k, v, out=torch.empty(1, 8, 2, 64, dtype=torch.bfloat16, device=device))
     with pytest.raises(ValueError, match="4-D"):

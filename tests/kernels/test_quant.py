@@ -102,6 +102,21 @@ def test_v_blocks_bit_exact(shape, block, dtype, device, poisoned_empty):
     assert torch.all(sv[..., 0] == 0)
 
 
+@pytest.mark.parametrize("shape,block,dtype", V_CASES, ids=[f"{'x'.join(map(str, s))}-B{b}" for s, b, _ in V_CASES])
+def test_v_channels_bit_exact(shape, block, dtype, device, poisoned_empty):
+    """One scale per (b, head, channel) over the whole sequence; tokens padded to ``block`` with 0."""
+    v = _rand(shape, dtype, device, seed=2).transpose(1, 2).contiguous().transpose(1, 2)  # HF strides
+    v[..., 0] = 0  # an all-zero channel: codes 0, scale 0
+    v8t, sv = quant.quantize_v_channels(v, block)
+    r8t, rsv = R.quantize_v_channels(v.cpu(), block)
+    b, h, L, d = shape
+    lpad = -(-L // block) * block
+    assert v8t.shape == (b, h, d, lpad) and sv.shape == (b, h, 1, d)
+    assert torch.equal(v8t.cpu(), r8t), f"{int((v8t.cpu() != r8t).sum())} codes differ"
+    assert torch.equal(sv.cpu(), rsv)
+    assert torch.all(v8t[..., L:] == 0)
+
+
 def test_v_blocks_strided_and_error_bound(device, poisoned_empty):
     base = _rand((1, 70, 2, 64), torch.bfloat16, device, seed=2)
     v = base.transpose(1, 2)

@@ -149,8 +149,10 @@ def test_quantizers():
 
 
 def test_quantize_p_and_magic():
-    p = torch.tensor([0.0, 1.0, 0.5 / 127, 1.5 / 127, 0.3, 1e-9])
-    assert R.quantize_p(p).tolist() == [0.0, 127.0, 0.0, 2.0, 38.0, 0.0]  # ties to even
+    # one rounding of the exact 127 p (the kernel's FMA): 127 * fl(1.5 / 127) = 1.4999999944 -> 1;
+    # 127 * 0.5 = 63.5: ties go to even (63.5 -> 64)
+    p = torch.tensor([0.0, 1.0, 0.5 / 127, 1.5 / 127, 0.3, 1e-9, 0.5, 2.5 / 127])
+    assert R.quantize_p(p).tolist() == [0.0, 127.0, 0.0, 1.0, 38.0, 0.0, 64.0, 2.0]
     i = torch.tensor([-(1 << 22) + 1, -5, 0, 7, (1 << 22) - 1], dtype=torch.int32)
     f = (i + R.MAGIC_BITS).view(torch.float32) - R.MAGIC
     assert torch.equal(f, i.float())
