@@ -186,3 +186,28 @@ def test_builtin_tasks_with_local_data_files(tok, tmp_path):
     assert "gsm8k" in res["results"] and "bbh_cot_fewshot_navigate" in res["results"]
     assert len({s["doc_id"] for s in res["samples"]["gsm8k"]}) == 2  # one sample per doc and filter
     assert "Question:" in res["samples"]["gsm8k"][0]["arguments"][0][0]
+
+
+def test_runner_collect_agreement_markdown():
+    """The runner's bookkeeping on hand-made lm-eval sample records (no model)."""
+    doc_g = {"question": "q", "answer": "x\n#### 5", "prompt": "p"}
+    doc_b = {"input": "i", "target": "(B)", "prompt": "p"}
+
+    def res(texts_g, texts_b):
+        return {"samples": {
+            "gsm8k_cot": [{"doc_id": i, "doc": doc_g, "resps": [[t]]} for i, t in enumerate(texts_g)],
+            "bbh_cot_snarks": [{"doc_id": i, "doc": doc_b, "resps": [[t]]} for i, t in enumerate(texts_b)],
+        }}
+
+    acc_a, ans_a = lm_eval_run.collect(res(["The answer is 5.", "The answer is 6."], ["So the answer is (B).", "x"]))
+    acc_b, ans_b = lm_eval_run.collect(res(["The answer is 5.", "The answer is 7."], ["So the answer is (B).", "y"]))
+    assert acc_a["gsm8k_cot"] == {"acc": 0.5, "n": 2}
+    assert acc_a["bbh_cot"]["acc"] == 0.5 and acc_a["bbh_cot"]["n"] == 2 and acc_a["bbh_cot"]["tasks"] == 1
+    ag = lm_eval_run.agreement(ans_a, ans_b, ["gsm8k_cot", "bbh_cot"])
+    assert ag["gsm8k_cot"] == {"agree": 0.5, "n": 2}
+    assert ag["bbh_cot"] == {"agree": 1.0, "n": 2}  # "" == "" for the two answer-less generations
+    result = {"device": "cpu", "date": "d", "command": "c", "tasks": ["gsm8k_cot", "bbh_cot"],
+              "runs": {"sdpa": {"acc": acc_b}, "int4": {"acc": acc_a, "agree_vs_sdpa": ag}}}
+    md = lm_eval_run.to_markdown(result)
+    assert "| int4 | 50.0 (n=2) | 50.0 (n=2) | 50.0 | 100.0 |" in md
+    assert lm_eval_run.run_name("configs/x_calibrated.yaml") == "x_calibrated"
