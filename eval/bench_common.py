@@ -146,7 +146,7 @@ def fmt(v: Any, width: int = 9) -> str:
         if not math.isfinite(v):
             return "nan".rjust(width)
         a = abs(v)
-        s = f"{v:.3g}" if a and (a < 0.01 or a >= 1e5) else f"{v:.2f}" if a < 100 else f"{v:.0f}"
+        s = f"{v:.3g}" if a and (a < 1 or a >= 1e5) else f"{v:.2f}" if a < 100 else f"{v:.0f}"
         return s.rjust(width)
     return str(v).rjust(width)
 

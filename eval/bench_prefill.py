@@ -95,7 +95,8 @@ def make_providers(q, k, v, causal: bool, names, dry_run: bool = False) -> dict[
         d = q.shape[-1]
         q8, sq = quant.quantize_per_token(q, scale=d ** -0.5 * reference.LOG2E)
         k8, sk = quant.quantize_per_token(k, smooth=reference.k_smooth_mean(k))
-        v8t, sv = quant.quantize_v_blocks(v)
+        by_channel = getattr(reference, "DEFAULT_V_SCALE", "block") == "channel"  # mirror turbo_attention's default
+        v8t, sv = (quant.quantize_v_channels if by_channel else quant.quantize_v_blocks)(v)
         L = k.shape[2]
         for m in ("exact", "sas"):
             if f"kernel_{m}" in names:
