@@ -30,6 +30,7 @@ Rounding: float -> int8 rounds half away from zero, as in ``reference.py``.
 from __future__ import annotations
 
 import functools
+import os
 import math
 from typing import Optional, Sequence
 
@@ -69,18 +70,65 @@ def _interpreter_index_compat() -> None:
 
 _interpreter_index_compat()
 
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 LOG2E = 1.4426950408889634
+#: programs per SM that the split plan aims for (Lean Attention's grid sized to the SM count)
+DEFAULT_WAVES = 4.0
 LN2 = 0.6931471805599453
 
 
 # ----------------------------------------------------------------------------------------- Triton
 @triton.jit
-def _attend_tile(
-    b_acc, b_m, b_l, b_q, b_sq, b_qb, b_k, b_v, o_key, m_key, o_pos, window, softcap, sas_thr,
-    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, USE_SAS: tl.constexpr,
+def _codes(b_p, SHIFT: tl.constexpr, BITS: tl.constexpr, USE_ASM: tl.constexpr):
+    """Packed bytes (uint8, any shape) -> int8 codes ``(byte >> SHIFT) & (2**BITS - 1)``, same shape.
+
+    USE_ASM (GPU): four bytes per 32-bit register, one ``and`` (+ one ``shr``) per four codes, and the codes
+    come out already packed four to a register as the int8 mma operands want them. Else plain Triton ops
+    (the interpreter has no inline PTX)."""
+    if USE_ASM:
+        if BITS == 4:
+            if SHIFT == 0:
+                b_c = tl.inline_asm_elementwise("and.b32 $0, $1, 0x0F0F0F0F;", "=r,r", [b_p], dtype=tl.int8,
+                                                is_pure=True, pack=4)
+            else:
+                b_c = tl.inline_asm_elementwise("{ .reg .b32 t; shr.u32 t, $1, 4; and.b32 $0, t, 0x0F0F0F0F; }",
+                                                "=r,r", [b_p], dtype=tl.int8, is_pure=True, pack=4)
+        else:
+            if SHIFT == 0:
+                b_c = tl.inline_asm_elementwise("and.b32 $0, $1, 0x03030303;", "=r,r", [b_p], dtype=tl.int8,
+                                                is_pure=True, pack=4)
+            elif SHIFT == 2:
+                b_c = tl.inline_asm_elementwise("{ .reg .b32 t; shr.u32 t, $1, 2; and.b32 $0, t, 0x03030303; }",
+                                                "=r,r", [b_p], dtype=tl.int8, is_pure=True, pack=4)
+            elif SHIFT == 4:
+                b_c = tl.inline_asm_elementwise("{ .reg .b32 t; shr.u32 t, $1, 4; and.b32 $0, t, 0x03030303; }",
+                                                "=r,r", [b_p], dtype=tl.int8, is_pure=True, pack=4)
+            else:
+                b_c = tl.inline_asm_elementwise("{ .reg .b32 t; shr.u32 t, $1, 6; and.b32 $0, t, 0x03030303; }",
+                                                "=r,r", [b_p], dtype=tl.int8, is_pure=True, pack=4)
+    else:
+        b_c = ((b_p >> SHIFT) & ((1 << BITS) - 1)).to(tl.int8)
+    return b_c
+
+
+@triton.jit
+def _qk_part(b_s_lo, b_s_hi, b_qp, ks, o_ks, m_ks, b_kc):
+    """One channel part of the folded Q·Kᵀ: A = q8·scale_int ([BM, BDK] int32, |A| < 2^15) split into
+    A = 128·hi + lo (lo in [0, 127], hi int8), accumulated as two INT8 dots with the codes [BS, BDK]."""
+    b_ks = tl.load(ks + o_ks, mask=m_ks, other=0).to(tl.int32)
+    b_a = b_qp * b_ks[None, :]
+    b_s_lo = tl.dot((b_a & 127).to(tl.int8), tl.trans(b_kc), acc=b_s_lo, out_dtype=tl.int32)
+    b_s_hi = tl.dot((b_a >> 7).to(tl.int8), tl.trans(b_kc), acc=b_s_hi, out_dtype=tl.int32)
+    return b_s_lo, b_s_hi
+
+
+@triton.jit
+def _masked_scores(
+    b_si, b_sq, b_qb, o_key, m_key, o_pos, window, softcap,
+    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
-    """One online-softmax step: q8 [BM, BD] · k8 [BS, BD]ᵀ -> scores, p8 [BM, BS] · v8 [BD, BS]ᵀ."""
-    b_s = tl.dot(b_q, tl.trans(b_k), out_dtype=tl.int32).to(tl.float32) * b_sq[:, None]
+    """Integer scores ``b_si [BM, N]`` (= q8·k8) -> base-2 logits, -inf where masked."""
+    b_s = b_si.to(tl.float32) * b_sq[:, None]
     if HAS_SOFTCAP:  # base-2 logits: softcap * tanh(s / softcap), tanh via exp2 (reference formula)
         b_s = b_s + b_qb[:, None]
         b_s = (1.0 - 2.0 / (tl.exp2(b_s * (2.0 / softcap)) + 1.0)) * (softcap * 1.4426950408889634)
@@ -89,24 +137,52 @@ def _attend_tile(
         m_s = m_s & (o_key[None, :] <= o_pos[:, None])
     if HAS_WINDOW:
         m_s = m_s & (o_key[None, :] > o_pos[:, None] - window)
-    b_s = tl.where(m_s, b_s, float("-inf"))
-    b_mn = tl.maximum(b_m, tl.max(b_s, 1))
-    b_ms = tl.where(b_mn == float("-inf"), 0.0, b_mn)
-    b_alpha = tl.exp2(b_m - b_ms)
+    return tl.where(m_s, b_s, float("-inf"))
+
+
+@triton.jit
+def _p8(b_s, b_ms, sas_thr, USE_SAS: tl.constexpr):
+    """p8 = round(127 * exp2(s - m)) as int8 (exact exp2 or SAS)."""
     if USE_SAS:
         b_p = sas_exp2(b_s - b_ms[:, None], sas_thr)
     else:
         b_p = tl.exp2(b_s - b_ms[:, None])
-    b_p8 = (b_p * 127.0 + 0.5).to(tl.int8)
+    return (b_p * 127.0 + 0.5).to(tl.int8)
+
+
+@triton.jit
+def _softmax_tile(
+    b_si, b_m, b_l, b_sq, b_qb, o_key, m_key, o_pos, window, softcap, sas_thr,
+    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, USE_SAS: tl.constexpr,
+):
+    """Online-softmax step on integer scores ``b_si [BM, BS]`` (= q8·k8): returns (p8 int8, alpha, m, l)."""
+    b_s = _masked_scores(b_si, b_sq, b_qb, o_key, m_key, o_pos, window, softcap, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP)
+    b_mn = tl.maximum(b_m, tl.max(b_s, 1))
+    b_ms = tl.where(b_mn == float("-inf"), 0.0, b_mn)
+    b_alpha = tl.exp2(b_m - b_ms)
+    b_p8 = _p8(b_s, b_ms, sas_thr, USE_SAS)
     b_l = b_l * b_alpha + tl.sum(b_p8.to(tl.int32), 1).to(tl.float32)
-    b_pv = tl.dot(b_p8, tl.trans(b_v), out_dtype=tl.int32).to(tl.float32)
-    b_acc = b_acc * b_alpha[:, None] + b_pv
-    return b_acc, b_mn, b_l
+    return b_p8, b_alpha, b_mn, b_l
+
+
+@triton.jit
+def _qk_half(b_kp, ks, o_ks, m_dk, b_q0, b_q1, b_q2, b_q3, BM: tl.constexpr, N: tl.constexpr, BITS: tl.constexpr,
+             USE_ASM: tl.constexpr):
+    """Folded integer scores Σ_c (q8·s_k)[c]·code[t, c] of one token part: packed K rows b_kp [N, BDK]
+    (byte j: channels PB·j + p) against the query channel parts b_q0..3 [BM, BDK] int32 -> [BM, N] int32."""
+    b_s_lo = tl.zeros([BM, N], dtype=tl.int32)
+    b_s_hi = tl.zeros([BM, N], dtype=tl.int32)
+    b_s_lo, b_s_hi = _qk_part(b_s_lo, b_s_hi, b_q0, ks, o_ks, m_dk, _codes(b_kp, 0, BITS, USE_ASM))
+    b_s_lo, b_s_hi = _qk_part(b_s_lo, b_s_hi, b_q1, ks, o_ks + 1, m_dk, _codes(b_kp, BITS, BITS, USE_ASM))
+    if BITS == 2:
+        b_s_lo, b_s_hi = _qk_part(b_s_lo, b_s_hi, b_q2, ks, o_ks + 2, m_dk, _codes(b_kp, 4, 2, USE_ASM))
+        b_s_lo, b_s_hi = _qk_part(b_s_lo, b_s_hi, b_q3, ks, o_ks + 3, m_dk, _codes(b_kp, 6, 2, USE_ASM))
+    return b_s_lo + b_s_hi * 128
 
 
 @triton.jit(do_not_specialize=["n_blocks", "n_tail", "Lq", "kv_len", "T0", "TPS", "window"])
 def _decode_kernel(
-    q, sk, mk, heads, kp, ks, kz, vp, vs, vz, kt, vt, sv, kvalid, o, po, pml,
+    q, sk, mk, heads, kp, ks, kz, vp, vs, vz, kt, vt, sv, kvalid, o, po, pml, cnt,
     n_blocks, n_tail, Lq, kv_len, T0, TPS, window, softcap, sas_thr, qscale,
     stride_qb, stride_qh, stride_ql,
     stride_kb, stride_kh, stride_sb, stride_sh, stride_vb, stride_vh,
@@ -114,13 +190,22 @@ def _decode_kernel(
     G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr,
     BITS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_MEAN: tl.constexpr, HAS_KVALID: tl.constexpr, USE_SAS: tl.constexpr, SPLIT: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, FOLD: tl.constexpr, USE_ASM: tl.constexpr,
 ):
     """grid = (n_splits, n_m_tiles, b * H); H = KV heads of this bit group, heads[H] their layer index.
 
     q [b, HQ, Lq, D] (any float dtype, strides given, D contiguous); sk/mk/sv [b, HK, D] fp32 (K scale,
     K mean, V scale); packed blocks as in pack.py; kt [b, HK, BS, D], vt [b, HK, D, BS] int8 tail;
     kvalid [b, kv_len] int8; o [b, Lq, HQ, D]; po [S, b*H, n_m*BM, BD] and pml [S, b*H, n_m*BM, 2] fp32
-    partials (SPLIT only). Strides stay specialised (multiples of 16 -> 16-byte vector loads).
+    partials (SPLIT only; rows >= M are not written); cnt [b*H*n_m] int32 arrival counters, zero between
+    calls (FUSED_MERGE: the last share of a tile to finish merges it and resets its counter).
+    Strides stay specialised (multiples of 16 -> 16-byte vector loads).
+
+    FOLD (packed heads): no INT8 tile is ever restored. With x8 = code·s + z (pack.py, exact, no clamp):
+    Q·Kᵀ = Σ_c (q8·s_k)[c]·code[t, c] + Σ_c q8[c]·z_k[c]  (A = q8·s_k split into two int8 dots), and
+    P·V  = s_v[c]·Σ_t p8[t]·code[c, t] + z_v[c]·Σ_t p8[t]; the codes come straight out of the packed bytes
+    (byte j holds codes PB·j + p), so the channel (K) or token (V) axis is cut into PB interleaved parts.
+    The integer scores and P·V equal those of the restored tiles exactly.
     """
     tl.static_assert(BITS == 2 or BITS == 4 or BITS == 8)
     i_s, i_m, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -157,13 +242,20 @@ def _decode_kernel(
                      0.0)
     b_x = b_qs * b_inv[:, None]
     b_x = tl.where(b_x >= 0, b_x + 0.5, b_x - 0.5).to(tl.int32)
-    b_q = tl.minimum(tl.maximum(b_x, -127), 127).to(tl.int8)
+    b_q32 = tl.minimum(tl.maximum(b_x, -127), 127)
+    b_q = b_q32.to(tl.int8)
     b_sq = tl.math.div_rn(b_amax, tl.full([BM], 127.0, tl.float32)) * qscale
     if HAS_SOFTCAP and HAS_MEAN:  # smoothing correction qscale * q.mean_k, added before the cap
         b_mk = tl.load(mk + o_kvh + o_d, mask=m_d, other=0.0)
         b_qb = tl.sum(b_qf * b_mk[None, :], 1) * qscale
     else:
         b_qb = tl.zeros([BM], dtype=tl.float32)
+    if FOLD and BITS == 4:  # query channel parts 2j + p (the K codes of byte j)
+        b_q0, b_q1 = tl.split(tl.reshape(b_q32, (BM, BDK, 2)))
+    elif FOLD and BITS == 2:  # reshape index (j, a, c) = channel 4j + 2a + c; split takes c, then a
+        b_qa, b_qb1 = tl.split(tl.reshape(b_q32, (BM, BDK, 2, 2)))
+        b_q0, b_q2 = tl.split(b_qa)
+        b_q1, b_q3 = tl.split(b_qb1)
 
     b_acc = tl.zeros([BM, BD], dtype=tl.float32)
     b_m = tl.full([BM], float("-inf"), dtype=tl.float32)
@@ -182,62 +274,156 @@ def _decode_kernel(
     p_kb = kp + i_b64 * stride_kb + i_h * stride_kh
     p_vb = vp + i_b64 * stride_vb + i_h * stride_vh
     o_sbase = i_b64 * stride_sb + i_h * stride_sh
+    o_dk = tl.arange(0, BDK)
+    o_sb = tl.arange(0, BSB)
+    if D == BD:
+        m_dk = tl.full([BDK], 1, tl.int1)
+    else:
+        m_dk = o_dk < DK
+    o_r2 = tl.arange(0, BS // 2)
+    if BITS == 4:
+        o_t0 = 2 * o_r2
+        o_t1 = o_t0 + 1
+    else:
+        o_t0 = 4 * (o_r2 // 2) + o_r2 % 2
+        o_t1 = o_t0 + 2
+    if not FOLD or BITS == 8:  # unused
+        b_q0 = b_q32
+        b_q1 = b_q32
+    if BITS != 2 or not FOLD:
+        b_q2 = b_q0
+        b_q3 = b_q1
     # ---- packed blocks
     for t in range(t_lo, t_hp):
+        o_key = t * BS + o_n
+        m_key = o_n < BS
+        if HAS_KVALID and (BITS == 8 or not FOLD):
+            m_key = tl.load(kvalid + i_b64 * kv_len + o_key) != 0
         if BITS == 8:
-            b_k = tl.load(p_kb + t * (BS * D) + o_n[:, None] * D + o_d[None, :],
-                          mask=m_d[None, :], other=0)
-            b_v = tl.load(p_vb + t * (D * BS) + o_d[:, None] * BS + o_n[None, :],
-                          mask=m_d[:, None], other=0)
+            b_k = tl.load(p_kb + t * (BS * D) + o_n[:, None] * D + o_d[None, :], mask=m_d[None, :], other=0)
+            b_v = tl.load(p_vb + t * (D * BS) + o_d[:, None] * BS + o_n[None, :], mask=m_d[:, None], other=0)
+            b_si = tl.dot(b_q, tl.trans(b_k), out_dtype=tl.int32)
+            b_p8, b_alpha, b_m, b_l = _softmax_tile(b_si, b_m, b_l, b_sq, b_qb, o_key, m_key, o_pos, window, softcap,
+                                                    sas_thr, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, USE_SAS)
+            b_pv = tl.dot(b_p8, tl.trans(b_v), out_dtype=tl.int32)
+            b_acc = b_acc * b_alpha[:, None] + b_pv.to(tl.float32)
         else:
-            o_dk = tl.arange(0, BDK)
-            if D == BD:
-                b_kp = tl.load(p_kb + t * (BS * DK) + o_n[:, None] * DK + o_dk[None, :])
-            else:
-                b_kp = tl.load(p_kb + t * (BS * DK) + o_n[:, None] * DK + o_dk[None, :],
-                               mask=(o_dk < DK)[None, :], other=0)
-            o_sb = tl.arange(0, BSB)
-            b_vp = tl.load(p_vb + t * (D * BSB) + o_d[:, None] * BSB + o_sb[None, :],
-                           mask=m_d[:, None], other=0)
+            b_vp = tl.load(p_vb + t * (D * BSB) + o_d[:, None] * BSB + o_sb[None, :], mask=m_d[:, None], other=0)
             o_sc = o_sbase + t * D + o_d
-            b_ks = tl.load(ks + o_sc, mask=m_d, other=0).to(tl.int32)
-            b_kz = tl.load(kz + o_sc, mask=m_d, other=0).to(tl.int32)
             b_vs = tl.load(vs + o_sc, mask=m_d, other=0).to(tl.int32)
             b_vz = tl.load(vz + o_sc, mask=m_d, other=0).to(tl.int32)
-            b_k = _dequant_tile(_unpack_tile(b_kp, BS, BD, BITS), b_ks, b_kz, 0)
-            b_v = _dequant_tile(_unpack_tile(b_vp, BD, BS, BITS), b_vs, b_vz, 1)
-        o_key = t * BS + o_n
-        if HAS_KVALID:
-            m_key = tl.load(kvalid + i_b64 * kv_len + o_key) != 0
-        else:
-            m_key = o_n < BS
-        b_acc, b_m, b_l = _attend_tile(b_acc, b_m, b_l, b_q, b_sq, b_qb, b_k, b_v, o_key, m_key, o_pos,
-                                       window, softcap, sas_thr, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, USE_SAS)
+            if FOLD:
+                # token parts h = 0, 1 of the block: rows PB·i + p of the V bytes, paired for 2 bits
+                # (int4: tokens 2r + h; int2: tokens 4(r // 2) + 2h + r % 2), so P·V needs no reshuffle of P
+                b_kz = tl.load(kz + o_sc, mask=m_d, other=0).to(tl.int32)
+                o_ks = o_sbase + t * D + PB * o_dk
+                b_zq = tl.sum(b_q32 * b_kz[None, :], 1)[:, None]  # Σ_c q8·z_k
+                p_kt = p_kb + t * (BS * DK) + o_dk[None, :]
+                b_kp0 = tl.load(p_kt + o_t0[:, None] * DK, mask=m_dk[None, :], other=0)
+                b_kp1 = tl.load(p_kt + o_t1[:, None] * DK, mask=m_dk[None, :], other=0)
+                b_si0 = _qk_half(b_kp0, ks, o_ks, m_dk, b_q0, b_q1, b_q2, b_q3, BM, BS // 2, BITS, USE_ASM) + b_zq
+                b_si1 = _qk_half(b_kp1, ks, o_ks, m_dk, b_q0, b_q1, b_q2, b_q3, BM, BS // 2, BITS, USE_ASM) + b_zq
+                o_key0 = t * BS + o_t0
+                o_key1 = t * BS + o_t1
+                if HAS_KVALID:
+                    m_key0 = tl.load(kvalid + i_b64 * kv_len + o_key0) != 0
+                    m_key1 = tl.load(kvalid + i_b64 * kv_len + o_key1) != 0
+                else:
+                    m_key0 = o_t0 < BS
+                    m_key1 = m_key0
+                b_s0 = _masked_scores(b_si0, b_sq, b_qb, o_key0, m_key0, o_pos, window, softcap, IS_CAUSAL,
+                                      HAS_WINDOW, HAS_SOFTCAP)
+                b_s1 = _masked_scores(b_si1, b_sq, b_qb, o_key1, m_key1, o_pos, window, softcap, IS_CAUSAL,
+                                      HAS_WINDOW, HAS_SOFTCAP)
+                b_mn = tl.maximum(b_m, tl.maximum(tl.max(b_s0, 1), tl.max(b_s1, 1)))
+                b_ms = tl.where(b_mn == float("-inf"), 0.0, b_mn)
+                b_alpha = tl.exp2(b_m - b_ms)
+                b_m = b_mn
+                b_p80 = _p8(b_s0, b_ms, sas_thr, USE_SAS)
+                b_p81 = _p8(b_s1, b_ms, sas_thr, USE_SAS)
+                b_lsum = tl.sum(b_p80.to(tl.int32), 1) + tl.sum(b_p81.to(tl.int32), 1)
+                b_l = b_l * b_alpha + b_lsum.to(tl.float32)
+                if BITS == 4:
+                    b_vc0 = _codes(b_vp, 0, 4, USE_ASM)
+                    b_vc1 = _codes(b_vp, 4, 4, USE_ASM)
+                else:
+                    b_vc0 = tl.reshape(tl.join(_codes(b_vp, 0, 2, USE_ASM), _codes(b_vp, 2, 2, USE_ASM)), (BD, BS // 2))
+                    b_vc1 = tl.reshape(tl.join(_codes(b_vp, 4, 2, USE_ASM), _codes(b_vp, 6, 2, USE_ASM)), (BD, BS // 2))
+                b_pc = tl.dot(b_p80, tl.trans(b_vc0), out_dtype=tl.int32)
+                b_pc = tl.dot(b_p81, tl.trans(b_vc1), acc=b_pc, out_dtype=tl.int32)
+                b_pv = b_pc * b_vs[None, :] + b_lsum[:, None] * b_vz[None, :]
+            else:  # restore INT8 tiles in registers (the first version; kept to measure against)
+                b_kp = tl.load(p_kb + t * (BS * DK) + o_n[:, None] * DK + o_dk[None, :], mask=m_dk[None, :], other=0)
+                b_ks = tl.load(ks + o_sc, mask=m_d, other=0).to(tl.int32)
+                b_kz = tl.load(kz + o_sc, mask=m_d, other=0).to(tl.int32)
+                b_k = _dequant_tile(_unpack_tile(b_kp, BS, BD, BITS), b_ks, b_kz, 0)
+                b_v = _dequant_tile(_unpack_tile(b_vp, BD, BS, BITS), b_vs, b_vz, 1)
+                b_si = tl.dot(b_q, tl.trans(b_k), out_dtype=tl.int32)
+                b_p8, b_alpha, b_m, b_l = _softmax_tile(b_si, b_m, b_l, b_sq, b_qb, o_key, m_key, o_pos, window,
+                                                        softcap, sas_thr, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, USE_SAS)
+                b_pv = tl.dot(b_p8, tl.trans(b_v), out_dtype=tl.int32)
+            b_acc = b_acc * b_alpha[:, None] + b_pv.to(tl.float32)
     # ---- INT8 tail (the last tile). All BS slots are read (stale slots hold finite int8); keys at or past
     # n_tail are masked in the scores, so their p8 is 0.
     if t_hi > n_blocks:
-        p_kt = kt + (o_kvh * BS + o_n[:, None] * D + o_d[None, :])
-        b_k = tl.load(p_kt, mask=m_d[None, :], other=0)
-        p_vt = vt + (o_kvh * BS + o_d[:, None] * BS + o_n[None, :])
-        b_v = tl.load(p_vt, mask=m_d[:, None], other=0)
+        b_k = tl.load(kt + (o_kvh * BS + o_n[:, None] * D + o_d[None, :]), mask=m_d[None, :], other=0)
+        b_v = tl.load(vt + (o_kvh * BS + o_d[:, None] * BS + o_n[None, :]), mask=m_d[:, None], other=0)
         o_key = n_blocks * BS + o_n
         m_key = o_n < n_tail
         if HAS_KVALID:
             m_key = m_key & (tl.load(kvalid + i_b64 * kv_len + o_key, mask=m_key, other=0) != 0)
-        b_acc, b_m, b_l = _attend_tile(b_acc, b_m, b_l, b_q, b_sq, b_qb, b_k, b_v, o_key, m_key, o_pos,
-                                       window, softcap, sas_thr, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, USE_SAS)
+        b_si = tl.dot(b_q, tl.trans(b_k), out_dtype=tl.int32)
+        b_p8, b_alpha, b_m, b_l = _softmax_tile(b_si, b_m, b_l, b_sq, b_qb, o_key, m_key, o_pos, window, softcap,
+                                                sas_thr, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, USE_SAS)
+        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p8, tl.trans(b_v), out_dtype=tl.int32).to(tl.float32)
 
+    p_o = o + ((i_b64 * Lq + o_qi) * HQ + o_qh)[:, None] * D + o_d[None, :]
     if SPLIT:
+        n_bh = tl.num_programs(2)
         n_mp = tl.num_programs(1) * BM
-        o_p = (i_s.to(tl.int64) * tl.num_programs(2) + i_bh) * n_mp + i_m * BM + tl.arange(0, BM)
-        tl.store(po + o_p[:, None] * BD + o_d[None, :], b_acc)
-        tl.store(pml + o_p * 2, b_m)
-        tl.store(pml + o_p * 2 + 1, b_l)
+        o_p = (i_s.to(tl.int64) * n_bh + i_bh) * n_mp + o_r
+        tl.store(po + o_p[:, None] * BD + o_d[None, :], b_acc, mask=m_r[:, None])
+        tl.store(pml + o_p * 2, b_m, mask=m_r)
+        tl.store(pml + o_p * 2 + 1, b_l, mask=m_r)
+        if FUSED_MERGE:
+            # arrival count (no waiting): the share that finds all others done merges the tile. The barrier
+            # orders every thread's partial stores before the (gpu-scope, acq_rel) atomic of this program.
+            tl.debug_barrier()
+            p_cnt = cnt + i_bh * tl.num_programs(1) + i_m
+            n_done = tl.atomic_add(p_cnt, 1, sem="acq_rel", scope="gpu")
+            if n_done == tl.num_programs(0) - 1:
+                tl.atomic_xchg(p_cnt, 0, sem="relaxed", scope="gpu")  # ready for the next call
+                b_acc, b_m, b_l = _merge_partials(po, pml, i_bh, n_bh, n_mp, tl.where(m_r, o_r, 0), o_d,
+                                                  tl.num_programs(0), BM, BD)
+                b_sv = tl.load(sv + o_kvh + o_d, mask=m_d, other=0.0)
+                b_o = tl.where(b_l[:, None] > 0, b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None], 0.0) * b_sv[None, :]
+                tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_r[:, None] & m_d[None, :])
     else:
         b_sv = tl.load(sv + o_kvh + o_d, mask=m_d, other=0.0)
         b_o = tl.where(b_l[:, None] > 0, b_acc / tl.maximum(b_l, 1.0)[:, None], 0.0) * b_sv[None, :]
-        p_o = o + ((i_b64 * Lq + o_qi) * HQ + o_qh)[:, None] * D + o_d[None, :]
         tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_r[:, None] & m_d[None, :])
+
+
+@triton.jit
+def _merge_partials(po, pml, i_bh, n_bh, n_mp, o_r, o_d, S, BM: tl.constexpr, BD: tl.constexpr):
+    """Fold S partial (m, l, acc) of one tile in order s = 0..S-1 by the associative rescale (L2 reads:
+    the partials were written by other programs)."""
+    b_acc = tl.zeros([BM, BD], dtype=tl.float32)
+    b_m = tl.full([BM], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([BM], dtype=tl.float32)
+    for s in range(0, S):
+        o_p = (s * n_bh + i_bh) * n_mp + o_r
+        b_ms = tl.load(pml + o_p * 2, cache_modifier=".cg")
+        b_ls = tl.load(pml + o_p * 2 + 1, cache_modifier=".cg")
+        b_as = tl.load(po + o_p[:, None] * BD + o_d[None, :], cache_modifier=".cg")
+        b_mn = tl.maximum(b_m, b_ms)
+        b_mz = tl.where(b_mn == float("-inf"), 0.0, b_mn)
+        b_a0 = tl.exp2(b_m - b_mz)
+        b_a1 = tl.exp2(b_ms - b_mz)
+        b_l = b_l * b_a0 + b_ls * b_a1
+        b_acc = b_acc * b_a0[:, None] + b_as * b_a1[:, None]
+        b_m = b_mn
+    return b_acc, b_m, b_l
 
 
 @triton.jit(do_not_specialize=["Lq", "S"])
@@ -256,22 +442,8 @@ def _merge_kernel(
     m_r = o_r < M
     o_d = tl.arange(0, BD)
     m_d = o_d < D
-    n_mp = tl.num_programs(0) * BM
-    b_acc = tl.zeros([BM, BD], dtype=tl.float32)
-    b_m = tl.full([BM], float("-inf"), dtype=tl.float32)
-    b_l = tl.zeros([BM], dtype=tl.float32)
-    for s in range(0, S):
-        o_p = (s * tl.num_programs(1) + i_bh) * n_mp + o_r
-        b_ms = tl.load(pml + o_p * 2)
-        b_ls = tl.load(pml + o_p * 2 + 1)
-        b_as = tl.load(po + o_p[:, None] * BD + o_d[None, :])
-        b_mn = tl.maximum(b_m, b_ms)
-        b_mz = tl.where(b_mn == float("-inf"), 0.0, b_mn)
-        b_a0 = tl.exp2(b_m - b_mz)
-        b_a1 = tl.exp2(b_ms - b_mz)
-        b_l = b_l * b_a0 + b_ls * b_a1
-        b_acc = b_acc * b_a0[:, None] + b_as * b_a1[:, None]
-        b_m = b_mn
+    b_acc, b_m, b_l = _merge_partials(po, pml, i_bh, tl.num_programs(1), tl.num_programs(0) * BM,
+                                      tl.where(m_r, o_r, 0), o_d, S, BM, BD)
     b_sv = tl.load(sv + (i_b64 * HK + i_hk) * D + o_d, mask=m_d, other=0.0)
     b_o = tl.where(b_l[:, None] > 0, b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None], 0.0) * b_sv[None, :]
     o_qi = o_r % Lq
@@ -294,12 +466,14 @@ def first_visible_tile(kv_len: int, lq: int, window: Optional[int], block: int) 
     return max(0, (kv_len - lq - int(window) + 1) // block)
 
 
-def plan_splits(n_tiles: int, work_units: int, device: torch.device, waves: float = 2.0,
-                n_splits: Optional[int] = None) -> tuple[int, int]:
+def plan_splits(n_tiles: int, work_units: int, device: torch.device, waves: Optional[float] = None,
+                n_splits: Optional[int] = None, min_tiles: int = 4) -> tuple[int, int]:
     """Shares of the context per (batch, head, M tile): ``(n_splits, tiles_per_split)``.
 
-    About ``waves x #SMs`` programs in all (Lean Attention), never an empty share. On CPU (interpreter)
-    4 "SMs" are assumed so tests exercise the split + merge path.
+    About ``waves x #SMs`` programs in all (Lean Attention; ``waves`` default :data:`DEFAULT_WAVES`), shares
+    of at least ``min_tiles`` tiles (a share pays a prologue and a partial write), never an empty share.
+    An explicit ``n_splits`` is only capped by ``n_tiles``. On CPU (interpreter) 4 "SMs" are assumed so
+    tests exercise the split + merge path.
     """
     if n_tiles <= 0:
         return 1, 1
@@ -308,10 +482,29 @@ def plan_splits(n_tiles: int, work_units: int, device: torch.device, waves: floa
             sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
         else:
             sms = 4
-        n_splits = max(1, math.ceil(waves * sms / max(work_units, 1)))
+        w = DEFAULT_WAVES if waves is None else waves
+        n_splits = max(1, min(math.ceil(w * sms / max(work_units, 1)), n_tiles // max(min_tiles, 1)))
     n_splits = max(1, min(int(n_splits), n_tiles))
     tps = math.ceil(n_tiles / n_splits)
     return math.ceil(n_tiles / tps), tps
+
+
+_WORKSPACE: dict = {}
+
+
+def _workspace(device: torch.device, n_acc: int, n_ml: int, n_cnt: int):
+    """Partials (fp32 ``acc``, ``(m, l)``) and zeroed arrival counters, cached per device and grown on
+    demand: no allocation on the decode hot path. The counters are back at zero after every call (the
+    merging program resets its own); calls on one device must not run concurrently on two streams."""
+    key = (device.type, device.index)
+    ws = _WORKSPACE.get(key)
+    if ws is None or ws[0].numel() < n_acc or ws[1].numel() < n_ml or ws[2].numel() < n_cnt:
+        old = (0, 0, 0) if ws is None else tuple(t.numel() for t in ws)
+        ws = (torch.empty(max(n_acc, old[0]), dtype=torch.float32, device=device),
+              torch.empty(max(n_ml, old[1]), dtype=torch.float32, device=device),
+              torch.zeros(max(n_cnt, old[2]), dtype=torch.int32, device=device))
+        _WORKSPACE[key] = ws
+    return ws
 
 
 def turbo_decode_attention(
@@ -332,10 +525,13 @@ def turbo_decode_attention(
     softmax: str = "exact",
     sas_threshold: float = 6.0,
     n_splits: Optional[int] = None,
-    waves: float = 2.0,
+    waves: Optional[float] = None,
+    min_tiles: int = 4,
     block_m: Optional[int] = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    merge: str = "fused",
+    fold: bool = True,
 ) -> torch.Tensor:
     """Attention of a query chunk over a packed KV cache (all of ``groups``' blocks, then the tail).
 
@@ -350,7 +546,12 @@ def turbo_decode_attention(
         window: sliding window (key ``j`` visible from position ``i`` iff ``i - j < window``).
         softcap: logit softcapping ``softcap * tanh(s / softcap)``. key_valid: ``[b, kv_len]`` bool.
         softmax: ``"exact"`` or ``"sas"``; sas_threshold in natural-log units.
-        n_splits / waves / block_m / num_warps / num_stages: launch overrides (tests, tuning).
+        n_splits / waves / min_tiles / block_m / num_warps / num_stages: launch overrides (tests, tuning);
+            by default the context is cut into shares for about ``DEFAULT_WAVES x #SMs`` programs.
+        merge: ``"fused"`` (the last share of a tile to finish merges the partials: one launch) or
+            ``"kernel"`` (a second small merge kernel).
+        fold: packed heads fold ``scale_int``/``zero`` into the query and the output instead of restoring
+            INT8 tiles (same integers; ``False`` = the restoring variant, kept for measurements).
     Returns:
         ``[b, Lq, HQ, D]`` in ``q.dtype``.
     """
@@ -361,6 +562,8 @@ def turbo_decode_attention(
     BS = k_tail.shape[2]
     if HQ % HK:
         raise ValueError(f"{HQ} query heads are not a multiple of {HK} KV heads")
+    if merge not in ("fused", "kernel"):
+        raise ValueError(f"merge={merge!r} must be 'fused' or 'kernel'")
     if softmax not in ("exact", "sas"):
         raise ValueError(f"softmax={softmax!r} must be 'exact' or 'sas'")
     if not groups:
@@ -394,17 +597,19 @@ def turbo_decode_attention(
     sk = k_scale.float().contiguous()
     sv = v_scale.float().contiguous()
     mk = k_mean.float().contiguous() if k_mean is not None else sk
+    n_work = b * n_m * max(len(g_.heads) for g_ in groups)
+    use_asm = q.device.type == "cuda" and not _INTERPRET
     for grp in groups:
         H = len(grp.heads)
         if H == 0:
             continue
-        S, tps = plan_splits(n_tiles - t0, b * H * n_m, q.device, waves, n_splits)
+        S, tps = plan_splits(n_tiles - t0, b * H * n_m, q.device, waves, n_splits, min_tiles)
         split = S > 1
+        fused = split and merge == "fused"
         if split:
-            po = torch.empty(S, b * H, n_m * BM, BD, dtype=torch.float32, device=q.device)
-            pml = torch.empty(S, b * H, n_m * BM, 2, dtype=torch.float32, device=q.device)
+            po, pml, cnt = _workspace(q.device, S * n_work * BM * BD, S * n_work * BM * 2, n_work)
         else:
-            po = pml = sv
+            po = pml = cnt = sv
         kp, vp = grp.k, grp.v
         packed = grp.bits != 8
         ks = grp.k_scale if packed else kp
@@ -412,7 +617,7 @@ def turbo_decode_attention(
         _decode_kernel[(S, n_m, b * H)](
             q, sk, mk, grp.heads, kp, ks, grp.k_zero if packed else kp, vp,
             grp.v_scale if packed else kp, grp.v_zero if packed else kp,
-            k_tail, v_tail, sv, kvalid if kvalid is not None else k_tail, o, po, pml,
+            k_tail, v_tail, sv, kvalid if kvalid is not None else k_tail, o, po, pml, cnt,
             n_blocks, n_tail, Lq, kv_len, t0, tps, int(window or 0), float(softcap or 1.0),
             float(sas_threshold * LOG2E), float(scale * LOG2E),
             q.stride(0), q.stride(1), q.stride(2),
@@ -420,10 +625,10 @@ def turbo_decode_attention(
             H, HK,
             G=G, D=D, BD=BD, BS=BS, BM=BM, BITS=grp.bits, IS_CAUSAL=bool(causal),
             HAS_WINDOW=bool(window), HAS_SOFTCAP=has_softcap, HAS_MEAN=k_mean is not None,
-            HAS_KVALID=kvalid is not None, USE_SAS=softmax == "sas", SPLIT=split,
-            num_warps=num_warps, num_stages=num_stages,
+            HAS_KVALID=kvalid is not None, USE_SAS=softmax == "sas", SPLIT=split, FUSED_MERGE=fused,
+            FOLD=bool(fold), USE_ASM=use_asm, num_warps=num_warps, num_stages=num_stages,
         )
-        if split:
+        if split and not fused:
             _merge_kernel[(n_m, b * H)](po, pml, grp.heads, sv, o, Lq, S, H, HK,
                                         G=G, D=D, BD=BD, BM=BM, num_warps=num_warps)
     return o

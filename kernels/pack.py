@@ -6,10 +6,15 @@ channel and asymmetrically, in integer arithmetic (step 2, :func:`pack_blocks`):
 
     zero      = min over the block's INT8 codes of that channel
     scale_int = max(1, ceil((max - min) / (2**bits - 1)))
-    code      = clamp(round((x8 - zero) / scale_int), 0, 2**bits - 1)    (round half up, integers only)
+    code      = min(round((x8 - zero) / scale_int), 2**bits - 1, (127 - zero) // scale_int)
+                (round half up, integers only)
 
-and restored to INT8 at attention time by ``x8' = clamp(code * scale_int + zero, -127, 127)``
-(:func:`_unpack_tile`, used by the decode kernel in registers). bits=8 heads keep the INT8 codes unchanged.
+and restored to INT8 by ``x8' = code * scale_int + zero`` (:func:`_unpack_tile`). The third bound of the code
+keeps ``x8'`` within [-127, 127] without a clamp (rounding up near 127 could overshoot by up to scale_int / 2;
+such a code is rounded down instead, an error below one step, only in channels whose block range reaches
+127). So the restore is exactly linear in the code, which the decode kernel uses: it never restores INT8 tiles
+but folds ``scale_int``/``zero`` into the query and the output (``decode.py``). bits=8 heads keep the INT8 codes
+unchanged.
 
 DESIGN.md puts pack/unpack in ``quant.py``; we split it out (one job per file: ``quant.py`` quantizes
 attention operands for prefill, this module owns the packed cache *format*).
@@ -60,8 +65,9 @@ def _unpack_tile(b_p, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr):
 
 @triton.jit
 def _dequant_tile(b_c, b_scale, b_zero, AXIS: tl.constexpr):
-    """codes [R, C] -> INT8 values: clamp(code * scale + zero, -127, 127); channels along rows (AXIS=1)
-    or columns (AXIS=0), i.e. scale/zero are [C] for AXIS=0 and [R] for AXIS=1."""
+    """codes [R, C] -> INT8 values: code * scale + zero (within [-127, 127] by construction; the clamp is
+    kept as a guard); channels along rows (AXIS=1) or columns (AXIS=0), i.e. scale/zero are [C] for AXIS=0
+    and [R] for AXIS=1."""
     if AXIS == 0:
         b_x = b_c * b_scale[None, :] + b_zero[None, :]
     else:
@@ -101,8 +107,12 @@ def _pack_kernel(
     else:
         b_n = b_x - b_min[:, None]
         b_sc = b_scale[:, None]
-    # round half up of b_n / b_sc (b_n >= 0), in integers
-    b_c = tl.minimum((2 * b_n + b_sc) // (2 * b_sc), QMAX)
+    # round half up of b_n / b_sc (b_n >= 0), in integers; never past 127 when restored (no clamp needed)
+    if AXIS == 0:
+        b_top = ((127 - b_min) // b_scale)[None, :]
+    else:
+        b_top = ((127 - b_min) // b_scale)[:, None]
+    b_c = tl.minimum(tl.minimum((2 * b_n + b_sc) // (2 * b_sc), QMAX), b_top)
     if BITS == 4:
         b_c0, b_c1 = tl.split(tl.reshape(b_c, (BR, BCB, 2)))
         b_p = b_c0 | (b_c1 << 4)
