@@ -104,6 +104,27 @@ def bench_ms(fn: Callable[[], Any], *, warmup: int = 25, rep: int = 100) -> dict
     return {"ms": ts[1], "ms_p20": ts[0], "ms_p80": ts[2]}
 
 
+def bench_graph_ms(fn: Callable[[], Any], *, rep: int = 50) -> dict:
+    """Median ms of ``fn()`` replayed from a CUDA graph (``triton.testing.do_bench_cudagraph``): the GPU time
+    without Python launch overhead. Returns ``{"ms_graph": ...}`` or ``{"graph_error": ...}`` when ``fn``
+    cannot be captured."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    from triton.testing import do_bench_cudagraph
+
+    try:
+        fn()
+        torch.cuda.synchronize()
+        med = do_bench_cudagraph(fn, rep=rep, quantiles=[0.5])
+        med = med[0] if isinstance(med, (list, tuple)) else med
+        return {"ms_graph": float(med)}
+    except Exception as e:  # noqa: BLE001 - not capturable (host sync, allocation pattern ...)
+        torch.cuda.synchronize()
+        return {"graph_error": f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"}
+
+
 def copy_ceiling(n_bytes: int = 2 << 30) -> dict:
     """Measured device-to-device copy bandwidth in GB/s, counting bytes read + written (the bandwidth
     ceiling a memory-bound kernel is compared with)."""

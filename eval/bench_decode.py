@@ -31,6 +31,7 @@ import sys
 from typing import Optional
 
 from .bench_common import (
+    bench_graph_ms,
     bench_ms,
     copy_ceiling,
     free_gpu_memory,
@@ -54,7 +55,9 @@ FORMULAS = {
                           "full blocks); bf16 = 2*Hk*d*2",
     "held_bytes_per_token": "bytes the cache holds / (batch * tokens): packed blocks, the INT8 tail buffer (full "
                             "capacity) and the fp32 universal scales included",
-    "x_sdpa": "sdpa_flash median / provider median",
+    "x_sdpa": "sdpa_flash median / provider median (do_bench: includes Python launch overhead)",
+    "ms_graph": "median of CUDA-graph replays (triton.testing.do_bench_cudagraph): GPU time without launch "
+                "overhead; x_sdpa_graph, GBps_graph, frac_ceiling_graph are computed from it",
     "err": "relative L2 of the output vs sdpa_flash on the bf16 cache",
 }
 QUICK = {"contexts": [4096, 32768], "batches": [1, 8, 32]}
@@ -138,7 +141,7 @@ def rel_l2(a, b) -> float:
 
 
 def run(contexts, batches, presets, *, hq=HQ, hk=HK, d=D, dry_run=False, ceiling=None, mem_frac=0.6,
-        warmup=25, rep=100, with_dequant=True, with_cudnn=True, save=None) -> list[dict]:
+        warmup=25, rep=100, with_dequant=True, with_cudnn=True, save=None, cuda_graph=True) -> list[dict]:
     import torch
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -206,6 +209,12 @@ def run(contexts, batches, presets, *, hq=HQ, hk=HK, d=D, dry_run=False, ceiling
                     t = bench_ms(fn, warmup=warmup, rep=rep) if not dry_run else {"ms": float("nan")}
                     row.update(t)
                     row["GBps"] = nbytes / (t["ms"] * 1e-3) / 1e9
+                    if cuda_graph and not dry_run:
+                        row.update(bench_graph_ms(fn))
+                        if row.get("ms_graph"):
+                            row["GBps_graph"] = nbytes / (row["ms_graph"] * 1e-3) / 1e9
+                            if ceiling:
+                                row["frac_ceiling_graph"] = row["GBps_graph"] / ceiling
                     if ceiling:
                         row["frac_ceiling"] = row["GBps"] / ceiling
                 except Exception as e:  # noqa: BLE001
@@ -213,10 +222,12 @@ def run(contexts, batches, presets, *, hq=HQ, hk=HK, d=D, dry_run=False, ceiling
                 if "error" in row:
                     free_gpu_memory()
                 rows.append(row)
-            ms_ref = next((r.get("ms") for r in rows[-len(providers):] if r["provider"] == "sdpa_flash"), None)
-            for r in rows[-len(providers):]:
-                if ms_ref and r.get("ms") and math.isfinite(r["ms"]):
-                    r["x_sdpa"] = ms_ref / r["ms"]
+            mine = rows[-len(providers):]
+            for key, out in (("ms", "x_sdpa"), ("ms_graph", "x_sdpa_graph")):
+                ref_ms = next((r.get(key) for r in mine if r["provider"] == "sdpa_flash"), None)
+                for r in mine:
+                    if ref_ms and r.get(key) and math.isfinite(r[key]):
+                        r[out] = ref_ms / r[key]
             providers = ref = caches = kf = vf = q = None
             free_gpu_memory()
             if save is not None:
@@ -238,9 +249,10 @@ def summarize(rows) -> dict:
         sel = [r for r in rows if r.get("provider") == f"turbo_{p}" and r.get("context", 0) >= 32768
                and r.get("context", 0) < 65536 and r.get("x_sdpa")]
         for r in sel:
-            out[f"{p}_ctx32k_b{r['batch']}_x_sdpa_flash"] = r["x_sdpa"]
-            if r.get("frac_ceiling") is not None:
-                out[f"{p}_ctx32k_b{r['batch']}_frac_copy_ceiling"] = r["frac_ceiling"]
+            for key, label in (("x_sdpa", "x_sdpa_flash"), ("x_sdpa_graph", "x_sdpa_flash_graph"),
+                               ("frac_ceiling", "frac_copy_ceiling"), ("frac_ceiling_graph", "frac_copy_ceiling_graph")):
+                if r.get(key) is not None:
+                    out[f"{p}_ctx32k_b{r['batch']}_{label}"] = r[key]
         bpt = [r["kv_bytes_per_token"] for r in rows if r.get("provider") == f"turbo_{p}" and "kv_bytes_per_token" in r]
         if bpt:
             out[f"{p}_kv_bytes_per_token_vs_bf16"] = bpt[0] / bf16_bpt
@@ -255,6 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batches", default=",".join(str(c) for c in FULL["batches"]))
     ap.add_argument("--presets", default=",".join(PRESETS))
     ap.add_argument("--no-dequant", action="store_true", help="skip the dequantize-then-SDPA baseline")
+    ap.add_argument("--no-cuda-graph", action="store_true", help="skip the CUDA-graph timing (ms_graph)")
     ap.add_argument("--warmup", type=int, default=25)
     ap.add_argument("--rep", type=int, default=100)
     ap.add_argument("--out", default=None)
@@ -294,9 +307,10 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     rows = run(contexts, batches, presets, dry_run=args.dry_run, ceiling=ceil and ceil["GBps_read_plus_write"],
                warmup=args.warmup, rep=args.rep, with_dequant=not args.no_dequant,
-               with_cudnn=not args.dry_run, save=lambda r: write_json(name, payload(r), args.out), **shape)
-    print_table(rows, ["provider", "context", "batch", "ms", "GBps", "frac_ceiling", "x_sdpa", "kv_bytes_per_token",
-                       "held_bytes_per_token", "err"])
+               with_cudnn=not args.dry_run, save=lambda r: write_json(name, payload(r), args.out),
+               cuda_graph=not args.no_cuda_graph, **shape)
+    print_table(rows, ["provider", "context", "batch", "ms", "ms_graph", "GBps_graph", "frac_ceiling_graph", "x_sdpa",
+                       "x_sdpa_graph", "kv_bytes_per_token", "held_bytes_per_token", "err"])
     for r in rows:
         if "error" in r:
             print(f"  {r['provider']} ctx={r.get('context')} b={r.get('batch')}: {r['error']}")

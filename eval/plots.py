@@ -98,13 +98,16 @@ def plot_decode(path) -> Optional[Path]:
         lines = defaultdict(list)
         for r in rows:
             if r["context"] == T:
-                lines[r["provider"]].append((r["batch"], r["ms"], r.get("GBps")))
+                if r.get("ms_graph"):  # GPU time without launch overhead, when measured
+                    lines[r["provider"]].append((r["batch"], r["ms_graph"], r.get("GBps_graph")))
+                else:
+                    lines[r["provider"]].append((r["batch"], r["ms"], r.get("GBps")))
         for prov, pts in sorted(lines.items()):
             pts.sort()
             style = "--" if prov.startswith(("sdpa", "dequant")) else "-"
             axes[0][j].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", linestyle=style, label=prov)
             axes[1][j].plot([p[0] for p in pts], [p[2] for p in pts], marker="o", linestyle=style, label=prov)
-        for i, ylabel in enumerate(("ms per decode step (1 layer)", "effective GB/s (bytes read / time)")):
+        for i, ylabel in enumerate(("ms per decode step, 1 layer (CUDA graph)", "effective GB/s (bytes read / time)")):
             ax = axes[i][j]
             ax.set_xscale("log", base=2)
             ax.set_xlabel("batch")
