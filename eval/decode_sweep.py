@@ -25,7 +25,7 @@ from .bench_common import copy_ceiling, machine_info, machine_line, write_json
 
 HQ, HK, D = 32, 8, 128
 PRESET_BITS = {"int8": [8] * HK, "int4": [4] * HK, "mixed": [4] * (HK // 2) + [2] * (HK // 2)}
-DEFAULT = dict(fold=True, merge="fused", num_warps=4, num_stages=2, waves=None)
+DEFAULT: dict = {}  # the library's defaults (turbo_decode_attention's keyword defaults)
 
 
 def grid():
@@ -34,11 +34,14 @@ def grid():
         for st in (2, 3):
             for wv in (2.0, 4.0, 8.0):
                 out.append(dict(fold=True, merge="fused", num_warps=w, num_stages=st, waves=wv))
+    out.append(dict(fold=True, merge="kernel", num_warps=1, num_stages=2, waves=4.0))
     out.append(dict(fold=True, merge="kernel", num_warps=2, num_stages=2, waves=4.0))
     return out
 
 
 def vname(v) -> str:
+    if not v:
+        return "default"
     return (f"{'fold' if v['fold'] else 'restore'}-{v['merge']}-w{v['num_warps']}-s{v['num_stages']}-"
             f"wv{v['waves'] if v['waves'] is not None else 'dflt'}")
 
@@ -76,9 +79,7 @@ def main(argv=None) -> int:
         write_json("decode_sweep", payload, args.out)
 
     def call(q, groups, kt, vt, nt, ks, vs, mu, v, **kw):
-        return DK.turbo_decode_attention(q, groups, kt, vt, nt, ks, vs, mu, fold=v["fold"], merge=v["merge"],
-                                         num_warps=v["num_warps"], num_stages=v["num_stages"], waves=v["waves"],
-                                         **kw)
+        return DK.turbo_decode_attention(q, groups, kt, vt, nt, ks, vs, mu, **v, **kw)
 
     # ---------------------------------------------------------------- 1. correctness
     torch.manual_seed(0)
@@ -86,7 +87,7 @@ def main(argv=None) -> int:
     b, L = (2, 4096 + 37) if dev == "cuda" else (1, 150)
     k = torch.randn(b, HK, L, D, device=dev) + 0.5 * torch.randn(1, HK, 1, D, device=dev)
     v_ = torch.randn(b, HK, L, D, device=dev)
-    check_variants = [DEFAULT, grid()[0], dict(DEFAULT, num_warps=1), dict(DEFAULT, num_warps=2, merge="kernel")]
+    check_variants = [DEFAULT, grid()[0], dict(num_warps=1), dict(num_warps=4), dict(num_warps=2, merge="kernel")]
     for name, hb in PRESET_BITS.items():
         st = R.build_packed_cache_ref(k, v_, 2048, hb, 64)
         groups_r, kt, vt, nt, ks, vs, mu = st
@@ -102,7 +103,7 @@ def main(argv=None) -> int:
             for v in (check_variants if lq == 1 and dev == "cuda" else [DEFAULT]):
                 n_tiles = groups[0].n_blocks + (1 if nt else 0)
                 t0 = DK.first_visible_tile(L, lq, kw.get("window"), 64)
-                splits = {g.bits: DK.plan_splits(n_tiles - t0, b * len(g.heads), q.device, v["waves"])[0]
+                splits = {g.bits: DK.plan_splits(n_tiles - t0, b * len(g.heads), q.device, v.get("waves"))[0]
                           for g in groups}
                 try:
                     out = call(q, groups, kt, vt, nt, ks, vs, mu, v, **kw)
@@ -196,26 +197,33 @@ def main(argv=None) -> int:
             if res:
                 ms, v = min(res, key=lambda x: x[0])
                 dflt = next((m for m, vv in res if vv is DEFAULT), float("nan"))
-                # CUDA graph: 10 calls per replay (launch overhead removed)
-                g_us = float("nan")
-                try:
-                    fn = lambda: call(*a, DEFAULT, **kw)  # noqa: E731
+                # CUDA graph: 10 calls per replay (launch overhead removed), default and best launch
+                def graph_us(vv):
+                    fn = lambda: call(*a, vv, **kw)  # noqa: E731
                     fn()
-                    s = torch.cuda.Stream()
-                    s.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(s):
+                    st_ = torch.cuda.Stream()
+                    st_.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(st_):
                         fn()
-                    torch.cuda.current_stream().wait_stream(s)
+                    torch.cuda.current_stream().wait_stream(st_)
                     gr = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(gr):
                         for _ in range(10):
                             fn()
-                    g_us = bench(gr.replay) * 1e3 / 10
-                    rows.append({**base, "provider": f"turbo_{preset}", "variant": vname(DEFAULT) + "-cudagraph",
-                                 "us": g_us, "bytes": nbytes, "GBps": nbytes / g_us / 1e3,
-                                 "frac_ceiling": nbytes / g_us / 1e3 / cgb, "x_sdpa": sdpa_ms * 1e3 / g_us})
-                except Exception as e:  # noqa: BLE001
-                    print(f"  cuda graph failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    return bench(gr.replay) * 1e3 / 10
+
+                g_us = float("nan")
+                for vv in ([DEFAULT] if v is DEFAULT else [DEFAULT, v]):
+                    try:
+                        us = graph_us(vv)
+                    except Exception as e:  # noqa: BLE001
+                        print(f"  cuda graph failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                        continue
+                    if vv is DEFAULT:
+                        g_us = us
+                    rows.append({**base, "provider": f"turbo_{preset}", "variant": vname(vv) + "-cudagraph",
+                                 "us": us, "bytes": nbytes, "GBps": nbytes / us / 1e3,
+                                 "frac_ceiling": nbytes / us / 1e3 / cgb, "x_sdpa": sdpa_ms * 1e3 / us})
                 print(f"  {preset:5s} {nbytes / 1e6:7.1f} MB: default {dflt * 1e3:7.1f} us (graph {g_us:7.1f}), best "
                       f"{ms * 1e3:7.1f} us {vname(v)} -> {nbytes / ms / 1e6:6.0f} GB/s ({nbytes / ms / 1e6 / cgb:.0%}), "
                       f"x sdpa {sdpa_ms / ms:.2f} (default {sdpa_ms / dflt:.2f}, graph {sdpa_ms * 1e3 / g_us:.2f})",

@@ -113,13 +113,29 @@ def _codes(b_p, SHIFT: tl.constexpr, BITS: tl.constexpr, USE_ASM: tl.constexpr):
 
 @triton.jit
 def _qk_part(b_s_lo, b_s_hi, b_qp, ks, o_ks, m_ks, b_kc):
-    """One channel part of the folded Q·Kᵀ: A = q8·scale_int ([BM, BDK] int32, |A| < 2^15) split into
-    A = 128·hi + lo (lo in [0, 127], hi int8), accumulated as two INT8 dots with the codes [BS, BDK]."""
+    """One channel part of the folded K·Qᵀ: A = q8·scale_int ([BM, BDK] int32, |A| < 2^15) split into
+    A = 128·hi + lo (lo in [0, 127], hi int8), accumulated as two INT8 dots codes [N, BDK] · [BDK, BM]."""
     b_ks = tl.load(ks + o_ks, mask=m_ks, other=0).to(tl.int32)
     b_a = b_qp * b_ks[None, :]
-    b_s_lo = tl.dot((b_a & 127).to(tl.int8), tl.trans(b_kc), acc=b_s_lo, out_dtype=tl.int32)
-    b_s_hi = tl.dot((b_a >> 7).to(tl.int8), tl.trans(b_kc), acc=b_s_hi, out_dtype=tl.int32)
+    b_s_lo = tl.dot(b_kc, tl.trans((b_a & 127).to(tl.int8)), acc=b_s_lo, out_dtype=tl.int32)
+    b_s_hi = tl.dot(b_kc, tl.trans((b_a >> 7).to(tl.int8)), acc=b_s_hi, out_dtype=tl.int32)
     return b_s_lo, b_s_hi
+
+
+@triton.jit
+def _qk_half(b_kp, ks, o_ks, m_dk, b_q0, b_q1, b_q2, b_q3, BM: tl.constexpr, N: tl.constexpr, BITS: tl.constexpr,
+             USE_ASM: tl.constexpr):
+    """Folded integer scores Σ_c code[t, c]·(q8·s_k)[c] of one token part, transposed: packed K rows
+    b_kp [N, BDK] (byte j: channels PB·j + p) against the query channel parts b_q0..3 [BM, BDK] int32
+    -> [N, BM] int32."""
+    b_s_lo = tl.zeros([N, BM], dtype=tl.int32)
+    b_s_hi = tl.zeros([N, BM], dtype=tl.int32)
+    b_s_lo, b_s_hi = _qk_part(b_s_lo, b_s_hi, b_q0, ks, o_ks, m_dk, _codes(b_kp, 0, BITS, USE_ASM))
+    b_s_lo, b_s_hi = _qk_part(b_s_lo, b_s_hi, b_q1, ks, o_ks + 1, m_dk, _codes(b_kp, BITS, BITS, USE_ASM))
+    if BITS == 2:
+        b_s_lo, b_s_hi = _qk_part(b_s_lo, b_s_hi, b_q2, ks, o_ks + 2, m_dk, _codes(b_kp, 4, 2, USE_ASM))
+        b_s_lo, b_s_hi = _qk_part(b_s_lo, b_s_hi, b_q3, ks, o_ks + 3, m_dk, _codes(b_kp, 6, 2, USE_ASM))
+    return b_s_lo + b_s_hi * 128
 
 
 @triton.jit
@@ -127,57 +143,45 @@ def _masked_scores(
     b_si, b_sq, b_qb, o_key, m_key, o_pos, window, softcap,
     IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
-    """Integer scores ``b_si [BM, N]`` (= q8·k8) -> base-2 logits, -inf where masked."""
-    b_s = b_si.to(tl.float32) * b_sq[:, None]
+    """Integer scores, transposed ``b_si [N keys, BM rows]`` (= k8·q8) -> base-2 logits, -inf where masked."""
+    b_s = b_si.to(tl.float32) * b_sq[None, :]
     if HAS_SOFTCAP:  # base-2 logits: softcap * tanh(s / softcap), tanh via exp2 (reference formula)
-        b_s = b_s + b_qb[:, None]
+        b_s = b_s + b_qb[None, :]
         b_s = (1.0 - 2.0 / (tl.exp2(b_s * (2.0 / softcap)) + 1.0)) * (softcap * 1.4426950408889634)
-    m_s = m_key[None, :]
+    m_s = m_key[:, None]
     if IS_CAUSAL:
-        m_s = m_s & (o_key[None, :] <= o_pos[:, None])
+        m_s = m_s & (o_key[:, None] <= o_pos[None, :])
     if HAS_WINDOW:
-        m_s = m_s & (o_key[None, :] > o_pos[:, None] - window)
+        m_s = m_s & (o_key[:, None] > o_pos[None, :] - window)
     return tl.where(m_s, b_s, float("-inf"))
 
 
 @triton.jit
 def _p8(b_s, b_ms, sas_thr, USE_SAS: tl.constexpr):
-    """p8 = round(127 * exp2(s - m)) as int8 (exact exp2 or SAS)."""
+    """p8 = round(127 * exp2(s - m)) as int8 (exact exp2 or SAS); b_s [N, BM], b_ms [BM]."""
     if USE_SAS:
-        b_p = sas_exp2(b_s - b_ms[:, None], sas_thr)
+        b_p = sas_exp2(b_s - b_ms[None, :], sas_thr)
     else:
-        b_p = tl.exp2(b_s - b_ms[:, None])
+        b_p = tl.exp2(b_s - b_ms[None, :])
     return (b_p * 127.0 + 0.5).to(tl.int8)
 
 
 @triton.jit
-def _softmax_tile(
-    b_si, b_m, b_l, b_sq, b_qb, o_key, m_key, o_pos, window, softcap, sas_thr,
+def _int8_tile(
+    b_acc, b_m, b_l, b_qt, b_sq, b_qb, b_k, b_v, o_key, m_key, o_pos, window, softcap, sas_thr,
     IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, USE_SAS: tl.constexpr,
 ):
-    """Online-softmax step on integer scores ``b_si [BM, BS]`` (= q8·k8): returns (p8 int8, alpha, m, l)."""
+    """One online-softmax step over INT8 tiles, transposed: s [BS, BM] = k8 [BS, BD] · q8ᵀ [BD, BM];
+    accᵀ [BD, BM] += v8 [BD, BS] · p8 [BS, BM]."""
+    b_si = tl.dot(b_k, b_qt, out_dtype=tl.int32)
     b_s = _masked_scores(b_si, b_sq, b_qb, o_key, m_key, o_pos, window, softcap, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP)
-    b_mn = tl.maximum(b_m, tl.max(b_s, 1))
+    b_mn = tl.maximum(b_m, tl.max(b_s, 0))
     b_ms = tl.where(b_mn == float("-inf"), 0.0, b_mn)
     b_alpha = tl.exp2(b_m - b_ms)
     b_p8 = _p8(b_s, b_ms, sas_thr, USE_SAS)
-    b_l = b_l * b_alpha + tl.sum(b_p8.to(tl.int32), 1).to(tl.float32)
-    return b_p8, b_alpha, b_mn, b_l
-
-
-@triton.jit
-def _qk_half(b_kp, ks, o_ks, m_dk, b_q0, b_q1, b_q2, b_q3, BM: tl.constexpr, N: tl.constexpr, BITS: tl.constexpr,
-             USE_ASM: tl.constexpr):
-    """Folded integer scores Σ_c (q8·s_k)[c]·code[t, c] of one token part: packed K rows b_kp [N, BDK]
-    (byte j: channels PB·j + p) against the query channel parts b_q0..3 [BM, BDK] int32 -> [BM, N] int32."""
-    b_s_lo = tl.zeros([BM, N], dtype=tl.int32)
-    b_s_hi = tl.zeros([BM, N], dtype=tl.int32)
-    b_s_lo, b_s_hi = _qk_part(b_s_lo, b_s_hi, b_q0, ks, o_ks, m_dk, _codes(b_kp, 0, BITS, USE_ASM))
-    b_s_lo, b_s_hi = _qk_part(b_s_lo, b_s_hi, b_q1, ks, o_ks + 1, m_dk, _codes(b_kp, BITS, BITS, USE_ASM))
-    if BITS == 2:
-        b_s_lo, b_s_hi = _qk_part(b_s_lo, b_s_hi, b_q2, ks, o_ks + 2, m_dk, _codes(b_kp, 4, 2, USE_ASM))
-        b_s_lo, b_s_hi = _qk_part(b_s_lo, b_s_hi, b_q3, ks, o_ks + 3, m_dk, _codes(b_kp, 6, 2, USE_ASM))
-    return b_s_lo + b_s_hi * 128
+    b_l = b_l * b_alpha + tl.sum(b_p8.to(tl.int32), 0).to(tl.float32)
+    b_acc = b_acc * b_alpha[None, :] + tl.dot(b_v, b_p8, out_dtype=tl.int32).to(tl.float32)
+    return b_acc, b_mn, b_l
 
 
 @triton.jit(do_not_specialize=["n_blocks", "n_tail", "Lq", "kv_len", "T0", "TPS", "window"])
@@ -190,7 +194,7 @@ def _decode_kernel(
     G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr,
     BITS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_MEAN: tl.constexpr, HAS_KVALID: tl.constexpr, USE_SAS: tl.constexpr, SPLIT: tl.constexpr,
-    FUSED_MERGE: tl.constexpr, FOLD: tl.constexpr, USE_ASM: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, FOLD: tl.constexpr, USE_ASM: tl.constexpr, SC: tl.constexpr,
 ):
     """grid = (n_splits, n_m_tiles, b * H); H = KV heads of this bit group, heads[H] their layer index.
 
@@ -201,11 +205,16 @@ def _decode_kernel(
     calls (FUSED_MERGE: the last share of a tile to finish merges it and resets its counter).
     Strides stay specialised (multiples of 16 -> 16-byte vector loads).
 
+    Orientation ("swap AB"): the M = G·Lq query rows (4 for GQA 32/8 at one token) are the N side of the
+    MMAs (scores ``[keys, rows]``, ``accᵀ [D, rows]``), keys and channels the 16-row M side, so the
+    per-block elementwise work is not inflated to 16 padded query rows.
+
     FOLD (packed heads): no INT8 tile is ever restored. With x8 = code·s + z (pack.py, exact, no clamp):
-    Q·Kᵀ = Σ_c (q8·s_k)[c]·code[t, c] + Σ_c q8[c]·z_k[c]  (A = q8·s_k split into two int8 dots), and
-    P·V  = s_v[c]·Σ_t p8[t]·code[c, t] + z_v[c]·Σ_t p8[t]; the codes come straight out of the packed bytes
-    (byte j holds codes PB·j + p), so the channel (K) or token (V) axis is cut into PB interleaved parts.
-    The integer scores and P·V equal those of the restored tiles exactly.
+    K·Qᵀ = Σ_c code[t, c]·(q8·s_k)[c] + Σ_c q8[c]·z_k[c]  (A = q8·s_k split into two int8 dots), and
+    (P·V)ᵀ = s_v[c]·Σ_t code[c, t]·p8[t] + z_v[c]·Σ_t p8[t]; the codes come straight out of the packed bytes
+    (byte j holds codes PB·j + p), so the channel axis of K is cut into PB interleaved parts and each block
+    into two token parts matching V's byte layout. The integer scores and P·V equal those of the restored
+    tiles exactly.
     """
     tl.static_assert(BITS == 2 or BITS == 4 or BITS == 8)
     i_s, i_m, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -243,7 +252,7 @@ def _decode_kernel(
     b_x = b_qs * b_inv[:, None]
     b_x = tl.where(b_x >= 0, b_x + 0.5, b_x - 0.5).to(tl.int32)
     b_q32 = tl.minimum(tl.maximum(b_x, -127), 127)
-    b_q = b_q32.to(tl.int8)
+    b_qt = tl.trans(b_q32.to(tl.int8))  # [BD, BM]
     b_sq = tl.math.div_rn(b_amax, tl.full([BM], 127.0, tl.float32)) * qscale
     if HAS_SOFTCAP and HAS_MEAN:  # smoothing correction qscale * q.mean_k, added before the cap
         b_mk = tl.load(mk + o_kvh + o_d, mask=m_d, other=0.0)
@@ -252,12 +261,19 @@ def _decode_kernel(
         b_qb = tl.zeros([BM], dtype=tl.float32)
     if FOLD and BITS == 4:  # query channel parts 2j + p (the K codes of byte j)
         b_q0, b_q1 = tl.split(tl.reshape(b_q32, (BM, BDK, 2)))
+        b_q2 = b_q0
+        b_q3 = b_q1
     elif FOLD and BITS == 2:  # reshape index (j, a, c) = channel 4j + 2a + c; split takes c, then a
         b_qa, b_qb1 = tl.split(tl.reshape(b_q32, (BM, BDK, 2, 2)))
         b_q0, b_q2 = tl.split(b_qa)
         b_q1, b_q3 = tl.split(b_qb1)
+    else:  # unused
+        b_q0 = b_q32
+        b_q1 = b_q32
+        b_q2 = b_q32
+        b_q3 = b_q32
 
-    b_acc = tl.zeros([BM, BD], dtype=tl.float32)
+    b_acc = tl.zeros([BD, BM], dtype=tl.float32)  # accᵀ
     b_m = tl.full([BM], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BM], dtype=tl.float32)
 
@@ -280,6 +296,7 @@ def _decode_kernel(
         m_dk = tl.full([BDK], 1, tl.int1)
     else:
         m_dk = o_dk < DK
+    # token parts h = 0, 1 of a block (FOLD): int4 tokens 2r + h; int2 tokens 4(r // 2) + 2h + r % 2
     o_r2 = tl.arange(0, BS // 2)
     if BITS == 4:
         o_t0 = 2 * o_r2
@@ -287,82 +304,74 @@ def _decode_kernel(
     else:
         o_t0 = 4 * (o_r2 // 2) + o_r2 % 2
         o_t1 = o_t0 + 2
-    if not FOLD or BITS == 8:  # unused
-        b_q0 = b_q32
-        b_q1 = b_q32
-    if BITS != 2 or not FOLD:
-        b_q2 = b_q0
-        b_q3 = b_q1
     # ---- packed blocks
     for t in range(t_lo, t_hp):
-        o_key = t * BS + o_n
-        m_key = o_n < BS
-        if HAS_KVALID and (BITS == 8 or not FOLD):
-            m_key = tl.load(kvalid + i_b64 * kv_len + o_key) != 0
         if BITS == 8:
+            o_key = t * BS + o_n
+            m_key = o_n < BS
+            if HAS_KVALID:
+                m_key = tl.load(kvalid + i_b64 * kv_len + o_key) != 0
             b_k = tl.load(p_kb + t * (BS * D) + o_n[:, None] * D + o_d[None, :], mask=m_d[None, :], other=0)
             b_v = tl.load(p_vb + t * (D * BS) + o_d[:, None] * BS + o_n[None, :], mask=m_d[:, None], other=0)
-            b_si = tl.dot(b_q, tl.trans(b_k), out_dtype=tl.int32)
-            b_p8, b_alpha, b_m, b_l = _softmax_tile(b_si, b_m, b_l, b_sq, b_qb, o_key, m_key, o_pos, window, softcap,
-                                                    sas_thr, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, USE_SAS)
-            b_pv = tl.dot(b_p8, tl.trans(b_v), out_dtype=tl.int32)
-            b_acc = b_acc * b_alpha[:, None] + b_pv.to(tl.float32)
-        else:
+            b_acc, b_m, b_l = _int8_tile(b_acc, b_m, b_l, b_qt, b_sq, b_qb, b_k, b_v, o_key, m_key, o_pos, window,
+                                         softcap, sas_thr, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, USE_SAS)
+        elif FOLD:
             b_vp = tl.load(p_vb + t * (D * BSB) + o_d[:, None] * BSB + o_sb[None, :], mask=m_d[:, None], other=0)
             o_sc = o_sbase + t * D + o_d
             b_vs = tl.load(vs + o_sc, mask=m_d, other=0).to(tl.int32)
             b_vz = tl.load(vz + o_sc, mask=m_d, other=0).to(tl.int32)
-            if FOLD:
-                # token parts h = 0, 1 of the block: rows PB·i + p of the V bytes, paired for 2 bits
-                # (int4: tokens 2r + h; int2: tokens 4(r // 2) + 2h + r % 2), so P·V needs no reshuffle of P
-                b_kz = tl.load(kz + o_sc, mask=m_d, other=0).to(tl.int32)
-                o_ks = o_sbase + t * D + PB * o_dk
-                b_zq = tl.sum(b_q32 * b_kz[None, :], 1)[:, None]  # Σ_c q8·z_k
-                p_kt = p_kb + t * (BS * DK) + o_dk[None, :]
-                b_kp0 = tl.load(p_kt + o_t0[:, None] * DK, mask=m_dk[None, :], other=0)
-                b_kp1 = tl.load(p_kt + o_t1[:, None] * DK, mask=m_dk[None, :], other=0)
-                b_si0 = _qk_half(b_kp0, ks, o_ks, m_dk, b_q0, b_q1, b_q2, b_q3, BM, BS // 2, BITS, USE_ASM) + b_zq
-                b_si1 = _qk_half(b_kp1, ks, o_ks, m_dk, b_q0, b_q1, b_q2, b_q3, BM, BS // 2, BITS, USE_ASM) + b_zq
-                o_key0 = t * BS + o_t0
-                o_key1 = t * BS + o_t1
-                if HAS_KVALID:
-                    m_key0 = tl.load(kvalid + i_b64 * kv_len + o_key0) != 0
-                    m_key1 = tl.load(kvalid + i_b64 * kv_len + o_key1) != 0
-                else:
-                    m_key0 = o_t0 < BS
-                    m_key1 = m_key0
-                b_s0 = _masked_scores(b_si0, b_sq, b_qb, o_key0, m_key0, o_pos, window, softcap, IS_CAUSAL,
-                                      HAS_WINDOW, HAS_SOFTCAP)
-                b_s1 = _masked_scores(b_si1, b_sq, b_qb, o_key1, m_key1, o_pos, window, softcap, IS_CAUSAL,
-                                      HAS_WINDOW, HAS_SOFTCAP)
-                b_mn = tl.maximum(b_m, tl.maximum(tl.max(b_s0, 1), tl.max(b_s1, 1)))
-                b_ms = tl.where(b_mn == float("-inf"), 0.0, b_mn)
-                b_alpha = tl.exp2(b_m - b_ms)
-                b_m = b_mn
-                b_p80 = _p8(b_s0, b_ms, sas_thr, USE_SAS)
-                b_p81 = _p8(b_s1, b_ms, sas_thr, USE_SAS)
-                b_lsum = tl.sum(b_p80.to(tl.int32), 1) + tl.sum(b_p81.to(tl.int32), 1)
-                b_l = b_l * b_alpha + b_lsum.to(tl.float32)
-                if BITS == 4:
-                    b_vc0 = _codes(b_vp, 0, 4, USE_ASM)
-                    b_vc1 = _codes(b_vp, 4, 4, USE_ASM)
-                else:
-                    b_vc0 = tl.reshape(tl.join(_codes(b_vp, 0, 2, USE_ASM), _codes(b_vp, 2, 2, USE_ASM)), (BD, BS // 2))
-                    b_vc1 = tl.reshape(tl.join(_codes(b_vp, 4, 2, USE_ASM), _codes(b_vp, 6, 2, USE_ASM)), (BD, BS // 2))
-                b_pc = tl.dot(b_p80, tl.trans(b_vc0), out_dtype=tl.int32)
-                b_pc = tl.dot(b_p81, tl.trans(b_vc1), acc=b_pc, out_dtype=tl.int32)
-                b_pv = b_pc * b_vs[None, :] + b_lsum[:, None] * b_vz[None, :]
-            else:  # restore INT8 tiles in registers (the first version; kept to measure against)
-                b_kp = tl.load(p_kb + t * (BS * DK) + o_n[:, None] * DK + o_dk[None, :], mask=m_dk[None, :], other=0)
-                b_ks = tl.load(ks + o_sc, mask=m_d, other=0).to(tl.int32)
-                b_kz = tl.load(kz + o_sc, mask=m_d, other=0).to(tl.int32)
-                b_k = _dequant_tile(_unpack_tile(b_kp, BS, BD, BITS), b_ks, b_kz, 0)
-                b_v = _dequant_tile(_unpack_tile(b_vp, BD, BS, BITS), b_vs, b_vz, 1)
-                b_si = tl.dot(b_q, tl.trans(b_k), out_dtype=tl.int32)
-                b_p8, b_alpha, b_m, b_l = _softmax_tile(b_si, b_m, b_l, b_sq, b_qb, o_key, m_key, o_pos, window,
-                                                        softcap, sas_thr, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, USE_SAS)
-                b_pv = tl.dot(b_p8, tl.trans(b_v), out_dtype=tl.int32)
-            b_acc = b_acc * b_alpha[:, None] + b_pv.to(tl.float32)
+            b_kz = tl.load(kz + o_sc, mask=m_d, other=0).to(tl.int32)
+            o_ks = o_sbase + t * D + PB * o_dk
+            b_zq = tl.sum(b_q32 * b_kz[None, :], 1)[None, :]  # Σ_c q8·z_k, [1, BM]
+            p_kt = p_kb + t * (BS * DK) + o_dk[None, :]
+            b_kp0 = tl.load(p_kt + o_t0[:, None] * DK, mask=m_dk[None, :], other=0)
+            b_kp1 = tl.load(p_kt + o_t1[:, None] * DK, mask=m_dk[None, :], other=0)
+            b_si0 = _qk_half(b_kp0, ks, o_ks, m_dk, b_q0, b_q1, b_q2, b_q3, BM, BS // 2, BITS, USE_ASM) + b_zq
+            b_si1 = _qk_half(b_kp1, ks, o_ks, m_dk, b_q0, b_q1, b_q2, b_q3, BM, BS // 2, BITS, USE_ASM) + b_zq
+            o_key0 = t * BS + o_t0
+            o_key1 = t * BS + o_t1
+            if HAS_KVALID:
+                m_key0 = tl.load(kvalid + i_b64 * kv_len + o_key0) != 0
+                m_key1 = tl.load(kvalid + i_b64 * kv_len + o_key1) != 0
+            else:
+                m_key0 = o_t0 < BS
+                m_key1 = m_key0
+            b_s0 = _masked_scores(b_si0, b_sq, b_qb, o_key0, m_key0, o_pos, window, softcap, IS_CAUSAL,
+                                  HAS_WINDOW, HAS_SOFTCAP)
+            b_s1 = _masked_scores(b_si1, b_sq, b_qb, o_key1, m_key1, o_pos, window, softcap, IS_CAUSAL,
+                                  HAS_WINDOW, HAS_SOFTCAP)
+            b_mn = tl.maximum(b_m, tl.maximum(tl.max(b_s0, 0), tl.max(b_s1, 0)))
+            b_ms = tl.where(b_mn == float("-inf"), 0.0, b_mn)
+            b_alpha = tl.exp2(b_m - b_ms)
+            b_m = b_mn
+            b_p80 = _p8(b_s0, b_ms, sas_thr, USE_SAS)
+            b_p81 = _p8(b_s1, b_ms, sas_thr, USE_SAS)
+            b_lsum = tl.sum(b_p80.to(tl.int32), 0) + tl.sum(b_p81.to(tl.int32), 0)
+            b_l = b_l * b_alpha + b_lsum.to(tl.float32)
+            if BITS == 4:
+                b_vc0 = _codes(b_vp, 0, 4, USE_ASM)
+                b_vc1 = _codes(b_vp, 4, 4, USE_ASM)
+            else:
+                b_vc0 = tl.reshape(tl.join(_codes(b_vp, 0, 2, USE_ASM), _codes(b_vp, 2, 2, USE_ASM)), (BD, BS // 2))
+                b_vc1 = tl.reshape(tl.join(_codes(b_vp, 4, 2, USE_ASM), _codes(b_vp, 6, 2, USE_ASM)), (BD, BS // 2))
+            b_pc = tl.dot(b_vc0, b_p80, out_dtype=tl.int32)
+            b_pc = tl.dot(b_vc1, b_p81, acc=b_pc, out_dtype=tl.int32)  # [BD, BM]
+            b_pv = b_pc * b_vs[:, None] + b_vz[:, None] * b_lsum[None, :]
+            b_acc = b_acc * b_alpha[None, :] + b_pv.to(tl.float32)
+        else:  # restore INT8 tiles in registers (the first version; kept to measure against)
+            o_key = t * BS + o_n
+            m_key = o_n < BS
+            if HAS_KVALID:
+                m_key = tl.load(kvalid + i_b64 * kv_len + o_key) != 0
+            b_kp = tl.load(p_kb + t * (BS * DK) + o_n[:, None] * DK + o_dk[None, :], mask=m_dk[None, :], other=0)
+            b_vp = tl.load(p_vb + t * (D * BSB) + o_d[:, None] * BSB + o_sb[None, :], mask=m_d[:, None], other=0)
+            o_sc = o_sbase + t * D + o_d
+            b_k = _dequant_tile(_unpack_tile(b_kp, BS, BD, BITS), tl.load(ks + o_sc, mask=m_d, other=0).to(tl.int32),
+                                tl.load(kz + o_sc, mask=m_d, other=0).to(tl.int32), 0)
+            b_v = _dequant_tile(_unpack_tile(b_vp, BD, BS, BITS), tl.load(vs + o_sc, mask=m_d, other=0).to(tl.int32),
+                                tl.load(vz + o_sc, mask=m_d, other=0).to(tl.int32), 1)
+            b_acc, b_m, b_l = _int8_tile(b_acc, b_m, b_l, b_qt, b_sq, b_qb, b_k, b_v, o_key, m_key, o_pos, window,
+                                         softcap, sas_thr, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, USE_SAS)
     # ---- INT8 tail (the last tile). All BS slots are read (stale slots hold finite int8); keys at or past
     # n_tail are masked in the scores, so their p8 is 0.
     if t_hi > n_blocks:
@@ -372,17 +381,15 @@ def _decode_kernel(
         m_key = o_n < n_tail
         if HAS_KVALID:
             m_key = m_key & (tl.load(kvalid + i_b64 * kv_len + o_key, mask=m_key, other=0) != 0)
-        b_si = tl.dot(b_q, tl.trans(b_k), out_dtype=tl.int32)
-        b_p8, b_alpha, b_m, b_l = _softmax_tile(b_si, b_m, b_l, b_sq, b_qb, o_key, m_key, o_pos, window, softcap,
-                                                sas_thr, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, USE_SAS)
-        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p8, tl.trans(b_v), out_dtype=tl.int32).to(tl.float32)
+        b_acc, b_m, b_l = _int8_tile(b_acc, b_m, b_l, b_qt, b_sq, b_qb, b_k, b_v, o_key, m_key, o_pos, window,
+                                     softcap, sas_thr, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, USE_SAS)
 
-    p_o = o + ((i_b64 * Lq + o_qi) * HQ + o_qh)[:, None] * D + o_d[None, :]
+    p_ot = o + ((i_b64 * Lq + o_qi) * HQ + o_qh)[None, :] * D + o_d[:, None]  # [BD, BM]
     if SPLIT:
         n_bh = tl.num_programs(2)
         n_mp = tl.num_programs(1) * BM
         o_p = (i_s.to(tl.int64) * n_bh + i_bh) * n_mp + o_r
-        tl.store(po + o_p[:, None] * BD + o_d[None, :], b_acc, mask=m_r[:, None])
+        tl.store(po + o_p[None, :] * BD + o_d[:, None], b_acc, mask=m_r[None, :])
         tl.store(pml + o_p * 2, b_m, mask=m_r)
         tl.store(pml + o_p * 2 + 1, b_l, mask=m_r)
         if FUSED_MERGE:
@@ -393,43 +400,50 @@ def _decode_kernel(
             n_done = tl.atomic_add(p_cnt, 1, sem="acq_rel", scope="gpu")
             if n_done == tl.num_programs(0) - 1:
                 tl.atomic_xchg(p_cnt, 0, sem="relaxed", scope="gpu")  # ready for the next call
-                b_acc, b_m, b_l = _merge_partials(po, pml, i_bh, n_bh, n_mp, tl.where(m_r, o_r, 0), o_d,
-                                                  tl.num_programs(0), BM, BD)
+                b_acc2, b_m2, b_l2 = _merge_partials(po, pml, i_bh, n_bh, n_mp, tl.where(m_r, o_r, 0), o_d,
+                                                     tl.num_programs(0), BM, BD, SC)
                 b_sv = tl.load(sv + o_kvh + o_d, mask=m_d, other=0.0)
-                b_o = tl.where(b_l[:, None] > 0, b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None], 0.0) * b_sv[None, :]
+                b_o = tl.where(b_l2[:, None] > 0, b_acc2 / tl.where(b_l2 > 0, b_l2, 1.0)[:, None], 0.0) * b_sv[None, :]
+                p_o = o + ((i_b64 * Lq + o_qi) * HQ + o_qh)[:, None] * D + o_d[None, :]
                 tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_r[:, None] & m_d[None, :])
     else:
         b_sv = tl.load(sv + o_kvh + o_d, mask=m_d, other=0.0)
-        b_o = tl.where(b_l[:, None] > 0, b_acc / tl.maximum(b_l, 1.0)[:, None], 0.0) * b_sv[None, :]
-        tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_r[:, None] & m_d[None, :])
+        b_o = tl.where(b_l[None, :] > 0, b_acc / tl.maximum(b_l, 1.0)[None, :], 0.0) * b_sv[:, None]
+        tl.store(p_ot, b_o.to(o.dtype.element_ty), mask=m_d[:, None] & m_r[None, :])
 
 
 @triton.jit
-def _merge_partials(po, pml, i_bh, n_bh, n_mp, o_r, o_d, S, BM: tl.constexpr, BD: tl.constexpr):
-    """Fold S partial (m, l, acc) of one tile in order s = 0..S-1 by the associative rescale (L2 reads:
-    the partials were written by other programs)."""
+def _merge_partials(po, pml, i_bh, n_bh, n_mp, o_r, o_d, S, BM: tl.constexpr, BD: tl.constexpr, SC: tl.constexpr):
+    """Merge S partial (m, l, acc) of one tile: M = max_s m_s, l = Σ_s l_s·2^(m_s - M),
+    acc = Σ_s acc_s·2^(m_s - M), SC shares per step (independent loads in flight; L2 reads: the partials
+    were written by other programs)."""
+    b_mx = tl.full([BM], float("-inf"), dtype=tl.float32)
+    for s0 in range(0, S, 64):
+        o_s = s0 + tl.arange(0, 64)
+        o_p = (o_s[:, None] * n_bh + i_bh) * n_mp + o_r[None, :]
+        b_ms = tl.load(pml + o_p * 2, mask=(o_s < S)[:, None], other=float("-inf"), cache_modifier=".cg")
+        b_mx = tl.maximum(b_mx, tl.max(b_ms, 0))
+    b_mz = tl.where(b_mx == float("-inf"), 0.0, b_mx)
     b_acc = tl.zeros([BM, BD], dtype=tl.float32)
-    b_m = tl.full([BM], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BM], dtype=tl.float32)
-    for s in range(0, S):
-        o_p = (s * n_bh + i_bh) * n_mp + o_r
-        b_ms = tl.load(pml + o_p * 2, cache_modifier=".cg")
-        b_ls = tl.load(pml + o_p * 2 + 1, cache_modifier=".cg")
-        b_as = tl.load(po + o_p[:, None] * BD + o_d[None, :], cache_modifier=".cg")
-        b_mn = tl.maximum(b_m, b_ms)
-        b_mz = tl.where(b_mn == float("-inf"), 0.0, b_mn)
-        b_a0 = tl.exp2(b_m - b_mz)
-        b_a1 = tl.exp2(b_ms - b_mz)
-        b_l = b_l * b_a0 + b_ls * b_a1
-        b_acc = b_acc * b_a0[:, None] + b_as * b_a1[:, None]
-        b_m = b_mn
-    return b_acc, b_m, b_l
+    for s0 in range(0, S, SC):
+        o_s = s0 + tl.arange(0, SC)
+        m_s = (o_s < S)[:, None]
+        o_p = (o_s[:, None] * n_bh + i_bh) * n_mp + o_r[None, :]  # [SC, BM]
+        b_ms = tl.load(pml + o_p * 2, mask=m_s, other=float("-inf"), cache_modifier=".cg")
+        b_ls = tl.load(pml + o_p * 2 + 1, mask=m_s, other=0.0, cache_modifier=".cg")
+        b_as = tl.load(po + o_p[:, :, None] * BD + o_d[None, None, :], mask=m_s[:, :, None], other=0.0,
+                       cache_modifier=".cg")
+        b_w = tl.exp2(b_ms - b_mz[None, :])  # 0 for empty / missing shares
+        b_l += tl.sum(b_ls * b_w, 0)
+        b_acc += tl.sum(b_as * b_w[:, :, None], 0)
+    return b_acc, b_mx, b_l
 
 
 @triton.jit(do_not_specialize=["Lq", "S"])
 def _merge_kernel(
     po, pml, heads, sv, o, Lq, S, H, HK,
-    G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr,
+    G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, SC: tl.constexpr,
 ):
     """grid = (n_m_tiles, b * H): merge S partial (m, l, acc) by the associative rescale, write o."""
     i_m, i_bh = tl.program_id(0), tl.program_id(1)
@@ -443,7 +457,7 @@ def _merge_kernel(
     o_d = tl.arange(0, BD)
     m_d = o_d < D
     b_acc, b_m, b_l = _merge_partials(po, pml, i_bh, tl.num_programs(1), tl.num_programs(0) * BM,
-                                      tl.where(m_r, o_r, 0), o_d, S, BM, BD)
+                                      tl.where(m_r, o_r, 0), o_d, S, BM, BD, SC)
     b_sv = tl.load(sv + (i_b64 * HK + i_hk) * D + o_d, mask=m_d, other=0.0)
     b_o = tl.where(b_l[:, None] > 0, b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None], 0.0) * b_sv[None, :]
     o_qi = o_r % Lq
@@ -489,6 +503,12 @@ def plan_splits(n_tiles: int, work_units: int, device: torch.device, waves: Opti
     return math.ceil(n_tiles / tps), tps
 
 
+def _merge_chunk(S: int, BM: int, BD: int, num_warps: int) -> int:
+    """Shares merged per step: about 32 fp32 registers per thread for the [SC, BM, BD] partial tile."""
+    sc = max(1, (1024 * num_warps) // (BM * BD))
+    return min(16, sc, triton.next_power_of_2(max(S, 1)))
+
+
 _WORKSPACE: dict = {}
 
 
@@ -528,7 +548,7 @@ def turbo_decode_attention(
     waves: Optional[float] = None,
     min_tiles: int = 4,
     block_m: Optional[int] = None,
-    num_warps: int = 4,
+    num_warps: int = 2,
     num_stages: int = 2,
     merge: str = "fused",
     fold: bool = True,
@@ -589,7 +609,7 @@ def turbo_decode_attention(
         kvalid = key_valid.to(torch.int8).contiguous()
     BD = triton.next_power_of_2(D)
     M = G * Lq
-    BM = block_m or min(64, max(16, triton.next_power_of_2(M)))
+    BM = block_m or min(64, max(4, triton.next_power_of_2(M)))  # query rows are the N side of the MMAs
     n_m = triton.cdiv(M, BM)
     n_tiles = n_blocks + (1 if n_tail > 0 else 0)
     t0 = first_visible_tile(kv_len, Lq, window, BS)
@@ -626,9 +646,10 @@ def turbo_decode_attention(
             G=G, D=D, BD=BD, BS=BS, BM=BM, BITS=grp.bits, IS_CAUSAL=bool(causal),
             HAS_WINDOW=bool(window), HAS_SOFTCAP=has_softcap, HAS_MEAN=k_mean is not None,
             HAS_KVALID=kvalid is not None, USE_SAS=softmax == "sas", SPLIT=split, FUSED_MERGE=fused,
-            FOLD=bool(fold), USE_ASM=use_asm, num_warps=num_warps, num_stages=num_stages,
+            FOLD=bool(fold), USE_ASM=use_asm, SC=_merge_chunk(S, BM, BD, num_warps),
+            num_warps=num_warps, num_stages=num_stages,
         )
         if split and not fused:
             _merge_kernel[(n_m, b * H)](po, pml, grp.heads, sv, o, Lq, S, H, HK,
-                                        G=G, D=D, BD=BD, BM=BM, num_warps=num_warps)
+                                        G=G, D=D, BD=BD, BM=BM, SC=_merge_chunk(S, BM, BD, 4), num_warps=4)
     return o

@@ -616,17 +616,15 @@ def turbo_decode_ref(q, groups, k_tail, v_tail, n_tail, k_scale, v_scale, k_mean
             parts.append((m, l, acc))
         if len(parts) == 1:
             m, l, acc = parts[0]
-        else:
-            m = torch.full_like(parts[0][0], -math.inf)
+        else:  # global max first, then weighted sums (the kernel sums chunks of shares: fp32 order differs)
+            m = torch.stack([p_[0] for p_ in parts]).amax(0)
+            mz = torch.where(m == -math.inf, torch.zeros_like(m), m)
             l = torch.zeros_like(parts[0][1])
             acc = torch.zeros_like(parts[0][2])
             for ms, ls, accs in parts:
-                mn = torch.maximum(m, ms)
-                mz = torch.where(mn == -math.inf, torch.zeros_like(mn), mn)
-                a0, a1 = torch.exp2(m - mz), torch.exp2(ms - mz)
-                l = l * a0 + ls * a1
-                acc = acc * a0[..., None] + accs * a1[..., None]
-                m = mn
+                w = torch.exp2(ms - mz)
+                l = l + ls * w
+                acc = acc + accs * w[..., None]
         o = torch.where(l[..., None] > 0, acc / torch.where(l > 0, l, torch.ones_like(l))[..., None],
                         torch.zeros_like(acc))
         o = o * v_scale.float()[:, heads][:, :, None, :]
