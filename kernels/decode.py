@@ -14,9 +14,16 @@ What it implements:
   program (row ``r = head_in_group * Lq + query``), so K/V tiles are read once per KV head.
 - Sliding window: tiles that no query of the chunk can see are not visited (``first_visible_tile``).
 - Lean Attention's split of the context over the GPU: the tiles of each (batch, KV head, M tile) are cut
-  into equal contiguous shares so that the grid is about ``waves x #SMs``; partial ``(m, l, O)`` triples
-  merge by the associative rescale in a second small kernel. This is the two-kernel split-K variant of
-  stream-K (no cross-(batch, head) shares); with one share the first kernel writes the output directly.
+  into equal contiguous shares so that the grid is about ``waves x #SMs`` programs; partial ``(m, l, O)``
+  triples merge by the associative rescale. One launch by default: every share writes its partial and
+  bumps an arrival counter, and the share that arrives last merges the tile (no spin-waiting); a second
+  merge kernel is the measured alternative (``merge="kernel"``). With one share the output is written
+  directly. (Split-K per (batch, head); no cross-(batch, head) shares.)
+- Speed (Hopper, decode is bandwidth-bound): packed heads are never restored to INT8 tiles. The restore
+  ``x8 = code·s + z`` is exact and linear (pack.py), so ``s``/``z`` fold into the query (K) and the output
+  (V) per block, and the 4/2-bit codes go straight from the packed bytes (one mask per 4 bytes, inline PTX)
+  into the INT8 MMAs. The GQA query rows (4 at GQA 32/8) sit on the MMA N side ("swap AB"), so the
+  per-block softmax and rescale work is not padded to 16 rows. Measurements: ``eval/PERF_NOTES.md``.
 
 Query preparation (in the kernel's prologue; twin ``reference.prepare_query_ref``): K's universal
 per-channel scale is folded into the query,
@@ -489,13 +496,19 @@ def plan_splits(n_tiles: int, work_units: int, device: torch.device, waves: Opti
     An explicit ``n_splits`` is only capped by ``n_tiles``. On CPU (interpreter) 4 "SMs" are assumed so
     tests exercise the split + merge path.
     """
+    sms = 4
+    if device.type == "cuda":
+        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return _plan(n_tiles, work_units, sms, waves, n_splits, min_tiles)
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(n_tiles: int, work_units: int, sms: int, waves: Optional[float], n_splits: Optional[int],
+          min_tiles: int) -> tuple[int, int]:
+    """The plan of :func:`plan_splits` (cached: the same few shapes recur every decode step)."""
     if n_tiles <= 0:
         return 1, 1
     if n_splits is None:
-        if device.type == "cuda":
-            sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-        else:
-            sms = 4
         w = DEFAULT_WAVES if waves is None else waves
         n_splits = max(1, min(math.ceil(w * sms / max(work_units, 1)), n_tiles // max(min_tiles, 1)))
     n_splits = max(1, min(int(n_splits), n_tiles))
@@ -503,10 +516,15 @@ def plan_splits(n_tiles: int, work_units: int, device: torch.device, waves: Opti
     return math.ceil(n_tiles / tps), tps
 
 
+def _pow2(n: int) -> int:
+    """Smallest power of two >= n (n >= 1); plain Python (triton.next_power_of_2 is a slow JIT wrapper)."""
+    return 1 << (max(int(n), 1) - 1).bit_length()
+
+
 def _merge_chunk(S: int, BM: int, BD: int, num_warps: int) -> int:
     """Shares merged per step: about 32 fp32 registers per thread for the [SC, BM, BD] partial tile."""
     sc = max(1, (1024 * num_warps) // (BM * BD))
-    return min(16, sc, triton.next_power_of_2(max(S, 1)))
+    return min(16, sc, _pow2(S))
 
 
 _WORKSPACE: dict = {}
@@ -607,20 +625,20 @@ def turbo_decode_attention(
         if tuple(key_valid.shape) != (b, kv_len):
             raise ValueError(f"key_valid must be [b, kv_len] = {(b, kv_len)}, got {tuple(key_valid.shape)}")
         kvalid = key_valid.to(torch.int8).contiguous()
-    BD = triton.next_power_of_2(D)
+    BD = _pow2(D)
     M = G * Lq
-    BM = block_m or min(64, max(4, triton.next_power_of_2(M)))  # query rows are the N side of the MMAs
-    n_m = triton.cdiv(M, BM)
+    BM = block_m or min(64, max(4, _pow2(M)))  # query rows are the N side of the MMAs
+    n_m = -(-M // BM)
     n_tiles = n_blocks + (1 if n_tail > 0 else 0)
     t0 = first_visible_tile(kv_len, Lq, window, BS)
     k_tail, v_tail = k_tail.contiguous(), v_tail.contiguous()
     sk = k_scale.float().contiguous()
     sv = v_scale.float().contiguous()
     mk = k_mean.float().contiguous() if k_mean is not None else sk
-    n_work = b * n_m * max(len(g_.heads) for g_ in groups)
+    n_work = b * n_m * max(g_.heads.shape[0] for g_ in groups)
     use_asm = q.device.type == "cuda" and not _INTERPRET
     for grp in groups:
-        H = len(grp.heads)
+        H = grp.heads.shape[0]
         if H == 0:
             continue
         S, tps = plan_splits(n_tiles - t0, b * H * n_m, q.device, waves, n_splits, min_tiles)
