@@ -40,10 +40,12 @@ def grid():
 
 
 def vname(v) -> str:
+    """Readable name of a variant (keys left out take the library defaults, shown as 'd')."""
     if not v:
         return "default"
-    return (f"{'fold' if v['fold'] else 'restore'}-{v['merge']}-w{v['num_warps']}-s{v['num_stages']}-"
-            f"wv{v['waves'] if v['waves'] is not None else 'dflt'}")
+    fold = {True: "fold", False: "restore", None: "d"}[v.get("fold")]
+    return (f"{fold}-{v.get('merge', 'd')}-w{v.get('num_warps', 'd')}-s{v.get('num_stages', 'd')}-"
+            f"wv{v.get('waves') or 'd'}")
 
 
 def main(argv=None) -> int:
