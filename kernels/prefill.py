@@ -5,13 +5,15 @@ What it implements:
   dots inside one FlashAttention-2 online-softmax loop; Q, K per-token symmetric INT8 scales, V a
   per-(block, channel) scale that factors out of P.V, P an INT8 code of the probabilities.
 - P scale (``p_scale``): "static" is INT-FlashAttention's ``p8 = round(127 exp2(S2 - m_running))``;
-  "block" (default) quantizes each block relative to its own row max, ``p8 = round(127 exp2(S2 - bmax))``,
-  and folds ``w = exp2(bmax - m_new)`` back into the fp32 update. Measured on CPU with the reference
-  (d 128, L 1k-4k, vs fp64; tests/kernels/test_reference.py keeps a small version of it): FA3's outlier
-  test (N(0,1) + N(0,100) Bernoulli(0.001)) gives RMSE 2.3e-2 - 3.7e-2 with "static" (a row dominated by a
-  few keys rounds every other weight to 0) and 4.4e-3 - 6.2e-3 with "block" (FA3-FP8: 9.1e-3); N(0,1)
-  MRE (mean |o - ref| / mean |ref|) 2.1-3.0 % static, 1.5 % block; U(-0.5, 0.5) 0.5 % both.
-  The cost is one exp2 per row and one multiply per accumulator element per block.
+  "block" (default) quantizes each block relative to its own row max, ``p8 = round(127 exp2(S2 - bmax))``
+  (the weight exp2(bmax - m) rides in the accumulator's reference point, see below). Measured on CPU with
+  the reference (d 128, L 1k-4k, vs fp64; tests/kernels/test_reference.py keeps a small version of it):
+  FA3's outlier test (N(0,1) + N(0,100) Bernoulli(0.001)) gives RMSE 2.3e-2 - 3.7e-2 with "static" (a row
+  dominated by a few keys rounds every other weight to 0) and 4.4e-3 - 6.2e-3 with "block" at block_n 64,
+  5.2e-3 - 7.6e-3 at block_n 128 (FA3-FP8: 9.1e-3); N(0,1) MRE (mean |o - ref| / mean |ref|) 2.1-3.0 %
+  static, 1.5 % block (1.8 % at block_n 128); U(-0.5, 0.5) 0.5 % all.
+- V scale (``v_scale``): per block of block_n tokens and channel (default) or per channel over the whole
+  sequence ("channel", INT-FlashAttention's; 1 % faster, N(0,1) MRE 1.57 -> 1.64 %, FA3 RMSE +20-30 %).
 - TurboAttention (Kang et al., 2024) §4: SAS softmax as an option (``softmax="sas"``, kernels/softmax.py);
   the rescale factor alpha = exp2(m_old - m_new) stays exact.
 - FlashAttention-3 (Shah et al., 2024) §3.3: 8-bit wgmma needs both operands K-major: K tiles are loaded
@@ -19,8 +21,13 @@ What it implements:
   transposed ``v8t [d, Lpad]`` (tokens contiguous) and ``tl.trans``-ed, so both dots read their reduction
   axis contiguously.
 - Hopper's conversion unit runs 16 results/clock/SM, as slow as MUFU.EX2, so int32 -> fp32 of the dot
-  results and fp32 -> int8 of P use the magic number C = 1.5 * 2^23 (one integer add + one float add;
-  exact while |x| < 2^22, which ``tl.static_assert`` checks for the tile sizes).
+  results and fp32 -> int8 of P use the magic number C = 1.5 * 2^23: bits(x + bits(C)) is the float C + x,
+  so ``float(x) * s = fma(C + x, s, -C s)`` (``_i32_scaled``: the K and V scales ride in the same FMA), and
+  p8 = round(127 p) is the low byte of bits(fma(p, 127, C)) (exact while |x| < 2^22: ``tl.static_assert``).
+- The epilogue per KV block is one FMA per accumulator element: acc and l are kept relative to a per-row
+  reference point c (the running max for "static", max(block max, running max - 32) for "block"), so the
+  block-P weight and the online-softmax rescale are one factor r = exp2(c_old - c_new)
+  (``reference.int8_flash_attention`` has the derivation and the overflow bound).
 
 Layout of the work: a 1-D grid of cdiv(Lq, BLOCK_M) * b * Hq programs, the row blocks of one head
 next to each other (its K/V stay in L2), heaviest causal row blocks first; the KV head of
@@ -29,12 +36,12 @@ KV blocks: [lo, full_lo) with masks (window edge), [full_lo, full_hi) without (o
 if any), [full_hi, hi) with masks (causal diagonal and the Lk tail). Blocks after the causal diagonal and
 before the window are never visited. The output is written as ``[b, Lq, Hq, d]``.
 
-Speed (H200, b1 H16 L8192 d128, bf16 in/out, quantization included; FLOPs 4 b h L^2 d, halved causal):
-356 TFLOP/s full / 296 causal with the default block_n 64, against SDPA-flash (FA2) 358 / 285 and
-SDPA-cuDNN 644 / 542; block_n=128 gives 463 / 373 for ~10-15 % more error (N(0,1) MRE 1.5 -> 1.7 %, FA3
-outlier RMSE 6.2e-3 -> 8.3e-3 at L 1k causal). The loop is ALU-bound, not MUFU-bound: the per-block
-int32 -> fp32 rescale of the [BLOCK_M, d] P.V result dominates (hence block_n 128 halving it per token),
-and SAS's polynomial is slower than ex2 here (226 vs 331 TFLOP/s at d128 full, (128, 8, 3) tiles).
+Speed (H200, FA3 protocol: 16k tokens, hidden 2048, bf16 in/out, quantization included; FLOPs 4 b h L^2 d,
+halved causal; eval/PERF_NOTES.md, eval/results/prefill_sweep_h200.json): d128 with the default block_n
+128, L 4k / 8k / 16k: 427 / 473 / 500 TFLOP/s full, 336 / 417 / 492 causal, i.e. 1.19-1.38x / 1.09-1.50x
+SDPA-flash (FA2) and 0.60-0.78x SDPA-cuDNN; the kernel alone 500-536. The loop is ALU-bound, not
+MUFU-bound (SAS's polynomial is 27 % slower than ex2 here); block_n 128 halves the per-token epilogue and
+loop overhead (1.32-1.38x over 64) for N(0,1) MRE 1.6 -> 1.8 % and FA3 outlier RMSE ~5e-3 -> 6-7.6e-3.
 
 Tiers (FLA style): ``_int8_attn_fwd_kernel`` (``@triton.jit``) -> ``_launch`` (grid, strides, tiles) ->
 ``int8_flash_attention`` (quantized operands) / ``turbo_attention`` (bf16/fp16 in, bf16/fp16 out).
@@ -61,6 +68,7 @@ from .reference import (
     SQ_MIN,
     SUPPORTED_HEAD_DIMS,
     V_SCALE_MODES,
+    default_block_n,
 )
 from .softmax import sas_exp2
 
@@ -83,21 +91,31 @@ _TWO_POW_22 = tl.constexpr(4194304)
 _P_BLOCK_GAP = tl.constexpr(P_BLOCK_GAP)
 _SQ_MIN = tl.constexpr(SQ_MIN)
 
-# Tiles per (BLOCK_D, causal): (BLOCK_M, num_warps, num_stages). BLOCK_N is the V quantization block
-# (``block_n``, default 64), not a tuning knob here. Autotuning proper is a later issue.
-# Kernel alone on an H200, b1 H16 L8192, block_n 64, TFLOP/s full / causal (2026-11-22):
-#   d64 : (128, 4, 3) 255 / 208, (64, 4, 3) 234 / 207, (64, 4, 4) 214 / 208
-#   d128: (64, 4, 3) 370-380 / 329-333, (64, 4, 4) 371 / 325, (64, 4, 2) 333 / 283, (128, 8, 3) 331 / 271,
-#         (128, 8, 2) 282, (128, 4, 3) 222   -- one warpgroup per program, two programs per SM
-#   d256: (64, 8, 2) 267 / 231, (64, 4, 2) 227 / 215, (64, 4, 3) 183 / 156
-# (block_n 128 with (64, 4, 3) at d128: 518 / 445.)
+# Tiles per (BLOCK_D, causal, BLOCK_N): (BLOCK_M, num_warps, num_stages); no autotuning at call time, sequence
+# lengths stay out of the key. BLOCK_N = block_n is the KV tile (and the V quantization block); its default
+# is reference.default_block_n(head_dim). From eval/prefill_sweep.py on an H200 (2026-11-22, FA3 protocol:
+# 16k tokens, hidden 2048, bf16), kernel alone, TFLOP/s at L 4k / 8k / 16k, full | causal
+# (eval/results/prefill_sweep_h200.json, eval/PERF_NOTES.md):
+#   d128 BN128: (64, 4, 3) 500 513 520 | 442 487 536   (64, 4, 2) 472 494 514 | 403 440 458
+#               (128, 8, 3) 403 423 431 | 334 371 409  (128, 8, 2) 383 403 421 | 311 341 354
+#   d128 BN64 : (64, 4, 3) 378 383 390 | 335 349 388   (64, 4, 4) 379 388 392 | 328 357 386
+#               (128, 8, 3) 342 352 359 | 284 313 338
+#   d64  BN128: (128, 4, 3) 341 344 349 | 277 (4k)     (64, 4, 3) 334 340 349 | 301 (4k)   (128, 8, 3) 258 | 228
+#   d64  BN64 : (128, 4, 3) 292 294 300 | 254 (4k)     (64, 4, 3) 264 268 270 | 233 (4k)
+#   d256      : not reached by the sweep's time budget; (64, 8, 2) from the previous tile table
+#               (b1 H16 L8k, block_n 64: 267 / 231; (64, 4, 2) 227 / 215, (64, 4, 3) 183 / 156).
+# BLOCK_M 64 with 4 warps (one warpgroup, two programs per SM) wins at d <= 128.
 _GPU_CONFIGS = {
-    (64, False): (128, 4, 3),
-    (64, True): (128, 4, 3),
-    (128, False): (64, 4, 3),
-    (128, True): (64, 4, 3),
-    (256, False): (64, 8, 2),
-    (256, True): (64, 8, 2),
+    (64, False, 128): (128, 4, 3),
+    (64, True, 128): (64, 4, 3),
+    (64, False, 64): (128, 4, 3),
+    (64, True, 64): (128, 4, 3),
+    (128, False, 128): (64, 4, 3),
+    (128, True, 128): (64, 4, 3),
+    (128, False, 64): (64, 4, 3),
+    (128, True, 64): (64, 4, 3),
+    (256, False, 64): (64, 8, 2),
+    (256, True, 64): (64, 8, 2),
 }
 _INTERPRET_CONFIG = (32, 1, 1)
 _GPU_BLOCK_N = (32, 64, 128)
@@ -120,6 +138,99 @@ def _i32_scaled(x, s, s_magic):
 
 
 @triton.jit
+def _load_k(p_kbase, p_skbase, start_n, o_n0, o_d, m_d, stride_kn, Lk, MASKED: tl.constexpr,
+            EVEN_D: tl.constexpr):
+    """K tile [BD, BN] (a K-major view of k8 [BN, d]) and its scales sk [BN] at key offset start_n."""
+    o_n = start_n + o_n0
+    p_k = p_kbase + o_n[None, :] * stride_kn + o_d[:, None]
+    if MASKED:
+        m_n = o_n < Lk
+        b_k = tl.load(p_k, mask=m_d[:, None] & m_n[None, :], other=0)
+        b_sk = tl.load(p_skbase + o_n, mask=m_n, other=0.0)
+    else:
+        if EVEN_D:
+            b_k = tl.load(p_k)
+        else:
+            b_k = tl.load(p_k, mask=m_d[:, None], other=0)
+        b_sk = tl.load(p_skbase + o_n)
+    return b_k, b_sk
+
+
+@triton.jit
+def _attn_update(
+    acc, l_i, m_i, c_i, b_qk, b_sk, b_sq, start_n, o_n0, o_pos, o_d, m_d,
+    p_vbase, p_svbase, p_kvbase, stride_vd, stride_svn,
+    Lk, window, softcap_in, softcap_out, thr2,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_KEY_VALID: tl.constexpr, USE_SAS: tl.constexpr, BLOCK_P_SCALE: tl.constexpr,
+    BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, PSUM_BIAS: tl.constexpr,
+):
+    """One KV block after its Q.K^T dot ``b_qk`` (int32 [BM, BN]): masks, online softmax, P.V.
+
+    State: m_i running row max, c_i the reference point acc and l are kept relative to (2^c_i), see
+    ``reference.int8_flash_attention``. Per accumulator element and block: one integer add + two FMAs.
+    """
+    o_n = start_n + o_n0
+    # t = (q8 . k8)_int32 * sk; the base-2 logits are S2 = t * sq (softmax scale and log2 e are in sq)
+    b_t = _i32_scaled(b_qk, b_sk[None, :], (b_sk * _MAGIC)[None, :])
+    if HAS_SOFTCAP:  # softcap * tanh(S2 ln2 / softcap) * log2 e, tanh(z) = 1 - 2 / (e^(2z) + 1)
+        b_t = b_t * b_sq[:, None]
+        b_t = (1.0 - 2.0 / (tl.exp2(b_t * softcap_in) + 1.0)) * softcap_out
+    if MASKED:
+        m_n = o_n < Lk
+        m_s = m_n[None, :]
+        if IS_CAUSAL:
+            m_s = m_s & (o_n[None, :] <= o_pos[:, None])
+        if HAS_WINDOW:
+            m_s = m_s & ((o_pos[:, None] - o_n[None, :]) < window)
+        if HAS_KEY_VALID:
+            b_kv = tl.load(p_kvbase + o_n, mask=m_n, other=0)
+            m_s = m_s & (b_kv != 0)[None, :]
+        b_t = tl.where(m_s, b_t, float("-inf"))
+    elif HAS_KEY_VALID:
+        b_kv = tl.load(p_kvbase + o_n)
+        b_t = tl.where((b_kv != 0)[None, :], b_t, float("-inf"))
+    # online softmax, base 2, relative to c (-inf -> 0 so that exp2 gives 0, not NaN)
+    if HAS_SOFTCAP:
+        b_bmax = tl.max(b_t, 1)
+    else:
+        b_bmax = tl.max(b_t, 1) * b_sq  # sq > 0: rowmax(t sq) = rowmax(t) sq, exactly
+    m_new = tl.maximum(m_i, b_bmax)
+    if BLOCK_P_SCALE:
+        c_new = tl.maximum(b_bmax, m_new - _P_BLOCK_GAP)
+    else:
+        c_new = m_new
+    c_safe = tl.where(c_new == float("-inf"), 0.0, c_new)
+    b_r = tl.math.exp2(c_i - c_safe)
+    if HAS_SOFTCAP:
+        b_x = b_t - c_safe[:, None]
+    else:
+        b_x = tl.math.fma(b_t, b_sq[:, None], -c_safe[:, None])
+    if USE_SAS:
+        b_p = sas_exp2(b_x, thr2)
+        if BLOCK_P_SCALE:  # SAS threshold relative to the row max: m_new - S2 > thr2
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            b_p = tl.where(-b_x > (thr2 - (m_safe - c_safe))[:, None], 0.0, b_p)
+    else:
+        b_p = tl.math.exp2(b_x)
+    # p8 = round(127 p) = bits(127 p + C) - bits(C): its low byte (bits(C)'s is 0, p8 <= 127); the row
+    # sum of p8 = sum(bits) - BLOCK_N bits(C), int32 adds wrapping mod 2^32 (PSUM_BIAS, see _launch)
+    b_pbits = tl.math.fma(b_p, 127.0, _MAGIC).to(tl.int32, bitcast=True)
+    b_pi = b_pbits.to(tl.int8)
+    l_i = l_i * b_r + (tl.sum(b_pbits, 1) - PSUM_BIAS).to(tl.float32)
+    p_v = p_vbase + o_d[:, None] * stride_vd + o_n[None, :]  # [BD, BN] of v8t: tokens contiguous
+    if EVEN_D:
+        b_vt = tl.load(p_v)
+    else:
+        b_vt = tl.load(p_v, mask=m_d[:, None], other=0)
+    b_sv = tl.load(p_svbase + (start_n // BLOCK_N) * stride_svn + o_d, mask=m_d, other=0.0)
+    # chained int8 dot: P (from the first dot) x V, V as a K-major [BN, BD] view of the [BD, BN] tile
+    b_pv = _i32_scaled(tl.dot(b_pi, tl.trans(b_vt)), b_sv[None, :], (b_sv * _MAGIC)[None, :])
+    acc = tl.math.fma(acc, b_r[:, None], b_pv)
+    return acc, l_i, m_new, c_new
+
+
+@triton.jit
 def _attn_fwd_inner(
     acc, l_i, m_i, c_i, b_q, b_sq, o_pos, o_d, m_d,
     p_kbase, p_skbase, p_vbase, p_svbase, p_kvbase,
@@ -129,83 +240,16 @@ def _attn_fwd_inner(
     HAS_KEY_VALID: tl.constexpr, USE_SAS: tl.constexpr, BLOCK_P_SCALE: tl.constexpr,
     BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, PSUM_BIAS: tl.constexpr,
 ):
-    """KV blocks [lo, hi) (lo a multiple of BLOCK_N) of one row block; MASKED adds the position masks.
-
-    State: m_i running row max, c_i the reference point acc and l are kept relative to (2^c_i), see
-    ``reference.int8_flash_attention``. Per accumulator element and block: one integer add + two FMAs.
-    """
+    """KV blocks [lo, hi) (lo a multiple of BLOCK_N) of one row block; MASKED adds the position masks."""
     o_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        o_n = start_n + o_n0
-        p_k = p_kbase + o_n[None, :] * stride_kn + o_d[:, None]  # [BD, BN] view of k8 [BN, d]: K-major
-        p_v = p_vbase + o_d[:, None] * stride_vd + o_n[None, :]  # [BD, BN] of v8t: tokens contiguous
-        if MASKED:
-            m_n = o_n < Lk
-            b_k = tl.load(p_k, mask=m_d[:, None] & m_n[None, :], other=0)
-            b_sk = tl.load(p_skbase + o_n, mask=m_n, other=0.0)
-        else:
-            if EVEN_D:
-                b_k = tl.load(p_k)
-            else:
-                b_k = tl.load(p_k, mask=m_d[:, None], other=0)
-            b_sk = tl.load(p_skbase + o_n)
-        # t = (q8 . k8)_int32 * sk; the base-2 logits are S2 = t * sq (softmax scale and log2 e are in sq)
-        b_t = _i32_scaled(tl.dot(b_q, b_k), b_sk[None, :], (b_sk * _MAGIC)[None, :])
-        if HAS_SOFTCAP:  # softcap * tanh(S2 ln2 / softcap) * log2 e, tanh(z) = 1 - 2 / (e^(2z) + 1)
-            b_t = b_t * b_sq[:, None]
-            b_t = (1.0 - 2.0 / (tl.exp2(b_t * softcap_in) + 1.0)) * softcap_out
-        if MASKED:
-            m_s = m_n[None, :]
-            if IS_CAUSAL:
-                m_s = m_s & (o_n[None, :] <= o_pos[:, None])
-            if HAS_WINDOW:
-                m_s = m_s & ((o_pos[:, None] - o_n[None, :]) < window)
-            if HAS_KEY_VALID:
-                b_kv = tl.load(p_kvbase + o_n, mask=m_n, other=0)
-                m_s = m_s & (b_kv != 0)[None, :]
-            b_t = tl.where(m_s, b_t, float("-inf"))
-        elif HAS_KEY_VALID:
-            b_kv = tl.load(p_kvbase + o_n)
-            b_t = tl.where((b_kv != 0)[None, :], b_t, float("-inf"))
-        # online softmax, base 2, relative to c (-inf -> 0 so that exp2 gives 0, not NaN)
-        if HAS_SOFTCAP:
-            b_bmax = tl.max(b_t, 1)
-        else:
-            b_bmax = tl.max(b_t, 1) * b_sq  # sq > 0: rowmax(t sq) = rowmax(t) sq, exactly
-        m_new = tl.maximum(m_i, b_bmax)
-        if BLOCK_P_SCALE:
-            c_new = tl.maximum(b_bmax, m_new - _P_BLOCK_GAP)
-        else:
-            c_new = m_new
-        c_safe = tl.where(c_new == float("-inf"), 0.0, c_new)
-        b_r = tl.math.exp2(c_i - c_safe)
-        if HAS_SOFTCAP:
-            b_x = b_t - c_safe[:, None]
-        else:
-            b_x = tl.math.fma(b_t, b_sq[:, None], -c_safe[:, None])
-        if USE_SAS:
-            b_p = sas_exp2(b_x, thr2)
-            if BLOCK_P_SCALE:  # SAS threshold relative to the row max: m_new - S2 > thr2
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                b_p = tl.where(-b_x > (thr2 - (m_safe - c_safe))[:, None], 0.0, b_p)
-        else:
-            b_p = tl.math.exp2(b_x)
-        # p8 = round(127 p) = bits(127 p + C) - bits(C): its low byte (bits(C)'s is 0, p8 <= 127); the row
-        # sum of p8 = sum(bits) - BLOCK_N bits(C), int32 adds wrapping mod 2^32 (PSUM_BIAS, see _launch)
-        b_pbits = tl.math.fma(b_p, 127.0, _MAGIC).to(tl.int32, bitcast=True)
-        b_pi = b_pbits.to(tl.int8)
-        l_i = l_i * b_r + (tl.sum(b_pbits, 1) - PSUM_BIAS).to(tl.float32)
-        if EVEN_D:
-            b_vt = tl.load(p_v)
-        else:
-            b_vt = tl.load(p_v, mask=m_d[:, None], other=0)
-        b_sv = tl.load(p_svbase + (start_n // BLOCK_N) * stride_svn + o_d, mask=m_d, other=0.0)
-        # chained int8 dot: P (from the first dot) x V, V as a K-major [BN, BD] view of the [BD, BN] tile
-        b_pv = _i32_scaled(tl.dot(b_pi, tl.trans(b_vt)), b_sv[None, :], (b_sv * _MAGIC)[None, :])
-        acc = tl.math.fma(acc, b_r[:, None], b_pv)
-        m_i = m_new
-        c_i = c_new
+        b_k, b_sk = _load_k(p_kbase, p_skbase, start_n, o_n0, o_d, m_d, stride_kn, Lk, MASKED, EVEN_D)
+        acc, l_i, m_i, c_i = _attn_update(
+            acc, l_i, m_i, c_i, tl.dot(b_q, b_k), b_sk, b_sq, start_n, o_n0, o_pos, o_d, m_d,
+            p_vbase, p_svbase, p_kvbase, stride_vd, stride_svn, Lk, window, softcap_in, softcap_out,
+            thr2, MASKED, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_VALID, USE_SAS, BLOCK_P_SCALE,
+            BLOCK_N, EVEN_D, PSUM_BIAS)
     return acc, l_i, m_i, c_i
 
 
@@ -284,15 +328,18 @@ def _int8_attn_fwd_kernel(
         acc, l_i, m_i, c_i = _attn_fwd_inner(
             acc, l_i, m_i, c_i, b_q, b_sq, o_pos, o_d, m_d, p_kbase, p_skbase, p_vbase, p_svbase, p_kvbase,
             stride_kn, stride_vd, stride_svn, lo, full_lo, Lk, window, softcap_in, softcap_out, thr2,
-            True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_VALID, USE_SAS, BLOCK_P_SCALE, BLOCK_N, EVEN_D, PSUM_BIAS)
+            True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_VALID, USE_SAS, BLOCK_P_SCALE, BLOCK_N, EVEN_D,
+            PSUM_BIAS)
     acc, l_i, m_i, c_i = _attn_fwd_inner(
         acc, l_i, m_i, c_i, b_q, b_sq, o_pos, o_d, m_d, p_kbase, p_skbase, p_vbase, p_svbase, p_kvbase,
         stride_kn, stride_vd, stride_svn, full_lo, full_hi, Lk, window, softcap_in, softcap_out, thr2,
-        False, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_VALID, USE_SAS, BLOCK_P_SCALE, BLOCK_N, EVEN_D, PSUM_BIAS)
+        False, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_VALID, USE_SAS, BLOCK_P_SCALE, BLOCK_N, EVEN_D,
+        PSUM_BIAS)
     acc, l_i, m_i, c_i = _attn_fwd_inner(
         acc, l_i, m_i, c_i, b_q, b_sq, o_pos, o_d, m_d, p_kbase, p_skbase, p_vbase, p_svbase, p_kvbase,
         stride_kn, stride_vd, stride_svn, full_hi, hi, Lk, window, softcap_in, softcap_out, thr2,
-        True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_VALID, USE_SAS, BLOCK_P_SCALE, BLOCK_N, EVEN_D, PSUM_BIAS)
+        True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_VALID, USE_SAS, BLOCK_P_SCALE, BLOCK_N, EVEN_D,
+        PSUM_BIAS)
 
     # epilogue: o = acc / l, 0 for rows without any valid key
     has_key = l_i > 0
@@ -303,11 +350,13 @@ def _int8_attn_fwd_kernel(
 
 
 # ---------------------------------------------------------------------------------------- launcher
-def _pick_config(head_dim: int, causal: bool):
-    """(BLOCK_M, num_warps, num_stages) from the table (GPU) or small tiles (interpreter)."""
+def _pick_config(head_dim: int, causal: bool, block_n: int):
+    """(BLOCK_M, num_warps, num_stages) from the table (GPU) or small tiles (interpreter); a block_n without
+    an entry (32; 128 at d 256) takes the block_n 64 entry."""
     if interpreting():
         return _INTERPRET_CONFIG
-    return _GPU_CONFIGS[(triton.next_power_of_2(head_dim), bool(causal))]
+    bd = triton.next_power_of_2(head_dim)
+    return _GPU_CONFIGS.get((bd, bool(causal), block_n), _GPU_CONFIGS[(bd, bool(causal), 64)])
 
 
 def _launch(q8, sq, k8, sk, v8t, sv, out, *, causal, window, softcap, key_valid, use_sas, thr2, block_p,
@@ -315,7 +364,7 @@ def _launch(q8, sq, k8, sk, v8t, sv, out, *, causal, window, softcap, key_valid,
     b, hq, lq, d = q8.shape
     hk = k8.shape[1]
     stride_svn = sv.stride(2) if sv.shape[2] > 1 else 0  # per-channel V scale: the same row every block
-    block_m, num_warps, num_stages = config if config is not None else _pick_config(d, causal)
+    block_m, num_warps, num_stages = config if config is not None else _pick_config(d, causal, block_n)
     if key_valid is not None:
         kv = key_valid.to(torch.bool).contiguous().view(torch.uint8)
         stride_kvb = kv.stride(0)
@@ -461,7 +510,7 @@ def int8_flash_attention(q8, sq, k8, sk, v8t, sv, *, causal=True, window=None, s
 
 def turbo_attention(q, k, v, *, scale=None, causal=True, window=None, softcap=None, key_valid=None,
                     softmax="exact", sas_threshold=6.0, smooth_k=True, out=None, p_scale=DEFAULT_P_SCALE,
-                    block_n=DEFAULT_BLOCK_N, v_scale=DEFAULT_V_SCALE):
+                    block_n=None, v_scale=DEFAULT_V_SCALE):
     """INT8 flash attention from bf16/fp16 Q, K, V: fused quantization + the INT8 kernel.
 
     q: ``[b, Hq, Lq, d]``, k, v: ``[b, Hk, Lk, d]``, fp16 or bf16 (any strides), Hq % Hk == 0, Lq <= Lk,
@@ -477,7 +526,8 @@ def turbo_attention(q, k, v, *, scale=None, causal=True, window=None, softcap=No
       smooth_k: subtract K's per-channel mean before quantizing (SageAttention); forced off with softcap
         (the mean only commutes with softmax, not with tanh).
       p_scale: "block" (default) or "static" quantization of P, see the module docstring.
-      block_n: KV tile (tokens), default 64; also the V quantization block with v_scale="block".
+      block_n: KV tile (tokens), also the V quantization block with v_scale="block"; None (default):
+        ``default_block_n(d)``, 128 for d <= 128 and 64 for d 256.
       v_scale: "block" (V scale per block_n tokens and channel, default) or "channel" (one scale per
         channel over the sequence, INT-FlashAttention's choice).
     The plain-PyTorch twin is ``turbo_attn_hf.kernels.reference.turbo_attention`` (same arguments).
@@ -505,6 +555,8 @@ def turbo_attention(q, k, v, *, scale=None, causal=True, window=None, softcap=No
         raise ValueError(f"query heads {hq} are not a multiple of key/value heads {hk}")
     if lq > lk:
         raise ValueError(f"q_len {lq} > kv_len {lk}: queries must be the last Lq of the Lk positions")
+    if block_n is None:
+        block_n = default_block_n(d)
     allowed = _INTERPRET_BLOCK_N if interpreting() else _GPU_BLOCK_N
     if block_n not in allowed:
         raise ValueError(f"block_n={block_n} is not supported (supported: {allowed})")

@@ -45,6 +45,7 @@ __all__ = [
     "V_SCALE_MODES",
     "DEFAULT_V_SCALE",
     "DEFAULT_BLOCK_N",
+    "default_block_n",
     "DEFAULT_P_SCALE",
     "P_BLOCK_GAP",
     "sas_exp2",
@@ -80,7 +81,16 @@ P_SCALE_MODES = ("static", "block")
 V_SCALE_MODES = ("block", "channel")
 DEFAULT_V_SCALE = "block"
 #: tokens per KV block: the kernel's BLOCK_N, and the V quantization block when v_scale == "block".
-DEFAULT_BLOCK_N = 64
+#: The default of the quantizers and of ``int8_flash_attention`` with per-channel V scales;
+#: ``turbo_attention`` takes ``default_block_n(head_dim)``.
+DEFAULT_BLOCK_N = 128
+
+
+def default_block_n(head_dim: int) -> int:
+    """KV block of ``turbo_attention`` when none is given: 128 for head_dim <= 128 (on an H200 1.3-1.4x the
+    kernel speed of 64, for N(0,1) MRE 1.6 -> 1.8 % and FA3 outlier RMSE 4.3e-3 -> 5.2e-3 at L 1k; see
+    eval/PERF_NOTES.md), 64 for head_dim 256 (128 not measured there yet)."""
+    return 128 if head_dim <= 128 else 64
 #: "block" P scale: a block is quantized relative to c = max(block max, running max - P_BLOCK_GAP) (log2
 #: units), so the accumulator, kept relative to c, stays below 2^(P_BLOCK_GAP + 50) (no fp32 overflow).
 P_BLOCK_GAP = 32.0
@@ -351,7 +361,7 @@ def int8_flash_attention(q8, sq, k8, sk, v8t, sv, *, causal=True, window=None, s
 
 def turbo_attention(q, k, v, *, scale=None, causal=True, window=None, softcap=None, key_valid=None,
                     softmax="exact", sas_threshold=6.0, smooth_k=True, out=None, p_scale=DEFAULT_P_SCALE,
-                    block_n=DEFAULT_BLOCK_N, v_scale=DEFAULT_V_SCALE):
+                    block_n=None, v_scale=DEFAULT_V_SCALE):
     """INT8 attention, plain PyTorch: the same math as ``turbo_attn_hf.kernels.prefill.turbo_attention``.
 
     q ``[b, Hq, Lq, d]``, k, v ``[b, Hk, Lk, d]`` (bf16/fp16/fp32), Hq % Hk == 0, Lq <= Lk.
@@ -363,7 +373,8 @@ def turbo_attention(q, k, v, *, scale=None, causal=True, window=None, softcap=No
       key_valid: bool ``[b, Lk]``, False = padded key. Rows with no valid key return zeros.
       softmax: "exact" (exp2) or "sas" (TurboAttention sparse activated softmax, ``sas_threshold`` in
         natural-log units below the row max). smooth_k: subtract K's channel mean (forced off with softcap).
-      p_scale: "static" or "block" (see ``int8_flash_attention``). block_n: KV block (tokens).
+      p_scale: "static" or "block" (see ``int8_flash_attention``). block_n: KV block (tokens), None:
+        ``default_block_n(d)``.
       v_scale: "block" (per block_n tokens and channel) or "channel" (per channel over the sequence).
     """
     _check_inputs_ref(q, k, v, key_valid)
@@ -374,6 +385,8 @@ def turbo_attention(q, k, v, *, scale=None, causal=True, window=None, softcap=No
     use_smooth = smooth_k and softcap is None
     q8, sq = quantize_per_token(q, scale=scale * LOG2E)
     k8, sk = quantize_per_token(k, smooth=k_smooth_mean(k) if use_smooth else None)
+    if block_n is None:
+        block_n = default_block_n(d)
     v8t, sv = (quantize_v_blocks if v_scale == "block" else quantize_v_channels)(v, block_n)
     return int8_flash_attention(q8, sq, k8, sk, v8t, sv, causal=causal, window=window, softcap=softcap,
                                 key_valid=key_valid, softmax=softmax, sas_threshold=sas_threshold,
