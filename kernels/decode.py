@@ -79,7 +79,9 @@ _interpreter_index_compat()
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 LOG2E = 1.4426950408889634
-#: programs per SM that the split plan aims for (Lean Attention's grid sized to the SM count)
+#: programs per SM that the split plan aims for (Lean Attention's grid sized to the SM count). Measured on
+#: the H200 (eval/PERF_NOTES.md, Decode): 1 warp per program, 3 stages, 4 waves is the best launch for int4
+#: and close to the best for int8 / mixed at 32k context, batch 1-32.
 DEFAULT_WAVES = 4.0
 LN2 = 0.6931471805599453
 
@@ -522,8 +524,10 @@ def _pow2(n: int) -> int:
 
 
 def _merge_chunk(S: int, BM: int, BD: int, num_warps: int) -> int:
-    """Shares merged per step: about 32 fp32 registers per thread for the [SC, BM, BD] partial tile."""
-    sc = max(1, (1024 * num_warps) // (BM * BD))
+    """Shares merged per step: up to 128 fp32 registers per thread for the [SC, BM, BD] partial tile (the
+    merge runs after the main loop, whose live registers dominate: ptxas reports 245 registers for the
+    default launch with SC 2, 4 or 8 alike); fewer steps = fewer serial L2 round trips at small batch."""
+    sc = max(1, (4096 * num_warps) // (BM * BD))
     return min(16, sc, _pow2(S))
 
 
@@ -566,8 +570,8 @@ def turbo_decode_attention(
     waves: Optional[float] = None,
     min_tiles: int = 4,
     block_m: Optional[int] = None,
-    num_warps: int = 2,
-    num_stages: int = 2,
+    num_warps: int = 1,
+    num_stages: int = 3,
     merge: str = "fused",
     fold: bool = True,
 ) -> torch.Tensor:
