@@ -165,7 +165,13 @@ PLOTTERS = {"bench_prefill": plot_prefill, "bench_decode": plot_decode, "bench_e
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    paths = [Path(p) for p in (argv if argv else [])] or [RESULTS_DIR / f"{n}.json" for n in PLOTTERS]
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m eval.plots", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("paths", nargs="*", help="result JSON files (default: eval/results/bench_{prefill,decode,e2e}.json)")
+    args = ap.parse_args(argv)
+    paths = [Path(p) for p in args.paths] or [RESULTS_DIR / f"{n}.json" for n in PLOTTERS]
     for p in paths:
         if not p.is_file():
             print(f"plots: {p} not found, skipped")
@@ -181,4 +187,4 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())
