@@ -95,13 +95,16 @@ def make_providers(q, k, v, causal: bool, names, dry_run: bool = False) -> dict[
         d = q.shape[-1]
         q8, sq = quant.quantize_per_token(q, scale=d ** -0.5 * reference.LOG2E)
         k8, sk = quant.quantize_per_token(k, smooth=reference.k_smooth_mean(k))
-        by_channel = getattr(reference, "DEFAULT_V_SCALE", "block") == "channel"  # mirror turbo_attention's default
-        v8t, sv = (quant.quantize_v_channels if by_channel else quant.quantize_v_blocks)(v)
+        # mirror turbo_attention's defaults: KV block (= V quantization block) and V scale granularity
+        bn = reference.default_block_n(d) if hasattr(reference, "default_block_n") else reference.DEFAULT_BLOCK_N
+        by_channel = getattr(reference, "DEFAULT_V_SCALE", "block") == "channel"
+        v8t, sv = (quant.quantize_v_channels if by_channel else quant.quantize_v_blocks)(v, bn)
         L = k.shape[2]
         for m in ("exact", "sas"):
             if f"kernel_{m}" in names:
                 out[f"kernel_{m}"] = (lambda m=m: prefill.int8_flash_attention(
-                    q8, sq, k8, sk, v8t, sv, causal=causal, softmax=m, Lk=L, out_dtype=q.dtype))
+                    q8, sq, k8, sk, v8t, sv, causal=causal, softmax=m, Lk=L, out_dtype=q.dtype,
+                    block_n=bn if by_channel else None))
     return {n: out[n] for n in names if n in out}
 
 
@@ -209,6 +212,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         "protocol": {"total_tokens": TOTAL_TOKENS, "hidden": HIDDEN, "dtype": "bfloat16", "layout": "[b, H, L, d]",
                      "timer": f"triton.testing.do_bench median (warmup {args.warmup} ms, rep {args.rep} ms)",
                      "flops": FLOPS_FORMULA, "err": "relative L2 of the output vs sdpa_flash",
+                     "turbo_defaults": "turbo_attention's defaults (KV block reference.default_block_n(d), V scale "
+                                       "reference.DEFAULT_V_SCALE, P scale reference.DEFAULT_P_SCALE); kernel_* "
+                                       "quantize with the same block and V scale",
                      "providers": {p: __doc__.split(p, 1)[1].split("\n", 1)[0].strip() for p in providers}},
         "summary": summarize(rows), "rows": rows,
     }
