@@ -165,6 +165,15 @@ def summarize(rows: list[dict]) -> dict:
     return out
 
 
+def _turbo_defaults() -> dict:
+    from turbo_attn_hf.kernels import reference as R
+
+    out = {k: getattr(R, k) for k in ("DEFAULT_P_SCALE", "DEFAULT_V_SCALE", "DEFAULT_BLOCK_N") if hasattr(R, k)}
+    if hasattr(R, "default_block_n"):
+        out["block_n_by_head_dim"] = {d: R.default_block_n(d) for d in (64, 128, 256)}
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m eval.bench_prefill", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -216,7 +225,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                                        "reference.DEFAULT_V_SCALE, P scale reference.DEFAULT_P_SCALE); kernel_* "
                                        "quantize with the same block and V scale",
                      "providers": {p: __doc__.split(p, 1)[1].split("\n", 1)[0].strip() for p in providers}},
-        "summary": summarize(rows), "rows": rows,
+        "turbo_defaults": _turbo_defaults(), "summary": summarize(rows), "rows": rows,
     }
     path = write_json("bench_prefill" + ("_dryrun" if args.dry_run else ""), payload, args.out)
     print(f"wrote {path}")
