@@ -176,6 +176,16 @@ def _p8(b_s, b_ms, sas_thr, USE_SAS: tl.constexpr):
 
 
 @triton.jit
+def _pad_k(b_x):
+    """[R, K] int8 -> [R, 2K] with zeros interleaved (column 2i = column i, 2i + 1 = 0): widens the reduction
+    axis of an 8-bit tl.dot, which Triton's NVIDIA backend needs to be >= 32 (padding both operands alike
+    leaves the dot unchanged)."""
+    R: tl.constexpr = b_x.shape[0]
+    K: tl.constexpr = b_x.shape[1]
+    return tl.reshape(tl.join(b_x, tl.zeros([R, K], dtype=b_x.dtype)), (R, 2 * K))
+
+
+@triton.jit
 def _int8_tile(
     b_acc, b_m, b_l, b_qt, b_sq, b_qb, b_k, b_v, o_key, m_key, o_pos, window, softcap, sas_thr,
     IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, USE_SAS: tl.constexpr,
@@ -189,7 +199,11 @@ def _int8_tile(
     b_alpha = tl.exp2(b_m - b_ms)
     b_p8 = _p8(b_s, b_ms, sas_thr, USE_SAS)
     b_l = b_l * b_alpha + tl.sum(b_p8.to(tl.int32), 0).to(tl.float32)
-    b_acc = b_acc * b_alpha[None, :] + tl.dot(b_v, b_p8, out_dtype=tl.int32).to(tl.float32)
+    if b_v.shape[1] < 32:  # block 16: the P·V reduction over BS keys is padded to 32 (8-bit dots need K >= 32)
+        b_pv = tl.dot(_pad_k(b_v), tl.trans(_pad_k(tl.trans(b_p8))), out_dtype=tl.int32)
+    else:
+        b_pv = tl.dot(b_v, b_p8, out_dtype=tl.int32)
+    b_acc = b_acc * b_alpha[None, :] + b_pv.to(tl.float32)
     return b_acc, b_mn, b_l
 
 
@@ -236,6 +250,10 @@ def _decode_kernel(
     BDK: tl.constexpr = BD // PB  # packed bytes per K row (padded)
     DK: tl.constexpr = D // PB
     BSB: tl.constexpr = BS // PB  # packed bytes per V row
+    # Triton's NVIDIA backend needs K >= 32 for an 8-bit tl.dot: the folded dots reduce over BDK packed K
+    # bytes (Q·Kᵀ) and BS // 2 tokens (P·V), so narrow shapes (head_dim 64 at 2 bits: BDK = 16) take the
+    # restoring loop instead (same integers).
+    DO_FOLD: tl.constexpr = FOLD and BITS != 8 and BDK >= 32 and BS >= 64
 
     o_r = i_m * BM + tl.arange(0, BM)
     m_r = o_r < M
@@ -268,11 +286,11 @@ def _decode_kernel(
         b_qb = tl.sum(b_qf * b_mk[None, :], 1) * qscale
     else:
         b_qb = tl.zeros([BM], dtype=tl.float32)
-    if FOLD and BITS == 4:  # query channel parts 2j + p (the K codes of byte j)
+    if DO_FOLD and BITS == 4:  # query channel parts 2j + p (the K codes of byte j)
         b_q0, b_q1 = tl.split(tl.reshape(b_q32, (BM, BDK, 2)))
         b_q2 = b_q0
         b_q3 = b_q1
-    elif FOLD and BITS == 2:  # reshape index (j, a, c) = channel 4j + 2a + c; split takes c, then a
+    elif DO_FOLD and BITS == 2:  # reshape index (j, a, c) = channel 4j + 2a + c; split takes c, then a
         b_qa, b_qb1 = tl.split(tl.reshape(b_q32, (BM, BDK, 2, 2)))
         b_q0, b_q2 = tl.split(b_qa)
         b_q1, b_q3 = tl.split(b_qb1)
@@ -324,7 +342,7 @@ def _decode_kernel(
             b_v = tl.load(p_vb + t * (D * BS) + o_d[:, None] * BS + o_n[None, :], mask=m_d[:, None], other=0)
             b_acc, b_m, b_l = _int8_tile(b_acc, b_m, b_l, b_qt, b_sq, b_qb, b_k, b_v, o_key, m_key, o_pos, window,
                                          softcap, sas_thr, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, USE_SAS)
-        elif FOLD:
+        elif DO_FOLD:
             b_vp = tl.load(p_vb + t * (D * BSB) + o_d[:, None] * BSB + o_sb[None, :], mask=m_d[:, None], other=0)
             o_sc = o_sbase + t * D + o_d
             b_vs = tl.load(vs + o_sc, mask=m_d, other=0).to(tl.int32)

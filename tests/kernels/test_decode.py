@@ -1,6 +1,6 @@
 """Decode kernel over packed blocks + INT8 tail: kernel == reference (tight), reference ~ fp64 (loose).
 
-CPU: Triton interpreter, small shapes (d 32 / 80, block 16 or 64). GPU sizes: test_decode_gpu.py.
+CPU: Triton interpreter, small shapes (d 32 / 64 / 80, block 16 or 64). GPU sizes: test_decode_gpu.py.
 """
 import math
 
@@ -57,6 +57,7 @@ CASES = [
     (2, 1, 4, 65, 1, 80, [2], 16, "exact", 4),
     (1, 3, 1, 47, 3, 32, [4, 8, 2], 16, "sas", 2),
     (1, 2, 4, 100, 40, 32, [4, 8], 16, "exact", 2),  # a second prefill: G*Lq = 160 rows -> 3 M tiles
+    (1, 3, 3, 130, 1, 64, [4, 2, 2], 64, "exact", 2),  # SmolLM2-135M shape: d 64, GQA 3, mixed
 ]
 
 

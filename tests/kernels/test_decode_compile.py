@@ -1,0 +1,113 @@
+"""The decode kernel compiles for sm_90 (Hopper) on a CPU-only machine, for a grid of supported configurations.
+
+The CPU tests run the kernels under TRITON_INTERPRET=1, which accepts shapes that Triton's NVIDIA backend
+rejects (e.g. an 8-bit ``tl.dot`` with a reduction axis K < 32: head_dim 64 at 2 bits gave folded Q·Kᵀ dots of
+K = 16 packed bytes and failed on the GPU only, with SmolLM2-135M). Here the kernel goes through the real
+compile pipeline (TTIR -> TTGIR -> LLVM -> PTX -> ptxas cubin) for ``GPUTarget("cuda", 90, 32)``; no GPU is
+needed. ``triton.jit`` returns interpreter functions when TRITON_INTERPRET=1 is set (tests/conftest.py does on
+CPU), so the compiles run in a subprocess without it (this file doubles as its script).
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+# (D, bits, G, Lq, block, variant): head_dim 64/80/96/128/256 x bits 2/4/8 x GQA 1..8 (3 and 7 included) x
+# one token and a chunk; block 16/32 (P·V dot padded / no fold), 128; the restoring loop; no split; masks.
+CONFIGS = [
+    (64, 2, 3, 1, 64, "fold"),  # SmolLM2-135M mixed: folded K dot would be K = 16 -> restoring loop
+    (64, 4, 3, 1, 64, "fold"),  # SmolLM2-135M int4
+    (64, 2, 3, 5, 64, "fold"),  # a chunk: M = 15 rows
+    (64, 4, 3, 1, 64, "restore"),
+    (80, 2, 7, 1, 64, "fold"),
+    (96, 4, 1, 1, 64, "nosplit"),
+    (128, 2, 4, 1, 64, "fold"),
+    (128, 4, 8, 8, 64, "masks"),  # a chunk: M = 64 rows
+    (128, 4, 7, 1, 32, "fold"),  # block 32: folded P·V would be K = 16 -> restoring loop
+    (64, 8, 3, 1, 16, "fold"),  # block 16: P·V dot padded to K = 32
+    (64, 2, 5, 2, 16, "fold"),
+    (256, 2, 2, 1, 128, "fold"),
+]
+
+
+def _compile(D, bits, G, Lq, BS, variant):
+    """Compile ``_decode_kernel`` as the launcher would launch it (turbo_decode_attention) for sm_90."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from turbo_attn_hf.kernels.decode import _decode_kernel, _merge_chunk, _pow2
+
+    code = "*i8" if bits == 8 else "*u8"
+    sig = dict(q="*bf16", sk="*fp32", mk="*fp32", heads="*i32", kp=code, ks="*i8", kz="*i8", vp=code, vs="*i8",
+               vz="*i8", kt="*i8", vt="*i8", sv="*fp32", kvalid="*i8", o="*bf16", po="*fp32", pml="*fp32",
+               cnt="*i32")
+    for name in ("n_blocks", "n_tail", "Lq", "kv_len", "T0", "TPS", "window"):
+        sig[name] = "i32"
+    for name in ("softcap", "sas_thr", "qscale"):
+        sig[name] = "fp32"
+    for name in ("stride_qb", "stride_qh", "stride_ql", "stride_kb", "stride_kh", "stride_sb", "stride_sh",
+                 "stride_vb", "stride_vh", "H", "HK"):
+        sig[name] = "i32"
+    BD, M = _pow2(D), G * Lq
+    BM = min(64, max(4, _pow2(M)))
+    split = variant != "nosplit"
+    masks = variant == "masks"
+    cx = dict(G=G, D=D, BD=BD, BS=BS, BM=BM, BITS=bits, IS_CAUSAL=True, HAS_WINDOW=masks, HAS_SOFTCAP=masks,
+              HAS_MEAN=True, HAS_KVALID=masks, USE_SAS=masks, SPLIT=split, FUSED_MERGE=split,
+              FOLD=variant != "restore", USE_ASM=True, SC=_merge_chunk(8, BM, BD, 1))
+    sig.update({k: "constexpr" for k in cx})
+    src = triton.compiler.ASTSource(fn=_decode_kernel, signature=sig, constexprs=cx)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1, num_stages=3))
+
+
+def _probe():
+    """None if a trivial kernel compiles for sm_90 here, else the reason it cannot."""
+    try:
+        import triton
+        import triton.language as tl
+        from triton.backends.compiler import GPUTarget
+
+        @triton.jit
+        def _copy(x, y):
+            tl.store(y + tl.arange(0, 16), tl.load(x + tl.arange(0, 16)))
+
+        src = triton.compiler.ASTSource(fn=_copy, signature=dict(x="*fp32", y="*fp32"))
+        triton.compile(src, target=GPUTarget("cuda", 90, 32))
+        return None
+    except Exception as e:  # noqa: BLE001 - any failure means "cannot compile for sm_90 on this machine"
+        return f"{type(e).__name__}: {str(e)[-300:]}"
+
+
+def _main(cfgs):
+    reason = _probe()
+    if reason is not None:
+        print(json.dumps({"unavailable": reason}))
+        return
+    res = {}
+    for c in cfgs:
+        try:
+            _compile(*c)
+            res[repr(tuple(c))] = None
+        except Exception as e:  # noqa: BLE001 - report every failing configuration, not only the first
+            res[repr(tuple(c))] = f"{type(e).__name__}: {str(e)[-1500:]}"
+    print(json.dumps({"results": res}))
+
+
+def test_decode_kernel_compiles_for_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, __file__, json.dumps(CONFIGS)], env=env, capture_output=True, text=True,
+                          timeout=900)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert proc.returncode == 0 and lines, f"compile subprocess failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}"
+    out = json.loads(lines[-1])
+    if "unavailable" in out:
+        pytest.skip(f"cannot compile Triton kernels for sm_90 on this machine: {out['unavailable']}")
+    failed = {k: v for k, v in out["results"].items() if v is not None}
+    assert not failed, "decode kernel fails to compile for sm_90 (D, bits, G, Lq, block, variant):\n" + "\n".join(
+        f"{k}: {v}" for k, v in failed.items())
+
+
+if __name__ == "__main__":
+    _main([tuple(c) for c in json.loads(sys.argv[1])])
