@@ -611,7 +611,9 @@ def turbo_decode_attention(
         merge: ``"fused"`` (the last share of a tile to finish merges the partials: one launch) or
             ``"kernel"`` (a second small merge kernel).
         fold: packed heads fold ``scale_int``/``zero`` into the query and the output instead of restoring
-            INT8 tiles (same integers; ``False`` = the restoring variant, kept for measurements).
+            INT8 tiles (same integers; ``False`` = the restoring variant, kept for measurements). Where a folded
+            8-bit dot would reduce over fewer than 32 (packed K bytes < 32, e.g. head_dim 64 at 2 bits, or
+            block < 64) the restoring loop runs regardless (Triton's NVIDIA backend rejects K < 32).
     Returns:
         ``[b, Lq, HQ, D]`` in ``q.dtype``.
     """

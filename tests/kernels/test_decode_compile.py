@@ -15,7 +15,8 @@ import sys
 import pytest
 
 # (D, bits, G, Lq, block, variant): head_dim 64/80/96/128/256 x bits 2/4/8 x GQA 1..8 (3 and 7 included) x
-# one token and a chunk; block 16/32 (P·V dot padded / no fold), 128; the restoring loop; no split; masks.
+# one token and a chunk; block 16 (P·V dot padded) and 32 (no fold); the restoring loop; no split; masks.
+# Cold compile ~75 s in all on 2 CPU cores (the M = 64-row chunk at D 128 alone took 51 s: left out).
 CONFIGS = [
     (64, 2, 3, 1, 64, "fold"),  # SmolLM2-135M mixed: folded K dot would be K = 16 -> restoring loop
     (64, 4, 3, 1, 64, "fold"),  # SmolLM2-135M int4
@@ -24,11 +25,11 @@ CONFIGS = [
     (80, 2, 7, 1, 64, "fold"),
     (96, 4, 1, 1, 64, "nosplit"),
     (128, 2, 4, 1, 64, "fold"),
-    (128, 4, 8, 8, 64, "masks"),  # a chunk: M = 64 rows
+    (128, 4, 8, 2, 64, "masks"),  # a chunk: M = 16 rows
     (128, 4, 7, 1, 32, "fold"),  # block 32: folded P·V would be K = 16 -> restoring loop
     (64, 8, 3, 1, 16, "fold"),  # block 16: P·V dot padded to K = 32
     (64, 2, 5, 2, 16, "fold"),
-    (256, 2, 2, 1, 128, "fold"),
+    (256, 2, 2, 1, 64, "fold"),
 ]
 
 
@@ -91,7 +92,11 @@ def _main(cfgs):
             _compile(*c)
             res[repr(tuple(c))] = None
         except Exception as e:  # noqa: BLE001 - report every failing configuration, not only the first
-            res[repr(tuple(c))] = f"{type(e).__name__}: {str(e)[-1500:]}"
+            causes = []  # the innermost cause names the real reason (Triton's message shows only the call site)
+            while e is not None:
+                causes.append(f"{type(e).__name__}: {str(e)[-600:]}")
+                e = e.__cause__
+            res[repr(tuple(c))] = "\n  raised in ".join(reversed(causes))
     print(json.dumps({"results": res}))
 
 
