@@ -37,7 +37,6 @@ Rounding: float -> int8 rounds half away from zero, as in ``reference.py``.
 from __future__ import annotations
 
 import functools
-import os
 import math
 from typing import Optional, Sequence
 
@@ -45,39 +44,14 @@ import torch
 import triton
 import triton.language as tl
 
+from .interpreter import interpreting
 from .pack import PackedKV, _dequant_tile, _unpack_tile
 from .softmax import sas_exp2
 
 __all__ = ["turbo_decode_attention", "plan_splits", "first_visible_tile"]
 
 
-def _interpreter_index_compat() -> None:
-    """TRITON_INTERPRET=1 with NumPy >= 2.3: Triton 3.6's interpreter converts a runtime scalar (a 1-element
-    array) to a Python int with ``int(arr)``, which NumPy now refuses, so ``for t in range(lo, hi)`` with
-    runtime bounds fails. Re-register ``tensor.__index__`` through ``.item()``. Interpreter only; idempotent."""
-    import os
-
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return
-    try:
-        import triton.runtime.interpreter as interp
-    except ImportError:  # pragma: no cover
-        return
-    if getattr(interp, "_turbo_index_compat", False) or not hasattr(interp, "_patch_lang_tensor"):
-        return
-    orig = interp._patch_lang_tensor
-
-    def _patch_lang_tensor(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interp._patch_lang_tensor = _patch_lang_tensor
-    interp._turbo_index_compat = True
-
-
-_interpreter_index_compat()
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_INTERPRET = interpreting()
 LOG2E = 1.4426950408889634
 #: programs per SM that the split plan aims for (Lean Attention's grid sized to the SM count). Measured on
 #: the H200 (eval/PERF_NOTES.md, Decode): 1 warp per program, 3 stages, 4 waves is the best launch for int4

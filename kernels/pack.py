@@ -37,12 +37,13 @@ Byte layout ("interleaved"): byte ``j`` of a row holds codes ``PB*j + p`` in bit
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
+
+from .interpreter import interpreting
 
 __all__ = ["PackedKV", "quantize_int8", "pack_blocks", "unpack_blocks", "kv_bytes_per_token"]
 
@@ -185,7 +186,7 @@ def _check_blocks(x8: torch.Tensor, bits: int) -> None:
 
 
 def _use_triton(device: torch.device) -> bool:
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    return device.type == "cuda" or interpreting()
 
 
 def pack_blocks(x8: torch.Tensor, bits: int, axis: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

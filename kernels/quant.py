@@ -22,73 +22,12 @@ import torch
 import triton
 import triton.language as tl
 
+from .interpreter import interpreting
 from .reference import DEFAULT_BLOCK_N, k_smooth_mean  # noqa: F401  (k_smooth_mean re-exported)
 
 __all__ = ["quantize_per_token", "quantize_v_blocks", "quantize_v_channels", "k_smooth_mean", "interpreting"]
 
 
-def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1), read through Triton."""
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    import os  # triton < 3.4 has no knobs
-
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def _interpreter_index_compat() -> None:
-    """TRITON_INTERPRET=1 with NumPy >= 2.3: Triton 3.6's interpreter turns a runtime scalar (a 1-element
-    array) into a Python int with ``int(arr)``, which NumPy now refuses, so ``for i in range(lo, hi, BN)``
-    with runtime bounds fails. Re-register ``tensor.__index__`` to read the element. Interpreter only;
-    idempotent, and shares its flag with the same shim in decode.py (whichever module runs first)."""
-    if not interpreting():
-        return
-    try:
-        import triton.runtime.interpreter as interp
-    except ImportError:  # pragma: no cover
-        return
-    if getattr(interp, "_turbo_index_compat", False) or not hasattr(interp, "_patch_lang_tensor"):
-        return
-    orig = interp._patch_lang_tensor
-
-    def _patch_lang_tensor(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interp._patch_lang_tensor = _patch_lang_tensor
-    interp._turbo_index_compat = True
-
-
-def _interpreter_exact_fma() -> None:
-    """Triton 3.6's interpreter computes ``tl.math.fma`` as ``x * y + z`` in the operands' dtype (two
-    roundings); the GPU's FFMA rounds once. Compute it in float64 and round once (``reference.fma``), so
-    that the interpreter, the GPU and the reference agree. Interpreter only; idempotent."""
-    if not interpreting():
-        return
-    try:
-        import numpy as np
-        import triton.runtime.interpreter as interp
-    except ImportError:  # pragma: no cover
-        return
-    builder = getattr(interp, "InterpreterBuilder", None)
-    if builder is None or getattr(builder, "_turbo_exact_fma", False):
-        return
-
-    def create_fma(self, x, y, z):
-        dt = z.data.dtype
-        if dt == np.float32:
-            out = (x.data.astype(np.float64) * y.data.astype(np.float64) + z.data.astype(np.float64)).astype(dt)
-        else:
-            out = x.data * y.data + z.data
-        return interp.TensorHandle(out, z.dtype.scalar)
-
-    builder.create_fma = create_fma
-    builder._turbo_exact_fma = True
-
-
-_interpreter_index_compat()
-_interpreter_exact_fma()
 
 
 def _check_device(x: torch.Tensor, what: str) -> None:

@@ -24,13 +24,13 @@ in attention), so their ``get_mask_sizes`` offset is 0.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Optional
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
 from .config import TurboConfig, TurboConfigError
+from .kernels.interpreter import interpreting
 from .kernels.pack import PackedKV, kv_bytes_per_token, quantize_int8
 
 __all__ = ["TurboCache", "TurboLayer", "TurboSlidingWindowLayer"]
@@ -66,7 +66,7 @@ def _resolve_config(turbo_config: TurboConfig | str | None, model_config: Any = 
 
 
 def _use_triton(device: torch.device) -> bool:
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    return device.type == "cuda" or interpreting()
 
 
 class TurboLayer(CacheLayerMixin):

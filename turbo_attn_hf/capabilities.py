@@ -137,8 +137,10 @@ def env_preset() -> str:
 
 
 def triton_interpret() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``); the kernels' own rule."""
+    from .kernels.interpreter import interpreting
+
+    return interpreting()
 
 
 # ---------------------------------------------------------------------------------------------- settings
