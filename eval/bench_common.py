@@ -152,6 +152,20 @@ def write_json(name: str, payload: dict, out_dir: Optional[Path] = None) -> Path
     return path
 
 
+def save_results(name: str, payload: dict, out_dir: Optional[Path], plot: Optional[str]) -> Path:
+    """Write the result JSON and, when ``plot`` names a function of ``eval/plots.py``, its PNG beside it
+    (matplotlib is imported only then)."""
+    path = write_json(name, payload, out_dir)
+    print(f"wrote {path}")
+    if plot:
+        from . import plots
+
+        png = getattr(plots, plot)(path)
+        if png:
+            print(f"wrote {png}")
+    return path
+
+
 def _json_default(o):
     if isinstance(o, float) and not math.isfinite(o):
         return None

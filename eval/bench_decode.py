@@ -40,6 +40,7 @@ from .bench_common import (
     parse_int_list,
     print_table,
     require_cuda,
+    save_results,
     write_json,
 )
 
@@ -317,14 +318,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     summary = summarize(rows) if not args.dry_run else {}
     for k_, v_ in summary.items():
         print(f"  {k_}: {v_:.3f}")
-    path = write_json(name, payload(rows, summary), args.out)
-    print(f"wrote {path}")
-    if not args.no_plot and not args.dry_run:
-        from .plots import plot_decode
-
-        png = plot_decode(path)
-        if png:
-            print(f"wrote {png}")
+    save_results(name, payload(rows, summary), args.out,
+                 None if args.no_plot or args.dry_run else "plot_decode")
     return 0
 
 

@@ -36,6 +36,7 @@ from .bench_common import (
     parse_int_list,
     print_table,
     require_cuda,
+    save_results,
     write_json,
 )
 
@@ -308,14 +309,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("\nlongest batch-1 context:")
         print_table(long_rows, ["impl", "kv_bytes_per_token", "free_gib_after_weights", "longest_tokens_est",
                                 "verified_tokens"])
-    path = write_json(name, payload(), args.out)
-    print(f"wrote {path}")
-    if not args.no_plot and not args.dry_run:
-        from .plots import plot_e2e
-
-        png = plot_e2e(path)
-        if png:
-            print(f"wrote {png}")
+    save_results(name, payload(), args.out, None if args.no_plot or args.dry_run else "plot_e2e")
     return 0
 
 

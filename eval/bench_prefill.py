@@ -34,7 +34,7 @@ from .bench_common import (
     parse_int_list,
     print_table,
     require_cuda,
-    write_json,
+    save_results,
 )
 
 TOTAL_TOKENS = 16384
@@ -227,16 +227,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                      "providers": {p: __doc__.split(p, 1)[1].split("\n", 1)[0].strip() for p in providers}},
         "turbo_defaults": _turbo_defaults(), "summary": summarize(rows), "rows": rows,
     }
-    path = write_json("bench_prefill" + ("_dryrun" if args.dry_run else ""), payload, args.out)
-    print(f"wrote {path}")
     if payload["summary"]:
         print("summary:", payload["summary"])
-    if not args.no_plot and not args.dry_run:
-        from .plots import plot_prefill
-
-        png = plot_prefill(path)
-        if png:
-            print(f"wrote {png}")
+    save_results("bench_prefill" + ("_dryrun" if args.dry_run else ""), payload, args.out,
+                 None if args.no_plot or args.dry_run else "plot_prefill")
     return 0
 
 
