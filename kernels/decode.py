@@ -5,9 +5,11 @@ What it implements:
   in registers by integer arithmetic (``code * scale_int + zero``), then INT8 x INT8 -> INT32 dots run
   (INT-FlashAttention) for Q·Kᵀ and P·V; the INT8 tail buffer (< BS tokens, universal scale) is read in
   the same pass. §4 SAS (sparse activated softmax) as an option.
-- INT-FlashAttention's static P scale: ``p8 = round(127 * exp2(s - m))``; the row sum ``l`` accumulates the
-  same integers, so ``O = Σ p8·v8 / Σ p8 · s_v`` (the 1/127 cancels; every row stays a convex combination
-  of the quantized values).
+- P quantized per row of each tile relative to the tile's own max (not INT-FlashAttention's static
+  1/127, which rounds every key more than ~5.5 nats below the running max to 0): ``w8 = round(127 w / max w)``
+  with ``w = p`` for INT8 tiles and ``w = p·s_t`` for packed V (its per-token scale rides in P, its zero in
+  ``Σ_t p·z_t``); ``P·V = (w8·code)·max w/127 + Σ p·z``, and ``l = Σ p`` in fp32. Measured on SmolLM2-135M
+  (int8 preset, decode-path KL vs fp32, 3 GSM8K texts): static 5.3e-3, per tile 2.8e-3.
 - FlashAttention-3's K-major rule for 8-bit dots: K tiles are ``[tokens, D]`` (D contiguous), V tiles
   ``[D, tokens]`` (tokens contiguous), so both dots read their reduction axis contiguously.
 - GQA packing: the G query heads of one KV head and the chunk's Lq queries form the M rows of one
@@ -20,8 +22,8 @@ What it implements:
   merge kernel is the measured alternative (``merge="kernel"``). With one share the output is written
   directly. (Split-K per (batch, head); no cross-(batch, head) shares.)
 - Speed (Hopper, decode is bandwidth-bound): packed heads are never restored to INT8 tiles. The restore
-  ``x8 = code·s + z`` is exact and linear (pack.py), so ``s``/``z`` fold into the query (K) and the output
-  (V) per block, and the 4/2-bit codes go straight from the packed bytes (one mask per 4 bytes, inline PTX)
+  ``x8 = code·s + z`` is exact and linear (pack.py), so K's per-channel ``s``/``z`` fold into the query and
+  V's per-token ones into P and the output, and the 4/2-bit codes go straight from the packed bytes (one mask per 4 bytes, inline PTX)
   into the INT8 MMAs. The GQA query rows (4 at GQA 32/8) sit on the MMA N side ("swap AB"), so the
   per-block softmax and rescale work is not padded to 16 rows. Measurements: ``eval/PERF_NOTES.md``.
 
@@ -140,13 +142,31 @@ def _masked_scores(
 
 
 @triton.jit
-def _p8(b_s, b_ms, sas_thr, USE_SAS: tl.constexpr):
-    """p8 = round(127 * exp2(s - m)) as int8 (exact exp2 or SAS); b_s [N, BM], b_ms [BM]."""
+def _probs(b_s, b_ms, sas_thr, USE_SAS: tl.constexpr):
+    """p = exp2(s - m) fp32 (exact exp2 or SAS); b_s [N, BM], b_ms [BM] the (finite) running max."""
     if USE_SAS:
         b_p = sas_exp2(b_s - b_ms[None, :], sas_thr)
     else:
         b_p = tl.exp2(b_s - b_ms[None, :])
-    return (b_p * 127.0 + 0.5).to(tl.int8)
+    return b_p
+
+
+@triton.jit
+def _running_max(b_m, b_tmax):
+    """Online-softmax bookkeeping: (new running max, its finite stand-in, rescale alpha = exp2(m - m_new))."""
+    b_mn = tl.maximum(b_m, b_tmax)
+    b_ms = tl.where(b_mn == float("-inf"), 0.0, b_mn)
+    return b_mn, b_ms, tl.exp2(b_m - b_ms)
+
+
+@triton.jit
+def _p_codes(b_w, b_wmax):
+    """P of one tile quantized per row relative to its own max (twin: reference.pv_tile_ref):
+    w8 = round(127 w / max w) int8 [N, BM] (0 where max w == 0) and the row factor max w / 127 [BM]."""
+    b_inv = tl.where(b_wmax > 0, tl.math.div_rn(tl.full(b_wmax.shape, 127.0, tl.float32),
+                                                 tl.where(b_wmax > 0, b_wmax, 1.0)), 0.0)
+    b_w8 = tl.math.fma(b_w, b_inv[None, :], tl.full(b_w.shape, 0.5, tl.float32)).to(tl.int8)
+    return b_w8, tl.math.div_rn(b_wmax, tl.full(b_wmax.shape, 127.0, tl.float32))
 
 
 @triton.jit
@@ -161,23 +181,33 @@ def _pad_k(b_x):
 
 @triton.jit
 def _int8_tile(
-    b_acc, b_m, b_l, b_qt, b_sq, b_qb, b_k, b_v, o_key, m_key, o_pos, window, softcap, sas_thr,
+    b_acc, b_m, b_l, b_qt, b_sq, b_qb, b_k, b_v, b_vs, b_vz, o_key, m_key, o_pos, window, softcap, sas_thr,
     IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, USE_SAS: tl.constexpr,
+    PER_TOKEN: tl.constexpr,
 ):
-    """One online-softmax step over INT8 tiles, transposed: s [BS, BM] = k8 [BS, BD] · q8ᵀ [BD, BM];
-    accᵀ [BD, BM] += v8 [BD, BS] · p8 [BS, BM]."""
+    """One online-softmax step over an INT8 K tile, transposed: s [BS, BM] = k8 [BS, BD] · q8ᵀ [BD, BM];
+    accᵀ [BD, BM] += P·V with b_v [BD, BS] INT8 values, or (PER_TOKEN) codes whose per-token integer
+    scale/zero b_vs/b_vz [BS] (fp32) ride in P: w = p·s_t quantized per row, + Σ_t p·z_t."""
     b_si = tl.dot(b_k, b_qt, out_dtype=tl.int32)
     b_s = _masked_scores(b_si, b_sq, b_qb, o_key, m_key, o_pos, window, softcap, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP)
-    b_mn = tl.maximum(b_m, tl.max(b_s, 0))
-    b_ms = tl.where(b_mn == float("-inf"), 0.0, b_mn)
-    b_alpha = tl.exp2(b_m - b_ms)
-    b_p8 = _p8(b_s, b_ms, sas_thr, USE_SAS)
-    b_l = b_l * b_alpha + tl.sum(b_p8.to(tl.int32), 0).to(tl.float32)
-    if b_v.shape[1] < 32:  # block 16: the P·V reduction over BS keys is padded to 32 (8-bit dots need K >= 32)
-        b_pv = tl.dot(_pad_k(b_v), tl.trans(_pad_k(tl.trans(b_p8))), out_dtype=tl.int32)
+    b_mn, b_ms, b_alpha = _running_max(b_m, tl.max(b_s, 0))
+    b_p = _probs(b_s, b_ms, sas_thr, USE_SAS)
+    if PER_TOKEN:
+        b_w = b_p * b_vs[:, None]
     else:
-        b_pv = tl.dot(b_v, b_p8, out_dtype=tl.int32)
-    b_acc = b_acc * b_alpha[None, :] + b_pv.to(tl.float32)
+        b_w = b_p
+    b_w8, b_f = _p_codes(b_w, tl.max(b_w, 0))
+    if b_v.shape[1] < 32:  # block 16: the P·V reduction over BS keys is padded to 32 (8-bit dots need K >= 32)
+        b_pc = tl.dot(_pad_k(b_v), tl.trans(_pad_k(tl.trans(b_w8))), out_dtype=tl.int32)
+    else:
+        b_pc = tl.dot(b_v, b_w8, out_dtype=tl.int32)
+    if PER_TOKEN:
+        b_zs = tl.sum(b_p * b_vz[:, None], 0)
+    else:
+        b_zs = tl.zeros_like(b_f)
+    b_pv = tl.math.fma(b_pc.to(tl.float32), b_f[None, :], b_zs[None, :])
+    b_l = tl.math.fma(b_l, b_alpha, tl.sum(b_p, 0))
+    b_acc = tl.math.fma(b_acc, b_alpha[None, :], b_pv)
     return b_acc, b_mn, b_l
 
 
@@ -186,7 +216,7 @@ def _decode_kernel(
     q, sk, mk, heads, kp, ks, kz, vp, vs, vz, kt, vt, sv, kvalid, o, po, pml, cnt,
     n_blocks, n_tail, Lq, kv_len, T0, TPS, window, softcap, sas_thr, qscale,
     stride_qb, stride_qh, stride_ql,
-    stride_kb, stride_kh, stride_sb, stride_sh, stride_vb, stride_vh,
+    stride_kb, stride_kh, stride_sb, stride_sh, stride_vb, stride_vh, stride_vsb, stride_vsh,
     H, HK,
     G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr,
     BITS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -208,10 +238,11 @@ def _decode_kernel(
 
     FOLD (packed heads): no INT8 tile is ever restored. With x8 = code·s + z (pack.py, exact, no clamp):
     K·Qᵀ = Σ_c code[t, c]·(q8·s_k)[c] + Σ_c q8[c]·z_k[c]  (A = q8·s_k split into two int8 dots), and
-    (P·V)ᵀ = s_v[c]·Σ_t code[c, t]·p8[t] + z_v[c]·Σ_t p8[t]; the codes come straight out of the packed bytes
-    (byte j holds codes PB·j + p), so the channel axis of K is cut into PB interleaved parts and each block
-    into two token parts matching V's byte layout. The integer scores and P·V equal those of the restored
-    tiles exactly.
+    (P·V)ᵀ = Σ_t code[c, t]·(p·s_v)[t] + Σ_t p[t]·z_v[t] (p·s_v quantized per row, ``_p_codes``); the codes
+    come straight out of the packed bytes (byte j holds codes PB·j + p), so the channel axis of K is cut into
+    PB interleaved parts and each block into two token parts matching V's byte layout. The integer scores
+    equal those of the restored tiles exactly; the restoring variant (``fold=False``, and narrow dots)
+    restores K only and takes V's codes the same way, so both variants compute the same numbers.
     """
     tl.static_assert(BITS == 2 or BITS == 4 or BITS == 8)
     i_s, i_m, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -290,7 +321,8 @@ def _decode_kernel(
         t_hp = n_blocks
     p_kb = kp + i_b64 * stride_kb + i_h * stride_kh
     p_vb = vp + i_b64 * stride_vb + i_h * stride_vh
-    o_sbase = i_b64 * stride_sb + i_h * stride_sh
+    o_sbase = i_b64 * stride_sb + i_h * stride_sh  # K scale/zero [.., NB, D]
+    o_vsbase = i_b64 * stride_vsb + i_h * stride_vsh  # V scale/zero [.., NB, BS] (per token)
     o_dk = tl.arange(0, BDK)
     o_sb = tl.arange(0, BSB)
     if D == BD:
@@ -314,13 +346,17 @@ def _decode_kernel(
                 m_key = tl.load(kvalid + i_b64 * kv_len + o_key) != 0
             b_k = tl.load(p_kb + t * (BS * D) + o_n[:, None] * D + o_d[None, :], mask=m_d[None, :], other=0)
             b_v = tl.load(p_vb + t * (D * BS) + o_d[:, None] * BS + o_n[None, :], mask=m_d[:, None], other=0)
-            b_acc, b_m, b_l = _int8_tile(b_acc, b_m, b_l, b_qt, b_sq, b_qb, b_k, b_v, o_key, m_key, o_pos, window,
-                                         softcap, sas_thr, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, USE_SAS)
+            b_acc, b_m, b_l = _int8_tile(b_acc, b_m, b_l, b_qt, b_sq, b_qb, b_k, b_v, b_sq, b_sq, o_key, m_key,
+                                         o_pos, window, softcap, sas_thr, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, USE_SAS,
+                                         False)
         elif DO_FOLD:
             b_vp = tl.load(p_vb + t * (D * BSB) + o_d[:, None] * BSB + o_sb[None, :], mask=m_d[:, None], other=0)
             o_sc = o_sbase + t * D + o_d
-            b_vs = tl.load(vs + o_sc, mask=m_d, other=0).to(tl.int32)
-            b_vz = tl.load(vz + o_sc, mask=m_d, other=0).to(tl.int32)
+            o_vs = o_vsbase + t * BS
+            b_vs0 = tl.load(vs + o_vs + o_t0).to(tl.float32)
+            b_vs1 = tl.load(vs + o_vs + o_t1).to(tl.float32)
+            b_vz0 = tl.load(vz + o_vs + o_t0).to(tl.float32)
+            b_vz1 = tl.load(vz + o_vs + o_t1).to(tl.float32)
             b_kz = tl.load(kz + o_sc, mask=m_d, other=0).to(tl.int32)
             o_ks = o_sbase + t * D + PB * o_dk
             b_zq = tl.sum(b_q32 * b_kz[None, :], 1)[None, :]  # Σ_c q8·z_k, [1, BM]
@@ -341,14 +377,17 @@ def _decode_kernel(
                                   HAS_WINDOW, HAS_SOFTCAP)
             b_s1 = _masked_scores(b_si1, b_sq, b_qb, o_key1, m_key1, o_pos, window, softcap, IS_CAUSAL,
                                   HAS_WINDOW, HAS_SOFTCAP)
-            b_mn = tl.maximum(b_m, tl.maximum(tl.max(b_s0, 0), tl.max(b_s1, 0)))
-            b_ms = tl.where(b_mn == float("-inf"), 0.0, b_mn)
-            b_alpha = tl.exp2(b_m - b_ms)
-            b_m = b_mn
-            b_p80 = _p8(b_s0, b_ms, sas_thr, USE_SAS)
-            b_p81 = _p8(b_s1, b_ms, sas_thr, USE_SAS)
-            b_lsum = tl.sum(b_p80.to(tl.int32), 0) + tl.sum(b_p81.to(tl.int32), 0)
-            b_l = b_l * b_alpha + b_lsum.to(tl.float32)
+            b_m, b_ms, b_alpha = _running_max(b_m, tl.maximum(tl.max(b_s0, 0), tl.max(b_s1, 0)))
+            b_p0 = _probs(b_s0, b_ms, sas_thr, USE_SAS)
+            b_p1 = _probs(b_s1, b_ms, sas_thr, USE_SAS)
+            # V's per-token scale rides in P (w = p·s_t, quantized per row of the block), its zero in Σ p·z_t
+            b_w0 = b_p0 * b_vs0[:, None]
+            b_w1 = b_p1 * b_vs1[:, None]
+            b_wmax = tl.maximum(tl.max(b_w0, 0), tl.max(b_w1, 0))
+            b_p80, b_f = _p_codes(b_w0, b_wmax)
+            b_p81, b_f = _p_codes(b_w1, b_wmax)
+            b_zs = tl.sum(b_p0 * b_vz0[:, None], 0) + tl.sum(b_p1 * b_vz1[:, None], 0)
+            b_l = tl.math.fma(b_l, b_alpha, tl.sum(b_p0, 0) + tl.sum(b_p1, 0))
             if BITS == 4:
                 b_vc0 = _codes(b_vp, 0, 4, USE_ASM)
                 b_vc1 = _codes(b_vp, 4, 4, USE_ASM)
@@ -357,8 +396,8 @@ def _decode_kernel(
                 b_vc1 = tl.reshape(tl.join(_codes(b_vp, 4, 2, USE_ASM), _codes(b_vp, 6, 2, USE_ASM)), (BD, BS // 2))
             b_pc = tl.dot(b_vc0, b_p80, out_dtype=tl.int32)
             b_pc = tl.dot(b_vc1, b_p81, acc=b_pc, out_dtype=tl.int32)  # [BD, BM]
-            b_pv = b_pc * b_vs[:, None] + b_vz[:, None] * b_lsum[None, :]
-            b_acc = b_acc * b_alpha[None, :] + b_pv.to(tl.float32)
+            b_pv = tl.math.fma(b_pc.to(tl.float32), b_f[None, :], b_zs[None, :])
+            b_acc = tl.math.fma(b_acc, b_alpha[None, :], b_pv)
         else:  # restore INT8 tiles in registers (the first version; kept to measure against)
             o_key = t * BS + o_n
             m_key = o_n < BS
@@ -369,10 +408,12 @@ def _decode_kernel(
             o_sc = o_sbase + t * D + o_d
             b_k = _dequant_tile(_unpack_tile(b_kp, BS, BD, BITS), tl.load(ks + o_sc, mask=m_d, other=0).to(tl.int32),
                                 tl.load(kz + o_sc, mask=m_d, other=0).to(tl.int32), 0)
-            b_v = _dequant_tile(_unpack_tile(b_vp, BD, BS, BITS), tl.load(vs + o_sc, mask=m_d, other=0).to(tl.int32),
-                                tl.load(vz + o_sc, mask=m_d, other=0).to(tl.int32), 1)
-            b_acc, b_m, b_l = _int8_tile(b_acc, b_m, b_l, b_qt, b_sq, b_qb, b_k, b_v, o_key, m_key, o_pos, window,
-                                         softcap, sas_thr, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, USE_SAS)
+            b_vc = _unpack_tile(b_vp, BD, BS, BITS).to(tl.int8)  # V stays codes: its scale rides in P
+            o_vs = o_vsbase + t * BS + o_n
+            b_acc, b_m, b_l = _int8_tile(b_acc, b_m, b_l, b_qt, b_sq, b_qb, b_k, b_vc,
+                                         tl.load(vs + o_vs).to(tl.float32), tl.load(vz + o_vs).to(tl.float32),
+                                         o_key, m_key, o_pos, window, softcap, sas_thr, IS_CAUSAL, HAS_WINDOW,
+                                         HAS_SOFTCAP, USE_SAS, True)
     # ---- INT8 tail (the last tile). All BS slots are read (stale slots hold finite int8); keys at or past
     # n_tail are masked in the scores, so their p8 is 0.
     if t_hi > n_blocks:
@@ -382,8 +423,8 @@ def _decode_kernel(
         m_key = o_n < n_tail
         if HAS_KVALID:
             m_key = m_key & (tl.load(kvalid + i_b64 * kv_len + o_key, mask=m_key, other=0) != 0)
-        b_acc, b_m, b_l = _int8_tile(b_acc, b_m, b_l, b_qt, b_sq, b_qb, b_k, b_v, o_key, m_key, o_pos, window,
-                                     softcap, sas_thr, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, USE_SAS)
+        b_acc, b_m, b_l = _int8_tile(b_acc, b_m, b_l, b_qt, b_sq, b_qb, b_k, b_v, b_sq, b_sq, o_key, m_key, o_pos,
+                                     window, softcap, sas_thr, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, USE_SAS, False)
 
     p_ot = o + ((i_b64 * Lq + o_qi) * HQ + o_qh)[None, :] * D + o_d[:, None]  # [BD, BM]
     if SPLIT:
@@ -409,7 +450,7 @@ def _decode_kernel(
                 tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_r[:, None] & m_d[None, :])
     else:
         b_sv = tl.load(sv + o_kvh + o_d, mask=m_d, other=0.0)
-        b_o = tl.where(b_l[None, :] > 0, b_acc / tl.maximum(b_l, 1.0)[None, :], 0.0) * b_sv[:, None]
+        b_o = tl.where(b_l[None, :] > 0, b_acc / tl.where(b_l > 0, b_l, 1.0)[None, :], 0.0) * b_sv[:, None]
         tl.store(p_ot, b_o.to(o.dtype.element_ty), mask=m_d[:, None] & m_r[None, :])
 
 
@@ -650,6 +691,7 @@ def turbo_decode_attention(
         packed = grp.bits != 8
         ks = grp.k_scale if packed else kp
         sst = (ks.stride(0), ks.stride(1)) if packed else (0, 0)
+        vst = (grp.v_scale.stride(0), grp.v_scale.stride(1)) if packed else (0, 0)
         _decode_kernel[(S, n_m, b * H)](
             q, sk, mk, grp.heads, kp, ks, grp.k_zero if packed else kp, vp,
             grp.v_scale if packed else kp, grp.v_zero if packed else kp,
@@ -657,7 +699,7 @@ def turbo_decode_attention(
             n_blocks, n_tail, Lq, kv_len, t0, tps, int(window or 0), float(softcap or 1.0),
             float(sas_threshold * LOG2E), float(scale * LOG2E),
             q.stride(0), q.stride(1), q.stride(2),
-            kp.stride(0), kp.stride(1), sst[0], sst[1], vp.stride(0), vp.stride(1),
+            kp.stride(0), kp.stride(1), sst[0], sst[1], vp.stride(0), vp.stride(1), vst[0], vst[1],
             H, HK,
             G=G, D=D, BD=BD, BS=BS, BM=BM, BITS=grp.bits, IS_CAUSAL=bool(causal),
             HAS_WINDOW=bool(window), HAS_SOFTCAP=has_softcap, HAS_MEAN=k_mean is not None,

@@ -1,20 +1,26 @@
-"""Progressive KV-cache packing: INT8 -> per-block, per-channel INT4/INT2 (TurboAttention "FlashQ").
+"""Progressive KV-cache packing: INT8 -> per-block INT4/INT2, K per channel, V per token (TurboAttention "FlashQ").
 
 TurboAttention (Kang et al., 2024) §3.1, eq. 7-8: a KV cache already quantized to INT8 with a per-channel
-"universal" scale (step 1, :func:`quantize_int8`) is re-quantized, one block of ``BS`` tokens at a time, per
-channel and asymmetrically, in integer arithmetic (step 2, :func:`pack_blocks`)::
+"universal" scale (step 1, :func:`quantize_int8`) is re-quantized, one block of ``BS`` tokens at a time,
+asymmetrically, in integer arithmetic (step 2, :func:`pack_blocks`), per group ``g`` = a channel of K (min/max
+over the block's tokens) or a token of V (min/max over its channels)::
 
-    zero      = min over the block's INT8 codes of that channel
+    zero      = min over the group's INT8 codes
     scale_int = max(1, ceil((max - min) / (2**bits - 1)))
     code      = min(round((x8 - zero) / scale_int), 2**bits - 1, (127 - zero) // scale_int)
                 (round half up, integers only)
 
 and restored to INT8 by ``x8' = code * scale_int + zero`` (:func:`_unpack_tile`). The third bound of the code
 keeps ``x8'`` within [-127, 127] without a clamp (rounding up near 127 could overshoot by up to scale_int / 2;
-such a code is rounded down instead, an error below one step, only in channels whose block range reaches
-127). So the restore is exactly linear in the code, which the decode kernel uses: it never restores INT8 tiles
-but folds ``scale_int``/``zero`` into the query and the output (``decode.py``). bits=8 heads keep the INT8 codes
-unchanged.
+such a code is rounded down instead, an error below one step, only in groups whose range reaches 127). So the
+restore is exactly linear in the code, which the decode kernel uses: it never restores INT8 tiles but folds
+K's ``scale_int``/``zero`` into the query and V's into the probabilities and the output (``decode.py``).
+bits=8 heads keep the INT8 codes unchanged.
+
+Why V per token (KIVI's choice; the paper's text says channel-wise): measured on SmolLM2-135M-Instruct (CPU,
+reference math, decode-path teacher-forced KL vs fp32 over 3 GSM8K texts, int4 everywhere, P scale per
+tile): V per channel 2.85e-2, V per token 1.72e-2 nats; with K kept at 8 bits, 4-bit V per token costs
+4.8e-3. K stays per channel (its outlier channels are what per-channel groups absorb).
 
 DESIGN.md puts pack/unpack in ``quant.py``; we split it out (one job per file: ``quant.py`` quantizes
 attention operands for prefill, this module owns the packed cache *format*).
@@ -24,7 +30,8 @@ capacity, ``BS`` block size, ``D`` head dim, ``PB = 8 // bits`` codes per byte):
 
   k       ``[b, H, NB, BS, D // PB]``  uint8   K packed along ``D`` (tile ``[tokens, D]``, ``D`` contiguous)
   v       ``[b, H, NB, D, BS // PB]``  uint8   V transposed, packed along tokens (tile ``[D, tokens]``)
-  k_scale, k_zero, v_scale, v_zero  ``[b, H, NB, D]`` int8   per block and channel (absent for bits=8)
+  k_scale, k_zero  ``[b, H, NB, D]``   int8    per block and channel (absent for bits=8)
+  v_scale, v_zero  ``[b, H, NB, BS]``  int8    per token (absent for bits=8)
 
 Blocks are contiguous (block-major), so a block tile is one contiguous load and the buffers grow by
 appending along ``NB``. For bits=8 ``k``/``v`` are int8 with ``PB = 1``.
@@ -83,11 +90,11 @@ def _pack_kernel(
     R: tl.constexpr, C: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
     BITS: tl.constexpr, AXIS: tl.constexpr,
 ):
-    """One block tile x [R, C] int8 -> packed p [R, C*BITS//8] uint8 + scale/zero per channel.
+    """One block tile x [R, C] int8 -> packed p [R, C*BITS//8] uint8 + scale/zero per group.
 
-    AXIS=0: channels are columns (K tile [tokens, D]); AXIS=1: channels are rows (V tile [D, tokens]).
-    BR/BC are R/C rounded up to powers of two (head dims 80, 96); the padding never enters a min/max,
-    which runs over the token axis (a power of two).
+    AXIS=0: the groups are columns (K tile [tokens, D]: per channel; V tile [D, tokens]: per token);
+    AXIS=1: the groups are rows. BR/BC are R/C rounded up to powers of two (head dims 80, 96); padded
+    entries are kept out of the min/max.
     """
     i_n = tl.program_id(0).to(tl.int64)
     QMAX: tl.constexpr = (1 << BITS) - 1
@@ -99,8 +106,8 @@ def _pack_kernel(
     m_x = (o_r[:, None] < R) & (o_c[None, :] < C)
     b_x = tl.load(x + i_n * stride_xn + o_r[:, None] * stride_xr + o_c[None, :] * stride_xc,
                   mask=m_x, other=0).to(tl.int32)
-    b_min = tl.min(b_x, axis=AXIS)
-    b_max = tl.max(b_x, axis=AXIS)
+    b_min = tl.min(tl.where(m_x, b_x, 127), axis=AXIS)
+    b_max = tl.max(tl.where(m_x, b_x, -127), axis=AXIS)
     b_scale = tl.maximum((b_max - b_min + QMAX - 1) // QMAX, 1)
     if AXIS == 0:
         b_n = b_x - b_min[None, :]
@@ -193,10 +200,10 @@ def pack_blocks(x8: torch.Tensor, bits: int, axis: int) -> tuple[torch.Tensor, t
     """Pack N block tiles of INT8 codes to ``bits`` (2 or 4) along their last axis.
 
     Args:
-        x8: ``[N, R, C]`` int8 (any strides). K tiles: ``[N, BS, D]`` with ``axis=0`` (channels = columns);
-            V tiles: ``[N, D, BS]`` (transposed) with ``axis=1`` (channels = rows).
+        x8: ``[N, R, C]`` int8 (any strides). K tiles: ``[N, BS, D]``, V tiles: ``[N, D, BS]`` (transposed),
+            both with ``axis=0`` (groups = columns: K per channel, V per token).
         bits: 2 or 4.
-        axis: the axis reduced for the per-channel min/max (0 for K, 1 for V).
+        axis: the axis reduced for each group's min/max (0: one group per column, 1: per row).
     Returns:
         ``packed [N, R, C*bits//8] uint8``, ``scale_int [N, NCH] int8``, ``zero [N, NCH] int8``
         with ``NCH = C if axis == 0 else R``.
@@ -239,7 +246,8 @@ def unpack_blocks(p: torch.Tensor, s: torch.Tensor, z: torch.Tensor, bits: int, 
 def kv_bytes_per_token(head_dim: int, bits: int, block_size: int) -> float:
     """Bytes per token and KV head of a full packed block, K and V together, scales/zeros included."""
     data = 2 * head_dim * bits / 8
-    meta = 0 if bits == 8 else 2 * 2 * head_dim / block_size  # int8 scale_int + zero, per channel, K and V
+    # int8 scale_int + zero: K per block and channel, V per token
+    meta = 0 if bits == 8 else 2 * head_dim / block_size + 2
     return data + meta
 
 
@@ -274,8 +282,8 @@ class PackedKV:
                 k=torch.empty(batch, H, capacity, BS, D // pb, dtype=dt, device=device),
                 v=torch.empty(batch, H, capacity, D, BS // pb, dtype=dt, device=device))
         if bits != 8:
-            for name in ("k_scale", "k_zero", "v_scale", "v_zero"):
-                setattr(g, name, torch.empty(batch, H, capacity, D, dtype=torch.int8, device=device))
+            for name, n in (("k_scale", D), ("k_zero", D), ("v_scale", BS), ("v_zero", BS)):
+                setattr(g, name, torch.empty(batch, H, capacity, n, dtype=torch.int8, device=device))
         return g
 
     @property
@@ -316,13 +324,13 @@ class PackedKV:
             self.v[:, :, sl] = vb
         else:
             kp, ks, kz = pack_blocks(kb.reshape(b * H * n, BS, D), self.bits, axis=0)
-            vp, vs, vz = pack_blocks(vb.reshape(b * H * n, D, BS), self.bits, axis=1)
+            vp, vs, vz = pack_blocks(vb.reshape(b * H * n, D, BS), self.bits, axis=0)
             self.k[:, :, sl] = kp.view(b, H, n, BS, -1)
             self.v[:, :, sl] = vp.view(b, H, n, D, -1)
             self.k_scale[:, :, sl] = ks.view(b, H, n, D)
             self.k_zero[:, :, sl] = kz.view(b, H, n, D)
-            self.v_scale[:, :, sl] = vs.view(b, H, n, D)
-            self.v_zero[:, :, sl] = vz.view(b, H, n, D)
+            self.v_scale[:, :, sl] = vs.view(b, H, n, BS)
+            self.v_zero[:, :, sl] = vz.view(b, H, n, BS)
         self.n_blocks += n
 
     def unpack_block(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -334,7 +342,7 @@ class PackedKV:
         k8 = unpack_blocks(k.reshape(b * H, *k.shape[2:]), self.k_scale[:, :, i].reshape(b * H, -1),
                            self.k_zero[:, :, i].reshape(b * H, -1), self.bits, axis=0)
         v8 = unpack_blocks(v.reshape(b * H, *v.shape[2:]), self.v_scale[:, :, i].reshape(b * H, -1),
-                           self.v_zero[:, :, i].reshape(b * H, -1), self.bits, axis=1)
+                           self.v_zero[:, :, i].reshape(b * H, -1), self.bits, axis=0)
         return k8.view(b, H, *k8.shape[1:]), v8.view(b, H, *v8.shape[1:]).transpose(-1, -2)
 
     def truncate(self, n_blocks: int) -> None:

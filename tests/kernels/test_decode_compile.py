@@ -49,7 +49,7 @@ def _compile(D, bits, G, Lq, BS, variant):
     for name in ("softcap", "sas_thr", "qscale"):
         sig[name] = "fp32"
     for name in ("stride_qb", "stride_qh", "stride_ql", "stride_kb", "stride_kh", "stride_sb", "stride_sh",
-                 "stride_vb", "stride_vh", "H", "HK"):
+                 "stride_vb", "stride_vh", "stride_vsb", "stride_vsh", "H", "HK"):
         sig[name] = "i32"
     BD, M = _pow2(D), G * Lq
     BM = min(64, max(4, _pow2(M)))

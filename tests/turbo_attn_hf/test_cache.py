@@ -143,7 +143,7 @@ def test_crop_within_tail_and_into_packed_block(device):
             k8 = R.unpack_blocks_ref(g.k[:, :, 1].reshape(bh, BS, -1), g.k_scale[:, :, 1].reshape(bh, -1),
                                      g.k_zero[:, :, 1].reshape(bh, -1), g.bits, 0).view(-1, len(h), BS, 32)
             v8t = R.unpack_blocks_ref(g.v[:, :, 1].reshape(bh, 32, -1), g.v_scale[:, :, 1].reshape(bh, -1),
-                                      g.v_zero[:, :, 1].reshape(bh, -1), g.bits, 1).view(-1, len(h), 32, BS)
+                                      g.v_zero[:, :, 1].reshape(bh, -1), g.bits, 0).view(-1, len(h), 32, BS)
         kt[:, h, :57] = k8[:, :, :57]
         vt[:, h, :, :57] = v8t[:, :, :, :57]
         g.n_blocks = 1
