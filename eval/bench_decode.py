@@ -104,8 +104,8 @@ def dequantize_layer(layer, dtype):
             else:
                 kb = unpack_blocks(g.k[:, :, :nb].reshape(b * H * nb, bs, -1), g.k_scale[:, :, :nb].reshape(b * H * nb, d),
                                    g.k_zero[:, :, :nb].reshape(b * H * nb, d), g.bits, axis=0)
-                vb = unpack_blocks(g.v[:, :, :nb].reshape(b * H * nb, d, -1), g.v_scale[:, :, :nb].reshape(b * H * nb, d),
-                                   g.v_zero[:, :, :nb].reshape(b * H * nb, d), g.bits, axis=1).transpose(-1, -2)
+                vb = unpack_blocks(g.v[:, :, :nb].reshape(b * H * nb, d, -1), g.v_scale[:, :, :nb].reshape(b * H * nb, bs),
+                                   g.v_zero[:, :, :nb].reshape(b * H * nb, bs), g.bits, axis=0).transpose(-1, -2)
             k8[:, idx, : nb * bs] = kb.reshape(b, H, nb * bs, d)
             v8[:, idx, : nb * bs] = vb.reshape(b, H, nb * bs, d)
     if nt:

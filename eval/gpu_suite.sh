@@ -94,7 +94,7 @@ PY
 
 # ------------------------------------------------------------------------------------------------ steps
 if want tests; then
-  run_step tests 170 $PY -m pytest -m gpu tests -q -k "not memcheck" -p no:cacheprovider
+  run_step tests "${TESTS_LIMIT:-170}" $PY -m pytest -m gpu tests -q -k "not memcheck" -p no:cacheprovider
 fi
 
 if want memcheck; then
