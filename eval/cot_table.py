@@ -144,7 +144,7 @@ def _ratio(x) -> str:
 
 
 def to_markdown(table: dict) -> str:
-    head = ["run"] + [f"{t} acc % (n)" for t, _ in TASKS] + [f"{t} agree vs fp32 %" for t, _ in TASKS]
+    head = ["run"] + [f"{t} acc % (n)" for t, _ in TASKS] + [f"{t} agree % vs fp32 / sdpa" for t, _ in TASKS]
     head += [f"KL ({table['path']}, nats)", "KL / sdpa floor", "top-1 %", "Δppl %"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in table["rows"]:
@@ -156,8 +156,12 @@ def to_markdown(table: dict) -> str:
             a = row["acc"].get(label)
             cells.append(DASH if a is None or a.get("acc") is None else f"{_pct(a['acc'])} ({a['n']})")
         for label, _ in TASKS:
-            g = row["agree_vs_eager_fp32"].get(label)
-            cells.append("ref" if row["reference"] else (DASH if g is None else _pct(g["agree"])))
+            if row["reference"]:
+                cells.append("ref")
+                continue
+            g, h = row["agree_vs_eager_fp32"].get(label), row["agree_vs_sdpa"].get(label)
+            vs_sdpa = "ref" if row["run"] == "sdpa" else (DASH if h is None else _pct(h["agree"]))
+            cells.append(f"{DASH if g is None else _pct(g['agree'])} / {vs_sdpa}")
         s = row["teacher_forced"]
         if row["reference"]:
             cells += ["ref"] * 4

@@ -25,8 +25,9 @@ The full runs split over several calls (each with its own ``--out``), then one t
     python -m eval.lm_eval_run --model DIR --presets int8,int4 ...   --out eval/results/cot/b
     python -m eval.lm_eval_run --merge eval/results/cot/a eval/results/cot/b ... --out eval/results/cot_smollm2
 
-``--merge`` reads each directory's results.json + samples_*.jsonl, takes every run (a complete run wins over a
-partial one of the same name, else the later directory), recomputes accuracy and answer agreement vs sdpa
+``--merge`` reads each directory's results.json + samples_*.jsonl, takes every run (the same run split by task
+over several calls is united; otherwise a complete run wins over a partial one of the same name, else the later
+directory), recomputes accuracy and answer agreement vs sdpa
 and vs eager-fp32 from the samples, and writes results.json / results.md / samples_<run>.jsonl to ``--out``
 with the source directories, devices, dates and commands. ``python -m eval.cot_table`` joins that with the
 teacher-forced fidelity JSON (eval/fidelity.py) into the README table.
@@ -294,6 +295,18 @@ def merge(dirs, command: Optional[str] = None) -> tuple[dict, dict]:
         for name, r in res.get("runs", {}).items():
             r = dict(r)
             r.setdefault("source", src)  # a merged directory keeps each run's original source
+            if name in runs and name in ans and name in answers and not set(ans[name]) & set(answers[name]):
+                # the same run split over calls by task (e.g. GSM8K in one, AQuA + BBH in another): union
+                old = runs[name]
+                notes.append(f"{name}: tasks {sorted(ans[name])} from {d} added to {sorted(answers[name])}")
+                answers[name] = {**answers[name], **ans[name]}
+                r["sources"] = old.get("sources", [old["source"]]) + [r["source"]]
+                r["tasks_done"] = list(old.get("tasks_done", [])) + list(r.get("tasks_done", []))
+                r["task_wall_s"] = {**old.get("task_wall_s", {}), **r.get("task_wall_s", {})}
+                r["complete"] = old.get("complete", True) and r.get("complete", True)
+                r["acc"] = accuracy(answers[name])
+                runs[name] = r
+                continue
             if name in runs:
                 old_complete = runs[name].get("complete", True)
                 if old_complete and not r.get("complete", True):

@@ -81,10 +81,10 @@ def test_rows_and_mapping():
     md = cot_table.to_markdown(t)
     lines = md.splitlines()
     assert "| eager-fp32 | 30.0 (1319) | 20.0 (254) | 25.0 (1080) | ref | ref | ref | ref | ref | ref | ref |" in lines
-    assert "| sdpa (floor) | 31.0 (1319) | 21.0 (254) | 26.0 (1080) | 50.0 | 40.0 | 60.0 | 2.00e-03 | 1.00× | 98.70 | +0.24 |" in lines
-    assert "| int8 | 29.0 (1319) | 22.0 (254) | 24.0 (1080) | 45.0 | 35.0 | 55.0 | 4.00e-03 | 2.00× | 98.00 | +0.50 |" in lines
-    assert "| int4 (partial) | 10.0 (1319) | – | – | 20.0 | – | – | – | – | – | – |" in lines
-    assert "| mixed | – | – | – | – | – | – | 6.00e-01 | 300× | 77.00 | +30.70 |" in lines
+    assert "| sdpa (floor) | 31.0 (1319) | 21.0 (254) | 26.0 (1080) | 50.0 / ref | 40.0 / ref | 60.0 / ref | 2.00e-03 | 1.00× | 98.70 | +0.24 |" in lines
+    assert "| int8 | 29.0 (1319) | 22.0 (254) | 24.0 (1080) | 45.0 / – | 35.0 / – | 55.0 / – | 4.00e-03 | 2.00× | 98.00 | +0.50 |" in lines
+    assert "| int4 (partial) | 10.0 (1319) | – | – | 20.0 / – | – / – | – / – | – | – | – | – |" in lines
+    assert "| mixed | – | – | – | – / – | – / – | – / – | 6.00e-01 | 300× | 77.00 | +30.70 |" in lines
     assert "12 GSM8K texts" in md and "NVIDIA H200" in md
 
 
@@ -92,7 +92,7 @@ def test_missing_inputs_give_dashes():
     only_fid = cot_table.build(None, FID)
     assert by_run(only_fid)["int8"]["acc"]["GSM8K"] is None
     md = cot_table.to_markdown(cot_table.build(LM, None))
-    assert "| int8 | 29.0 (1319) | 22.0 (254) | 24.0 (1080) | 45.0 | 35.0 | 55.0 | – | – | – | – |" in md
+    assert "| int8 | 29.0 (1319) | 22.0 (254) | 24.0 (1080) | 45.0 / – | 35.0 / – | 55.0 / – | – | – | – | – |" in md
 
 
 def test_cli_reads_dirs_and_fidelity_file(tmp_path):
@@ -117,7 +117,7 @@ def test_cli_reads_dirs_and_fidelity_file(tmp_path):
     assert rows["int8"]["acc"]["GSM8K"] == {"acc": 0.5, "n": 2}
     saved = json.loads((out / "cot_table.json").read_text())
     assert saved["inputs"]["fidelity"] == str(fid) and len(saved["rows"]) == 5
-    assert "| int8 | 50.0 (2) | – | – | 100.0 | – | – | 4.00e-03 | 2.00× | 98.00 | +0.50 |" in (out / "cot_table.md").read_text()
+    assert "| int8 | 50.0 (2) | – | – | 100.0 / 50.0 | – / – | – / – | 4.00e-03 | 2.00× | 98.00 | +0.50 |" in (out / "cot_table.md").read_text()
     # one directory: read as is
     t1 = cot_table.main(["--lm-eval", str(tmp_path / "a"), "--out", str(tmp_path / "t1")])
     assert by_run(t1)["sdpa"]["agree_vs_eager_fp32"]["GSM8K"] == {"agree": 0.5, "n": 2}  # from the samples

@@ -165,3 +165,19 @@ def test_merge_needs_results(tmp_path):
         lm_eval_run.merge([tmp_path])
     with pytest.raises(SystemExit):
         lm_eval_run.main(["--presets", "sdpa"])  # neither --model nor --merge
+
+
+def test_merge_unites_a_run_split_by_task(tmp_path):
+    # sdpa's GSM8K in one call, its BBH in another: one sdpa run with both tasks, agreement over both
+    run = {"acc": {}, "complete": True}
+    g = rows(["5", "5", "3", "9"], [])
+    b_ = [r for r in rows([], ["(B)", "(B)", "(A)"])]
+    a = write_dir(tmp_path / "a", {"eager-fp32": run, "sdpa": run},
+                  {"eager-fp32": rows(["5", "5", "3", "4"], ["(B)", "(A)", "(B)"]), "sdpa": g})
+    b = write_dir(tmp_path / "b", {"sdpa": run}, {"sdpa": b_}, tasks=("bbh_cot",))
+    res = lm_eval_run.main(["--merge", str(a), str(b), "--out", str(tmp_path / "m")])
+    sdpa = res["runs"]["sdpa"]
+    assert sdpa["acc"]["gsm8k_cot"] == {"acc": 0.5, "n": 4} and sdpa["acc"]["bbh_cot"]["n"] == 3
+    assert sdpa["agree_vs_eager_fp32"]["gsm8k_cot"] == {"agree": 0.75, "n": 4}
+    assert sdpa["agree_vs_eager_fp32"]["bbh_cot"]["agree"] == pytest.approx(1 / 3)
+    assert [s["dir"] for s in sdpa["sources"]] == [str(a), str(b)]
