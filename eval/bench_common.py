@@ -152,6 +152,15 @@ def write_json(name: str, payload: dict, out_dir: Optional[Path] = None) -> Path
     return path
 
 
+def write_report(out_dir, name: str, payload: dict, markdown: str) -> None:
+    """``<out_dir>/<name>.json`` + ``<name>.md`` (a table for the README), and the Markdown on stdout."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(payload, indent=2))
+    (out / f"{name}.md").write_text(markdown)
+    print(markdown)
+
+
 def save_results(name: str, payload: dict, out_dir: Optional[Path], plot: Optional[str]) -> Path:
     """Write the result JSON and, when ``plot`` names a function of ``eval/plots.py``, its PNG beside it
     (matplotlib is imported only then)."""

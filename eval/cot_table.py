@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Optional
 
 from . import lm_eval_run
+from .bench_common import write_report
 
 RUNS = ("eager-fp32", "sdpa", "int8", "int4", "mixed")
 REF = "eager-fp32"
@@ -218,12 +219,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     table = build(lm, fid, path=args.path)
     table["command"] = command
     table["inputs"] = {"lm_eval": args.lm_eval, "fidelity": args.fidelity}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "cot_table.json").write_text(json.dumps(table, indent=2))
-    md = to_markdown(table)
-    (out / "cot_table.md").write_text(md)
-    print(md)
+    write_report(args.out, "cot_table", table, to_markdown(table))
     return table
 
 

@@ -27,12 +27,11 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
-import json
 import math
 import os
 import platform
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
 
@@ -40,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from . import data as edata
+from .bench_common import write_report
 
 REF = "eager-fp32"
 FLOOR = "sdpa-bf16"
@@ -373,12 +373,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
                 for k, v in gens.items() if k != REF
             },
         }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "fidelity.json").write_text(json.dumps(res, indent=2))
-    md = to_markdown(res)
-    (out / "fidelity.md").write_text(md)
-    print(md)
+    write_report(args.out, "fidelity", res, to_markdown(res))
     return res
 
 
