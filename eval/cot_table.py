@@ -28,6 +28,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Optional
@@ -41,6 +42,7 @@ FLOOR_IMPL = "sdpa-bf16"
 # column label -> result keys tried in order (ours first, then lm-eval's built-in names)
 TASKS = (("GSM8K", ("gsm8k_cot", "gsm8k")), ("AQuA", ("aqua_cot", "aqua")), ("BBH", ("bbh_cot", "bbh")))
 DASH = "–"
+GSM8K_ALL = 1319
 
 
 def fidelity_impl(run: str) -> Optional[str]:
@@ -80,9 +82,26 @@ def _sources(lm: dict) -> list[dict]:
     return list(out.values())
 
 
-def build(lm: Optional[dict], fid: Optional[dict], path: str = "decode") -> dict:
+#: the per-task line lm_eval_run prints and logs: "[int8] gsm8k_cot: 213.5 s for 1319 prompts, acc 2.7 %"
+LOG_LINE = re.compile(r"^\[(?P<run>[^\]]+)\] (?P<task>\S+): [\d.]+ s for (?P<n>\d+) prompts, acc (?P<acc>[\d.]+) %")
+
+
+def accuracy_from_logs(paths) -> dict:
+    """{run: {task: [{"acc", "n", "log"}, ...]}} from lm_eval_run logs (runs whose samples were not kept,
+    e.g. the full-size calls of a device session that returned only its logs)."""
+    out: dict = {}
+    for p in paths:
+        for line in Path(p).read_text(errors="replace").splitlines():
+            m = LOG_LINE.match(line.strip())
+            if m:
+                out.setdefault(m["run"], {}).setdefault(m["task"], []).append(
+                    {"acc": float(m["acc"]) / 100, "n": int(m["n"]), "log": str(p)})
+    return out
+
+
+def build(lm: Optional[dict], fid: Optional[dict], path: str = "decode", logs: Optional[dict] = None) -> dict:
     """The combined table (JSON-ready) from an lm_eval_run result dict and a fidelity.json dict (either may
-    be None)."""
+    be None); ``logs`` (``accuracy_from_logs``) adds the accuracy of every logged full-size GSM8K run."""
     lm_runs = (lm or {}).get("runs", {})
     tf = (fid or {}).get("teacher_forced", {})
     floor = tf.get(FLOOR_IMPL, {}).get(path, {}).get("kl")
@@ -112,6 +131,8 @@ def build(lm: Optional[dict], fid: Optional[dict], path: str = "decode") -> dict
             "kl": s.get("kl"), "kl_x_floor": (s["kl"] / floor) if (floor and s.get("kl") is not None) else None,
             "top1": s.get("top1"), "dppl": s.get("dppl"), "ppl": s.get("ppl"), "n_tokens": s.get("n_tokens"),
         }
+        full = [e for e in (logs or {}).get(name, {}).get("gsm8k_cot", []) if e["n"] == GSM8K_ALL]
+        row["gsm8k_all_logged"] = full
         rows.append(row)
 
     return {
@@ -145,7 +166,9 @@ def _ratio(x) -> str:
 
 
 def to_markdown(table: dict) -> str:
-    head = ["run"] + [f"{t} acc % (n)" for t, _ in TASKS] + [f"{t} agree % vs fp32 / sdpa" for t, _ in TASKS]
+    logged = any(row.get("gsm8k_all_logged") for row in table["rows"])
+    head = ["run"] + [f"{t} acc % (n)" for t, _ in TASKS] + ([f"GSM8K all {GSM8K_ALL} acc % (logs)"] if logged else [])
+    head += [f"{t} agree % vs fp32 / sdpa" for t, _ in TASKS]
     head += [f"KL ({table['path']}, nats)", "KL / sdpa floor", "top-1 %", "Δppl %"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in table["rows"]:
@@ -156,6 +179,9 @@ def to_markdown(table: dict) -> str:
         for label, _ in TASKS:
             a = row["acc"].get(label)
             cells.append(DASH if a is None or a.get("acc") is None else f"{_pct(a['acc'])} ({a['n']})")
+        full = row.get("gsm8k_all_logged") or []
+        if logged:
+            cells.append(" / ".join(_pct(e["acc"]) for e in full) if full else DASH)
         for label, _ in TASKS:
             if row["reference"]:
                 cells.append("ref")
@@ -206,6 +232,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     ap.add_argument("--fidelity", default=None, metavar="FILE", help="fidelity.json of eval/fidelity.py")
     ap.add_argument("--path", default="decode", choices=("decode", "prefill", "prefill_all"),
                     help="teacher-forced path for the KL / top-1 / Δppl columns")
+    ap.add_argument("--logs", nargs="*", default=(), metavar="LOG",
+                    help="lm_eval_run logs: adds the accuracy of each full GSM8K run they record")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     if not args.lm_eval and not args.fidelity:
@@ -216,9 +244,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
     lm = lm_eval_run.merge(args.lm_eval, command=command)[0] if args.lm_eval else None
     fid = json.loads(Path(args.fidelity).read_text()) if args.fidelity else None
 
-    table = build(lm, fid, path=args.path)
+    table = build(lm, fid, path=args.path, logs=accuracy_from_logs(args.logs) if args.logs else None)
     table["command"] = command
-    table["inputs"] = {"lm_eval": args.lm_eval, "fidelity": args.fidelity}
+    table["inputs"] = {"lm_eval": args.lm_eval, "fidelity": args.fidelity, "logs": list(args.logs)}
     write_report(args.out, "cot_table", table, to_markdown(table))
     return table
 

@@ -125,3 +125,16 @@ def test_cli_reads_dirs_and_fidelity_file(tmp_path):
                                          "command": "c a", "runs": ["eager-fp32", "sdpa"]}]
     with pytest.raises(SystemExit):
         cot_table.main(["--out", str(tmp_path / "t2")])
+
+
+def test_full_gsm8k_accuracy_from_logs(tmp_path):
+    log = tmp_path / "cot_int8.log"
+    log.write_text("noise\n[int8] gsm8k_cot: 213.5 s for 1319 prompts, acc 2.7 %\n"
+                   "[int8] aqua_cot: 45.8 s for 254 prompts, acc 20.9 %\n[sdpa] gsm8k_cot: 1.0 s for 400 prompts, acc 2.5 %\n")
+    logs = cot_table.accuracy_from_logs([log])
+    assert logs["int8"]["gsm8k_cot"] == [{"acc": pytest.approx(0.027), "n": 1319, "log": str(log)}]
+    t = cot_table.build(LM, None, logs=logs)
+    assert [e["n"] for e in by_run(t)["int8"]["gsm8k_all_logged"]] == [1319]
+    assert by_run(t)["sdpa"]["gsm8k_all_logged"] == []  # 400 prompts: not the full set
+    md = cot_table.to_markdown(t)
+    assert "GSM8K all 1319 acc % (logs)" in md and "| 24.0 (1080) | 2.7 | 45.0 / – |" in md
