@@ -27,8 +27,7 @@ The full runs split over several calls (each with its own ``--out``), then one t
 
 ``--merge`` reads each directory's results.json + samples_*.jsonl, takes every run (the same run split by task
 over several calls is united; otherwise a complete run wins over a partial one of the same name, else the later
-directory), recomputes accuracy and answer agreement vs sdpa
-and vs eager-fp32 from the samples, and writes results.json / results.md / samples_<run>.jsonl to ``--out``
+directory), recomputes accuracy and answer agreement vs sdpa and vs eager-fp32 from the samples, and writes results.json / results.md / samples_<run>.jsonl to ``--out``
 with the source directories, devices, dates and commands. ``python -m eval.cot_table`` joins that with the
 teacher-forced fidelity JSON (eval/fidelity.py) into the README table.
 
@@ -345,30 +344,30 @@ def merge(dirs, command: Optional[str] = None) -> tuple[dict, dict]:
 
 
 # ================================================================================ model loading (tests replace these)
-def _load_model(args, device):
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _from_pretrained(args, dtype, attn: str, device):
+    from transformers import AutoModelForCausalLM
 
     load_kw = {"gguf_file": args.gguf_file} if args.gguf_file else {}
-    tok = AutoTokenizer.from_pretrained(args.model, **load_kw)
-    model = AutoModelForCausalLM.from_pretrained(
-        args.model, dtype=getattr(torch, args.dtype), attn_implementation="sdpa", **load_kw
-    ).to(device).eval()
-    return tok, model
+    return AutoModelForCausalLM.from_pretrained(
+        args.model, dtype=dtype, attn_implementation=attn, **load_kw).to(device).eval()
+
+
+def _load_model(args, device):
+    import torch
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(args.model, **({"gguf_file": args.gguf_file} if args.gguf_file else {}))
+    return tok, _from_pretrained(args, getattr(torch, args.dtype), "sdpa", device)
 
 
 def _make_lm(preset: str, args, tok, model, device):
     """The lm-eval model of one run; eager-fp32 loads its own fp32 copy of the weights."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from turbo_attn_hf.lm_eval_model import TurboHFLM
 
     if preset == "eager-fp32":
-        load_kw = {"gguf_file": args.gguf_file} if args.gguf_file else {}
-        m = AutoModelForCausalLM.from_pretrained(
-            args.model, dtype=torch.float32, attn_implementation="eager", **load_kw
-        ).to(device).eval()
+        m = _from_pretrained(args, torch.float32, "eager", device)
         return TurboHFLM(pretrained=m, tokenizer=tok, attn_implementation="eager", batch_size=args.batch_size)
     if preset in BASELINES:
         return TurboHFLM(pretrained=model, tokenizer=tok, attn_implementation=preset, batch_size=args.batch_size)

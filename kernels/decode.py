@@ -23,9 +23,9 @@ What it implements:
   directly. (Split-K per (batch, head); no cross-(batch, head) shares.)
 - Speed (Hopper, decode is bandwidth-bound): packed heads are never restored to INT8 tiles. The restore
   ``x8 = code·s + z`` is exact and linear (pack.py), so K's per-channel ``s``/``z`` fold into the query and
-  V's per-token ones into P and the output, and the 4/2-bit codes go straight from the packed bytes (one mask per 4 bytes, inline PTX)
-  into the INT8 MMAs. The GQA query rows (4 at GQA 32/8) sit on the MMA N side ("swap AB"), so the
-  per-block softmax and rescale work is not padded to 16 rows. Measurements: ``eval/PERF_NOTES.md``.
+  V's per-token ones into P and the output, and the 4/2-bit codes go straight from the packed bytes (one
+  mask per 4 bytes, inline PTX) into the INT8 MMAs. The GQA query rows (4 at GQA 32/8) sit on the MMA N
+  side ("swap AB"), so the per-block softmax and rescale work is not padded to 16 rows. Measurements: ``eval/PERF_NOTES.md``.
 
 Query preparation (in the kernel's prologue; twin ``reference.prepare_query_ref``): K's universal
 per-channel scale is folded into the query,
@@ -160,13 +160,18 @@ def _running_max(b_m, b_tmax):
 
 
 @triton.jit
-def _p_codes(b_w, b_wmax):
-    """P of one tile quantized per row relative to its own max (twin: reference.pv_tile_ref):
-    w8 = round(127 w / max w) int8 [N, BM] (0 where max w == 0) and the row factor max w / 127 [BM]."""
+def _p_scale(b_wmax):
+    """Per-row P scale of one tile (twin: reference.pv_tile_ref): (127 / max w, 0 where max w == 0) and the
+    factor max w / 127 that brings the integer P·V back."""
     b_inv = tl.where(b_wmax > 0, tl.math.div_rn(tl.full(b_wmax.shape, 127.0, tl.float32),
                                                  tl.where(b_wmax > 0, b_wmax, 1.0)), 0.0)
-    b_w8 = tl.math.fma(b_w, b_inv[None, :], tl.full(b_w.shape, 0.5, tl.float32)).to(tl.int8)
-    return b_w8, tl.math.div_rn(b_wmax, tl.full(b_wmax.shape, 127.0, tl.float32))
+    return b_inv, tl.math.div_rn(b_wmax, tl.full(b_wmax.shape, 127.0, tl.float32))
+
+
+@triton.jit
+def _p_codes(b_w, b_inv):
+    """w8 = round(127 w / max w) as int8 [N, BM] (w >= 0; b_inv from ``_p_scale``)."""
+    return tl.math.fma(b_w, b_inv[None, :], tl.full(b_w.shape, 0.5, tl.float32)).to(tl.int8)
 
 
 @triton.jit
@@ -196,7 +201,8 @@ def _int8_tile(
         b_w = b_p * b_vs[:, None]
     else:
         b_w = b_p
-    b_w8, b_f = _p_codes(b_w, tl.max(b_w, 0))
+    b_inv, b_f = _p_scale(tl.max(b_w, 0))
+    b_w8 = _p_codes(b_w, b_inv)
     if b_v.shape[1] < 32:  # block 16: the P·V reduction over BS keys is padded to 32 (8-bit dots need K >= 32)
         b_pc = tl.dot(_pad_k(b_v), tl.trans(_pad_k(tl.trans(b_w8))), out_dtype=tl.int32)
     else:
@@ -238,9 +244,10 @@ def _decode_kernel(
 
     FOLD (packed heads): no INT8 tile is ever restored. With x8 = code·s + z (pack.py, exact, no clamp):
     K·Qᵀ = Σ_c code[t, c]·(q8·s_k)[c] + Σ_c q8[c]·z_k[c]  (A = q8·s_k split into two int8 dots), and
-    (P·V)ᵀ = Σ_t code[c, t]·(p·s_v)[t] + Σ_t p[t]·z_v[t] (p·s_v quantized per row, ``_p_codes``); the codes
-    come straight out of the packed bytes (byte j holds codes PB·j + p), so the channel axis of K is cut into
-    PB interleaved parts and each block into two token parts matching V's byte layout. The integer scores
+    (P·V)ᵀ = Σ_t code[c, t]·(p·s_v)[t] + Σ_t p[t]·z_v[t] (p·s_v quantized per row, ``_p_scale``,
+    ``_p_codes``); the codes come straight out of the packed bytes (byte j holds codes PB·j + p), so the
+    channel axis of K is cut into PB interleaved parts and each block into two token parts matching V's byte
+    layout. The integer scores
     equal those of the restored tiles exactly; the restoring variant (``fold=False``, and narrow dots)
     restores K only and takes V's codes the same way, so both variants compute the same numbers.
     """
@@ -383,9 +390,9 @@ def _decode_kernel(
             # V's per-token scale rides in P (w = p·s_t, quantized per row of the block), its zero in Σ p·z_t
             b_w0 = b_p0 * b_vs0[:, None]
             b_w1 = b_p1 * b_vs1[:, None]
-            b_wmax = tl.maximum(tl.max(b_w0, 0), tl.max(b_w1, 0))
-            b_p80, b_f = _p_codes(b_w0, b_wmax)
-            b_p81, b_f = _p_codes(b_w1, b_wmax)
+            b_inv, b_f = _p_scale(tl.maximum(tl.max(b_w0, 0), tl.max(b_w1, 0)))
+            b_p80 = _p_codes(b_w0, b_inv)
+            b_p81 = _p_codes(b_w1, b_inv)
             b_zs = tl.sum(b_p0 * b_vz0[:, None], 0) + tl.sum(b_p1 * b_vz1[:, None], 0)
             b_l = tl.math.fma(b_l, b_alpha, tl.sum(b_p0, 0) + tl.sum(b_p1, 0))
             if BITS == 4:

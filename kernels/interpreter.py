@@ -16,11 +16,17 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def use_triton(device) -> bool:
+    """Whether tensors on ``device`` run the Triton kernels (CUDA, or any device under the interpreter);
+    otherwise callers take the PyTorch twin in ``reference.py``."""
+    return device.type == "cuda" or interpreting()
+
+
 def _interpreter_index_compat() -> None:
     """TRITON_INTERPRET=1 with NumPy >= 2.3: Triton 3.6's interpreter turns a runtime scalar (a 1-element
     array) into a Python int with ``int(arr)``, which NumPy now refuses, so ``for i in range(lo, hi, BN)``
     with runtime bounds fails. Re-register ``tensor.__index__`` to read the element. Interpreter only;
-    idempotent, and shares its flag with the same shim in decode.py (whichever module runs first)."""
+    idempotent."""
     if not interpreting():
         return
     try:

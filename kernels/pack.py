@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .interpreter import interpreting
+from .interpreter import use_triton
 
 __all__ = ["PackedKV", "quantize_int8", "pack_blocks", "unpack_blocks", "kv_bytes_per_token"]
 
@@ -192,10 +192,6 @@ def _check_blocks(x8: torch.Tensor, bits: int) -> None:
         raise ValueError(f"the packed axis ({x8.shape[-1]}) must be a multiple of {8 // bits} for {bits}-bit codes")
 
 
-def _use_triton(device: torch.device) -> bool:
-    return device.type == "cuda" or interpreting()
-
-
 def pack_blocks(x8: torch.Tensor, bits: int, axis: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pack N block tiles of INT8 codes to ``bits`` (2 or 4) along their last axis.
 
@@ -213,7 +209,7 @@ def pack_blocks(x8: torch.Tensor, bits: int, axis: int) -> tuple[torch.Tensor, t
     _check_blocks(x8, bits)
     if bits == 8:
         raise ValueError("bits=8 blocks are stored unpacked; pack_blocks takes bits 2 or 4")
-    if not _use_triton(x8.device):
+    if not use_triton(x8.device):
         from .reference import pack_blocks_ref
 
         return pack_blocks_ref(x8, bits, axis)
@@ -230,7 +226,7 @@ def pack_blocks(x8: torch.Tensor, bits: int, axis: int) -> tuple[torch.Tensor, t
 
 def unpack_blocks(p: torch.Tensor, s: torch.Tensor, z: torch.Tensor, bits: int, axis: int) -> torch.Tensor:
     """Inverse of :func:`pack_blocks`: ``[N, R, C*bits//8]`` uint8 -> ``[N, R, C]`` int8 (dequantized codes)."""
-    if not _use_triton(p.device):
+    if not use_triton(p.device):
         from .reference import unpack_blocks_ref
 
         return unpack_blocks_ref(p, s, z, bits, axis)

@@ -503,13 +503,18 @@ def pack_blocks_ref(x8: torch.Tensor, bits: int, axis: int):
     return packed, sc.squeeze(dim).to(torch.int8), mn.squeeze(dim).to(torch.int8)
 
 
+def unpack_codes_ref(p: torch.Tensor, bits: int) -> torch.Tensor:
+    """Packed bytes ``[..., C * bits // 8]`` uint8 -> codes ``[..., C]`` int32 (interleaved layout)."""
+    pb = 8 // bits
+    shifts = torch.arange(pb, device=p.device, dtype=torch.int32) * bits
+    code = (p.to(torch.int32)[..., None] >> shifts) & ((1 << bits) - 1)
+    return code.reshape(*p.shape[:-1], p.shape[-1] * pb)
+
+
 def unpack_blocks_ref(p: torch.Tensor, s: torch.Tensor, z: torch.Tensor, bits: int, axis: int):
     """Inverse of ``pack_blocks_ref``: INT8 ``code * scale_int + zero`` ``[N, R, C]`` (within [-127, 127] by
     construction; the clamp is a no-op guard)."""
-    pb = 8 // bits
-    N, R, CB = p.shape
-    shifts = torch.arange(pb, device=p.device, dtype=torch.int32) * bits
-    code = ((p.to(torch.int32)[..., None] >> shifts) & ((1 << bits) - 1)).view(N, R, CB * pb)
+    code = unpack_codes_ref(p, bits)
     dim = axis + 1
     x = code * s.to(torch.int32).unsqueeze(dim) + z.to(torch.int32).unsqueeze(dim)
     return x.clamp_(-127, 127).to(torch.int8)
@@ -528,14 +533,6 @@ def prepare_query_ref(q, k_scale, k_mean, scale, softcap):
     if softcap and k_mean is not None:
         qb = (qf * k_mean.repeat_interleave(g, dim=1)[:, :, None, :]).sum(-1) * (scale * LOG2E)
     return q8, sq, qb
-
-
-def unpack_codes_ref(p: torch.Tensor, bits: int) -> torch.Tensor:
-    """Packed bytes ``[..., C * bits // 8]`` uint8 -> codes ``[..., C]`` int32 (interleaved layout)."""
-    pb = 8 // bits
-    shifts = torch.arange(pb, device=p.device, dtype=torch.int32) * bits
-    code = (p.to(torch.int32)[..., None] >> shifts) & ((1 << bits) - 1)
-    return code.reshape(*p.shape[:-1], p.shape[-1] * pb)
 
 
 def _group_tiles_ref(grp, k_tail, v_tail, n_tail):
@@ -565,7 +562,8 @@ def _group_tiles_ref(grp, k_tail, v_tail, n_tail):
 
 
 def pv_tile_ref(p: torch.Tensor, vc: torch.Tensor, vs: torch.Tensor, vz: torch.Tensor) -> torch.Tensor:
-    """P·V of one decode tile with V = code * scale_t + zero_t per token (twin of ``decode._pv``):
+    """P·V of one decode tile with V = code * scale_t + zero_t per token (twin of the kernel's P·V step,
+    ``decode._p_scale`` / ``_p_codes``):
     ``p [.., R, n]`` fp32, ``vc [.., n, d]`` codes (or INT8 values with scale 1, zero 0), ``vs, vz [.., n]``.
     The token scale rides in the probabilities, quantized per row of the tile relative to their max:
     ``w = p * s_t``, ``w8 = round(127 w / max w)``, ``P·V = (w8 · code) * (max w / 127) + Σ_t p z_t``.

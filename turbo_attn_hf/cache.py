@@ -30,7 +30,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
 from .config import TurboConfig, TurboConfigError
-from .kernels.interpreter import interpreting
+from .kernels.interpreter import use_triton
 from .kernels.pack import PackedKV, kv_bytes_per_token, quantize_int8
 
 __all__ = ["TurboCache", "TurboLayer", "TurboSlidingWindowLayer"]
@@ -66,10 +66,6 @@ def _resolve_config(turbo_config: TurboConfig | str | None, model_config: Any = 
     raise TurboConfigError(
         f"turbo_config must be a TurboConfig, a preset name or a YAML path, got {type(turbo_config).__name__}"
     )
-
-
-def _use_triton(device: torch.device) -> bool:
-    return device.type == "cuda" or interpreting()
 
 
 class TurboLayer(CacheLayerMixin):
@@ -230,7 +226,7 @@ class TurboLayer(CacheLayerMixin):
             from .kernels import reference
 
             fn = reference.turbo_attention
-            if _use_triton(query.device):
+            if use_triton(query.device):
                 try:
                     from .kernels.prefill import turbo_attention as fn
                 except ImportError:  # prefill kernel not built yet: same math in PyTorch
@@ -244,7 +240,7 @@ class TurboLayer(CacheLayerMixin):
         kw = dict(scale=scale, causal=causal, window=window, softcap=softcap, key_valid=key_valid,
                   softmax=cfg.softmax, sas_threshold=cfg.sas_threshold)
         args = (query, self.groups, self.k_tail, self.v_tail, self.n_tail, self.k_scale, self.v_scale, self.k_mean)
-        if _use_triton(query.device):
+        if use_triton(query.device):
             from .kernels.decode import turbo_decode_attention
 
             return turbo_decode_attention(*args, **kw)

@@ -109,7 +109,7 @@ def pytorch_reference_kernels(monkeypatch):
         from turbo_attn_hf import cache
     except ImportError:
         return
-    monkeypatch.setattr(cache, "_use_triton", lambda device: device.type == "cuda", raising=False)
+    monkeypatch.setattr(cache, "use_triton", lambda device: device.type == "cuda")
 
 
 def turbo_cache_available() -> bool:
