@@ -78,9 +78,8 @@ def build_layer(k, v, k1, v1, preset: str):
 def turbo_fn(layer, q):
     from turbo_attn_hf.kernels.decode import turbo_decode_attention
 
-    cfg = layer.turbo_config
-    args = (q, layer.groups, layer.k_tail, layer.v_tail, layer.n_tail, layer.k_scale, layer.v_scale, layer.k_mean)
-    return lambda: turbo_decode_attention(*args, softmax=cfg.softmax, sas_threshold=cfg.sas_threshold)
+    args, kw = layer.decode_inputs()
+    return lambda: turbo_decode_attention(q, *args, **kw)
 
 
 def dequantize_layer(layer, dtype):
@@ -90,7 +89,7 @@ def dequantize_layer(layer, dtype):
     from turbo_attn_hf.kernels.pack import unpack_blocks
 
     b, hk, d, bs = layer.batch, layer.n_kv_heads, layer.head_dim, layer.turbo_config.block_size
-    nb, nt = layer.n_blocks, layer.n_tail
+    nb, nt, p0 = layer.n_blocks, layer.n_tail, layer.n_sink  # packed block t: positions p0 + t*bs ..
     T = nb * bs + nt
     k8 = torch.empty(b, hk, T, d, dtype=torch.int8, device=layer.device)
     v8 = torch.empty(b, hk, T, d, dtype=torch.int8, device=layer.device)
@@ -106,11 +105,12 @@ def dequantize_layer(layer, dtype):
                                    g.k_zero[:, :, :nb].reshape(b * H * nb, d), g.bits, axis=0)
                 vb = unpack_blocks(g.v[:, :, :nb].reshape(b * H * nb, d, -1), g.v_scale[:, :, :nb].reshape(b * H * nb, bs),
                                    g.v_zero[:, :, :nb].reshape(b * H * nb, bs), g.bits, axis=0).transpose(-1, -2)
-            k8[:, idx, : nb * bs] = kb.reshape(b, H, nb * bs, d)
-            v8[:, idx, : nb * bs] = vb.reshape(b, H, nb * bs, d)
-    if nt:
-        k8[:, :, nb * bs:] = layer.k_tail[:, :, :nt]
-        v8[:, :, nb * bs:] = layer.v_tail[:, :, :, :nt].transpose(-1, -2)
+            k8[:, idx, p0:p0 + nb * bs] = kb.reshape(b, H, nb * bs, d)
+            v8[:, idx, p0:p0 + nb * bs] = vb.reshape(b, H, nb * bs, d)
+    slot = torch.arange(nt, device=layer.device)  # INT8 buffer: sinks at 0.., the rest after the blocks
+    pos = torch.where(slot < p0, slot, slot + nb * bs)
+    k8[:, :, pos] = layer.k_tail[:, :, :nt]
+    v8[:, :, pos] = layer.v_tail[:, :, :, :nt].transpose(-1, -2)
     k = k8.float() * layer.k_scale[:, :, None, :]
     if layer.k_mean is not None:
         k += layer.k_mean[:, :, None, :]

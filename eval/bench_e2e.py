@@ -50,6 +50,8 @@ FORMULAS = {
     "decode tokens_per_s": "batch / median time of one single-token forward on a cache holding `context` tokens "
                            "(written from random K/V with cache.update)",
     "kv_bytes_per_token": "cache bytes (TurboCache.memory_bytes() or DynamicCache tensors) / (batch x tokens)",
+    "kv_bytes_per_token_format": "TurboCache.bytes_per_token(): full packed blocks incl. scale/zero, without the "
+                                 "fixed INT8 buffer (sink + recent blocks + tail) that memory_bytes() also counts",
     "longest_tokens_est": "(free memory after weights - 4 GiB workspace) / kv_bytes_per_token",
     "x_sdpa": "prefill: sdpa ms / impl ms; decode: impl tokens/s / sdpa tokens/s",
 }
@@ -147,8 +149,16 @@ def prefill(model, impl: str, T: int, reps: int) -> dict:
         if i:
             times.append((time.perf_counter() - t0) * 1e3)
         nbytes = cache_bytes(cache)
+        per_token = _bytes_per_token_format(cache, nbytes / T)
         del cache
-    return {"ms": statistics.median(times), "kv_bytes": nbytes, "kv_bytes_per_token": nbytes / T, "peak_gib": _peak()}
+    return {"ms": statistics.median(times), "kv_bytes": nbytes, "kv_bytes_per_token": nbytes / T,
+            "kv_bytes_per_token_format": per_token, "peak_gib": _peak()}
+
+
+def _bytes_per_token_format(cache, measured: float) -> float:
+    """Bytes per token of long sequences: the format arithmetic (TurboCache.bytes_per_token: full packed
+    blocks, without the fixed INT8 buffer of sink / recent blocks), or the measured value for DynamicCache."""
+    return float(cache.bytes_per_token()) if hasattr(cache, "bytes_per_token") else measured
 
 
 def fill_cache(model, impl: str, batch: int, T: int):

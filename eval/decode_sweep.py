@@ -28,7 +28,11 @@ PRESET_BITS = {"int8": [8] * HK, "int4": [4] * HK, "mixed": [4] * (HK // 2) + [2
 DEFAULT: dict = {}  # the library's defaults (turbo_decode_attention's keyword defaults)
 
 
-def grid():
+def grid(which: str = "full"):
+    """Timed launch variants: ``full`` (everything below) or ``reg`` (the register caps only)."""
+    if which == "reg":
+        return [dict(num_warps=1, num_stages=st, waves=wv, max_registers=reg)
+                for reg in (128, 168) for wv in (4.0, 8.0, 12.0) for st in (3,)] + [dict(waves=8.0)]
     out = [dict(fold=False, merge="kernel", num_warps=4, num_stages=2, waves=2.0)]  # the previous kernel
     for w in (1, 2, 4):
         for st in (2, 3):
@@ -36,7 +40,7 @@ def grid():
                 out.append(dict(fold=True, merge="fused", num_warps=w, num_stages=st, waves=wv))
     out.append(dict(fold=True, merge="kernel", num_warps=1, num_stages=2, waves=4.0))
     out.append(dict(fold=True, merge="kernel", num_warps=2, num_stages=2, waves=4.0))
-    return out
+    return out + grid("reg")
 
 
 def vname(v) -> str:
@@ -44,8 +48,9 @@ def vname(v) -> str:
     if not v:
         return "default"
     fold = {True: "fold", False: "restore", None: "d"}[v.get("fold")]
+    reg = f"-r{v['max_registers']}" if v.get("max_registers") else ""
     return (f"{fold}-{v.get('merge', 'd')}-w{v.get('num_warps', 'd')}-s{v.get('num_stages', 'd')}-"
-            f"wv{v.get('waves') or 'd'}")
+            f"wv{v.get('waves') or 'd'}{reg}")
 
 
 def main(argv=None) -> int:
@@ -53,6 +58,9 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budget", type=float, default=200.0, help="seconds; later steps are skipped past it")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--grid", choices=("full", "reg"), default="full",
+                    help="timed variants at 32k batch 8: all, or only the register caps (maxnreg x waves)")
+    ap.add_argument("--no-checks", action="store_true", help="skip the correctness checks (timing only)")
     args = ap.parse_args(argv)
     t_start = time.time()
 
@@ -90,7 +98,7 @@ def main(argv=None) -> int:
     k = torch.randn(b, HK, L, D, device=dev) + 0.5 * torch.randn(1, HK, 1, D, device=dev)
     v_ = torch.randn(b, HK, L, D, device=dev)
     check_variants = [DEFAULT, grid()[0], dict(num_warps=1), dict(num_warps=4), dict(num_warps=2, merge="kernel")]
-    for name, hb in PRESET_BITS.items():
+    for name, hb in ({} if args.no_checks else PRESET_BITS).items():
         st = R.build_packed_cache_ref(k, v_, 2048, hb, 64)
         groups_r, kt, vt, nt, ks, vs, mu = st
         groups = [PackedKV(bits=g.bits, heads=g.heads, n_blocks=g.n_blocks,
@@ -103,7 +111,7 @@ def main(argv=None) -> int:
                 kv[0, :(300 if dev == "cuda" else 30)] = False
                 kw = dict(kw, key_valid=kv)
             for v in (check_variants if lq == 1 and dev == "cuda" else [DEFAULT]):
-                n_tiles = groups[0].n_blocks + (1 if nt else 0)
+                n_tiles = groups[0].n_blocks + -(-nt // 64)
                 t0 = DK.first_visible_tile(L, lq, kw.get("window"), 64)
                 splits = {g.bits: DK.plan_splits(n_tiles - t0, b * len(g.heads), q.device, v.get("waves"))[0]
                           for g in groups}
@@ -172,11 +180,10 @@ def main(argv=None) -> int:
                 break
             _, layer = build_layer(kc, vc, k1, v1, preset)
             nbytes = layer.memory_bytes()
-            cfg = layer.turbo_config
-            a = (q, layer.groups, layer.k_tail, layer.v_tail, layer.n_tail, layer.k_scale, layer.v_scale, layer.k_mean)
-            kw = dict(softmax=cfg.softmax, sas_threshold=cfg.sas_threshold)
+            a, kw = layer.decode_inputs()
+            a = (q,) + a
             if (ctx, bsz) == (32768, 8):
-                vs_ = [DEFAULT] + grid()
+                vs_ = [DEFAULT] + grid(args.grid)
             else:
                 vs_ = [DEFAULT] + best_by_preset.get(preset, [])[:3] + [grid()[0]]
             res = []

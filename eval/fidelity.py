@@ -92,13 +92,23 @@ class Impl:
 
 
 def impls_for(presets: Iterable[str]) -> list[Impl]:
-    """The floor (sdpa-bf16) followed by one turbo_int8 Impl per preset name / YAML path."""
+    """The floor (sdpa-bf16) followed by one turbo_int8 Impl per preset name / YAML path, optionally with
+    field overrides for ablations: ``int4:sink_blocks=0,recent_blocks=0`` (values parsed as YAML)."""
+    import dataclasses
+
+    import yaml
+
     from turbo_attn_hf.config import TurboConfig
 
     out = [Impl(FLOOR, "sdpa")]
-    for p in presets:
+    for spec in presets:
+        p, _, over = spec.partition(":")
         cfg = TurboConfig.preset(p)
         name = Path(p).stem if p.endswith((".yaml", ".yml")) else p
+        if over:
+            kw = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in over.split(","))}
+            cfg = dataclasses.replace(cfg, **kw)
+            name += f"[{over}]"
         out.append(Impl(f"turbo-{name}", "turbo_int8", torch.bfloat16, cfg))
     return out
 

@@ -217,10 +217,10 @@ def _int8_tile(
     return b_acc, b_mn, b_l
 
 
-@triton.jit(do_not_specialize=["n_blocks", "n_tail", "Lq", "kv_len", "T0", "TPS", "window"])
+@triton.jit(do_not_specialize=["n_blocks", "n_tail", "n_sink", "Lq", "kv_len", "T0", "TPS", "window"])
 def _decode_kernel(
     q, sk, mk, heads, kp, ks, kz, vp, vs, vz, kt, vt, sv, kvalid, o, po, pml, cnt,
-    n_blocks, n_tail, Lq, kv_len, T0, TPS, window, softcap, sas_thr, qscale,
+    n_blocks, n_tail, n_sink, tail_cap, Lq, kv_len, T0, TPS, window, softcap, sas_thr, qscale,
     stride_qb, stride_qh, stride_ql,
     stride_kb, stride_kh, stride_sb, stride_sh, stride_vb, stride_vh, stride_vsb, stride_vsh,
     H, HK,
@@ -232,7 +232,10 @@ def _decode_kernel(
     """grid = (n_splits, n_m_tiles, b * H); H = KV heads of this bit group, heads[H] their layer index.
 
     q [b, HQ, Lq, D] (any float dtype, strides given, D contiguous); sk/mk/sv [b, HK, D] fp32 (K scale,
-    K mean, V scale); packed blocks as in pack.py; kt [b, HK, BS, D], vt [b, HK, D, BS] int8 tail;
+    K mean, V scale); packed blocks as in pack.py; kt [b, HK, C, D], vt [b, HK, D, C] the INT8 buffer
+    (C = tail_cap slots, n_tail valid): slots < n_sink hold positions 0.. (attention sinks), the others
+    positions from n_sink + n_blocks·BS on (the recent window + tail); packed block t holds positions
+    n_sink + t·BS ..;
     kvalid [b, kv_len] int8; o [b, Lq, HQ, D]; po [S, b*H, n_m*BM, BD] and pml [S, b*H, n_m*BM, 2] fp32
     partials (SPLIT only; rows >= M are not written); cnt [b*H*n_m] int32 arrival counters, zero between
     calls (FUSED_MERGE: the last share of a tile to finish merges it and resets its counter).
@@ -316,9 +319,7 @@ def _decode_kernel(
     b_m = tl.full([BM], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BM], dtype=tl.float32)
 
-    n_tiles = n_blocks
-    if n_tail > 0:
-        n_tiles += 1
+    n_tiles = n_blocks + tl.cdiv(n_tail, BS)  # packed blocks, then the INT8 buffer's tiles
     t_lo = T0 + i_s * TPS  # T0: first tile any query of the chunk can see (sliding window)
     t_hi = t_lo + TPS
     if t_hi > n_tiles:
@@ -347,7 +348,7 @@ def _decode_kernel(
     # ---- packed blocks
     for t in range(t_lo, t_hp):
         if BITS == 8:
-            o_key = t * BS + o_n
+            o_key = n_sink + t * BS + o_n
             m_key = o_n < BS
             if HAS_KVALID:
                 m_key = tl.load(kvalid + i_b64 * kv_len + o_key) != 0
@@ -372,8 +373,8 @@ def _decode_kernel(
             b_kp1 = tl.load(p_kt + o_t1[:, None] * DK, mask=m_dk[None, :], other=0)
             b_si0 = _qk_half(b_kp0, ks, o_ks, m_dk, b_q0, b_q1, b_q2, b_q3, BM, BS // 2, BITS, USE_ASM) + b_zq
             b_si1 = _qk_half(b_kp1, ks, o_ks, m_dk, b_q0, b_q1, b_q2, b_q3, BM, BS // 2, BITS, USE_ASM) + b_zq
-            o_key0 = t * BS + o_t0
-            o_key1 = t * BS + o_t1
+            o_key0 = n_sink + t * BS + o_t0
+            o_key1 = n_sink + t * BS + o_t1
             if HAS_KVALID:
                 m_key0 = tl.load(kvalid + i_b64 * kv_len + o_key0) != 0
                 m_key1 = tl.load(kvalid + i_b64 * kv_len + o_key1) != 0
@@ -406,7 +407,7 @@ def _decode_kernel(
             b_pv = tl.math.fma(b_pc.to(tl.float32), b_f[None, :], b_zs[None, :])
             b_acc = tl.math.fma(b_acc, b_alpha[None, :], b_pv)
         else:  # restore INT8 tiles in registers (the first version; kept to measure against)
-            o_key = t * BS + o_n
+            o_key = n_sink + t * BS + o_n
             m_key = o_n < BS
             if HAS_KVALID:
                 m_key = tl.load(kvalid + i_b64 * kv_len + o_key) != 0
@@ -421,13 +422,18 @@ def _decode_kernel(
                                          tl.load(vs + o_vs).to(tl.float32), tl.load(vz + o_vs).to(tl.float32),
                                          o_key, m_key, o_pos, window, softcap, sas_thr, IS_CAUSAL, HAS_WINDOW,
                                          HAS_SOFTCAP, USE_SAS, True)
-    # ---- INT8 tail (the last tile). All BS slots are read (stale slots hold finite int8); keys at or past
-    # n_tail are masked in the scores, so their p8 is 0.
-    if t_hi > n_blocks:
-        b_k = tl.load(kt + (o_kvh * BS + o_n[:, None] * D + o_d[None, :]), mask=m_d[None, :], other=0)
-        b_v = tl.load(vt + (o_kvh * BS + o_d[:, None] * BS + o_n[None, :]), mask=m_d[:, None], other=0)
-        o_key = n_blocks * BS + o_n
-        m_key = o_n < n_tail
+    # ---- INT8 buffer (sink tiles, then the recent window + tail). All BS slots of a tile are read (stale
+    # slots hold finite int8); slots at or past n_tail are masked in the scores, so their p8 is 0.
+    t_i8 = t_lo
+    if t_i8 < n_blocks:
+        t_i8 = n_blocks
+    for t in range(t_i8, t_hi):
+        o_slot = (t - n_blocks) * BS + o_n
+        b_k = tl.load(kt + (o_kvh * tail_cap + o_slot[:, None] * D + o_d[None, :]), mask=m_d[None, :], other=0)
+        b_v = tl.load(vt + (o_kvh * tail_cap + o_d[:, None] * tail_cap + o_slot[None, :]), mask=m_d[:, None],
+                      other=0)
+        o_key = tl.where(o_slot < n_sink, o_slot, o_slot + n_blocks * BS)
+        m_key = o_slot < n_tail
         if HAS_KVALID:
             m_key = m_key & (tl.load(kvalid + i_b64 * kv_len + o_key, mask=m_key, other=0) != 0)
         b_acc, b_m, b_l = _int8_tile(b_acc, b_m, b_l, b_qt, b_sq, b_qb, b_k, b_v, b_sq, b_sq, o_key, m_key, o_pos,
@@ -604,6 +610,7 @@ def turbo_decode_attention(
     window: Optional[int] = None,
     softcap: Optional[float] = None,
     key_valid: Optional[torch.Tensor] = None,
+    n_sink: int = 0,
     softmax: str = "exact",
     sas_threshold: float = 6.0,
     n_splits: Optional[int] = None,
@@ -612,6 +619,7 @@ def turbo_decode_attention(
     block_m: Optional[int] = None,
     num_warps: int = 1,
     num_stages: int = 3,
+    max_registers: Optional[int] = None,
     merge: str = "fused",
     fold: bool = True,
 ) -> torch.Tensor:
@@ -622,7 +630,12 @@ def turbo_decode_attention(
             ``kv_len - Lq + i`` where ``kv_len = n_blocks * BS + n_tail`` (the new tokens are stored already).
         groups: one :class:`~.pack.PackedKV` per bit width; together their ``heads`` cover ``0..HK-1``
             once; all hold the same ``n_blocks``.
-        k_tail: ``[b, HK, BS, D]`` int8; v_tail: ``[b, HK, D, BS]`` int8 (transposed); ``n_tail < BS`` valid.
+        k_tail: ``[b, HK, C, D]`` int8; v_tail: ``[b, HK, D, C]`` int8 (transposed): the INT8 buffer of
+            ``C`` slots (a multiple of the block size), ``n_tail`` of them valid. Its first ``n_sink`` slots
+            hold positions ``0..n_sink-1`` (attention sinks kept INT8), the rest positions from
+            ``n_sink + n_blocks * BS`` on (recent window + tail); packed block ``t`` holds positions
+            ``n_sink + t * BS ..``. ``n_sink`` is a multiple of the block size (0: the plain layout, a tail
+            of ``< BS`` tokens after the blocks).
         k_scale, v_scale: ``[b, HK, D]`` fp32 universal INT8 scales; k_mean: ``[b, HK, D]`` fp32 or None.
         scale: softmax scale (default ``D**-0.5``). causal: mask keys after each query's position.
         window: sliding window (key ``j`` visible from position ``i`` iff ``i - j < window``).
@@ -630,6 +643,8 @@ def turbo_decode_attention(
         softmax: ``"exact"`` or ``"sas"``; sas_threshold in natural-log units.
         n_splits / waves / min_tiles / block_m / num_warps / num_stages: launch overrides (tests, tuning);
             by default the context is cut into shares for about ``DEFAULT_WAVES x #SMs`` programs.
+        max_registers: cap on registers per thread (ptxas ``maxnreg``; GPU only): more programs per SM at the
+            price of spills (a tuning knob, measured in ``eval/decode_sweep.py``).
         merge: ``"fused"`` (the last share of a tile to finish merges the partials: one launch) or
             ``"kernel"`` (a second small merge kernel).
         fold: packed heads fold ``scale_int``/``zero`` into the query and the output instead of restoring
@@ -643,7 +658,6 @@ def turbo_decode_attention(
         raise ValueError(f"q must be [b, HQ, Lq, D], got shape {tuple(q.shape)}")
     b, HQ, Lq, D = q.shape
     HK = k_tail.shape[1]
-    BS = k_tail.shape[2]
     if HQ % HK:
         raise ValueError(f"{HQ} query heads are not a multiple of {HK} KV heads")
     if merge not in ("fused", "kernel"):
@@ -655,8 +669,15 @@ def turbo_decode_attention(
     n_blocks = groups[0].n_blocks
     if any(g_.n_blocks != n_blocks for g_ in groups):
         raise ValueError(f"bit groups hold different block counts {[g_.n_blocks for g_ in groups]}")
-    if not 0 <= n_tail < BS:
-        raise ValueError(f"n_tail={n_tail} must lie in [0, {BS})")
+    BS = groups[0].block_size
+    C = k_tail.shape[2]
+    if C % BS or tuple(v_tail.shape[2:]) != (D, C):
+        raise ValueError(f"INT8 buffers k_tail {tuple(k_tail.shape)} / v_tail {tuple(v_tail.shape)} must be "
+                         f"[b, HK, C, {D}] / [b, HK, {D}, C] with C a multiple of the block size {BS}")
+    if not 0 <= n_tail <= C:
+        raise ValueError(f"n_tail={n_tail} must lie in [0, {C}] (the INT8 buffer's slots)")
+    if n_sink % BS or not 0 <= n_sink <= C or (n_blocks and n_tail < n_sink):
+        raise ValueError(f"n_sink={n_sink} must be a multiple of {BS} in [0, {C}], all held once blocks are packed")
     kv_len = n_blocks * BS + n_tail
     if Lq > kv_len:
         raise ValueError(f"query chunk of {Lq} tokens exceeds the {kv_len} stored tokens (store first)")
@@ -675,14 +696,15 @@ def turbo_decode_attention(
     M = G * Lq
     BM = block_m or min(64, max(4, _pow2(M)))  # query rows are the N side of the MMAs
     n_m = -(-M // BM)
-    n_tiles = n_blocks + (1 if n_tail > 0 else 0)
-    t0 = first_visible_tile(kv_len, Lq, window, BS)
+    n_tiles = n_blocks + -(-n_tail // BS)
+    t0 = min(max(first_visible_tile(kv_len, Lq, window, BS) - n_sink // BS, 0), n_blocks)
     k_tail, v_tail = k_tail.contiguous(), v_tail.contiguous()
     sk = k_scale.float().contiguous()
     sv = v_scale.float().contiguous()
     mk = k_mean.float().contiguous() if k_mean is not None else sk
     n_work = b * n_m * max(g_.heads.shape[0] for g_ in groups)
     use_asm = q.device.type == "cuda" and not _INTERPRET
+    reg_cap = {"maxnreg": int(max_registers)} if max_registers and use_asm else {}
     for grp in groups:
         H = grp.heads.shape[0]
         if H == 0:
@@ -703,7 +725,7 @@ def turbo_decode_attention(
             q, sk, mk, grp.heads, kp, ks, grp.k_zero if packed else kp, vp,
             grp.v_scale if packed else kp, grp.v_zero if packed else kp,
             k_tail, v_tail, sv, kvalid if kvalid is not None else k_tail, o, po, pml, cnt,
-            n_blocks, n_tail, Lq, kv_len, t0, tps, int(window or 0), float(softcap or 1.0),
+            n_blocks, n_tail, n_sink, C, Lq, kv_len, t0, tps, int(window or 0), float(softcap or 1.0),
             float(sas_threshold * LOG2E), float(scale * LOG2E),
             q.stride(0), q.stride(1), q.stride(2),
             kp.stride(0), kp.stride(1), sst[0], sst[1], vp.stride(0), vp.stride(1), vst[0], vst[1],
@@ -712,7 +734,7 @@ def turbo_decode_attention(
             HAS_WINDOW=bool(window), HAS_SOFTCAP=has_softcap, HAS_MEAN=k_mean is not None,
             HAS_KVALID=kvalid is not None, USE_SAS=softmax == "sas", SPLIT=split, FUSED_MERGE=fused,
             FOLD=bool(fold), USE_ASM=use_asm, SC=_merge_chunk(S, BM, BD, num_warps),
-            num_warps=num_warps, num_stages=num_stages,
+            num_warps=num_warps, num_stages=num_stages, **reg_cap,
         )
         if split and not fused:
             _merge_kernel[(n_m, b * H)](po, pml, grp.heads, sv, o, Lq, S, H, HK,

@@ -286,6 +286,10 @@ class PackedKV:
     def capacity(self) -> int:
         return self.k.shape[2]
 
+    @property
+    def block_size(self) -> int:
+        return self.k.shape[3]
+
     def _tensors(self):
         return [(n, getattr(self, n)) for n in self.TENSORS if getattr(self, n) is not None]
 

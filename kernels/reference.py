@@ -535,11 +535,11 @@ def prepare_query_ref(q, k_scale, k_mean, scale, softcap):
     return q8, sq, qb
 
 
-def _group_tiles_ref(grp, k_tail, v_tail, n_tail):
-    """Yield ``(start, k8 [b, H, n, d], v [b, H, n, d], vs [b, H, n], vz [b, H, n])`` per tile of one bit group
-    (blocks, then the tail): K restored to INT8, V as codes with its per-token integer scale/zero (INT8
-    tiles: the INT8 values, scale 1, zero 0)."""
-    bs = k_tail.shape[2]
+def _group_tiles_ref(grp, k_tail, v_tail, n_tail, bs, n_sink=0):
+    """Yield ``(positions [n], k8 [b, H, n, d], v [b, H, n, d], vs [b, H, n], vz [b, H, n])`` per tile of one
+    bit group (packed blocks, then the INT8 buffer in tiles of ``bs`` slots: sinks, recent window + tail):
+    K restored to INT8, V as codes with its per-token integer scale/zero (INT8 tiles: the INT8 values,
+    scale 1, zero 0)."""
     heads = grp.heads.long().to(k_tail.device)
     for t in range(grp.n_blocks):
         k, v = grp.k[:, :, t], grp.v[:, :, t]
@@ -553,12 +553,15 @@ def _group_tiles_ref(grp, k_tail, v_tail, n_tail):
                                    grp.k_zero[:, :, t].reshape(b * h, -1), grp.bits, 0).view(b, h, bs, -1)
             vc = unpack_codes_ref(v, grp.bits).transpose(-1, -2)
             vs, vz = grp.v_scale[:, :, t].float(), grp.v_zero[:, :, t].float()
-        yield t * bs, k8, vc, vs, vz
-    if n_tail:
-        k8 = k_tail[:, heads, :n_tail]
-        b, h = k8.shape[:2]
-        yield (grp.n_blocks * bs, k8, v_tail[:, heads, :, :n_tail].transpose(-1, -2),
-               torch.ones(b, h, n_tail, device=k8.device), torch.zeros(b, h, n_tail, device=k8.device))
+        yield torch.arange(n_sink + t * bs, n_sink + (t + 1) * bs, device=k.device), k8, vc, vs, vz
+    for s0 in range(0, n_tail, bs):
+        s1 = min(s0 + bs, n_tail)
+        k8 = k_tail[:, heads, s0:s1]
+        b, h, n = k8.shape[:3]
+        slot = torch.arange(s0, s1, device=k8.device)
+        pos = torch.where(slot < n_sink, slot, slot + grp.n_blocks * bs)
+        yield (pos, k8, v_tail[:, heads, :, s0:s1].transpose(-1, -2),
+               torch.ones(b, h, n, device=k8.device), torch.zeros(b, h, n, device=k8.device))
 
 
 def pv_tile_ref(p: torch.Tensor, vc: torch.Tensor, vs: torch.Tensor, vz: torch.Tensor) -> torch.Tensor:
@@ -580,11 +583,11 @@ def pv_tile_ref(p: torch.Tensor, vc: torch.Tensor, vs: torch.Tensor, vz: torch.T
 
 
 def turbo_decode_ref(q, groups, k_tail, v_tail, n_tail, k_scale, v_scale, k_mean=None, *, scale=None,
-                     causal=True, window=None, softcap=None, key_valid=None, softmax="exact",
+                     causal=True, window=None, softcap=None, key_valid=None, n_sink=0, softmax="exact",
                      sas_threshold=6.0, n_splits=1):
     """Twin of ``decode.turbo_decode_attention`` (same arguments; ``groups`` are ``PackedKV``-like objects
     with ``bits, heads, k, v, k_scale, k_zero, v_scale, v_zero, n_blocks``), same tile order and split:
-    the ``n_tiles`` tiles (blocks, then the tail) are cut into shares of ``ceil(n_tiles / n_splits)``
+    the ``n_tiles`` tiles (packed blocks, then the INT8 buffer's tiles) are cut into shares of ``ceil(n_tiles / n_splits)``
     (``n_splits``: an int, or a dict bits -> int per bit group); with a sliding window the tiles no query
     of the chunk can see are skipped first (``decode.first_visible_tile``);
     each share runs the online softmax from scratch; shares merge by the rescale
@@ -598,7 +601,7 @@ def turbo_decode_ref(q, groups, k_tail, v_tail, n_tail, k_scale, v_scale, k_mean
     """
     b, hq, lq, d = q.shape
     hk = k_tail.shape[1]
-    bs = k_tail.shape[2]
+    bs = groups[0].k.shape[3]
     g = hq // hk
     dev = q.device
     scale = d ** -0.5 if scale is None else float(scale)
@@ -610,8 +613,9 @@ def turbo_decode_ref(q, groups, k_tail, v_tail, n_tail, k_scale, v_scale, k_mean
     kv = None if key_valid is None else key_valid.to(device=dev, dtype=torch.bool)
     out = torch.zeros(b, lq, hq, d, dtype=torch.float32, device=dev)
     ninf = torch.tensor(-math.inf, dtype=torch.float32, device=dev)
-    n_tiles = n_blocks + (1 if n_tail else 0)
-    t0 = max(0, (kv_len - lq - int(window) + 1) // bs) if window else 0  # tiles before: outside the window
+    n_tiles = n_blocks + -(-n_tail // bs)
+    # packed blocks wholly before the window are skipped (the INT8 buffer's tiles never are)
+    t0 = min(max(0, (kv_len - lq - int(window) + 1) // bs - n_sink // bs), n_blocks) if window else 0
     for grp in groups:
         heads = grp.heads.long().to(dev)
         if len(heads) == 0:
@@ -625,15 +629,14 @@ def turbo_decode_ref(q, groups, k_tail, v_tail, n_tail, k_scale, v_scale, k_mean
         sqg = sq[:, qh].reshape(b, h, g * lq)
         qbg = None if qb is None else qb[:, qh].reshape(b, h, g * lq)
         rpos = pos.repeat(g)  # row r = head_in_group * lq + i
-        tiles = list(_group_tiles_ref(grp, k_tail, v_tail, n_tail))[t0:]
+        tiles = list(_group_tiles_ref(grp, k_tail, v_tail, n_tail, bs, n_sink))[t0:]
         parts = []
         for s0 in range(0, len(tiles), tps):
             m = torch.full((b, h, g * lq), -math.inf, dtype=torch.float32, device=dev)
             l = torch.zeros_like(m)
             acc = torch.zeros(b, h, g * lq, d, dtype=torch.float32, device=dev)
-            for start, k8, vc, vs, vz in tiles[s0:s0 + tps]:
+            for j, k8, vc, vs, vz in tiles[s0:s0 + tps]:
                 n = k8.shape[2]
-                j = torch.arange(start, start + n, device=dev)
                 s2 = (qg @ k8.to(torch.float64).transpose(-1, -2)).to(torch.float32) * sqg[..., None]
                 if softcap:
                     if qbg is not None:
@@ -646,7 +649,7 @@ def turbo_decode_ref(q, groups, k_tail, v_tail, n_tail, k_scale, v_scale, k_mean
                     mask &= j[None, :] > rpos[:, None] - window
                 mask = mask.expand(b, h, g * lq, n)
                 if kv is not None:
-                    mask = mask & kv[:, None, None, start:start + n]
+                    mask = mask & kv[:, None, None, j]
                 s2 = torch.where(mask, s2, ninf)
                 m_new = torch.maximum(m, s2.amax(-1))
                 m_safe = torch.where(m_new == -math.inf, torch.zeros_like(m_new), m_new)
@@ -683,17 +686,32 @@ class _GroupRef:
         self.k_scale, self.k_zero, self.v_scale, self.v_zero, self.n_blocks = k_scale, k_zero, v_scale, v_zero, n_blocks
 
 
-def build_packed_cache_ref(k, v, n_prefill, head_bits, block_size, smooth_k=True, headroom=1.0):
+def int8_buffer_layout(L: int, bs: int, sink_blocks: int = 0, recent_blocks: int = 0) -> tuple[int, list]:
+    """Where a TurboCache keeps ``L`` tokens: ``(n_blocks, INT8 buffer token ranges)``. The first
+    ``sink_blocks·bs`` tokens stay INT8; after them, recent tokens stay INT8 until ``recent_blocks + 1``
+    full blocks wait, then the oldest block is packed (so packing token by token or all at once agree)."""
+    n_sink = sink_blocks * bs
+    if L <= n_sink:
+        return 0, [(0, L)]
+    r = L - n_sink
+    nb = (r - recent_blocks * bs) // bs if r >= (recent_blocks + 1) * bs else 0
+    return nb, [(0, n_sink), (n_sink + nb * bs, L)]
+
+
+def build_packed_cache_ref(k, v, n_prefill, head_bits, block_size, smooth_k=True, headroom=1.0, sink_blocks=0,
+                           recent_blocks=0):
     """The packed state a TurboCache holds after storing ``k, v [b, Hk, L, d]`` (scales fixed by the first
-    ``n_prefill`` tokens): ``(groups, k_tail [b,Hk,BS,d], v_tail [b,Hk,d,BS], n_tail, k_scale, v_scale, k_mean)``
-    — the arguments of ``turbo_decode_ref`` (blocks are independent, so packing all at once equals packing
-    them one by one as the cache does)."""
+    ``n_prefill`` tokens): ``(groups, k_tail [b,Hk,C,d], v_tail [b,Hk,d,C], n_tail, k_scale, v_scale, k_mean)``
+    with ``C = (sink_blocks + recent_blocks + 1)·BS`` INT8 slots — the arguments of ``turbo_decode_ref``
+    (with ``n_sink = sink_blocks·BS``; blocks are independent, so packing all at once equals packing them one
+    by one as the cache does)."""
     b, hk, L, d = k.shape
     bs = block_size
     mean, ks, vs = kv_universal_scales_ref(k[:, :, :n_prefill], v[:, :, :n_prefill], smooth_k, headroom)
     k8 = quantize_int8_universal_ref(k, ks, mean)
     v8 = quantize_int8_universal_ref(v, vs)
-    nb, nt = L // bs, L % bs
+    nb, ranges = int8_buffer_layout(L, bs, sink_blocks, recent_blocks)
+    p0 = sink_blocks * bs if nb else 0  # first packed token
     groups = []
     for bits in (8, 4, 2):
         heads = [i for i, hb in enumerate(head_bits) if hb == bits]
@@ -701,18 +719,22 @@ def build_packed_cache_ref(k, v, n_prefill, head_bits, block_size, smooth_k=True
             continue
         hi = torch.tensor(heads, dtype=torch.long, device=k.device)
         h = len(heads)
-        kb = k8[:, hi, : nb * bs].reshape(b, h, nb, bs, d)
-        vb = v8[:, hi, : nb * bs].reshape(b, h, nb, bs, d).transpose(-1, -2)
+        kb = k8[:, hi, p0:p0 + nb * bs].reshape(b, h, nb, bs, d)
+        vb = v8[:, hi, p0:p0 + nb * bs].reshape(b, h, nb, bs, d).transpose(-1, -2)
         if bits == 8:
             groups.append(_GroupRef(8, hi.int(), kb, vb, n_blocks=nb))
             continue
         kp, ksc, kz = pack_blocks_ref(kb.reshape(-1, bs, d), bits, 0)
         vp, vsc, vz = pack_blocks_ref(vb.reshape(-1, d, bs), bits, 0)  # V: per token
-        groups.append(_GroupRef(bits, hi.int(), kp.view(b, h, nb, bs, -1), vp.view(b, h, nb, d, -1),
+        groups.append(_GroupRef(bits, hi.int(), kp.view(b, h, nb, *kp.shape[1:]), vp.view(b, h, nb, *vp.shape[1:]),
                                 ksc.view(b, h, nb, d), kz.view(b, h, nb, d), vsc.view(b, h, nb, bs),
                                 vz.view(b, h, nb, bs), n_blocks=nb))
-    k_tail = torch.zeros(b, hk, bs, d, dtype=torch.int8, device=k.device)
-    v_tail = torch.zeros(b, hk, d, bs, dtype=torch.int8, device=k.device)
-    k_tail[:, :, :nt] = k8[:, :, nb * bs:]
-    v_tail[:, :, :, :nt] = v8[:, :, nb * bs:].transpose(-1, -2)
+    cap = (sink_blocks + recent_blocks + 1) * bs
+    k_tail = torch.zeros(b, hk, cap, d, dtype=torch.int8, device=k.device)
+    v_tail = torch.zeros(b, hk, d, cap, dtype=torch.int8, device=k.device)
+    nt = 0
+    for t0, t1 in ranges:
+        k_tail[:, :, nt:nt + t1 - t0] = k8[:, :, t0:t1]
+        v_tail[:, :, :, nt:nt + t1 - t0] = v8[:, :, t0:t1].transpose(-1, -2)
+        nt += t1 - t0
     return groups, k_tail, v_tail, nt, ks, vs, mean

@@ -153,7 +153,8 @@ def test_bench_e2e_dry_run(tmp_path):
     assert len(data["decode"]) == 4  # 2 impls x batch 1, 2
     # toy model in bf16: DynamicCache = 2 layers * (K, V) * 2 KV heads * d 64 * 2 B = 1024 B/token
     assert pre["sdpa"]["kv_bytes_per_token"] == 1024
-    assert pre["int4"]["kv_bytes_per_token"] < pre["sdpa"]["kv_bytes_per_token"]
+    # int4: the format's bytes per token (the fixed INT8 buffer of sink / recent blocks dominates a toy prompt)
+    assert pre["int4"]["kv_bytes_per_token_format"] < pre["sdpa"]["kv_bytes_per_token"] / 3
 
 
 def test_plots_from_json(tmp_path):

@@ -4,13 +4,17 @@ TurboAttention (Kang et al., 2024) §3.1-3.3 as storage (format in ``turbo_attn_
 
 * first prefill of a layer: per (batch row, KV head, channel) fp32 "universal" scales are fixed —
   ``s_k = h · amax|k - μ| / 127`` with μ the channel mean of the prompt's keys (``smooth_k``),
-  ``s_v = h · amax|v| / 127``, headroom ``h = DEFAULT_SCALE_HEADROOM`` (2: a short prompt under-estimates
-  the range of later tokens, which would clamp; measurements next to the constant);
+  ``s_v = h · amax|v| / 127``, headroom ``h`` from the prompt length (``auto_headroom``: a short prompt
+  under-estimates the range of later tokens, which would clamp; measurements next to the constant);
 * every token (prompt and later) is quantized to INT8 with those scales (outliers clamp to ±127);
-* full blocks of ``block_size`` tokens are re-quantized per channel to INT4/INT2 (integer scale/zero) into the
-  buffer of their head's bit width (``TurboConfig.layer_head_bits``: a per-layer head permutation); the
-  remaining < ``block_size`` tokens stay in the INT8 tail; a full tail is packed into one block. Nothing
-  stored is ever re-quantized (``crop`` into a packed block is the one exception, see ``TurboLayer.crop``).
+* full blocks of ``block_size`` tokens are re-quantized (K per channel, V per token) to INT4/INT2 (integer
+  scale/zero) into the buffer of their head's bit width (``TurboConfig.layer_head_bits``: a per-layer head
+  permutation) — except the first ``sink_blocks`` blocks (attention sinks) and the latest
+  ``recent_blocks`` full blocks + the partial tail, which stay in the INT8 buffer; when ``recent_blocks + 1``
+  full blocks wait there, the oldest is packed. Nothing packed is ever re-quantized (``crop`` into a packed
+  block is the one exception, see ``TurboLayer.crop``). Measured on SmolLM2-135M (int4, decode-path KL vs
+  fp32, 3 GSM8K texts, CPU fake-quant): 20.2x the bf16 floor with neither, 9.3x with 2 recent blocks,
+  3.0x with 1 sink block + 2 recent blocks.
 
 ``update()`` stores and returns key/value tensors that carry ``turbo_cache_layer`` (the layer): the real
 new K/V at the first prefill (the INT8 prefill kernel runs on them), zero-memory placeholders of the right
@@ -24,6 +28,7 @@ in attention), so their ``get_mask_sizes`` offset is 0.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 import torch
@@ -36,17 +41,26 @@ from .kernels.pack import PackedKV, kv_bytes_per_token, quantize_int8
 __all__ = ["TurboCache", "TurboLayer", "TurboSlidingWindowLayer"]
 
 _BITS_ORDER = (8, 4, 2)
-#: universal scale = headroom * amax / 127 of the first prefill. 1.0 is the plain FlashQ scale; measured on a
+#: universal scale = headroom * amax / 127 of the first prefill. 1.0 is the plain FlashQ scale. Measured on a
 #: tiny random llama (tests/turbo_attn_hf/conftest.py, 100 decode steps vs unquantized sdpa, per-step max
 #: |logit diff| mean): int8 preset, 20-token prompt 0.60 (h=1) / 0.19 (1.5) / 0.105 (2) / 0.103 (3);
-#: 100-token prompt 0.163 / 0.091 / 0.098 / 0.122; int4 20-token 0.64 / 0.36 / 0.31 / 0.34, 100-token
-#: 0.45 / 0.48 / 0.49 / 0.54 (the DynamicCache path: 0.07). Short prompts under-estimate the channel
-#: range and later tokens clamp; one bit of INT8 resolution is the cheaper loss. On SmolLM2-135M with real
-#: weights and ~900-token 8-shot prompts the other side shows: int8 preset, decode-path KL vs fp32 over 8 GSM8K
-#: texts (CPU reference, per-tile P): 2.99x the bf16 floor at h=2, 2.39x at 1.5, 2.36x at 1.25. Long prompts
-#: favour a smaller headroom, short ones a larger; 2 stays the default. A TurboConfig field
-#: ``scale_headroom`` overrides it.
-DEFAULT_SCALE_HEADROOM = 2.0
+#: 100-token prompt 0.163 / 0.091 / 0.098 / 0.122. On SmolLM2-135M with real weights and ~900-token 8-shot
+#: prompts (int8 preset, decode-path KL vs fp32, 8 GSM8K texts, CPU reference): 2.99x the bf16 floor at h=2,
+#: 2.39x at 1.5, 2.36x at 1.25. Short prompts under-estimate the range of later tokens (which then clamp),
+#: long ones do not: the expected maximum of n samples of a light-tailed channel grows like sqrt(2 ln n), so
+#: the range seen in n tokens covers a context of N tokens when scaled by sqrt(ln N / ln n). With N = 32768:
+#: n = 20 -> 1.86, 100 -> 1.51, 900 -> 1.24 — the best measured values above. Clamped to [1.25, 2].
+AUTO_HEADROOM_CONTEXT = 32768
+AUTO_HEADROOM_RANGE = (1.25, 2.0)
+DEFAULT_SCALE_HEADROOM = "auto"
+
+
+def auto_headroom(n_tokens: int) -> float:
+    """Headroom of the universal INT8 scale fixed from a first prefill of ``n_tokens`` tokens."""
+    lo, hi = AUTO_HEADROOM_RANGE
+    if n_tokens < 3:
+        return hi
+    return min(hi, max(lo, math.sqrt(math.log(AUTO_HEADROOM_CONTEXT) / math.log(n_tokens))))
 
 
 def _resolve_config(turbo_config: TurboConfig | str | None, model_config: Any = None) -> TurboConfig:
@@ -86,7 +100,9 @@ class TurboLayer(CacheLayerMixin):
         self.turbo_config = turbo_config
         self.layer_idx = layer_idx
         self.n_layers = n_layers
-        self.scale_headroom = float(getattr(turbo_config, "scale_headroom", DEFAULT_SCALE_HEADROOM))
+        self.scale_headroom = getattr(turbo_config, "scale_headroom", DEFAULT_SCALE_HEADROOM)
+        self.n_sink_blocks = int(getattr(turbo_config, "sink_blocks", 0))
+        self.n_recent_blocks = int(getattr(turbo_config, "recent_blocks", 0))
         self._clear()
 
     def _clear(self) -> None:
@@ -97,6 +113,7 @@ class TurboLayer(CacheLayerMixin):
         self.k_tail = self.v_tail = None
         self.n_tail = 0
         self.k_mean = self.k_scale = self.v_scale = None
+        self.headroom: Optional[float] = None  # the universal scales' headroom, fixed at the first prefill
         self._first_prefill = False
 
     # ------------------------------------------------------------------ set-up
@@ -126,8 +143,9 @@ class TurboLayer(CacheLayerMixin):
             if heads:
                 self.groups.append(PackedKV.empty(bits, torch.tensor(heads, dtype=torch.int32), b, d, bs,
                                                   self.device))
-        self.k_tail = torch.zeros(b, hk, bs, d, dtype=torch.int8, device=self.device)
-        self.v_tail = torch.zeros(b, hk, d, bs, dtype=torch.int8, device=self.device)
+        cap = (self.n_sink_blocks + self.n_recent_blocks + 1) * bs
+        self.k_tail = torch.zeros(b, hk, cap, d, dtype=torch.int8, device=self.device)
+        self.v_tail = torch.zeros(b, hk, d, cap, dtype=torch.int8, device=self.device)
         self.n_tail = 0
         self.is_initialized = True
 
@@ -141,29 +159,43 @@ class TurboLayer(CacheLayerMixin):
             idx = grp.heads.long()
             grp.append(k8.index_select(1, idx), v8.index_select(1, idx))
 
+    @property
+    def n_sink(self) -> int:
+        """INT8 buffer slots reserved for the sequence's first tokens (never packed)."""
+        return self.n_sink_blocks * self.turbo_config.block_size
+
+    def _write_tail(self, slot: int, k8: torch.Tensor, v8: torch.Tensor) -> None:
+        n = k8.shape[2]
+        self.k_tail[:, :, slot:slot + n] = k8
+        self.v_tail[:, :, :, slot:slot + n] = v8.transpose(-1, -2)
+
     def _store(self, k8: torch.Tensor, v8: torch.Tensor) -> None:
-        """Append INT8 tokens ``[b, Hk, T, d]``: fill the tail, pack every full block, keep the rest."""
+        """Append INT8 tokens ``[b, Hk, T, d]`` (layout: ``reference.int8_buffer_layout``): the first
+        ``n_sink`` tokens of the sequence fill the sink slots; later ones go to the recent part of the INT8
+        buffer, and whenever ``recent_blocks + 1`` full blocks wait there the oldest are packed."""
         bs = self.turbo_config.block_size
-        T = k8.shape[2]
-        pos = 0
-        if self.n_tail > 0 or T < bs:
-            take = min(bs - self.n_tail, T)
-            self.k_tail[:, :, self.n_tail:self.n_tail + take] = k8[:, :, :take]
-            self.v_tail[:, :, :, self.n_tail:self.n_tail + take] = v8[:, :, :take].transpose(-1, -2)
+        if self.n_tail < self.n_sink:
+            take = min(self.n_sink - self.n_tail, k8.shape[2])
+            self._write_tail(self.n_tail, k8[:, :, :take], v8[:, :, :take])
             self.n_tail += take
-            pos = take
-            if self.n_tail == bs:
-                self._append_blocks(self.k_tail, self.v_tail.transpose(-1, -2))
-                self.n_tail = 0
-        n_full = (T - pos) // bs
-        if n_full:
-            self._append_blocks(k8[:, :, pos:pos + n_full * bs], v8[:, :, pos:pos + n_full * bs])
-            pos += n_full * bs
-        r = T - pos
-        if r:
-            self.k_tail[:, :, :r] = k8[:, :, pos:]
-            self.v_tail[:, :, :, :r] = v8[:, :, pos:].transpose(-1, -2)
-            self.n_tail = r
+            k8, v8 = k8[:, :, take:], v8[:, :, take:]
+        T = k8.shape[2]
+        if T == 0:
+            return
+        keep = self.n_recent_blocks * bs
+        c = self.n_tail - self.n_sink  # recent tokens waiting in the buffer
+        if c + T < keep + bs:  # no block to pack: write in place (the decode step's common case)
+            self._write_tail(self.n_tail, k8, v8)
+            self.n_tail += T
+            return
+        s0 = self.n_sink
+        if c:  # the waiting tokens go first (one copy of <= (recent_blocks + 1)·bs tokens per packed block)
+            k8 = torch.cat([self.k_tail[:, :, s0:s0 + c], k8], dim=2)
+            v8 = torch.cat([self.v_tail[:, :, :, s0:s0 + c].transpose(-1, -2), v8], dim=2)
+        n_pack = (c + T - keep) // bs * bs
+        self._append_blocks(k8[:, :, :n_pack], v8[:, :, :n_pack])
+        self._write_tail(s0, k8[:, :, n_pack:], v8[:, :, n_pack:])
+        self.n_tail = s0 + c + T - n_pack
 
     def _fix_scales(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         kf, vf = key_states.float(), value_states.float()
@@ -172,8 +204,11 @@ class TurboLayer(CacheLayerMixin):
             kf = kf - self.k_mean[:, :, None, :]
         else:
             self.k_mean = None
-        ks = kf.abs().amax(dim=2) * (self.scale_headroom / 127.0)
-        vs = vf.abs().amax(dim=2) * (self.scale_headroom / 127.0)
+        h = self.scale_headroom
+        h = auto_headroom(key_states.shape[2]) if h == "auto" else float(h)
+        self.headroom = h
+        ks = kf.abs().amax(dim=2) * (h / 127.0)
+        vs = vf.abs().amax(dim=2) * (h / 127.0)
         self.k_scale = torch.where(ks > 0, ks, torch.ones_like(ks))
         self.v_scale = torch.where(vs > 0, vs, torch.ones_like(vs))
 
@@ -237,16 +272,22 @@ class TurboLayer(CacheLayerMixin):
             out = fn(q, k, v, scale=scale, causal=causal, window=window, softcap=softcap, key_valid=key_valid,
                      softmax=cfg.softmax, sas_threshold=cfg.sas_threshold, smooth_k=cfg.smooth_k)
             return out.to(query.dtype)
-        kw = dict(scale=scale, causal=causal, window=window, softcap=softcap, key_valid=key_valid,
-                  softmax=cfg.softmax, sas_threshold=cfg.sas_threshold)
-        args = (query, self.groups, self.k_tail, self.v_tail, self.n_tail, self.k_scale, self.v_scale, self.k_mean)
+        args, kw = self.decode_inputs()
+        kw.update(scale=scale, causal=causal, window=window, softcap=softcap, key_valid=key_valid)
         if use_triton(query.device):
             from .kernels.decode import turbo_decode_attention
 
-            return turbo_decode_attention(*args, **kw)
+            return turbo_decode_attention(query, *args, **kw)
         from .kernels.reference import turbo_decode_ref
 
-        return turbo_decode_ref(*args, **kw)
+        return turbo_decode_ref(query, *args, **kw)
+
+    def decode_inputs(self) -> tuple[tuple, dict]:
+        """``(args, kwargs)`` that follow the query in ``turbo_decode_attention`` / ``turbo_decode_ref``
+        for this layer's storage (benchmarks and tests call the kernel directly with them)."""
+        cfg = self.turbo_config
+        args = (self.groups, self.k_tail, self.v_tail, self.n_tail, self.k_scale, self.v_scale, self.k_mean)
+        return args, dict(n_sink=self.n_sink, softmax=cfg.softmax, sas_threshold=cfg.sas_threshold)
 
     # ------------------------------------------------------------------ HF cache API
     def get_seq_length(self) -> int:
@@ -312,17 +353,23 @@ class TurboLayer(CacheLayerMixin):
             self._clear()
             return
         bs = self.turbo_config.block_size
-        nb, nt = divmod(new_len, bs)
-        if nb < self.n_blocks:
-            if nt:
+        p0 = self.n_sink  # first packed position
+        if new_len <= p0 or new_len >= p0 + self.n_blocks * bs:  # the cut lies in the INT8 buffer
+            if new_len <= p0:
                 for grp in self.groups:
-                    k8, v8 = grp.unpack_block(nb)
-                    idx = grp.heads.long()
-                    self.k_tail[:, idx, :nt] = k8[:, :, :nt]
-                    self.v_tail[:, idx, :, :nt] = v8[:, :, :nt].transpose(-1, -2)
+                    grp.truncate(0)
+            self.n_tail = new_len - self.n_blocks * bs if new_len > p0 else new_len
+            return
+        nb, nt = divmod(new_len - p0, bs)
+        if nt:
             for grp in self.groups:
-                grp.truncate(nb)
-        self.n_tail = nt
+                k8, v8 = grp.unpack_block(nb)
+                idx = grp.heads.long()
+                self.k_tail[:, idx, p0:p0 + nt] = k8[:, :, :nt]
+                self.v_tail[:, idx, :, p0:p0 + nt] = v8[:, :, :nt].transpose(-1, -2)
+        for grp in self.groups:
+            grp.truncate(nb)
+        self.n_tail = p0 + nt
 
     def offload(self):
         if self.is_initialized:

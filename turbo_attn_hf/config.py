@@ -39,14 +39,21 @@ class TurboConfig:
             (floor(frac * n_kv_heads); the paper's "mixed" uses 0.5). Used when n_2bit_heads is 0.
         head_bits: optional explicit map ``[n_layers][n_kv_heads]`` of 2/4/8; overrides ``bits`` and
             ``n_2bit_heads``. Written by calibration.
-        block_size: tokens per packed block and capacity of the INT8 tail buffer (power of two, 16..256).
+        block_size: tokens per packed block (power of two, 16..256).
+        sink_blocks: the first ``sink_blocks`` blocks of a sequence stay INT8 and are never packed: the
+            attention-sink tokens at its start draw a large share of every row's attention, so their
+            quantization error reaches every output (StreamingLLM's sinks; IntactKV keeps them lossless).
+        recent_blocks: the latest ``recent_blocks`` full blocks (plus the partial tail) stay INT8 before
+            they are packed (KIVI's full-precision residual window): recent tokens carry most of the
+            attention of the next ones. With both 0 the cache is the plain TurboAttention layout.
         softmax: ``"exact"`` (exp2) or ``"sas"`` (TurboAttention sparse activated softmax).
         sas_threshold: SAS drops scores more than this many natural-log units below the row max.
         smooth_k: subtract the per-channel mean of K (fixed at prefill) before quantizing; the softmax
             output is unchanged, outliers shrink (SageAttention). Ignored with logit softcapping.
         scale_headroom: the cache's fixed per-channel INT8 scale is ``headroom * amax(prefill) / 127``; later
-            tokens beyond the prefill's range clamp. 2.0 measured best on short prompts (mean per-step logit
-            error of a 100-token int8 generate 0.60 at 1.0 vs 0.105 at 2.0; see tests/turbo_attn_hf/test_cache.py).
+            tokens beyond the prefill's range clamp. ``"auto"`` (default) sets it from the first prefill's
+            length n (``cache.auto_headroom``: sqrt(ln 32768 / ln n) clamped to [1.25, 2]): a short prompt
+            under-estimates the range of later tokens, a long one does not. A number fixes it.
         name: preset name, for logs and result tables.
     """
 
@@ -55,10 +62,12 @@ class TurboConfig:
     frac_2bit_heads: float = 0.0
     head_bits: Optional[list[list[int]]] = None
     block_size: int = 64
+    sink_blocks: int = 1
+    recent_blocks: int = 2
     softmax: str = "exact"
     sas_threshold: float = 6.0
     smooth_k: bool = True
-    scale_headroom: float = 2.0
+    scale_headroom: float | str = "auto"
     name: str = "custom"
 
     def __post_init__(self) -> None:
@@ -73,8 +82,14 @@ class TurboConfig:
             raise TurboConfigError(f"block_size={bs!r} must be a power of two between 16 and 256")
         if self.softmax not in SOFTMAX_MODES:
             raise TurboConfigError(f"softmax={self.softmax!r} must be one of {SOFTMAX_MODES}")
-        if not (self.scale_headroom >= 1.0):
-            raise TurboConfigError(f"scale_headroom={self.scale_headroom!r} must be >= 1.0")
+        if self.scale_headroom != "auto" and not (
+            isinstance(self.scale_headroom, (int, float)) and self.scale_headroom >= 1.0
+        ):
+            raise TurboConfigError(f"scale_headroom={self.scale_headroom!r} must be 'auto' or a number >= 1.0")
+        for name in ("sink_blocks", "recent_blocks"):
+            n = getattr(self, name)
+            if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= 16:
+                raise TurboConfigError(f"{name}={n!r} must be an integer between 0 and 16")
         if not (self.sas_threshold > 0):
             raise TurboConfigError(f"sas_threshold={self.sas_threshold!r} must be > 0")
         if not isinstance(self.n_2bit_heads, int) or self.n_2bit_heads < 0:

@@ -44,7 +44,7 @@ def _compile(D, bits, G, Lq, BS, variant):
     sig = dict(q="*bf16", sk="*fp32", mk="*fp32", heads="*i32", kp=code, ks="*i8", kz="*i8", vp=code, vs="*i8",
                vz="*i8", kt="*i8", vt="*i8", sv="*fp32", kvalid="*i8", o="*bf16", po="*fp32", pml="*fp32",
                cnt="*i32")
-    for name in ("n_blocks", "n_tail", "Lq", "kv_len", "T0", "TPS", "window"):
+    for name in ("n_blocks", "n_tail", "n_sink", "tail_cap", "Lq", "kv_len", "T0", "TPS", "window"):
         sig[name] = "i32"
     for name in ("softcap", "sas_thr", "qscale"):
         sig[name] = "fp32"

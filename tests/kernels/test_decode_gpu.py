@@ -32,29 +32,33 @@ def _rel(a, b):
 # flips an occasional p8 = round(127 p) by one; everything else (integer dots, same fp32 order) agrees.
 # Measured on the H100 (torch 2.11, triton 3.6; 5 cases x splits 1/5, L 4133, d 128): rms-relative 1.62e-3 ..
 # 1.68e-3, max-abs 1.8e-3 .. 3.9e-3 -> bounds 5e-3 (rms-relative) and 2e-2 (max-abs).
-REAL_CASES = [("int8", 1, "exact"), ("int4", 1, "sas"), ("mixed", 1, "exact"), ("mixed", 7, "sas"),
-              ("int4", 7, "exact")]
+# last field: sink + recent blocks of the INT8 buffer (the int4 / mixed presets' 1 + 2) or the plain layout
+REAL_CASES = [("int8", 1, "exact", 0), ("int4", 1, "sas", 0), ("mixed", 1, "exact", 0), ("mixed", 7, "sas", 0),
+              ("int4", 7, "exact", 0), ("int4", 1, "exact", 1), ("mixed", 7, "sas", 1)]
 
 
-@pytest.mark.parametrize("bits_name,lq,softmax", REAL_CASES, ids=["-".join(map(str, c)) for c in REAL_CASES])
-def test_decode_real_sizes_match_reference(bits_name, lq, softmax):
+@pytest.mark.parametrize("bits_name,lq,softmax,sink", REAL_CASES, ids=["-".join(map(str, c)) for c in REAL_CASES])
+def test_decode_real_sizes_match_reference(bits_name, lq, softmax, sink):
     torch.manual_seed(0)
     b, hk, G, d, L, bs = 2, 8, 4, 128, 4096 + 37, 64
     head_bits = {"int8": [8] * hk, "int4": [4] * hk, "mixed": [4] * (hk // 2) + [2] * (hk // 2)}[bits_name]
     k = torch.randn(b, hk, L, d, device="cuda") + 0.5 * torch.randn(1, hk, 1, d, device="cuda")
     v = torch.randn(b, hk, L, d, device="cuda")
     q = torch.randn(b, hk * G, lq, d, device="cuda", dtype=torch.bfloat16) * 2
-    groups, kt, vt, nt, ks, vs, mu = R.build_packed_cache_ref(k, v, 2048, head_bits, bs)
+    groups, kt, vt, nt, ks, vs, mu = R.build_packed_cache_ref(k, v, 2048, head_bits, bs, sink_blocks=sink,
+                                                              recent_blocks=2 * sink)
+    ns = sink * bs
     for S in (1, 5):
-        out = turbo_decode_attention(q, _to_packed(groups), kt, vt, nt, ks, vs, mu, softmax=softmax, n_splits=S)
+        out = turbo_decode_attention(q, _to_packed(groups), kt, vt, nt, ks, vs, mu, softmax=softmax, n_splits=S,
+                                     n_sink=ns)
         torch.cuda.synchronize()
-        ref = R.turbo_decode_ref(q.float(), groups, kt, vt, nt, ks, vs, mu, softmax=softmax, n_splits=S)
+        ref = R.turbo_decode_ref(q.float(), groups, kt, vt, nt, ks, vs, mu, softmax=softmax, n_splits=S, n_sink=ns)
         rel, mx = _rel(out, ref)
         print(f"\n[decode-gpu] {bits_name} lq={lq} {softmax} S={S}: rms-rel {rel:.2e} max-abs {mx:.2e}")
         assert rel < 5e-3 and mx < 2e-2
     # default split plan (SM count) against the fp64 attention (loose: the format's own error);
     # measured on the H100: int8 0.039, int4 0.213-0.219, mixed 0.72-0.82 (2-bit heads on Gaussian data)
-    out = turbo_decode_attention(q, _to_packed(groups), kt, vt, nt, ks, vs, mu, softmax=softmax)
+    out = turbo_decode_attention(q, _to_packed(groups), kt, vt, nt, ks, vs, mu, softmax=softmax, n_sink=ns)
     f = R.attention_fp64(q.float(), k, v)
     print(f"[decode-gpu] {bits_name} vs fp64: {_rel(out, f)[0]:.3f}")
     assert _rel(out, f)[0] < {"int8": 0.1, "int4": 0.3, "mixed": 1.1}[bits_name]
@@ -152,11 +156,9 @@ def test_decode_timing_32k():
             best = None
             # around the measured default (1 warp, 3 stages, 4 waves on the H200, eval/PERF_NOTES.md)
             for waves, warps, stages in [(4, 1, 3), (2, 1, 3), (8, 1, 3), (4, 1, 2), (4, 2, 3)]:
-                args = (q, layer.groups, layer.k_tail, layer.v_tail, layer.n_tail, layer.k_scale, layer.v_scale,
-                        layer.k_mean)
-                kw = dict(softmax=cfg.softmax, sas_threshold=cfg.sas_threshold, waves=waves, num_warps=warps,
-                          num_stages=stages)
-                ms = _bench(lambda: turbo_decode_attention(*args, **kw))
+                args, kw = layer.decode_inputs()
+                kw.update(waves=waves, num_warps=warps, num_stages=stages)
+                ms = _bench(lambda: turbo_decode_attention(q, *args, **kw))
                 if best is None or ms < best[0]:
                     best = (ms, waves, warps, stages)
             ms = _bench(lambda: layer.attention(q, kk, vv))
@@ -178,10 +180,11 @@ def _one_decode_call():
     k = torch.randn(b, hk, L, d, device="cuda")
     v = torch.randn(b, hk, L, d, device="cuda")
     q = torch.randn(b, hk * G, 3, d, device="cuda", dtype=torch.bfloat16)
-    groups, kt, vt, nt, ks, vs, mu = R.build_packed_cache_ref(k, v, 200, [8, 4, 2, 2], 64)
+    groups, kt, vt, nt, ks, vs, mu = R.build_packed_cache_ref(k, v, 200, [8, 4, 2, 2], 64, sink_blocks=1,
+                                                              recent_blocks=2)
     kv = torch.ones(b, L, dtype=torch.bool, device="cuda")
     kv[0, :7] = False
-    out = turbo_decode_attention(q, _to_packed(groups), kt, vt, nt, ks, vs, mu, key_valid=kv, n_splits=3,
+    out = turbo_decode_attention(q, _to_packed(groups), kt, vt, nt, ks, vs, mu, key_valid=kv, n_sink=64, n_splits=3,
                                  softmax="sas")
     torch.cuda.synchronize()
     assert torch.isfinite(out).all()

@@ -14,7 +14,7 @@ from turbo_attn_hf.kernels.pack import kv_bytes_per_token
 # layer.attention (kernel) vs reference on the same packed state, CPU interpreter: measured max |diff| 9e-8.
 ATOL = 1e-5
 # int8 generate() vs the bf16 DynamicCache path, tiny llama (bf16 weights, logit rms 1.14), per-step max
-# |logit diff| over 100 steps: measured max 0.180, mean 0.086 (scale headroom 2; with headroom 1 the
+# |logit diff| over 100 steps: measured max 0.160, mean 0.080 (auto headroom 1.86; 0.180 / 0.086 at 2; with headroom 1 the
 # 20-token prompt's scales clamp later tokens: max 1.12, mean 0.66) -> bounds 0.3 and 0.15.
 MAX_STEP_DIFF = 0.3
 MEAN_STEP_DIFF = 0.15
@@ -30,13 +30,23 @@ def _kv(b, hk, L, d, seed=0, device="cpu"):
 
 def _ref(q, k, v, n_prefill, layer, **kw):
     """Reference attention of q over the packed state of all of k, v (scales from the first n_prefill)."""
-    groups, kt, vt, nt, ks, vs, mu = R.build_packed_cache_ref(k.cpu(), v.cpu(), n_prefill, layer.head_bits, BS,
-                                                              headroom=layer.scale_headroom)
-    n_tiles = groups[0].n_blocks + (1 if nt else 0)
+    cfg = layer.turbo_config
+    bs = cfg.block_size
+    groups, kt, vt, nt, ks, vs, mu = R.build_packed_cache_ref(
+        k.cpu(), v.cpu(), n_prefill, layer.head_bits, bs, headroom=layer.headroom, sink_blocks=cfg.sink_blocks,
+        recent_blocks=cfg.recent_blocks)
+    assert kt.shape == layer.k_tail.shape and torch.equal(kt[:, :, :nt], layer.k_tail[:, :, :nt].cpu())
+    return _ref_on(q, (groups, kt, vt, nt, ks, vs, mu), layer, **kw)
+
+
+def _ref_on(q, state, layer, **kw):
+    """Reference attention of q over a given packed state, split as the kernel splits it."""
+    groups, kt, vt, nt, ks, vs, mu = state
+    n_tiles = groups[0].n_blocks + -(-nt // layer.turbo_config.block_size)
     b, hq, lq, _ = q.shape
-    n_m = -(-(hq // k.shape[1] * lq) // 64)
+    n_m = -(-(hq // kt.shape[1] * lq) // 64)
     splits = {g.bits: plan_splits(n_tiles, b * len(g.heads) * n_m, q.device)[0] for g in groups}
-    return R.turbo_decode_ref(q.cpu(), groups, kt, vt, nt, ks, vs, mu, n_splits=splits, **kw)
+    return R.turbo_decode_ref(q.cpu(), groups, kt, vt, nt, ks, vs, mu, n_splits=splits, n_sink=layer.n_sink, **kw)
 
 
 def _close(a, b, atol=ATOL):
@@ -45,7 +55,8 @@ def _close(a, b, atol=ATOL):
 
 
 def _cfg(**kw):
-    base = dict(bits=4, n_2bit_heads=1, block_size=BS, softmax="exact")
+    """int4 + one 2-bit head; the plain TurboAttention layout (no sink / recent blocks) unless overridden."""
+    base = dict(bits=4, n_2bit_heads=1, block_size=BS, softmax="exact", sink_blocks=0, recent_blocks=0)
     base.update(kw)
     return TurboConfig(**base)
 
@@ -78,6 +89,95 @@ def test_sequence_across_block_boundaries(device):
     layer = cache.layers[0]
     assert (layer.n_blocks, layer.n_tail) == (2, 8)
     assert cache.get_seq_length() == 136
+
+
+@pytest.mark.parametrize("sink,recent", [(1, 2), (2, 0), (0, 1)])
+def test_sink_and_recent_blocks_across_updates(sink, recent, device):
+    """Block 16: prefill 20, 1-token steps to 120, a 7-token chunk, one 60-token chunk: the INT8 buffer and
+    the packed blocks hold what ``reference.int8_buffer_layout`` says, and attention equals the reference."""
+    b, hk, G, d, bs = 2, 2, 2, 32, 16
+    L = 187
+    k, v = _kv(b, hk, L, d, seed=3, device=device)
+    q = torch.randn(b, hk * G, L, d, generator=torch.Generator().manual_seed(4)).to(device)
+    cache = TurboCache(_cfg(block_size=bs, sink_blocks=sink, recent_blocks=recent))
+    pos = 0
+    for T in [20] + [1] * 100 + [7, 60]:
+        kk, vv = cache.update(k[:, :, pos:pos + T], v[:, :, pos:pos + T], 0)
+        pos += T
+        layer = cache.layers[0]
+        nb, ranges = R.int8_buffer_layout(pos, bs, sink, recent)
+        assert (layer.n_blocks, layer.n_tail) == (nb, sum(t1 - t0 for t0, t1 in ranges)), pos
+        assert cache.get_seq_length() == pos
+        if pos == T or (T == 1 and pos % 13):
+            continue
+        out = layer.attention(q[:, :, pos - T:pos], kk, vv)
+        _close(out, _ref(q[:, :, pos - T:pos], k[:, :, :pos], v[:, :, :pos], 20, layer))
+    bulk = TurboCache(_cfg(block_size=bs, sink_blocks=sink, recent_blocks=recent))
+    bulk.update(k[:, :, :20], v[:, :, :20], 0)
+    bulk.update(k[:, :, 20:], v[:, :, 20:], 0)  # one chunk: the same layout as token by token
+    a, c = cache.layers[0], bulk.layers[0]
+    assert (a.n_blocks, a.n_tail) == (c.n_blocks, c.n_tail)
+    assert torch.equal(a.k_tail[:, :, :a.n_tail], c.k_tail[:, :, :c.n_tail])
+    for ga, gc in zip(a.groups, c.groups):
+        assert torch.equal(ga.k[:, :, :ga.n_blocks], gc.k[:, :, :gc.n_blocks])
+        assert torch.equal(ga.v_scale[:, :, :ga.n_blocks], gc.v_scale[:, :, :gc.n_blocks])
+
+
+@pytest.mark.parametrize("window,left_pad", [(None, 0), (37, 0), (None, 21)])
+def test_sink_and_recent_blocks_with_masks(window, left_pad, device):
+    """Sliding window (packed blocks outside it skipped, the sink tile masked) and left padding over the
+    sink slots: attention over the sink + recent layout equals the reference."""
+    b, hk, G, d, bs, L = 2, 2, 2, 32, 16, 150
+    k, v = _kv(b, hk, L, d, seed=8, device=device)
+    cache = TurboCache(_cfg(block_size=bs, sink_blocks=1, recent_blocks=2))
+    cache.update(k[:, :, :100], v[:, :, :100], 0)
+    kk, vv = cache.update(k[:, :, 100:], v[:, :, 100:], 0)
+    layer = cache.layers[0]
+    assert layer.n_blocks == (150 - 16 - 32) // 16
+    q = _query(b, hk * G, 2, d, device)
+    kw = {}
+    if window:
+        kw["window"] = window
+    if left_pad:
+        kv = torch.ones(b, L + 0, dtype=torch.bool)
+        kv[1, :left_pad] = False
+        kw["key_valid"] = kv
+    dkw = {n: (t.to(device) if torch.is_tensor(t) else t) for n, t in kw.items()}
+    _close(layer.attention(q, kk, vv, **dkw), _ref(q, k, v, 100, layer, **kw))
+
+
+def test_crop_with_sink_and_recent_blocks(device):
+    """Crop into the recent window, into a packed block and into the sink; each time the buffer and the
+    blocks are those of a cache that stored the kept tokens (up to the second rounding of an unpacked block)."""
+    b, hk, d, bs = 1, 2, 32, 16
+    k, v = _kv(b, hk, 160, d, seed=2, device=device)
+    cache = TurboCache(_cfg(block_size=bs, sink_blocks=1, recent_blocks=2))
+    cache.update(k[:, :, :40], v[:, :, :40], 0)
+    cache.update(k[:, :, 40:], v[:, :, 40:], 0)
+    layer = cache.layers[0]
+    assert (layer.n_blocks, layer.n_tail) == (7, 48)  # 16 sink + 7 blocks + 32 recent = 160
+    q = _query(b, hk * 2, 1, d, device)
+    state = list(R.build_packed_cache_ref(k.cpu(), v.cpu(), 40, layer.head_bits, bs, headroom=layer.headroom,
+                                          sink_blocks=1, recent_blocks=2))
+    cache.crop(-20)  # 160 -> 140: into the recent window (the blocks stay; 20 fewer INT8 tokens)
+    assert (layer.n_blocks, layer.n_tail) == (7, 28)
+    state[3] -= 20
+    kk, vv = layer._placeholders(140)
+    _close(layer.attention(q, kk, vv), _ref_on(q, state, layer))
+    cache.crop(-40)  # 140 -> 100: into packed block 5 (positions 96..111), 4 tokens back into the buffer
+    assert (layer.n_blocks, layer.n_tail) == (5, 20) and cache.get_seq_length() == 100
+    kk, vv = cache.update(k[:, :, 100:160], v[:, :, 100:160], 0)
+    assert cache.get_seq_length() == 160 and (layer.n_blocks, layer.n_tail) == (7, 48)
+    out = layer.attention(q, kk, vv)
+    f = R.attention_fp64(q.cpu(), k.cpu(), v.cpu()).float()
+    assert torch.isfinite(out).all() and ((out.cpu().float() - f).norm() / f.norm()) < 1.1
+    cache.crop(10)  # into the sink: no packed block is left
+    assert (layer.n_blocks, layer.n_tail) == (0, 10) and cache.get_seq_length() == 10
+    state = list(R.build_packed_cache_ref(k[:, :, :40].cpu(), v[:, :, :40].cpu(), 40, layer.head_bits, bs,
+                                          headroom=layer.headroom, sink_blocks=1, recent_blocks=2))
+    state[3] = 10  # 40 tokens fit the INT8 buffer; keep the first 10
+    kk, vv = layer._placeholders(10)
+    _close(layer.attention(q, kk, vv), _ref_on(q, state, layer))
 
 
 def _filled(b=3, hk=2, d=32, L=131, cfg=None, device="cpu", seed=0):
@@ -132,7 +232,7 @@ def test_crop_within_tail_and_into_packed_block(device):
     cache.crop(-8)  # 129 -> 121: into block 1, whose first 57 tokens return to the tail as their INT8 values
     assert cache.get_seq_length() == 121 and (layer.n_blocks, layer.n_tail) == (1, 57)
     groups, kt, vt, nt, ks, vs, mu = R.build_packed_cache_ref(k.cpu(), v.cpu(), 70, layer.head_bits, BS,
-                                                              headroom=layer.scale_headroom)
+                                                              headroom=layer.headroom)
     kt, vt = torch.zeros_like(kt), torch.zeros_like(vt)
     for g in groups:  # the reference of "unpack block 1 into the tail"
         h = g.heads.long()
