@@ -229,9 +229,16 @@ class TurboLayer(CacheLayerMixin):
             if T == 0:
                 return self._placeholders(0)
             self._fix_scales(key_states, value_states)
-        k8 = quantize_int8(key_states, self.k_scale, self.k_mean)
-        v8 = quantize_int8(value_states, self.v_scale)
-        self._store(k8, v8)
+        bs = self.turbo_config.block_size
+        if self.n_tail + T < self.n_sink + (self.n_recent_blocks + 1) * bs and use_triton(key_states.device):
+            # no block to pack (every decode step but one in block_size): quantize + write in one launch
+            from .kernels.store import store_int8_tokens
+
+            store_int8_tokens(key_states, value_states, self.k_scale, self.k_mean, self.v_scale, self.k_tail,
+                              self.v_tail, self.n_tail)
+            self.n_tail += T
+        else:
+            self._store(quantize_int8(key_states, self.k_scale, self.k_mean), quantize_int8(value_states, self.v_scale))
         self._first_prefill = first
         if first:
             k, v = key_states, value_states
