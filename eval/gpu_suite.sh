@@ -7,7 +7,7 @@
 #   one run of up to 600 s: the default (SUITE_BUDGET=520). Runs limited to 300 s: set SUITE_BUDGET=270 and split,
 #   e.g. `tests memcheck` | `accuracy prefill` | `decode e2e chat` (each run returns its own gpu_suite.tar.gz)
 #
-# Steps, in order: setup tests memcheck accuracy prefill decode e2e chat  (setup always runs)
+# Steps, in order: setup tests memcheck accuracy prefill decode layer e2e chat  (setup always runs)
 #   setup     install the carried wheels (.carry/wh, see ../shared/tools/device-wheels) into /tmp/site and this
 #             project (pip install --no-deps --no-build-isolation -e .), print the machine line
 #   tests     python -m pytest -m gpu tests (the memcheck test is left to the next step)
@@ -15,6 +15,7 @@
 #   accuracy  python -m eval.kernel_accuracy --quick   (MRE tables, FA3 outlier RMSE vs fp64)
 #   prefill   python -m eval.bench_prefill --quick     (FA3 protocol subset, SDPA cuDNN/flash, Sage, turbo)
 #   decode    python -m eval.bench_decode --quick      (4k/32k x batch 1/8/32, presets vs SDPA vs dequant+SDPA)
+#   layer     python -m eval.bench_layer_step     (host cost of one layer's decode step, fused store on / off)
 #   e2e       python -m eval.bench_e2e --quick         (Llama-3-8B-shaped, E2E_LAYERS layers, default 32)
 #   chat      turbo-attn chat on SmolLM2-135M-Instruct, turbo_int8 vs sdpa tokens/s and KV memory, when the GGUF
 #             was staged (SMOL_GGUF, default /tmp/m/smol.gguf: ../shared/tools/stage-model, two runs); else skipped
@@ -37,7 +38,7 @@ E2E_LAYERS=${E2E_LAYERS:-32}
 PY=${PYTHON:-python3}
 START=$(date +%s)
 STEPS=("$@")
-[ ${#STEPS[@]} -eq 0 ] && STEPS=(tests memcheck accuracy prefill decode e2e chat)
+[ ${#STEPS[@]} -eq 0 ] && STEPS=(tests memcheck accuracy prefill decode layer e2e chat)
 SMOL_GGUF=${SMOL_GGUF:-/tmp/m/smol.gguf}
 export PYTHONUNBUFFERED=1
 
@@ -126,6 +127,7 @@ fi
 want accuracy && run_step accuracy 90 $PY -m eval.kernel_accuracy --quick --out "$RES"
 want prefill && run_step prefill 150 $PY -m eval.bench_prefill --quick --out "$RES"
 want decode && run_step decode 120 $PY -m eval.bench_decode --quick --out "$RES"
+want layer && run_step layer 60 $PY -m eval.bench_layer_step --out "$RES"
 want e2e && run_step e2e 170 $PY -m eval.bench_e2e --quick --layers "$E2E_LAYERS" --out "$RES"
 if want chat; then
   if [ -f "$SMOL_GGUF" ]; then

@@ -50,6 +50,9 @@ _BITS_ORDER = (8, 4, 2)
 #: long ones do not: the expected maximum of n samples of a light-tailed channel grows like sqrt(2 ln n), so
 #: the range seen in n tokens covers a context of N tokens when scaled by sqrt(ln N / ln n). With N = 32768:
 #: n = 20 -> 1.86, 100 -> 1.51, 900 -> 1.24 — the best measured values above. Clamped to [1.25, 2].
+#: decode steps that pack no block quantize + write their tokens in one Triton launch (kernels/store.py)
+#: instead of ~22 PyTorch launches; False = the PyTorch path (kept to measure against: eval/bench_layer_step.py).
+FUSED_STORE = True
 AUTO_HEADROOM_CONTEXT = 32768
 AUTO_HEADROOM_RANGE = (1.25, 2.0)
 DEFAULT_SCALE_HEADROOM = "auto"
@@ -230,7 +233,8 @@ class TurboLayer(CacheLayerMixin):
                 return self._placeholders(0)
             self._fix_scales(key_states, value_states)
         bs = self.turbo_config.block_size
-        if self.n_tail + T < self.n_sink + (self.n_recent_blocks + 1) * bs and use_triton(key_states.device):
+        if FUSED_STORE and self.n_tail + T < self.n_sink + (self.n_recent_blocks + 1) * bs and \
+                use_triton(key_states.device):
             # no block to pack (every decode step but one in block_size): quantize + write in one launch
             from .kernels.store import store_int8_tokens
 
