@@ -139,18 +139,37 @@ class TurboLayer(CacheLayerMixin):
         self.dtype, self.device = key_states.dtype, key_states.device
         self.batch, self.n_kv_heads, self.head_dim = b, hk, d
         bs = self.turbo_config.block_size
-        self.head_bits = self._layer_head_bits(hk)
-        self.groups = []
-        for bits in _BITS_ORDER:
-            heads = [h for h, hb in enumerate(self.head_bits) if hb == bits]
-            if heads:
-                self.groups.append(PackedKV.empty(bits, torch.tensor(heads, dtype=torch.int32), b, d, bs,
-                                                  self.device))
+        self.head_bits = self._layer_head_bits(hk)  # provisional with head_select "prompt" (first prefill decides)
+        self._make_groups()
         cap = (self.n_sink_blocks + self.n_recent_blocks + 1) * bs
         self.k_tail = torch.zeros(b, hk, cap, d, dtype=torch.int8, device=self.device)
         self.v_tail = torch.zeros(b, hk, d, cap, dtype=torch.int8, device=self.device)
         self.n_tail = 0
         self.is_initialized = True
+
+    def _make_groups(self) -> None:
+        """One empty PackedKV per bit width present in ``head_bits``."""
+        self.groups = []
+        for bits in _BITS_ORDER:
+            heads = [h for h, hb in enumerate(self.head_bits) if hb == bits]
+            if heads:
+                self.groups.append(PackedKV.empty(bits, torch.tensor(heads, dtype=torch.int32), self.batch,
+                                                  self.head_dim, self.turbo_config.block_size, self.device))
+
+    def _select_heads(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """``head_select: prompt``: the 2-bit heads of this layer are the lowest-priority ones (gap × std,
+        ``calibrate.prompt_head_priority``) of the first prefill; the number of 2-bit heads is the config's."""
+        cfg = self.turbo_config
+        n2 = self.head_bits.count(2)
+        if cfg.head_bits is not None or getattr(cfg, "head_select", "last") != "prompt":
+            return
+        if not 0 < n2 < len(self.head_bits):
+            return
+        from .calibrate import assign_head_bits, prompt_head_priority
+
+        prio = prompt_head_priority(key_states, value_states, cfg.block_size)
+        self.head_bits = assign_head_bits(prio[None].cpu(), n2, cfg.bits)[0]
+        self._make_groups()
 
     # ------------------------------------------------------------------ storing
     @property
@@ -232,6 +251,7 @@ class TurboLayer(CacheLayerMixin):
             if T == 0:
                 return self._placeholders(0)
             self._fix_scales(key_states, value_states)
+            self._select_heads(key_states, value_states)
         bs = self.turbo_config.block_size
         if FUSED_STORE and self.n_tail + T < self.n_sink + (self.n_recent_blocks + 1) * bs and \
                 use_triton(key_states.device):

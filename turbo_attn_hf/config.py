@@ -22,6 +22,7 @@ import yaml
 
 SUPPORTED_BITS = (2, 4, 8)
 SOFTMAX_MODES = ("exact", "sas")
+HEAD_SELECT_MODES = ("prompt", "last")
 
 
 class TurboConfigError(ValueError):
@@ -50,6 +51,9 @@ class TurboConfig:
         sas_threshold: SAS drops scores more than this many natural-log units below the row max.
         smooth_k: subtract the per-channel mean of K (fixed at prefill) before quantizing; the softmax
             output is unchanged, outliers shrink (SageAttention). Ignored with logit softcapping.
+        head_select: which heads of a layer get 2 bits when no ``head_bits`` map is given: ``"prompt"``
+            (default) applies the calibration rule (``calibrate.py``: lowest gap × std of K and V) to the
+            first prefill's K/V of each layer, per cache; ``"last"`` takes the last heads.
         scale_headroom: the cache's fixed per-channel INT8 scale is ``headroom * amax(prefill) / 127``; later
             tokens beyond the prefill's range clamp. ``"auto"`` (default) sets it from the first prefill's
             length n (``cache.auto_headroom``: sqrt(ln 32768 / ln n) clamped to [1.25, 2]): a short prompt
@@ -64,6 +68,7 @@ class TurboConfig:
     block_size: int = 64
     sink_blocks: int = 1
     recent_blocks: int = 2
+    head_select: str = "prompt"
     softmax: str = "exact"
     sas_threshold: float = 6.0
     smooth_k: bool = True
@@ -86,6 +91,8 @@ class TurboConfig:
             isinstance(self.scale_headroom, (int, float)) and self.scale_headroom >= 1.0
         ):
             raise TurboConfigError(f"scale_headroom={self.scale_headroom!r} must be 'auto' or a number >= 1.0")
+        if self.head_select not in HEAD_SELECT_MODES:
+            raise TurboConfigError(f"head_select={self.head_select!r} must be one of {HEAD_SELECT_MODES}")
         for name in ("sink_blocks", "recent_blocks"):
             n = getattr(self, name)
             if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= 16:

@@ -55,8 +55,10 @@ def _close(a, b, atol=ATOL):
 
 
 def _cfg(**kw):
-    """int4 + one 2-bit head; the plain TurboAttention layout (no sink / recent blocks) unless overridden."""
-    base = dict(bits=4, n_2bit_heads=1, block_size=BS, softmax="exact", sink_blocks=0, recent_blocks=0)
+    """int4 + one 2-bit head (the last one); the plain TurboAttention layout (no sink / recent blocks) unless
+    overridden."""
+    base = dict(bits=4, n_2bit_heads=1, block_size=BS, softmax="exact", sink_blocks=0, recent_blocks=0,
+                head_select="last")
     base.update(kw)
     return TurboConfig(**base)
 
@@ -302,6 +304,14 @@ def test_bad_configs_raise_named_errors():
         TurboConfig(bits=3)
     with pytest.raises(TurboConfigError, match="block_size=48"):
         TurboConfig(block_size=48)
+    with pytest.raises(TurboConfigError, match="sink_blocks=-1"):
+        TurboConfig(sink_blocks=-1)
+    with pytest.raises(TurboConfigError, match="recent_blocks=1.5"):
+        TurboConfig(recent_blocks=1.5)
+    with pytest.raises(TurboConfigError, match="head_select='first'"):
+        TurboConfig(head_select="first")
+    with pytest.raises(TurboConfigError, match="scale_headroom='big'"):
+        TurboConfig(scale_headroom="big")
     # head map with 3 heads for a layer that has 2 KV heads: raises at the first update
     cache = TurboCache(TurboConfig(head_bits=[[4, 2, 2]], block_size=BS))
     k = torch.zeros(1, 2, 4, 32)
@@ -376,3 +386,35 @@ def test_int8_generate_logits_track_dynamic_cache(tm, pytorch_reference_kernels)
           f"(logit rms {ref.pow(2).mean().sqrt():.2f})")
     assert diff[0] == 0  # the first step is the same prefill
     assert diff.max() < MAX_STEP_DIFF and diff.mean() < MEAN_STEP_DIFF
+
+
+@pytest.mark.parametrize("select,expected", [("prompt", [4, 2, 4]), ("last", [4, 4, 2])])
+def test_head_select_from_the_prompt(select, expected, device):
+    """head_select "prompt": the 2-bit head is the one whose channel ranges are narrowest and most uniform
+    (calibration's gap x std, on the first prefill); attention over the chosen layout equals the reference."""
+    b, hk, d = 2, 3, 32
+    k, v = _kv(b, hk, 150, d, seed=4)
+    k[:, 1] *= 0.1  # head 1: small, uniform ranges -> lowest priority
+    v[:, 1] *= 0.1
+    k, v = k.to(device), v.to(device)
+    cache = TurboCache(_cfg(head_select=select))
+    cache.update(k[:, :, :140], v[:, :, :140], 0)
+    kk, vv = cache.update(k[:, :, 140:], v[:, :, 140:], 0)
+    layer = cache.layers[0]
+    assert layer.head_bits == expected
+    assert [g.heads.tolist() for g in layer.groups] == [[h for h in range(3) if expected[h] == 4], [expected.index(2)]]
+    q = _query(b, hk * 2, 1, d, device)
+    _close(layer.attention(q, kk, vv), _ref(q, k, v, 140, layer))
+
+
+def test_auto_headroom_follows_the_prompt_length(device):
+    from turbo_attn_hf.cache import auto_headroom
+
+    assert auto_headroom(1) == 2.0 and auto_headroom(900) == 1.25  # clamped at both ends
+    assert 1.85 < auto_headroom(20) < 1.87 and 1.49 < auto_headroom(100) < 1.52  # sqrt(ln 32768 / ln n)
+    k, v = _kv(1, 2, 20, 32, device=device)
+    cache = TurboCache(_cfg(scale_headroom="auto"))
+    cache.update(k, v, 0)
+    layer = cache.layers[0]
+    assert layer.headroom == auto_headroom(20)
+    assert torch.allclose(layer.v_scale, v.float().abs().amax(2) * auto_headroom(20) / 127)
