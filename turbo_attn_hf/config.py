@@ -6,8 +6,9 @@ Presets live in ``configs/*.yaml`` (installed as ``turbo_attn_hf.configs``):
   mixed  the TurboAttention paper's setting: block 64, half of each layer's KV heads INT2, the rest
          INT4, SAS softmax
 
-Per-head bit widths come either from ``n_2bit_heads`` (which heads: the calibrated ``head_bits`` map
-if present, otherwise the last heads of each layer) or from an explicit ``head_bits`` map
+Per-head bit widths come either from ``n_2bit_heads`` (which heads: chosen per layer from the first
+prefill's K/V by the calibration rule, ``head_select: prompt``, or the last heads, ``head_select: last``) or
+from an explicit ``head_bits`` map
 ``[[bits of kv head 0, 1, ...] for each layer]`` written by ``turbo_attn_hf.calibrate``.
 """
 
