@@ -173,7 +173,8 @@ def test_decode_timing_32k():
 
 
 def _one_decode_call():
-    """A small decode call (mixed bits, split + merge, tail, key_valid) for compute-sanitizer memcheck:
+    """A small decode call (mixed bits, split + merge, tail, key_valid) and a decode-step store into the last
+    slots of the INT8 buffer, for compute-sanitizer memcheck:
     ``compute-sanitizer --tool memcheck python tests/kernels/test_decode_gpu.py``."""
     torch.manual_seed(0)
     b, hk, G, d, L = 2, 4, 4, 128, 300
@@ -189,6 +190,12 @@ def _one_decode_call():
     torch.cuda.synchronize()
     assert torch.isfinite(out).all()
     print("decode call ok", tuple(out.shape))
+    from turbo_attn_hf.kernels.store import store_int8_tokens
+
+    k1 = torch.randn(b, hk, 3, d, device="cuda", dtype=torch.bfloat16)
+    store_int8_tokens(k1, k1, ks.contiguous(), mu.contiguous(), vs.contiguous(), kt, vt, kt.shape[2] - 3)
+    torch.cuda.synchronize()
+    print("store call ok")
 
 
 if __name__ == "__main__":
