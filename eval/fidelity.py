@@ -91,6 +91,20 @@ class Impl:
         return DynamicCache(config=model.config)
 
 
+def split_presets(text: str) -> list[str]:
+    """``"int8,int4:sink_blocks=0,recent_blocks=0"`` -> ``["int8", "int4:sink_blocks=0,recent_blocks=0"]``:
+    a comma item that is a bare ``key=value`` continues the previous item's overrides."""
+    out: list[str] = []
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            continue
+        if out and "=" in item and ":" not in item and ":" in out[-1]:
+            out[-1] += "," + item
+        else:
+            out.append(item)
+    return out
+
+
 def impls_for(presets: Iterable[str]) -> list[Impl]:
     """The floor (sdpa-bf16) followed by one turbo_int8 Impl per preset name / YAML path, optionally with
     field overrides for ablations: ``int4:sink_blocks=0,recent_blocks=0`` (values parsed as YAML)."""
@@ -320,7 +334,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
     ap.add_argument("--gguf-file", default=None)
-    ap.add_argument("--presets", default="int8,int4,mixed")
+    ap.add_argument("--presets", default="int8,int4,mixed",
+                    help="comma list of preset names / YAML paths, each with optional overrides, "
+                         "e.g. int4:sink_blocks=0,recent_blocks=0")
     ap.add_argument("--limit", type=int, default=100, help="GSM8K test texts for the teacher-forced metrics")
     ap.add_argument("--shots", type=int, default=8, choices=(0, 8))
     ap.add_argument("--chunk", type=int, default=1, help="answer tokens per decode step")
@@ -345,7 +361,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     ref = ref.to(device).eval()
     model = copy.deepcopy(ref).to(getattr(torch, args.dtype))
     model.set_attn_implementation("sdpa")
-    impls = impls_for([p for p in args.presets.split(",") if p])
+    impls = impls_for(split_presets(args.presets))
 
     rows = edata.load_gsm8k(args.data_dir)
     examples = gsm8k_examples(tok, rows[: args.limit], shots=args.shots, data_dir=args.data_dir)

@@ -17,14 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .decode import _pow2
+from .quant import _to_int8_half_away
+
 __all__ = ["store_int8_tokens"]
-
-
-@triton.jit
-def _round_clamp_int8(b_x):
-    """fp32 -> int8: round half away from zero, clamp to ±127 (as ``pack.quantize_int8``)."""
-    b_r = tl.where(b_x >= 0, b_x + 0.5, b_x - 0.5).to(tl.int32)  # fp -> int truncates toward zero
-    return tl.minimum(tl.maximum(b_r, -127), 127).to(tl.int8)
 
 
 @triton.jit(do_not_specialize=["slot", "T"])
@@ -50,15 +46,12 @@ def _store_tokens_kernel(
                   mask=m, other=0.0).to(tl.float32)
     if HAS_MEAN:
         b_k = b_k - tl.load(mk + o_s, mask=o_d < D, other=0.0)[None, :]
-    b_k8 = _round_clamp_int8(tl.math.div_rn(b_k, b_sk[None, :]))
-    b_v8 = _round_clamp_int8(tl.math.div_rn(b_v, b_sv[None, :]))
+    # divide (as pack.quantize_int8 does), then round half away + clamp (inv 1.0: exact)
+    b_k8 = _to_int8_half_away(tl.math.div_rn(b_k, b_sk[None, :]), 1.0)
+    b_v8 = _to_int8_half_away(tl.math.div_rn(b_v, b_sv[None, :]), 1.0)
     o_buf = i_bh.to(tl.int64) * C * D  # the same for [C, D] and [D, C]
     tl.store(kt + o_buf + (slot + o_t[:, None]) * D + o_d[None, :], b_k8, mask=m)
     tl.store(vt + o_buf + o_d[None, :] * C + (slot + o_t[:, None]), b_v8, mask=m)
-
-
-def _pow2(n: int) -> int:
-    return 1 << (max(int(n), 1) - 1).bit_length()
 
 
 def store_int8_tokens(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, k_mean: Optional[torch.Tensor],

@@ -50,12 +50,13 @@ _BITS_ORDER = (8, 4, 2)
 #: long ones do not: the expected maximum of n samples of a light-tailed channel grows like sqrt(2 ln n), so
 #: the range seen in n tokens covers a context of N tokens when scaled by sqrt(ln N / ln n). With N = 32768:
 #: n = 20 -> 1.86, 100 -> 1.51, 900 -> 1.24 — the best measured values above. Clamped to [1.25, 2].
-#: decode steps that pack no block quantize + write their tokens in one Triton launch (kernels/store.py)
-#: instead of ~22 PyTorch launches; False = the PyTorch path (kept to measure against: eval/bench_layer_step.py).
-FUSED_STORE = True
 AUTO_HEADROOM_CONTEXT = 32768
 AUTO_HEADROOM_RANGE = (1.25, 2.0)
 DEFAULT_SCALE_HEADROOM = "auto"
+#: stores that pack no block (every decode step but one in block_size) quantize + write their tokens in one
+#: Triton launch (kernels/store.py) instead of ~22 PyTorch launches; False = the PyTorch path (kept to
+#: measure against: eval/bench_layer_step.py).
+FUSED_STORE = True
 
 
 def auto_headroom(n_tokens: int) -> float:
@@ -104,8 +105,6 @@ class TurboLayer(CacheLayerMixin):
         self.layer_idx = layer_idx
         self.n_layers = n_layers
         self.scale_headroom = getattr(turbo_config, "scale_headroom", DEFAULT_SCALE_HEADROOM)
-        self.n_sink_blocks = int(getattr(turbo_config, "sink_blocks", 0))
-        self.n_recent_blocks = int(getattr(turbo_config, "recent_blocks", 0))
         self._clear()
 
     def _clear(self) -> None:
@@ -141,7 +140,7 @@ class TurboLayer(CacheLayerMixin):
         bs = self.turbo_config.block_size
         self.head_bits = self._layer_head_bits(hk)  # provisional with head_select "prompt" (first prefill decides)
         self._make_groups()
-        cap = (self.n_sink_blocks + self.n_recent_blocks + 1) * bs
+        cap = (self.turbo_config.sink_blocks + self.turbo_config.recent_blocks + 1) * bs
         self.k_tail = torch.zeros(b, hk, cap, d, dtype=torch.int8, device=self.device)
         self.v_tail = torch.zeros(b, hk, d, cap, dtype=torch.int8, device=self.device)
         self.n_tail = 0
@@ -161,9 +160,7 @@ class TurboLayer(CacheLayerMixin):
         ``calibrate.prompt_head_priority``) of the first prefill; the number of 2-bit heads is the config's."""
         cfg = self.turbo_config
         n2 = self.head_bits.count(2)
-        if cfg.head_bits is not None or getattr(cfg, "head_select", "last") != "prompt":
-            return
-        if not 0 < n2 < len(self.head_bits):
+        if cfg.head_bits is not None or cfg.head_select != "prompt" or not 0 < n2 < len(self.head_bits):
             return
         from .calibrate import assign_head_bits, prompt_head_priority
 
@@ -184,40 +181,54 @@ class TurboLayer(CacheLayerMixin):
     @property
     def n_sink(self) -> int:
         """INT8 buffer slots reserved for the sequence's first tokens (never packed)."""
-        return self.n_sink_blocks * self.turbo_config.block_size
+        return self.turbo_config.sink_blocks * self.turbo_config.block_size
 
     def _write_tail(self, slot: int, k8: torch.Tensor, v8: torch.Tensor) -> None:
         n = k8.shape[2]
         self.k_tail[:, :, slot:slot + n] = k8
         self.v_tail[:, :, :, slot:slot + n] = v8.transpose(-1, -2)
 
-    def _store(self, k8: torch.Tensor, v8: torch.Tensor) -> None:
-        """Append INT8 tokens ``[b, Hk, T, d]`` (layout: ``reference.int8_buffer_layout``): the first
-        ``n_sink`` tokens of the sequence fill the sink slots; later ones go to the recent part of the INT8
-        buffer, and whenever ``recent_blocks + 1`` full blocks wait there the oldest are packed."""
+    def _write_tokens(self, slot: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Quantize ``[b, Hk, T, d]`` K/V to INT8 and write them to buffer slots ``slot ..``."""
+        if FUSED_STORE and use_triton(key_states.device):
+            from .kernels.store import store_int8_tokens
+
+            store_int8_tokens(key_states, value_states, self.k_scale, self.k_mean, self.v_scale, self.k_tail,
+                              self.v_tail, slot)
+        else:
+            self._write_tail(slot, quantize_int8(key_states, self.k_scale, self.k_mean),
+                             quantize_int8(value_states, self.v_scale))
+
+    def _store(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Append tokens ``[b, Hk, T, d]`` (layout: ``reference.int8_buffer_layout``): the first ``n_sink``
+        tokens of the sequence fill the sink slots, later ones the recent part of the INT8 buffer; whenever
+        ``recent_blocks + 1`` full blocks wait there the oldest are packed."""
         bs = self.turbo_config.block_size
-        if self.n_tail < self.n_sink:
-            take = min(self.n_sink - self.n_tail, k8.shape[2])
+        T = key_states.shape[2]
+        keep = self.turbo_config.recent_blocks * bs
+        if T == 0:
+            return
+        if self.n_tail + T < self.n_sink + keep + bs:  # no block to pack (the decode step's common case)
+            self._write_tokens(self.n_tail, key_states, value_states)
+            self.n_tail += T
+            return
+        k8 = quantize_int8(key_states, self.k_scale, self.k_mean)
+        v8 = quantize_int8(value_states, self.v_scale)
+        take = max(min(self.n_sink - self.n_tail, T), 0)  # free sink slots
+        if take:
             self._write_tail(self.n_tail, k8[:, :, :take], v8[:, :, :take])
             self.n_tail += take
             k8, v8 = k8[:, :, take:], v8[:, :, take:]
-        T = k8.shape[2]
-        if T == 0:
-            return
-        keep = self.n_recent_blocks * bs
-        c = self.n_tail - self.n_sink  # recent tokens waiting in the buffer
-        if c + T < keep + bs:  # no block to pack: write in place (the decode step's common case)
-            self._write_tail(self.n_tail, k8, v8)
-            self.n_tail += T
-            return
         s0 = self.n_sink
+        c = self.n_tail - s0  # recent tokens waiting in the buffer; with k8 they fill >= one block past keep
         if c:  # the waiting tokens go first (one copy of <= (recent_blocks + 1)·bs tokens per packed block)
             k8 = torch.cat([self.k_tail[:, :, s0:s0 + c], k8], dim=2)
             v8 = torch.cat([self.v_tail[:, :, :, s0:s0 + c].transpose(-1, -2), v8], dim=2)
-        n_pack = (c + T - keep) // bs * bs
+        n = k8.shape[2]
+        n_pack = (n - keep) // bs * bs
         self._append_blocks(k8[:, :, :n_pack], v8[:, :, :n_pack])
         self._write_tail(s0, k8[:, :, n_pack:], v8[:, :, n_pack:])
-        self.n_tail = s0 + c + T - n_pack
+        self.n_tail = s0 + n - n_pack
 
     def _fix_scales(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         kf, vf = key_states.float(), value_states.float()
@@ -252,17 +263,7 @@ class TurboLayer(CacheLayerMixin):
                 return self._placeholders(0)
             self._fix_scales(key_states, value_states)
             self._select_heads(key_states, value_states)
-        bs = self.turbo_config.block_size
-        if FUSED_STORE and self.n_tail + T < self.n_sink + (self.n_recent_blocks + 1) * bs and \
-                use_triton(key_states.device):
-            # no block to pack (every decode step but one in block_size): quantize + write in one launch
-            from .kernels.store import store_int8_tokens
-
-            store_int8_tokens(key_states, value_states, self.k_scale, self.k_mean, self.v_scale, self.k_tail,
-                              self.v_tail, self.n_tail)
-            self.n_tail += T
-        else:
-            self._store(quantize_int8(key_states, self.k_scale, self.k_mean), quantize_int8(value_states, self.v_scale))
+        self._store(key_states, value_states)
         self._first_prefill = first
         if first:
             k, v = key_states, value_states

@@ -130,15 +130,12 @@ def head_priority(gaps: ChannelGaps, use: str = "kv") -> torch.Tensor:
 def prompt_head_priority(k: torch.Tensor, v: torch.Tensor, block_size: int, use: str = "kv") -> torch.Tensor:
     """``[n_kv_heads]`` priority of one layer from the K/V ``[b, Hk, T, d]`` of one prefill (batch rows pooled):
     the calibration rule applied to the prompt itself (``head_select: prompt``, used by TurboCache)."""
-    gk = gv = None
-    n = 0
-    for i in range(k.shape[0]):
-        sk, nb = _block_gaps(k[i], block_size)
-        sv, _ = _block_gaps(v[i], block_size)
-        gk = sk if gk is None else gk + sk
-        gv = sv if gv is None else gv + sv
-        n += nb
-    gaps = ChannelGaps(k=(gk / n)[None], v=(gv / n)[None], n_blocks=n, n_tokens=k.shape[0] * k.shape[2])
+    b, H, T, d = k.shape
+    gk, nb = _block_gaps(k.reshape(b * H, T, d), block_size)  # rows (batch, head): sums over their blocks
+    gv, _ = _block_gaps(v.reshape(b * H, T, d), block_size)
+    n = b * nb
+    gaps = ChannelGaps(k=(gk.view(b, H, d).sum(0) / n)[None], v=(gv.view(b, H, d).sum(0) / n)[None], n_blocks=n,
+                       n_tokens=b * T)
     return head_priority(gaps, use)[0]
 
 

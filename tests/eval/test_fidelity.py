@@ -111,7 +111,9 @@ def test_teacher_forced_turbo_presets(models):
     so int4 == int8 there; with the plain layout (no sink / recent blocks) the INT4 block costs more."""
     ref, bf = models
     exs = [example(T=100, prompt_len=40)]  # 40 prompt + 60 answer tokens: one full block + tail
-    impls = fid.impls_for(["int8", "int4", "int4:sink_blocks=0,recent_blocks=0"])
+    presets = fid.split_presets("int8,int4,int4:sink_blocks=0,recent_blocks=0")  # as the CLI's --presets
+    assert presets == ["int8", "int4", "int4:sink_blocks=0,recent_blocks=0"]
+    impls = fid.impls_for(presets)
     seen = []
     orig = fid.Impl.new_cache
 
