@@ -13,6 +13,10 @@ from turbo_attn_hf.kernels.pack import kv_bytes_per_token
 
 # layer.attention (kernel) vs reference on the same packed state, CPU interpreter: measured max |diff| 9e-8.
 ATOL = 1e-5
+# On a GPU the kernel's exp2 (ex2.approx) differs from torch's in the last bits and flips an occasional
+# p8 = round(127 p) by one (tests/kernels/test_decode_gpu.py: max-abs 1.8e-3..3.9e-3 on the H100, bound 2e-2);
+# measured here on the H100: max 4.2e-4 (sink + recent layout, block 16), the other cases <= 1e-5.
+ATOL_GPU = 2e-2
 # int8 generate() vs the bf16 DynamicCache path, tiny llama (bf16 weights, logit rms 1.14), per-step max
 # |logit diff| over 100 steps: measured max 0.160, mean 0.080 (auto headroom 1.86; 0.180 / 0.086 at 2; with headroom 1 the
 # 20-token prompt's scales clamp later tokens: max 1.12, mean 0.66) -> bounds 0.3 and 0.15.
@@ -49,7 +53,9 @@ def _ref_on(q, state, layer, **kw):
     return R.turbo_decode_ref(q.cpu(), groups, kt, vt, nt, ks, vs, mu, n_splits=splits, n_sink=layer.n_sink, **kw)
 
 
-def _close(a, b, atol=ATOL):
+def _close(a, b, atol=None):
+    if atol is None:
+        atol = ATOL_GPU if a.is_cuda else ATOL
     d = (a.float().cpu() - b.float().cpu()).abs().max()
     assert d <= atol, f"max |diff| {d:.3g}"
 
