@@ -97,30 +97,62 @@ def _codes(b_p, SHIFT: tl.constexpr, BITS: tl.constexpr, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _qk_part(b_s_lo, b_s_hi, b_qp, ks, o_ks, m_ks, b_kc):
-    """One channel part of the folded K·Qᵀ: A = q8·scale_int ([BM, BDK] int32, |A| < 2^15) split into
-    A = 128·hi + lo (lo in [0, 127], hi int8), accumulated as two INT8 dots codes [N, BDK] · [BDK, BM]."""
-    b_ks = tl.load(ks + o_ks, mask=m_ks, other=0).to(tl.int32)
-    b_a = b_qp * b_ks[None, :]
-    b_s_lo = tl.dot(b_kc, tl.trans((b_a & 127).to(tl.int8)), acc=b_s_lo, out_dtype=tl.int32)
-    b_s_hi = tl.dot(b_kc, tl.trans((b_a >> 7).to(tl.int8)), acc=b_s_hi, out_dtype=tl.int32)
-    return b_s_lo, b_s_hi
+def _channel_parts(b_x, BITS: tl.constexpr):
+    """[R, C] -> the PB = 8 // BITS channel parts [R, C // PB] matching the packed K bytes (byte j holds the
+    codes of channels PB·j + p); int4 returns parts 0, 1, 0, 1 (the last two unused)."""
+    R: tl.constexpr = b_x.shape[0]
+    C: tl.constexpr = b_x.shape[1]
+    if BITS == 4:
+        b_x0, b_x1 = tl.split(tl.reshape(b_x, (R, C // 2, 2)))
+        b_x2 = b_x0
+        b_x3 = b_x1
+    else:  # reshape index (j, a, c) = channel 4j + 2a + c; split takes c, then a
+        b_xa, b_xb = tl.split(tl.reshape(b_x, (R, C // 4, 2, 2)))
+        b_x0, b_x2 = tl.split(b_xa)
+        b_x1, b_x3 = tl.split(b_xb)
+    return b_x0, b_x1, b_x2, b_x3
 
 
 @triton.jit
-def _qk_half(b_kp, ks, o_ks, m_dk, b_q0, b_q1, b_q2, b_q3, BM: tl.constexpr, N: tl.constexpr, BITS: tl.constexpr,
-             USE_ASM: tl.constexpr):
+def _token_parts(b_x, BITS: tl.constexpr):
+    """[BS] per-token values of a block -> its two token parts [BS // 2] (the V codes of packed byte columns
+    0 / 1): int4 tokens 2r + h; int2 tokens 4(r // 2) + 2h + r % 2."""
+    BS: tl.constexpr = b_x.shape[0]
+    if BITS == 4:
+        b_x0, b_x1 = tl.split(tl.reshape(b_x, (BS // 2, 2)))
+    else:  # reshape index (j, h, c) = token 4j + 2h + c; part h holds r = 2j + c
+        b_x0, b_x1 = tl.split(tl.permute(tl.reshape(b_x, (BS // 4, 2, 2)), (0, 2, 1)))
+        b_x0 = tl.reshape(b_x0, (BS // 2,))
+        b_x1 = tl.reshape(b_x1, (BS // 2,))
+    return b_x0, b_x1
+
+
+@triton.jit
+def _a_split(b_qp, b_ksp):
+    """A = q8·scale_int of one channel part ([BM, BDK] int32, |A| < 2^15) as one INT8 dot operand
+    ``[BDK, 2·BM]``: A = 128·hi + lo (lo in [0, 127]) with lo and hi of row r in columns 2r and 2r + 1, so one
+    MMA (whose N side of 8 a 4-row GQA group would only half fill) yields both partial sums."""
+    BM: tl.constexpr = b_qp.shape[0]
+    BDK: tl.constexpr = b_qp.shape[1]
+    b_a = (b_qp * b_ksp)[:, None, :]
+    o_h = tl.arange(0, 2)[None, :, None]
+    b_lh = tl.where(o_h == 0, b_a & 127, b_a >> 7)  # [BM, 2, BDK]; channels stay the fastest axis (ldmatrix)
+    return tl.trans(tl.reshape(b_lh, (2 * BM, BDK)).to(tl.int8))
+
+
+@triton.jit
+def _qk_half(b_kp, b_a0, b_a1, b_a2, b_a3, BITS: tl.constexpr, USE_ASM: tl.constexpr):
     """Folded integer scores Σ_c code[t, c]·(q8·s_k)[c] of one token part, transposed: packed K rows
-    b_kp [N, BDK] (byte j: channels PB·j + p) against the query channel parts b_q0..3 [BM, BDK] int32
-    -> [N, BM] int32."""
-    b_s_lo = tl.zeros([N, BM], dtype=tl.int32)
-    b_s_hi = tl.zeros([N, BM], dtype=tl.int32)
-    b_s_lo, b_s_hi = _qk_part(b_s_lo, b_s_hi, b_q0, ks, o_ks, m_dk, _codes(b_kp, 0, BITS, USE_ASM))
-    b_s_lo, b_s_hi = _qk_part(b_s_lo, b_s_hi, b_q1, ks, o_ks + 1, m_dk, _codes(b_kp, BITS, BITS, USE_ASM))
+    b_kp [N, BDK] (byte j: channels PB·j + p) against the split query parts (``_a_split``) -> [N, BM] int32."""
+    N: tl.constexpr = b_kp.shape[0]
+    BM: tl.constexpr = b_a0.shape[1] // 2
+    b_s = tl.dot(_codes(b_kp, 0, BITS, USE_ASM), b_a0, out_dtype=tl.int32)
+    b_s = tl.dot(_codes(b_kp, BITS, BITS, USE_ASM), b_a1, acc=b_s, out_dtype=tl.int32)
     if BITS == 2:
-        b_s_lo, b_s_hi = _qk_part(b_s_lo, b_s_hi, b_q2, ks, o_ks + 2, m_dk, _codes(b_kp, 4, 2, USE_ASM))
-        b_s_lo, b_s_hi = _qk_part(b_s_lo, b_s_hi, b_q3, ks, o_ks + 3, m_dk, _codes(b_kp, 6, 2, USE_ASM))
-    return b_s_lo + b_s_hi * 128
+        b_s = tl.dot(_codes(b_kp, 4, 2, USE_ASM), b_a2, acc=b_s, out_dtype=tl.int32)
+        b_s = tl.dot(_codes(b_kp, 6, 2, USE_ASM), b_a3, acc=b_s, out_dtype=tl.int32)
+    b_lo, b_hi = tl.split(tl.reshape(b_s, (N, BM, 2)))
+    return b_lo + b_hi * 128
 
 
 @triton.jit
@@ -217,6 +249,72 @@ def _int8_tile(
     return b_acc, b_mn, b_l
 
 
+@triton.jit
+def _fold_scores(
+    t, ok, p_kb, ks, kz, kvalid, o_sbase, o_kvrow, o_d, m_d, o_dk, m_dk, o_t0, o_t1, b_q32, b_q0, b_q1, b_q2, b_q3,
+    b_sq, b_qb, o_pos, n_sink, window, softcap,
+    BS: tl.constexpr, D: tl.constexpr, DK: tl.constexpr, BITS: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_KVALID: tl.constexpr, USE_ASM: tl.constexpr,
+):
+    """Base-2 logits of packed block ``t`` (folded K·Qᵀ, no INT8 tile restored) as its two token parts
+    ``[BS // 2, BM]``; -inf where masked, and everywhere when ``ok`` is false (the padding block of a step)."""
+    BM: tl.constexpr = b_q32.shape[0]
+    o_sc = o_sbase + t * D + o_d
+    b_ks0, b_ks1, b_ks2, b_ks3 = _channel_parts(tl.load(ks + o_sc, mask=m_d, other=0).to(tl.int32)[None, :], BITS)
+    b_kz = tl.load(kz + o_sc, mask=m_d, other=0).to(tl.int32)
+    b_zq = tl.sum(b_q32 * b_kz[None, :], 1)[None, :]  # Σ_c q8·z_k, [1, BM]
+    b_a0 = _a_split(b_q0, b_ks0)
+    b_a1 = _a_split(b_q1, b_ks1)
+    if BITS == 2:
+        b_a2 = _a_split(b_q2, b_ks2)
+        b_a3 = _a_split(b_q3, b_ks3)
+    else:
+        b_a2 = b_a0
+        b_a3 = b_a1
+    p_kt = p_kb + t * (BS * DK) + o_dk[None, :]
+    b_kp0 = tl.load(p_kt + o_t0[:, None] * DK, mask=m_dk[None, :], other=0)
+    b_kp1 = tl.load(p_kt + o_t1[:, None] * DK, mask=m_dk[None, :], other=0)
+    b_si0 = _qk_half(b_kp0, b_a0, b_a1, b_a2, b_a3, BITS, USE_ASM) + b_zq
+    b_si1 = _qk_half(b_kp1, b_a0, b_a1, b_a2, b_a3, BITS, USE_ASM) + b_zq
+    o_key0 = n_sink + t * BS + o_t0
+    o_key1 = n_sink + t * BS + o_t1
+    if HAS_KVALID:
+        m_key0 = (tl.load(kvalid + o_kvrow + o_key0) != 0) & ok
+        m_key1 = (tl.load(kvalid + o_kvrow + o_key1) != 0) & ok
+    else:
+        m_key0 = (o_t0 < BS) & ok
+        m_key1 = m_key0
+    b_s0 = _masked_scores(b_si0, b_sq, b_qb, o_key0, m_key0, o_pos, window, softcap, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP)
+    b_s1 = _masked_scores(b_si1, b_sq, b_qb, o_key1, m_key1, o_pos, window, softcap, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP)
+    return b_s0, b_s1
+
+
+@triton.jit
+def _fold_pv(t, b_p0, b_p1, p_vb, vs, vz, o_vsbase, o_d, m_d, o_sb,
+             BS: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, USE_ASM: tl.constexpr):
+    """P·V of packed block ``t`` from its two token parts' probabilities ``[BS // 2, BM]``, transposed:
+    (``Σ_t code·w8 · max w / 127`` [BD, BM], ``p·z_t`` [BS // 2, BM] to be summed over tokens). V's per-token
+    scale rides in P (w = p·s_t, quantized per row of the block, twin ``reference.pv_tile_ref``)."""
+    BD: tl.constexpr = o_d.shape[0]
+    BSB: tl.constexpr = o_sb.shape[0]
+    o_vs = o_vsbase + t * BS + tl.arange(0, BS)
+    b_vs0, b_vs1 = _token_parts(tl.load(vs + o_vs).to(tl.float32), BITS)
+    b_vz0, b_vz1 = _token_parts(tl.load(vz + o_vs).to(tl.float32), BITS)
+    b_w0 = b_p0 * b_vs0[:, None]
+    b_w1 = b_p1 * b_vs1[:, None]
+    b_inv, b_f = _p_scale(tl.max(tl.maximum(b_w0, b_w1), 0))
+    b_vp = tl.load(p_vb + t * (D * BSB) + o_d[:, None] * BSB + o_sb[None, :], mask=m_d[:, None], other=0)
+    if BITS == 4:
+        b_vc0 = _codes(b_vp, 0, 4, USE_ASM)
+        b_vc1 = _codes(b_vp, 4, 4, USE_ASM)
+    else:
+        b_vc0 = tl.reshape(tl.join(_codes(b_vp, 0, 2, USE_ASM), _codes(b_vp, 2, 2, USE_ASM)), (BD, BS // 2))
+        b_vc1 = tl.reshape(tl.join(_codes(b_vp, 4, 2, USE_ASM), _codes(b_vp, 6, 2, USE_ASM)), (BD, BS // 2))
+    b_pc = tl.dot(b_vc0, _p_codes(b_w0, b_inv), out_dtype=tl.int32)
+    b_pc = tl.dot(b_vc1, _p_codes(b_w1, b_inv), acc=b_pc, out_dtype=tl.int32)
+    return b_pc.to(tl.float32) * b_f[None, :], b_p0 * b_vz0[:, None] + b_p1 * b_vz1[:, None]
+
+
 @triton.jit(do_not_specialize=["n_blocks", "n_tail", "n_sink", "Lq", "kv_len", "T0", "TPS", "window"])
 def _decode_kernel(
     q, sk, mk, heads, kp, ks, kz, vp, vs, vz, kt, vt, sv, kvalid, o, po, pml, cnt,
@@ -301,14 +399,8 @@ def _decode_kernel(
         b_qb = tl.sum(b_qf * b_mk[None, :], 1) * qscale
     else:
         b_qb = tl.zeros([BM], dtype=tl.float32)
-    if DO_FOLD and BITS == 4:  # query channel parts 2j + p (the K codes of byte j)
-        b_q0, b_q1 = tl.split(tl.reshape(b_q32, (BM, BDK, 2)))
-        b_q2 = b_q0
-        b_q3 = b_q1
-    elif DO_FOLD and BITS == 2:  # reshape index (j, a, c) = channel 4j + 2a + c; split takes c, then a
-        b_qa, b_qb1 = tl.split(tl.reshape(b_q32, (BM, BDK, 2, 2)))
-        b_q0, b_q2 = tl.split(b_qa)
-        b_q1, b_q3 = tl.split(b_qb1)
+    if DO_FOLD:  # query channel parts p (channels PB·j + p: the K codes of packed byte j)
+        b_q0, b_q1, b_q2, b_q3 = _channel_parts(b_q32, BITS)
     else:  # unused
         b_q0 = b_q32
         b_q1 = b_q32
@@ -346,82 +438,58 @@ def _decode_kernel(
         o_t0 = 4 * (o_r2 // 2) + o_r2 % 2
         o_t1 = o_t0 + 2
     # ---- packed blocks
-    for t in range(t_lo, t_hp):
-        if BITS == 8:
-            o_key = n_sink + t * BS + o_n
-            m_key = o_n < BS
-            if HAS_KVALID:
-                m_key = tl.load(kvalid + i_b64 * kv_len + o_key) != 0
-            b_k = tl.load(p_kb + t * (BS * D) + o_n[:, None] * D + o_d[None, :], mask=m_d[None, :], other=0)
-            b_v = tl.load(p_vb + t * (D * BS) + o_d[:, None] * BS + o_n[None, :], mask=m_d[:, None], other=0)
-            b_acc, b_m, b_l = _int8_tile(b_acc, b_m, b_l, b_qt, b_sq, b_qb, b_k, b_v, b_sq, b_sq, o_key, m_key,
-                                         o_pos, window, softcap, sas_thr, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, USE_SAS,
-                                         False)
-        elif DO_FOLD:
-            b_vp = tl.load(p_vb + t * (D * BSB) + o_d[:, None] * BSB + o_sb[None, :], mask=m_d[:, None], other=0)
-            o_sc = o_sbase + t * D + o_d
-            o_vs = o_vsbase + t * BS
-            b_vs0 = tl.load(vs + o_vs + o_t0).to(tl.float32)
-            b_vs1 = tl.load(vs + o_vs + o_t1).to(tl.float32)
-            b_vz0 = tl.load(vz + o_vs + o_t0).to(tl.float32)
-            b_vz1 = tl.load(vz + o_vs + o_t1).to(tl.float32)
-            b_kz = tl.load(kz + o_sc, mask=m_d, other=0).to(tl.int32)
-            o_ks = o_sbase + t * D + PB * o_dk
-            b_zq = tl.sum(b_q32 * b_kz[None, :], 1)[None, :]  # Σ_c q8·z_k, [1, BM]
-            p_kt = p_kb + t * (BS * DK) + o_dk[None, :]
-            b_kp0 = tl.load(p_kt + o_t0[:, None] * DK, mask=m_dk[None, :], other=0)
-            b_kp1 = tl.load(p_kt + o_t1[:, None] * DK, mask=m_dk[None, :], other=0)
-            b_si0 = _qk_half(b_kp0, ks, o_ks, m_dk, b_q0, b_q1, b_q2, b_q3, BM, BS // 2, BITS, USE_ASM) + b_zq
-            b_si1 = _qk_half(b_kp1, ks, o_ks, m_dk, b_q0, b_q1, b_q2, b_q3, BM, BS // 2, BITS, USE_ASM) + b_zq
-            o_key0 = n_sink + t * BS + o_t0
-            o_key1 = n_sink + t * BS + o_t1
-            if HAS_KVALID:
-                m_key0 = tl.load(kvalid + i_b64 * kv_len + o_key0) != 0
-                m_key1 = tl.load(kvalid + i_b64 * kv_len + o_key1) != 0
-            else:
-                m_key0 = o_t0 < BS
-                m_key1 = m_key0
-            b_s0 = _masked_scores(b_si0, b_sq, b_qb, o_key0, m_key0, o_pos, window, softcap, IS_CAUSAL,
-                                  HAS_WINDOW, HAS_SOFTCAP)
-            b_s1 = _masked_scores(b_si1, b_sq, b_qb, o_key1, m_key1, o_pos, window, softcap, IS_CAUSAL,
-                                  HAS_WINDOW, HAS_SOFTCAP)
-            b_m, b_ms, b_alpha = _running_max(b_m, tl.maximum(tl.max(b_s0, 0), tl.max(b_s1, 0)))
-            b_p0 = _probs(b_s0, b_ms, sas_thr, USE_SAS)
-            b_p1 = _probs(b_s1, b_ms, sas_thr, USE_SAS)
-            # V's per-token scale rides in P (w = p·s_t, quantized per row of the block), its zero in Σ p·z_t
-            b_w0 = b_p0 * b_vs0[:, None]
-            b_w1 = b_p1 * b_vs1[:, None]
-            b_inv, b_f = _p_scale(tl.maximum(tl.max(b_w0, 0), tl.max(b_w1, 0)))
-            b_p80 = _p_codes(b_w0, b_inv)
-            b_p81 = _p_codes(b_w1, b_inv)
-            b_zs = tl.sum(b_p0 * b_vz0[:, None], 0) + tl.sum(b_p1 * b_vz1[:, None], 0)
-            b_l = tl.math.fma(b_l, b_alpha, tl.sum(b_p0, 0) + tl.sum(b_p1, 0))
-            if BITS == 4:
-                b_vc0 = _codes(b_vp, 0, 4, USE_ASM)
-                b_vc1 = _codes(b_vp, 4, 4, USE_ASM)
-            else:
-                b_vc0 = tl.reshape(tl.join(_codes(b_vp, 0, 2, USE_ASM), _codes(b_vp, 2, 2, USE_ASM)), (BD, BS // 2))
-                b_vc1 = tl.reshape(tl.join(_codes(b_vp, 4, 2, USE_ASM), _codes(b_vp, 6, 2, USE_ASM)), (BD, BS // 2))
-            b_pc = tl.dot(b_vc0, b_p80, out_dtype=tl.int32)
-            b_pc = tl.dot(b_vc1, b_p81, acc=b_pc, out_dtype=tl.int32)  # [BD, BM]
-            b_pv = tl.math.fma(b_pc.to(tl.float32), b_f[None, :], b_zs[None, :])
-            b_acc = tl.math.fma(b_acc, b_alpha[None, :], b_pv)
-        else:  # restore INT8 tiles in registers (the first version; kept to measure against)
-            o_key = n_sink + t * BS + o_n
-            m_key = o_n < BS
-            if HAS_KVALID:
-                m_key = tl.load(kvalid + i_b64 * kv_len + o_key) != 0
-            b_kp = tl.load(p_kb + t * (BS * DK) + o_n[:, None] * DK + o_dk[None, :], mask=m_dk[None, :], other=0)
-            b_vp = tl.load(p_vb + t * (D * BSB) + o_d[:, None] * BSB + o_sb[None, :], mask=m_d[:, None], other=0)
-            o_sc = o_sbase + t * D + o_d
-            b_k = _dequant_tile(_unpack_tile(b_kp, BS, BD, BITS), tl.load(ks + o_sc, mask=m_d, other=0).to(tl.int32),
-                                tl.load(kz + o_sc, mask=m_d, other=0).to(tl.int32), 0)
-            b_vc = _unpack_tile(b_vp, BD, BS, BITS).to(tl.int8)  # V stays codes: its scale rides in P
-            o_vs = o_vsbase + t * BS + o_n
-            b_acc, b_m, b_l = _int8_tile(b_acc, b_m, b_l, b_qt, b_sq, b_qb, b_k, b_vc,
-                                         tl.load(vs + o_vs).to(tl.float32), tl.load(vz + o_vs).to(tl.float32),
-                                         o_key, m_key, o_pos, window, softcap, sas_thr, IS_CAUSAL, HAS_WINDOW,
-                                         HAS_SOFTCAP, USE_SAS, True)
+    if DO_FOLD:
+        # two blocks per step (reference.packed_tiles_per_step): one running-max update and one l / Σp·z
+        # reduction per step, and two independent load -> MMA -> softmax chains for the warp to interleave.
+        # P stays quantized per block. An odd last block of the share pairs with a fully masked copy of itself.
+        o_kvrow = i_b64 * kv_len
+        for t in range(t_lo, t_hp, 2):
+            t_b = tl.minimum(t + 1, t_hp - 1)
+            b_s0a, b_s1a = _fold_scores(t, True, p_kb, ks, kz, kvalid, o_sbase, o_kvrow, o_d, m_d, o_dk, m_dk, o_t0,
+                                        o_t1, b_q32, b_q0, b_q1, b_q2, b_q3, b_sq, b_qb, o_pos, n_sink, window, softcap,
+                                        BS, D, DK, BITS, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_KVALID, USE_ASM)
+            b_s0b, b_s1b = _fold_scores(t_b, t + 1 < t_hp, p_kb, ks, kz, kvalid, o_sbase, o_kvrow, o_d, m_d, o_dk,
+                                        m_dk, o_t0, o_t1, b_q32, b_q0, b_q1, b_q2, b_q3, b_sq, b_qb, o_pos, n_sink,
+                                        window, softcap, BS, D, DK, BITS, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
+                                        HAS_KVALID, USE_ASM)
+            b_m, b_ms, b_alpha = _running_max(
+                b_m, tl.max(tl.maximum(tl.maximum(b_s0a, b_s1a), tl.maximum(b_s0b, b_s1b)), 0))
+            b_p0a = _probs(b_s0a, b_ms, sas_thr, USE_SAS)
+            b_p1a = _probs(b_s1a, b_ms, sas_thr, USE_SAS)
+            b_p0b = _probs(b_s0b, b_ms, sas_thr, USE_SAS)
+            b_p1b = _probs(b_s1b, b_ms, sas_thr, USE_SAS)
+            b_pva, b_za = _fold_pv(t, b_p0a, b_p1a, p_vb, vs, vz, o_vsbase, o_d, m_d, o_sb, BS, D, BITS, USE_ASM)
+            b_pvb, b_zb = _fold_pv(t_b, b_p0b, b_p1b, p_vb, vs, vz, o_vsbase, o_d, m_d, o_sb, BS, D, BITS, USE_ASM)
+            b_l = tl.math.fma(b_l, b_alpha, tl.sum((b_p0a + b_p1a) + (b_p0b + b_p1b), 0))
+            b_acc = tl.math.fma(b_acc, b_alpha[None, :], (b_pva + b_pvb) + tl.sum(b_za + b_zb, 0)[None, :])
+    else:
+        for t in range(t_lo, t_hp):
+            if BITS == 8:
+                o_key = n_sink + t * BS + o_n
+                m_key = o_n < BS
+                if HAS_KVALID:
+                    m_key = tl.load(kvalid + i_b64 * kv_len + o_key) != 0
+                b_k = tl.load(p_kb + t * (BS * D) + o_n[:, None] * D + o_d[None, :], mask=m_d[None, :], other=0)
+                b_v = tl.load(p_vb + t * (D * BS) + o_d[:, None] * BS + o_n[None, :], mask=m_d[:, None], other=0)
+                b_acc, b_m, b_l = _int8_tile(b_acc, b_m, b_l, b_qt, b_sq, b_qb, b_k, b_v, b_sq, b_sq, o_key, m_key,
+                                             o_pos, window, softcap, sas_thr, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
+                                             USE_SAS, False)
+            else:  # restore INT8 tiles in registers (the first version; kept to measure against)
+                o_key = n_sink + t * BS + o_n
+                m_key = o_n < BS
+                if HAS_KVALID:
+                    m_key = tl.load(kvalid + i_b64 * kv_len + o_key) != 0
+                b_kp = tl.load(p_kb + t * (BS * DK) + o_n[:, None] * DK + o_dk[None, :], mask=m_dk[None, :], other=0)
+                b_vp = tl.load(p_vb + t * (D * BSB) + o_d[:, None] * BSB + o_sb[None, :], mask=m_d[:, None], other=0)
+                o_sc = o_sbase + t * D + o_d
+                b_k = _dequant_tile(_unpack_tile(b_kp, BS, BD, BITS), tl.load(ks + o_sc, mask=m_d, other=0).to(tl.int32),
+                                    tl.load(kz + o_sc, mask=m_d, other=0).to(tl.int32), 0)
+                b_vc = _unpack_tile(b_vp, BD, BS, BITS).to(tl.int8)  # V stays codes: its scale rides in P
+                o_vs = o_vsbase + t * BS + o_n
+                b_acc, b_m, b_l = _int8_tile(b_acc, b_m, b_l, b_qt, b_sq, b_qb, b_k, b_vc,
+                                             tl.load(vs + o_vs).to(tl.float32), tl.load(vz + o_vs).to(tl.float32),
+                                             o_key, m_key, o_pos, window, softcap, sas_thr, IS_CAUSAL, HAS_WINDOW,
+                                             HAS_SOFTCAP, USE_SAS, True)
     # ---- INT8 buffer (sink tiles, then the recent window + tail). All BS slots of a tile are read (stale
     # slots hold finite int8); slots at or past n_tail are masked in the scores, so their p8 is 0.
     t_i8 = t_lo

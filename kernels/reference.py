@@ -582,20 +582,31 @@ def pv_tile_ref(p: torch.Tensor, vc: torch.Tensor, vs: torch.Tensor, vz: torch.T
     return fma(pc, _div127(wmax)[..., None], zs[..., None])
 
 
+def packed_tiles_per_step(bits: int, head_dim: int, block: int, fold: bool = True) -> int:
+    """Packed tiles per online-softmax step of the decode kernel: 2 where it folds the integer scale/zero
+    (2/4-bit heads whose folded 8-bit dots reduce over >= 32: packed K bytes per row and half a block), else 1.
+    A step takes one running max over its tiles; P is still quantized per tile."""
+    bd = 1 << (head_dim - 1).bit_length()
+    return 2 if fold and bits != 8 and bd // (8 // bits) >= 32 and block >= 64 else 1
+
+
 def turbo_decode_ref(q, groups, k_tail, v_tail, n_tail, k_scale, v_scale, k_mean=None, *, scale=None,
                      causal=True, window=None, softcap=None, key_valid=None, n_sink=0, softmax="exact",
-                     sas_threshold=6.0, n_splits=1):
+                     sas_threshold=6.0, n_splits=1, fold=True):
     """Twin of ``decode.turbo_decode_attention`` (same arguments; ``groups`` are ``PackedKV``-like objects
     with ``bits, heads, k, v, k_scale, k_zero, v_scale, v_zero, n_blocks``), same tile order and split:
     the ``n_tiles`` tiles (packed blocks, then the INT8 buffer's tiles) are cut into shares of ``ceil(n_tiles / n_splits)``
     (``n_splits``: an int, or a dict bits -> int per bit group); with a sliding window the tiles no query
     of the chunk can see are skipped first (``decode.first_visible_tile``);
-    each share runs the online softmax from scratch; shares merge by the rescale
+    each share runs the online softmax from scratch, in steps of ``packed_tiles_per_step`` packed tiles
+    (one running-max update per step; ``fold``: the kernel's variant) and then one INT8-buffer tile per step;
+    shares merge by the rescale
     ``m = max m_s, l = Σ l_s 2^(m_s - m), acc = Σ acc_s 2^(m_s - m)``. Per tile (fp32 state)::
 
         s2 = (q8 . k8)_int * sq  [+ qb, softcap]; masked -> -inf; m_new = max(m, rowmax s2)
         p = exp2(s2 - m_safe) (or sas_exp2);  alpha = exp2(m - m_safe)
         l = l * alpha + Σ p;  acc = acc * alpha + pv_tile_ref(p, v codes, s_t, z_t)
+        (a step of several tiles: m_new over all of them, Σ p and pv_tile_ref summed over its tiles)
 
     and ``o = acc / l * s_v`` (0 where l == 0). Returns ``[b, Lq, HQ, d]`` in q's dtype.
     """
@@ -635,29 +646,41 @@ def turbo_decode_ref(q, groups, k_tail, v_tail, n_tail, k_scale, v_scale, k_mean
             m = torch.full((b, h, g * lq), -math.inf, dtype=torch.float32, device=dev)
             l = torch.zeros_like(m)
             acc = torch.zeros(b, h, g * lq, d, dtype=torch.float32, device=dev)
-            for j, k8, vc, vs, vz in tiles[s0:s0 + tps]:
-                n = k8.shape[2]
-                s2 = (qg @ k8.to(torch.float64).transpose(-1, -2)).to(torch.float32) * sqg[..., None]
-                if softcap:
-                    if qbg is not None:
-                        s2 = s2 + qbg[..., None]
-                    s2 = _tanh_softcap_base2(s2, float(softcap))
-                mask = torch.ones(g * lq, n, dtype=torch.bool, device=dev)
-                if causal:
-                    mask &= j[None, :] <= rpos[:, None]
-                if window:
-                    mask &= j[None, :] > rpos[:, None] - window
-                mask = mask.expand(b, h, g * lq, n)
-                if kv is not None:
-                    mask = mask & kv[:, None, None, j]
-                s2 = torch.where(mask, s2, ninf)
-                m_new = torch.maximum(m, s2.amax(-1))
+            share = tiles[s0:s0 + tps]
+            n_packed = max(0, min(len(share), grp.n_blocks - t0 - s0))  # the share's packed tiles come first
+            step = packed_tiles_per_step(grp.bits, d, bs, fold)
+            steps = [share[i:min(i + step, n_packed)] for i in range(0, n_packed, step)]
+            steps += [[tile] for tile in share[n_packed:]]
+            for tiles_of_step in steps:  # one running-max update per step
+                s2s = []
+                for j, k8, vc, vs, vz in tiles_of_step:
+                    n = k8.shape[2]
+                    s2 = (qg @ k8.to(torch.float64).transpose(-1, -2)).to(torch.float32) * sqg[..., None]
+                    if softcap:
+                        if qbg is not None:
+                            s2 = s2 + qbg[..., None]
+                        s2 = _tanh_softcap_base2(s2, float(softcap))
+                    mask = torch.ones(g * lq, n, dtype=torch.bool, device=dev)
+                    if causal:
+                        mask &= j[None, :] <= rpos[:, None]
+                    if window:
+                        mask &= j[None, :] > rpos[:, None] - window
+                    mask = mask.expand(b, h, g * lq, n)
+                    if kv is not None:
+                        mask = mask & kv[:, None, None, j]
+                    s2s.append(torch.where(mask, s2, ninf))
+                m_new = torch.maximum(m, torch.stack([s2.amax(-1) for s2 in s2s]).amax(0))
                 m_safe = torch.where(m_new == -math.inf, torch.zeros_like(m_new), m_new)
                 alpha = torch.exp2(m - m_safe)
-                x = s2 - m_safe[..., None]
-                p = torch.exp2(x) if softmax == "exact" else sas_exp2(x, thr2)
-                l = fma(l, alpha, p.sum(-1))
-                acc = fma(acc, alpha[..., None], pv_tile_ref(p, vc, vs, vz))
+                psum = torch.zeros_like(l)
+                pv = torch.zeros_like(acc)
+                for s2, (j, k8, vc, vs, vz) in zip(s2s, tiles_of_step):
+                    x = s2 - m_safe[..., None]
+                    p = torch.exp2(x) if softmax == "exact" else sas_exp2(x, thr2)
+                    psum = psum + p.sum(-1)
+                    pv = pv + pv_tile_ref(p, vc, vs, vz)
+                l = fma(l, alpha, psum)
+                acc = fma(acc, alpha[..., None], pv)
                 m = m_new
             parts.append((m, l, acc))
         if len(parts) == 1:

@@ -58,6 +58,9 @@ CASES = [
     (1, 3, 1, 47, 3, 32, [4, 8, 2], 16, "sas", 2),
     (1, 2, 4, 100, 40, 32, [4, 8], 16, "exact", 2),  # a second prefill: G*Lq = 160 rows -> 3 M tiles
     (1, 3, 3, 130, 1, 64, [4, 2, 2], 64, "exact", 2),  # SmolLM2-135M shape: d 64, GQA 3, mixed
+    # folded packed blocks two per step: an odd count in one share (2 + 2 + 1), shares of 2 + 2 / 2 + tail
+    (2, 2, 4, 330, 1, 64, [4, 4], 64, "exact", 1),
+    (1, 2, 4, 400, 3, 128, [4, 2], 64, "sas", 2),
 ]
 
 
@@ -103,6 +106,22 @@ def test_decode_masks_and_softcap(variant, device):
     # the reference honours the same mask/softcap as exact attention (int8 heads bound the error)
     f = R.attention_fp64(q, k, v, **kw).float()
     assert ((ref.float() - f).norm() / f.norm()) < 0.2  # measured 0.093-0.135 (4-bit head, clamped outliers)
+
+
+def test_decode_folded_steps_with_masks(device):
+    """The folded two-blocks-per-step loop honours key_valid, a window and softcap in both blocks of a step
+    and in the masked padding block of an odd share (5 packed blocks, window over the last 3)."""
+    b, hk, G, L, lq, d, bs = 2, 2, 2, 330, 2, 64, 64
+    q, k, v, (groups, kt, vt, nt, ks, vs, mu) = make_case(b, hk, G, L, lq, d, [4, 2], bs, seed=5)
+    kv = torch.ones(b, L, dtype=torch.bool)
+    kv[0, :75] = False  # left padding across the first packed block and into the second
+    kv[1, 200:203] = False
+    kw = dict(window=190, softcap=6.0, key_valid=kv)
+    dkw = {n: (t.to(device) if torch.is_tensor(t) else t) for n, t in kw.items()}
+    for S in (1, 2):
+        out = turbo_decode_attention(q.to(device), to_packed(groups, device), kt.to(device), vt.to(device), nt,
+                                     ks.to(device), vs.to(device), mu.to(device), n_splits=S, **dkw)
+        assert_close(out, R.turbo_decode_ref(q, groups, kt, vt, nt, ks, vs, mu, n_splits=S, **kw), ATOL_KERNEL)
 
 
 def test_decode_fully_masked_rows_are_zero(device):
@@ -173,7 +192,7 @@ def test_decode_launch_variants_match_reference(merge, fold, block_m, device):
     args = (q.to(device), to_packed(groups, device), kt.to(device), vt.to(device), nt, ks.to(device),
             vs.to(device), mu.to(device))
     out = turbo_decode_attention(*args, n_splits=3, merge=merge, fold=fold, block_m=block_m, softmax="sas")
-    ref = R.turbo_decode_ref(q, groups, kt, vt, nt, ks, vs, mu, n_splits=3, softmax="sas")
+    ref = R.turbo_decode_ref(q, groups, kt, vt, nt, ks, vs, mu, n_splits=3, softmax="sas", fold=fold)
     assert_close(out, ref, ATOL_KERNEL)
     if merge == "fused":
         assert int(DK._WORKSPACE[(device.type, device.index)][2].abs().sum()) == 0
