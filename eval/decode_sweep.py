@@ -29,7 +29,10 @@ DEFAULT: dict = {}  # the library's defaults (turbo_decode_attention's keyword d
 
 
 def grid(which: str = "full"):
-    """Timed launch variants: ``full`` (everything below) or ``reg`` (the register caps only)."""
+    """Timed launch variants: ``full`` (everything below), ``reg`` (the register caps only) or ``launch``
+    (num_stages x waves at 1 warp, timed at every shape)."""
+    if which == "launch":
+        return [dict(num_stages=st, waves=wv) for st in (2, 3) for wv in (4.0, 6.0, 8.0)]
     if which == "reg":
         return [dict(num_warps=1, num_stages=st, waves=wv, max_registers=reg)
                 for reg in (128, 168) for wv in (4.0, 8.0, 12.0) for st in (3,)] + [dict(waves=8.0)]
@@ -58,8 +61,12 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budget", type=float, default=200.0, help="seconds; later steps are skipped past it")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--grid", choices=("full", "reg"), default="full",
-                    help="timed variants at 32k batch 8: all, or only the register caps (maxnreg x waves)")
+    ap.add_argument("--grid", choices=("full", "reg", "launch"), default="full",
+                    help="timed variants at 32k batch 8: all, or only the register caps (maxnreg x waves); "
+                         "launch: stages x waves at every shape")
+    ap.add_argument("--baseline", default=None,
+                    help="module of an earlier decode kernel to time side by side (e.g. "
+                         "turbo_attn_hf.kernels.decode_base, a copy of kernels/decode.py from an earlier commit)")
     ap.add_argument("--no-checks", action="store_true", help="skip the correctness checks (timing only)")
     args = ap.parse_args(argv)
     t_start = time.time()
@@ -91,6 +98,13 @@ def main(argv=None) -> int:
     def call(q, groups, kt, vt, nt, ks, vs, mu, v, **kw):
         return DK.turbo_decode_attention(q, groups, kt, vt, nt, ks, vs, mu, **v, **kw)
 
+    base = None
+    if args.baseline:
+        import importlib
+
+        base = importlib.import_module(args.baseline)
+        payload["baseline"] = args.baseline
+
     # ---------------------------------------------------------------- 1. correctness
     torch.manual_seed(0)
     dev = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: interpreter smoke test of the checks only
@@ -113,8 +127,7 @@ def main(argv=None) -> int:
             for v in (check_variants if lq == 1 and dev == "cuda" else [DEFAULT]):
                 n_tiles = groups[0].n_blocks + -(-nt // 64)
                 t0 = DK.first_visible_tile(L, lq, kw.get("window"), 64)
-                splits = {g.bits: DK.plan_splits(n_tiles - t0, b * len(g.heads), q.device, v.get("waves"))[0]
-                          for g in groups}
+                splits = DK.group_splits(n_tiles - t0, groups, b, 1, q.device, v.get("waves"))
                 try:
                     out = call(q, groups, kt, vt, nt, ks, vs, mu, v, **kw)
                     out2 = call(q, groups, kt, vt, nt, ks, vs, mu, v, **kw)  # counters reset: same again
@@ -163,16 +176,16 @@ def main(argv=None) -> int:
         from torch.nn.attention import SDPBackend
 
         bf16_bytes = 2 * bsz * HK * (ctx + 1) * D * 2
-        base = {"context": ctx + 1, "batch": bsz}
+        base_row = {"context": ctx + 1, "batch": bsz}
         sd = {}
         for be_name, be in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
             try:
                 ms = bench(lambda: sdpa_fold(q, kf, vf, be))
                 sd[be_name] = ms
-                rows.append({**base, "provider": be_name, "us": ms * 1e3, "GBps": bf16_bytes / ms / 1e6,
+                rows.append({**base_row, "provider": be_name, "us": ms * 1e3, "GBps": bf16_bytes / ms / 1e6,
                              "frac_ceiling": bf16_bytes / ms / 1e6 / cgb})
             except Exception as e:  # noqa: BLE001
-                rows.append({**base, "provider": be_name, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+                rows.append({**base_row, "provider": be_name, "error": f"{type(e).__name__}: {str(e)[:200]}"})
         sdpa_ms = min(sd.values()) if sd else float("nan")
         print(f"ctx {ctx} b {bsz}: sdpa " + ", ".join(f"{n} {m * 1e3:.1f} us" for n, m in sd.items()), flush=True)
         for preset in PRESET_BITS:
@@ -182,7 +195,7 @@ def main(argv=None) -> int:
             nbytes = layer.memory_bytes()
             a, kw = layer.decode_inputs()
             a = (q,) + a
-            if (ctx, bsz) == (32768, 8):
+            if (ctx, bsz) == (32768, 8) or args.grid == "launch":
                 vs_ = [DEFAULT] + grid(args.grid)
             else:
                 vs_ = [DEFAULT] + best_by_preset.get(preset, [])[:3] + [grid()[0]]
@@ -193,14 +206,38 @@ def main(argv=None) -> int:
                 try:
                     ms = bench(lambda: call(*a, v, **kw))
                 except Exception as e:  # noqa: BLE001
-                    rows.append({**base, "provider": f"turbo_{preset}", "variant": vname(v),
+                    rows.append({**base_row, "provider": f"turbo_{preset}", "variant": vname(v),
                                  "error": f"{type(e).__name__}: {str(e)[:200]}"})
                     continue
                 res.append((ms, v))
-                r = {**base, "provider": f"turbo_{preset}", "variant": vname(v), "default": v is DEFAULT,
+                r = {**base_row, "provider": f"turbo_{preset}", "variant": vname(v), "default": v is DEFAULT,
                      "us": ms * 1e3, "bytes": nbytes, "GBps": nbytes / ms / 1e6, "frac_ceiling": nbytes / ms / 1e6 / cgb,
                      "x_sdpa": sdpa_ms / ms}
                 rows.append(r)
+            extra = {}
+            if base is not None:  # the earlier kernel, its defaults
+                extra["baseline"] = lambda: base.turbo_decode_attention(*a, **kw)
+            if len(a[1]) > 1:  # one launch per bit group (the layout before the groups shared a launch)
+                extra["per_group"] = lambda: [DK.turbo_decode_attention(a[0], [g_], *a[2:], **kw) for g_ in a[1]]
+            for name, fn in extra.items():
+                try:
+                    ms_x = bench(fn)
+                except Exception as e:  # noqa: BLE001
+                    rows.append({**base_row, "provider": f"turbo_{preset}", "variant": name,
+                                 "error": f"{type(e).__name__}: {str(e)[:200]}"})
+                    continue
+                rows.append({**base_row, "provider": f"turbo_{preset}", "variant": name, "us": ms_x * 1e3,
+                             "bytes": nbytes, "GBps": nbytes / ms_x / 1e6, "frac_ceiling": nbytes / ms_x / 1e6 / cgb,
+                             "x_sdpa": sdpa_ms / ms_x})
+            # host cost of one call (no synchronisation: the time the Python side takes to queue it)
+            fn = lambda: call(*a, DEFAULT, **kw)  # noqa: E731
+            torch.cuda.synchronize()
+            t_h = time.perf_counter()
+            for _ in range(50):
+                fn()
+            host_us = (time.perf_counter() - t_h) / 50 * 1e6
+            torch.cuda.synchronize()
+            rows.append({**base_row, "provider": f"turbo_{preset}", "variant": "host_us_per_call", "us": host_us})
             if (ctx, bsz) == (32768, 8):
                 best_by_preset[preset] = [v for _, v in sorted(res, key=lambda x: x[0]) if v is not DEFAULT]
             if res:
@@ -230,7 +267,7 @@ def main(argv=None) -> int:
                         continue
                     if vv is DEFAULT:
                         g_us = us
-                    rows.append({**base, "provider": f"turbo_{preset}", "variant": vname(vv) + "-cudagraph",
+                    rows.append({**base_row, "provider": f"turbo_{preset}", "variant": vname(vv) + "-cudagraph",
                                  "us": us, "bytes": nbytes, "GBps": nbytes / us / 1e3,
                                  "frac_ceiling": nbytes / us / 1e3 / cgb, "x_sdpa": sdpa_ms * 1e3 / us})
                 print(f"  {preset:5s} {nbytes / 1e6:7.1f} MB: default {dflt * 1e3:7.1f} us (graph {g_us:7.1f}), best "
@@ -249,7 +286,8 @@ def main(argv=None) -> int:
             print(f"{r['context']:6d} {r['batch']:3d} {r['provider']:12s} {r.get('variant', ''):34s} ERROR {r['error'][:80]}")
             continue
         print(f"{r['context']:6d} {r['batch']:3d} {r['provider']:12s} {r.get('variant', ''):34s} {r['us']:8.1f} "
-              f"{r['GBps']:6.0f} {r['frac_ceiling']:5.0%} {r.get('x_sdpa', float('nan')):6.2f}")
+              f"{r.get('GBps', float('nan')):6.0f} {r.get('frac_ceiling', float('nan')):5.0%} "
+              f"{r.get('x_sdpa', float('nan')):6.2f}")
     bad = [c for c in checks if not c.get("ok")]
     print(f"checks: {len(checks) - len(bad)}/{len(checks)} ok" + (f"; FAILED: {bad}" if bad else ""))
     path = write_json("decode_sweep", payload, args.out)

@@ -50,7 +50,7 @@ from .interpreter import interpreting
 from .pack import PackedKV, _dequant_tile, _unpack_tile
 from .softmax import sas_exp2
 
-__all__ = ["turbo_decode_attention", "plan_splits", "first_visible_tile"]
+__all__ = ["turbo_decode_attention", "plan_splits", "group_splits", "launch_pairs", "first_visible_tile"]
 
 
 _INTERPRET = interpreting()
@@ -315,19 +315,21 @@ def _fold_pv(t, b_p0, b_p1, p_vb, vs, vz, o_vsbase, o_d, m_d, o_sb,
     return b_pc.to(tl.float32) * b_f[None, :], b_p0 * b_vz0[:, None] + b_p1 * b_vz1[:, None]
 
 
-@triton.jit(do_not_specialize=["n_blocks", "n_tail", "n_sink", "Lq", "kv_len", "T0", "TPS", "window"])
-def _decode_kernel(
+@triton.jit
+def _decode_program(
+    i_s, i_m, i_bh, i_b, i_h,
     q, sk, mk, heads, kp, ks, kz, vp, vs, vz, kt, vt, sv, kvalid, o, po, pml, cnt,
     n_blocks, n_tail, n_sink, tail_cap, Lq, kv_len, T0, TPS, window, softcap, sas_thr, qscale,
     stride_qb, stride_qh, stride_ql,
     stride_kb, stride_kh, stride_sb, stride_sh, stride_vb, stride_vh, stride_vsb, stride_vsh,
-    H, HK,
+    HK,
     G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr,
     BITS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_MEAN: tl.constexpr, HAS_KVALID: tl.constexpr, USE_SAS: tl.constexpr, SPLIT: tl.constexpr,
     FUSED_MERGE: tl.constexpr, FOLD: tl.constexpr, USE_ASM: tl.constexpr, SC: tl.constexpr,
 ):
-    """grid = (n_splits, n_m_tiles, b * H); H = KV heads of this bit group, heads[H] their layer index.
+    """One program of ``_decode_kernel``: share ``i_s`` of M tile ``i_m`` of KV head ``heads[i_h]`` of batch row
+    ``i_b`` in one bit group; ``i_bh`` is the (batch, head) work item of the launch (partials, counters).
 
     q [b, HQ, Lq, D] (any float dtype, strides given, D contiguous); sk/mk/sv [b, HK, D] fp32 (K scale,
     K mean, V scale); packed blocks as in pack.py; kt [b, HK, C, D], vt [b, HK, D, C] the INT8 buffer
@@ -353,8 +355,6 @@ def _decode_kernel(
     restores K only and takes V's codes the same way, so both variants compute the same numbers.
     """
     tl.static_assert(BITS == 2 or BITS == 4 or BITS == 8)
-    i_s, i_m, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = i_bh // H, i_bh % H
     i_hk = tl.load(heads + i_h).to(tl.int64)
     i_b64 = i_b.to(tl.int64)
     HQ = HK * G
@@ -535,6 +535,52 @@ def _decode_kernel(
         tl.store(p_ot, b_o.to(o.dtype.element_ty), mask=m_d[:, None] & m_r[None, :])
 
 
+@triton.jit(do_not_specialize=["n_blocks", "n_tail", "n_sink", "Lq", "kv_len", "T0", "TPS", "window"])
+def _decode_kernel(
+    q, sk, mk, kt, vt, sv, kvalid, o, po, pml, cnt,
+    heads0, kp0, ks0, kz0, vp0, vs0, vz0, heads1, kp1, ks1, kz1, vp1, vs1, vz1,
+    n_blocks, n_tail, n_sink, tail_cap, Lq, kv_len, T0, TPS, window, softcap, sas_thr, qscale,
+    stride_qb, stride_qh, stride_ql,
+    stride_kb0, stride_kh0, stride_sb0, stride_sh0, stride_vb0, stride_vh0, stride_vsb0, stride_vsh0,
+    stride_kb1, stride_kh1, stride_sb1, stride_sh1, stride_vb1, stride_vh1, stride_vsb1, stride_vsh1,
+    H0, H1, HK,
+    G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr,
+    BITS0: tl.constexpr, BITS1: tl.constexpr, TWO_GROUPS: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_MEAN: tl.constexpr, HAS_KVALID: tl.constexpr, USE_SAS: tl.constexpr, SPLIT: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, FOLD: tl.constexpr, USE_ASM: tl.constexpr, SC: tl.constexpr,
+):
+    """grid = (n_splits, n_m_tiles, b * (H0 + H1)): one launch for up to two bit groups (e.g. the INT4 and the
+    INT2 heads of ``mixed``), so a step pays one launch and the split plan fills the GPU once for all heads.
+    Work items ``[0, b·H0)`` are group 0's (batch, head) pairs, the rest group 1's (TWO_GROUPS only); each
+    group has its packed tensors, strides and ``BITS`` (both branches are compiled into the one kernel:
+    registers are the larger of the two). The program itself is ``_decode_program``."""
+    i_s, i_m, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n0 = (tl.num_programs(2) // (H0 + H1)) * H0  # b·H0
+    if TWO_GROUPS:
+        in_g1 = i_bh >= n0
+    else:
+        in_g1 = False  # constexpr: the group-1 branch is not compiled
+    if in_g1:
+        _decode_program(
+            i_s, i_m, i_bh, (i_bh - n0) // H1, (i_bh - n0) % H1,
+            q, sk, mk, heads1, kp1, ks1, kz1, vp1, vs1, vz1, kt, vt, sv, kvalid, o, po, pml, cnt,
+            n_blocks, n_tail, n_sink, tail_cap, Lq, kv_len, T0, TPS, window, softcap, sas_thr, qscale,
+            stride_qb, stride_qh, stride_ql,
+            stride_kb1, stride_kh1, stride_sb1, stride_sh1, stride_vb1, stride_vh1, stride_vsb1, stride_vsh1, HK,
+            G, D, BD, BS, BM, BITS1, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_MEAN, HAS_KVALID, USE_SAS, SPLIT,
+            FUSED_MERGE, FOLD, USE_ASM, SC)
+    else:
+        _decode_program(
+            i_s, i_m, i_bh, i_bh // H0, i_bh % H0,
+            q, sk, mk, heads0, kp0, ks0, kz0, vp0, vs0, vz0, kt, vt, sv, kvalid, o, po, pml, cnt,
+            n_blocks, n_tail, n_sink, tail_cap, Lq, kv_len, T0, TPS, window, softcap, sas_thr, qscale,
+            stride_qb, stride_qh, stride_ql,
+            stride_kb0, stride_kh0, stride_sb0, stride_sh0, stride_vb0, stride_vh0, stride_vsb0, stride_vsh0, HK,
+            G, D, BD, BS, BM, BITS0, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_MEAN, HAS_KVALID, USE_SAS, SPLIT,
+            FUSED_MERGE, FOLD, USE_ASM, SC)
+
+
 @triton.jit
 def _merge_partials(po, pml, i_bh, n_bh, n_mp, o_r, o_d, S, BM: tl.constexpr, BD: tl.constexpr, SC: tl.constexpr):
     """Merge S partial (m, l, acc) of one tile: M = max_s m_s, l = Σ_s l_s·2^(m_s - M),
@@ -565,13 +611,19 @@ def _merge_partials(po, pml, i_bh, n_bh, n_mp, o_r, o_d, S, BM: tl.constexpr, BD
 
 @triton.jit(do_not_specialize=["Lq", "S"])
 def _merge_kernel(
-    po, pml, heads, sv, o, Lq, S, H, HK,
+    po, pml, heads0, heads1, sv, o, Lq, S, H0, H1, HK,
     G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, SC: tl.constexpr,
 ):
-    """grid = (n_m_tiles, b * H): merge S partial (m, l, acc) by the associative rescale, write o."""
+    """grid = (n_m_tiles, b * (H0 + H1)): merge S partial (m, l, acc) by the associative rescale, write o
+    (work items as in ``_decode_kernel``: group 0's (batch, head) pairs, then group 1's)."""
     i_m, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    i_hk = tl.load(heads + i_h).to(tl.int64)
+    n0 = (tl.num_programs(1) // (H0 + H1)) * H0
+    if i_bh < n0:
+        i_b = i_bh // H0
+        i_hk = tl.load(heads0 + i_bh % H0).to(tl.int64)
+    else:
+        i_b = (i_bh - n0) // H1
+        i_hk = tl.load(heads1 + (i_bh - n0) % H1).to(tl.int64)
     i_b64 = i_b.to(tl.int64)
     HQ = HK * G
     M = G * Lq
@@ -630,6 +682,25 @@ def _plan(n_tiles: int, work_units: int, sms: int, waves: Optional[float], n_spl
     n_splits = max(1, min(int(n_splits), n_tiles))
     tps = math.ceil(n_tiles / n_splits)
     return math.ceil(n_tiles / tps), tps
+
+
+def launch_pairs(groups: Sequence[PackedKV]) -> list:
+    """The bit groups that share one launch: consecutive pairs of the non-empty groups (``mixed``: its
+    INT4 and INT2 heads in one launch; a third bit width would take a second launch)."""
+    live = [g_ for g_ in groups if len(g_.heads) > 0]
+    return [live[i:i + 2] for i in range(0, len(live), 2)]
+
+
+def group_splits(n_tiles: int, groups: Sequence[PackedKV], b: int, n_m: int, device: torch.device,
+                 waves: Optional[float] = None, n_splits: Optional[int] = None, min_tiles: int = 4) -> dict:
+    """``{bits: n_splits}`` as the launcher plans them (one plan per launch, over all heads of its groups):
+    what ``reference.turbo_decode_ref`` needs to reproduce the kernel's shares."""
+    out = {}
+    for pair in launch_pairs(groups):
+        work = b * n_m * sum(len(g_.heads) for g_ in pair)
+        for g_ in pair:
+            out[g_.bits] = plan_splits(n_tiles, work, device, waves, n_splits, min_tiles)[0]
+    return out
 
 
 def _pow2(n: int) -> int:
@@ -770,41 +841,42 @@ def turbo_decode_attention(
     sk = k_scale.float().contiguous()
     sv = v_scale.float().contiguous()
     mk = k_mean.float().contiguous() if k_mean is not None else sk
-    n_work = b * n_m * max(g_.heads.shape[0] for g_ in groups)
     use_asm = q.device.type == "cuda" and not _INTERPRET
     reg_cap = {"maxnreg": int(max_registers)} if max_registers and use_asm else {}
-    for grp in groups:
-        H = grp.heads.shape[0]
-        if H == 0:
-            continue
-        S, tps = plan_splits(n_tiles - t0, b * H * n_m, q.device, waves, n_splits, min_tiles)
+    # one launch per pair of bit groups (mixed: its INT4 and INT2 heads together), split plan over the pair
+    for pair in launch_pairs(groups):
+        g0, g1 = pair[0], pair[-1]
+        H0, H1 = g0.heads.shape[0], (g1.heads.shape[0] if len(pair) == 2 else 0)
+        n_work = b * (H0 + H1) * n_m
+        S, tps = plan_splits(n_tiles - t0, n_work, q.device, waves, n_splits, min_tiles)
         split = S > 1
         fused = split and merge == "fused"
         if split:
             po, pml, cnt = _workspace(q.device, S * n_work * BM * BD, S * n_work * BM * 2, n_work)
         else:
             po = pml = cnt = sv
-        kp, vp = grp.k, grp.v
-        packed = grp.bits != 8
-        ks = grp.k_scale if packed else kp
-        sst = (ks.stride(0), ks.stride(1)) if packed else (0, 0)
-        vst = (grp.v_scale.stride(0), grp.v_scale.stride(1)) if packed else (0, 0)
-        _decode_kernel[(S, n_m, b * H)](
-            q, sk, mk, grp.heads, kp, ks, grp.k_zero if packed else kp, vp,
-            grp.v_scale if packed else kp, grp.v_zero if packed else kp,
-            k_tail, v_tail, sv, kvalid if kvalid is not None else k_tail, o, po, pml, cnt,
+        ga, gs = [], []
+        for grp in (g0, g1):
+            packed = grp.bits != 8
+            kp = grp.k
+            ks = grp.k_scale if packed else kp
+            ga += [grp.heads, kp, ks, grp.k_zero if packed else kp, grp.v,
+                   grp.v_scale if packed else kp, grp.v_zero if packed else kp]
+            sst = (ks.stride(0), ks.stride(1)) if packed else (0, 0)
+            vst = (grp.v_scale.stride(0), grp.v_scale.stride(1)) if packed else (0, 0)
+            gs += [kp.stride(0), kp.stride(1), sst[0], sst[1], grp.v.stride(0), grp.v.stride(1), vst[0], vst[1]]
+        _decode_kernel[(S, n_m, n_work // n_m)](
+            q, sk, mk, k_tail, v_tail, sv, kvalid if kvalid is not None else k_tail, o, po, pml, cnt, *ga,
             n_blocks, n_tail, n_sink, C, Lq, kv_len, t0, tps, int(window or 0), float(softcap or 1.0),
             float(sas_threshold * LOG2E), float(scale * LOG2E),
-            q.stride(0), q.stride(1), q.stride(2),
-            kp.stride(0), kp.stride(1), sst[0], sst[1], vp.stride(0), vp.stride(1), vst[0], vst[1],
-            H, HK,
-            G=G, D=D, BD=BD, BS=BS, BM=BM, BITS=grp.bits, IS_CAUSAL=bool(causal),
+            q.stride(0), q.stride(1), q.stride(2), *gs, H0, H1, HK,
+            G=G, D=D, BD=BD, BS=BS, BM=BM, BITS0=g0.bits, BITS1=g1.bits, TWO_GROUPS=H1 > 0, IS_CAUSAL=bool(causal),
             HAS_WINDOW=bool(window), HAS_SOFTCAP=has_softcap, HAS_MEAN=k_mean is not None,
             HAS_KVALID=kvalid is not None, USE_SAS=softmax == "sas", SPLIT=split, FUSED_MERGE=fused,
             FOLD=bool(fold), USE_ASM=use_asm, SC=_merge_chunk(S, BM, BD, num_warps),
             num_warps=num_warps, num_stages=num_stages, **reg_cap,
         )
         if split and not fused:
-            _merge_kernel[(n_m, b * H)](po, pml, grp.heads, sv, o, Lq, S, H, HK,
-                                        G=G, D=D, BD=BD, BM=BM, SC=_merge_chunk(S, BM, BD, 4), num_warps=4)
+            _merge_kernel[(n_m, n_work // n_m)](po, pml, g0.heads, g1.heads, sv, o, Lq, S, H0, H1, HK,
+                                                G=G, D=D, BD=BD, BM=BM, SC=_merge_chunk(S, BM, BD, 4), num_warps=4)
     return o

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-# (D, bits, G, Lq, block, variant): head_dim 64/80/96/128/256 x bits 2/4/8 x GQA 1..8 (3 and 7 included) x
+# (D, bits, G, Lq, block, variant), bits an int or a pair (two groups in one launch): head_dim 64/80/96/128/256 x bits 2/4/8 x GQA 1..8 (3 and 7 included) x
 # one token and a chunk; block 16 (P·V dot padded) and 32 (no fold); the restoring loop; no split; masks.
 # Cold compile ~75 s in all on 2 CPU cores (the M = 64-row chunk at D 128 alone took 51 s: left out).
 CONFIGS = [
@@ -30,6 +30,8 @@ CONFIGS = [
     (64, 8, 3, 1, 16, "fold"),  # block 16: P·V dot padded to K = 32
     (64, 2, 5, 2, 16, "fold"),
     (256, 2, 2, 1, 64, "fold"),
+    (128, (4, 2), 4, 1, 64, "fold"),  # mixed: INT4 + INT2 heads, one launch
+    (64, (4, 2), 3, 1, 64, "fold"),  # SmolLM2-135M mixed: the INT2 half takes the restoring loop
 ]
 
 
@@ -40,22 +42,30 @@ def _compile(D, bits, G, Lq, BS, variant):
 
     from turbo_attn_hf.kernels.decode import _decode_kernel, _merge_chunk, _pow2
 
-    code = "*i8" if bits == 8 else "*u8"
-    sig = dict(q="*bf16", sk="*fp32", mk="*fp32", heads="*i32", kp=code, ks="*i8", kz="*i8", vp=code, vs="*i8",
-               vz="*i8", kt="*i8", vt="*i8", sv="*fp32", kvalid="*i8", o="*bf16", po="*fp32", pml="*fp32",
-               cnt="*i32")
+    bits0, bits1 = (bits, bits) if isinstance(bits, int) else bits  # a pair: one launch for two bit groups
+    sig = dict(q="*bf16", sk="*fp32", mk="*fp32", kt="*i8", vt="*i8", sv="*fp32", kvalid="*i8", o="*bf16",
+               po="*fp32", pml="*fp32", cnt="*i32")
+    for g, bg in (("0", bits0), ("1", bits1)):
+        code = "*i8" if bg == 8 else "*u8"
+        sig.update({"heads" + g: "*i32", "kp" + g: code, "ks" + g: "*i8", "kz" + g: "*i8", "vp" + g: code,
+                    "vs" + g: "*i8", "vz" + g: "*i8"})
     for name in ("n_blocks", "n_tail", "n_sink", "tail_cap", "Lq", "kv_len", "T0", "TPS", "window"):
         sig[name] = "i32"
     for name in ("softcap", "sas_thr", "qscale"):
         sig[name] = "fp32"
-    for name in ("stride_qb", "stride_qh", "stride_ql", "stride_kb", "stride_kh", "stride_sb", "stride_sh",
-                 "stride_vb", "stride_vh", "stride_vsb", "stride_vsh", "H", "HK"):
+    for name in ("stride_qb", "stride_qh", "stride_ql"):
+        sig[name] = "i32"
+    for g in ("0", "1"):
+        for name in ("kb", "kh", "sb", "sh", "vb", "vh", "vsb", "vsh"):
+            sig[f"stride_{name}{g}"] = "i32"
+    for name in ("H0", "H1", "HK"):
         sig[name] = "i32"
     BD, M = _pow2(D), G * Lq
     BM = min(64, max(4, _pow2(M)))
     split = variant != "nosplit"
     masks = variant == "masks"
-    cx = dict(G=G, D=D, BD=BD, BS=BS, BM=BM, BITS=bits, IS_CAUSAL=True, HAS_WINDOW=masks, HAS_SOFTCAP=masks,
+    cx = dict(G=G, D=D, BD=BD, BS=BS, BM=BM, BITS0=bits0, BITS1=bits1, TWO_GROUPS=not isinstance(bits, int),
+              IS_CAUSAL=True, HAS_WINDOW=masks, HAS_SOFTCAP=masks,
               HAS_MEAN=True, HAS_KVALID=masks, USE_SAS=masks, SPLIT=split, FUSED_MERGE=split,
               FOLD=variant != "restore", USE_ASM=True, SC=_merge_chunk(8, BM, BD, 1))
     sig.update({k: "constexpr" for k in cx})

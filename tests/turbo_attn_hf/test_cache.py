@@ -8,7 +8,7 @@ import torch
 from turbo_attn_hf.cache import TurboCache, TurboLayer, TurboSlidingWindowLayer
 from turbo_attn_hf.config import TurboConfig, TurboConfigError
 from turbo_attn_hf.kernels import reference as R
-from turbo_attn_hf.kernels.decode import plan_splits
+from turbo_attn_hf.kernels.decode import group_splits
 from turbo_attn_hf.kernels.pack import kv_bytes_per_token
 
 # layer.attention (kernel) vs reference on the same packed state, CPU interpreter: measured max |diff| 9e-8.
@@ -49,7 +49,7 @@ def _ref_on(q, state, layer, **kw):
     n_tiles = groups[0].n_blocks + -(-nt // layer.turbo_config.block_size)
     b, hq, lq, _ = q.shape
     n_m = -(-(hq // kt.shape[1] * lq) // 64)
-    splits = {g.bits: plan_splits(n_tiles, b * len(g.heads) * n_m, q.device)[0] for g in groups}
+    splits = group_splits(n_tiles, groups, b, n_m, q.device)
     return R.turbo_decode_ref(q.cpu(), groups, kt, vt, nt, ks, vs, mu, n_splits=splits, n_sink=layer.n_sink, **kw)
 
 
@@ -259,7 +259,7 @@ def test_crop_within_tail_and_into_packed_block(device):
     assert torch.equal(layer.v_tail[:, :, :, :57].cpu(), vt[:, :, :, :57])
     kk, vv = layer._placeholders(121)
     ref = R.turbo_decode_ref(q.cpu(), groups, kt, vt, 57, ks, vs, mu,
-                             n_splits={g.bits: plan_splits(2, 2 * len(g.heads), q.device)[0] for g in groups})
+                             n_splits=group_splits(2, groups, 2, 1, q.device))
     _close(layer.attention(q, kk, vv), ref)
 
     kk, vv = cache.update(k[:, :, 121:131], v[:, :, 121:131], 0)  # grows again across the boundary
