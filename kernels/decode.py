@@ -55,10 +55,15 @@ __all__ = ["turbo_decode_attention", "plan_splits", "group_splits", "launch_pair
 
 _INTERPRET = interpreting()
 LOG2E = 1.4426950408889634
-#: programs per SM that the split plan aims for (Lean Attention's grid sized to the SM count). Measured on
-#: the H200 (eval/PERF_NOTES.md, Decode): 1 warp per program, 3 stages, 4 waves is the best launch for int4
-#: and close to the best for int8 / mixed at 32k context, batch 1-32.
-DEFAULT_WAVES = 4.0
+#: programs per SM that the split plan aims for (Lean Attention's grid sized to the SM count). Measured on the
+#: H100 (eval/PERF_NOTES.md, Decode round 4; CUDA-graph times, 32k context batch 1/8/32 and 4k batch 8): with
+#: 1 warp per program and 2 stages, 6 waves is the best or within 6 % of the best for int8, int4 and mixed.
+DEFAULT_WAVES = 6.0
+#: programs one SM holds at once with the default launch: 1 warp at 255 registers -> 65536 / (256 * 32) = 8,
+#: and 8 x ~18 KB of shared memory at 2 stages fits (3 stages: ~35 KB, only 6). A plan past
+#: ``RESIDENT_PER_SM x #SMs`` programs runs a second, mostly idle wave (measured: 32k batch 32, waves 8 ->
+#: 1280 programs on 132 SMs, 30 % slower than waves 6 -> 1024), so the default plan is capped there.
+RESIDENT_PER_SM = 8
 LN2 = 0.6931471805599453
 
 
@@ -678,7 +683,10 @@ def _plan(n_tiles: int, work_units: int, sms: int, waves: Optional[float], n_spl
         return 1, 1
     if n_splits is None:
         w = DEFAULT_WAVES if waves is None else waves
-        n_splits = max(1, min(math.ceil(w * sms / max(work_units, 1)), n_tiles // max(min_tiles, 1)))
+        n_splits = math.ceil(w * sms / max(work_units, 1))
+        if waves is None:  # the default launch: stay within one resident wave
+            n_splits = min(n_splits, RESIDENT_PER_SM * sms // max(work_units, 1))
+        n_splits = max(1, min(n_splits, n_tiles // max(min_tiles, 1)))
     n_splits = max(1, min(int(n_splits), n_tiles))
     tps = math.ceil(n_tiles / n_splits)
     return math.ceil(n_tiles / tps), tps
@@ -757,7 +765,7 @@ def turbo_decode_attention(
     min_tiles: int = 4,
     block_m: Optional[int] = None,
     num_warps: int = 1,
-    num_stages: int = 3,
+    num_stages: int = 2,
     max_registers: Optional[int] = None,
     merge: str = "fused",
     fold: bool = True,

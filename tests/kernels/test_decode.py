@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from turbo_attn_hf.kernels import reference as R
-from turbo_attn_hf.kernels.decode import first_visible_tile, plan_splits, turbo_decode_attention
+from turbo_attn_hf.kernels.decode import RESIDENT_PER_SM, first_visible_tile, plan_splits, turbo_decode_attention
 from turbo_attn_hf.kernels.pack import PackedKV
 
 # kernel vs reference, CPU interpreter: measured max |diff| 1.2e-7 over the cases below (the same fp32 ops in
@@ -141,6 +141,10 @@ def test_plan_splits_shares():
             S, tps = plan_splits(n_tiles, units, dev)
             assert 1 <= S <= n_tiles and (S - 1) * tps < n_tiles <= S * tps  # no empty share
     assert plan_splits(10, 1, dev, n_splits=3) == (3, 4)
+    # the default plan stays within one resident wave (RESIDENT_PER_SM programs per SM; 4 "SMs" on CPU)
+    for units in (1, 3, 7, 20, 40):
+        S, _ = plan_splits(4096, units, dev)
+        assert S * units <= max(RESIDENT_PER_SM * 4, units)
 
 
 # reference decode vs fp64 attention over the unquantized K/V, N(0,1) keys (+ channel offsets) and values,

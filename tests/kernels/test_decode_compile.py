@@ -70,7 +70,7 @@ def _compile(D, bits, G, Lq, BS, variant):
               FOLD=variant != "restore", USE_ASM=True, SC=_merge_chunk(8, BM, BD, 1))
     sig.update({k: "constexpr" for k in cx})
     src = triton.compiler.ASTSource(fn=_decode_kernel, signature=sig, constexprs=cx)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1, num_stages=3))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1, num_stages=2))
 
 
 def _probe():
