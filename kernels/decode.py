@@ -64,6 +64,10 @@ DEFAULT_WAVES = 6.0
 #: ``RESIDENT_PER_SM x #SMs`` programs runs a second, mostly idle wave (measured: 32k batch 32, waves 8 ->
 #: 1280 programs on 132 SMs, 30 % slower than waves 6 -> 1024), so the default plan is capped there.
 RESIDENT_PER_SM = 8
+#: the default plan fills the resident wave (more warps per SM to hide the load -> MMA -> softmax chain) when every
+#: share still gets at least this many tiles: 32k batch 8 (1024 programs, 32 tiles each) int4 121 -> 118 us,
+#: mixed 133 -> 127; at batch 1 (4-tile shares) the extra partials to merge cost more (int4 27.6 -> 28.9 us).
+FILL_MIN_TILES = 16
 LN2 = 0.6931471805599453
 
 
@@ -684,8 +688,11 @@ def _plan(n_tiles: int, work_units: int, sms: int, waves: Optional[float], n_spl
     if n_splits is None:
         w = DEFAULT_WAVES if waves is None else waves
         n_splits = math.ceil(w * sms / max(work_units, 1))
-        if waves is None:  # the default launch: stay within one resident wave
-            n_splits = min(n_splits, RESIDENT_PER_SM * sms // max(work_units, 1))
+        if waves is None:  # the default launch: within one resident wave; filled when the shares stay long
+            fill = max(1, RESIDENT_PER_SM * sms // max(work_units, 1))
+            if n_tiles // fill >= FILL_MIN_TILES:
+                n_splits = fill
+            n_splits = min(n_splits, fill)
         n_splits = max(1, min(n_splits, n_tiles // max(min_tiles, 1)))
     n_splits = max(1, min(int(n_splits), n_tiles))
     tps = math.ceil(n_tiles / n_splits)
