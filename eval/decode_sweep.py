@@ -33,6 +33,9 @@ def grid(which: str = "full"):
     (num_stages x waves at 1 warp, timed at every shape)."""
     if which == "launch":
         return [dict(num_stages=st, waves=wv) for st in (2, 3) for wv in (4.0, 5.0, 6.0, 8.0)]
+    if which == "cap":  # register caps (ptxas maxnreg) with the waves that fill 10 (192) / 12 (168) programs per SM
+        return ([dict(num_stages=2, max_registers=192, waves=wv) for wv in (6.0, 9.6)]
+                + [dict(num_stages=2, max_registers=168, waves=wv) for wv in (6.0, 11.6)])
     if which == "fill":  # 2 stages, up to one resident wave (8 programs per SM), shorter/longer shares
         return ([dict(num_stages=2, waves=wv) for wv in (6.0, 7.0, 7.7)]
                 + [dict(num_stages=2, waves=6.0, min_tiles=mt) for mt in (2, 8)])
@@ -65,7 +68,7 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budget", type=float, default=200.0, help="seconds; later steps are skipped past it")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--grid", choices=("full", "reg", "launch", "fill"), default="full",
+    ap.add_argument("--grid", choices=("full", "reg", "launch", "fill", "cap"), default="full",
                     help="timed variants at 32k batch 8: all, or only the register caps (maxnreg x waves); "
                          "launch: stages x waves at every shape")
     ap.add_argument("--baseline", default=None,
@@ -215,7 +218,7 @@ def main(argv=None) -> int:
             nbytes = layer.memory_bytes()
             a, kw = layer.decode_inputs()
             a = (q,) + a
-            if (ctx, bsz) == (32768, 8) or args.grid in ("launch", "fill"):
+            if (ctx, bsz) == (32768, 8) or args.grid in ("launch", "fill", "cap"):
                 vs_ = [DEFAULT] + grid(args.grid)
             else:
                 vs_ = [DEFAULT] + best_by_preset.get(preset, [])[:3] + [grid()[0]]
@@ -229,7 +232,7 @@ def main(argv=None) -> int:
                     rows.append({**base_row, "provider": f"turbo_{preset}", "variant": vname(v),
                                  "error": f"{type(e).__name__}: {str(e)[:200]}"})
                     continue
-                if args.grid in ("launch", "fill"):  # rank the launches on GPU time (graph replay)
+                if args.grid in ("launch", "fill", "cap"):  # rank the launches on GPU time (graph replay)
                     try:
                         g_ms = graph_us(lambda: call(*a, v, **kw)) / 1e3
                         rows.append({**base_row, "provider": f"turbo_{preset}", "variant": vname(v) + "-cudagraph",
