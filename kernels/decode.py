@@ -473,21 +473,17 @@ def _decode_program(
             b_acc = tl.math.fma(b_acc, b_alpha[None, :], (b_pva + b_pvb) + tl.sum(b_za + b_zb, 0)[None, :])
     else:
         for t in range(t_lo, t_hp):
+            o_key = n_sink + t * BS + o_n
+            m_key = o_n < BS
+            if HAS_KVALID:
+                m_key = tl.load(kvalid + i_b64 * kv_len + o_key) != 0
             if BITS == 8:
-                o_key = n_sink + t * BS + o_n
-                m_key = o_n < BS
-                if HAS_KVALID:
-                    m_key = tl.load(kvalid + i_b64 * kv_len + o_key) != 0
                 b_k = tl.load(p_kb + t * (BS * D) + o_n[:, None] * D + o_d[None, :], mask=m_d[None, :], other=0)
                 b_v = tl.load(p_vb + t * (D * BS) + o_d[:, None] * BS + o_n[None, :], mask=m_d[:, None], other=0)
                 b_acc, b_m, b_l = _int8_tile(b_acc, b_m, b_l, b_qt, b_sq, b_qb, b_k, b_v, b_sq, b_sq, o_key, m_key,
                                              o_pos, window, softcap, sas_thr, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
                                              USE_SAS, False)
             else:  # restore INT8 tiles in registers (the first version; kept to measure against)
-                o_key = n_sink + t * BS + o_n
-                m_key = o_n < BS
-                if HAS_KVALID:
-                    m_key = tl.load(kvalid + i_b64 * kv_len + o_key) != 0
                 b_kp = tl.load(p_kb + t * (BS * DK) + o_n[:, None] * DK + o_dk[None, :], mask=m_dk[None, :], other=0)
                 b_vp = tl.load(p_vb + t * (D * BSB) + o_d[:, None] * BSB + o_sb[None, :], mask=m_d[:, None], other=0)
                 o_sc = o_sbase + t * D + o_d
