@@ -16,7 +16,8 @@ What it implements:
   program (row ``r = head_in_group * Lq + query``), so K/V tiles are read once per KV head.
 - Sliding window: tiles that no query of the chunk can see are not visited (``first_visible_tile``).
 - Lean Attention's split of the context over the GPU: the tiles of each (batch, KV head, M tile) are cut
-  into equal contiguous shares so that the grid is about ``waves x #SMs`` programs; partial ``(m, l, O)``
+  into equal contiguous shares so that the grid is about ``waves x #SMs`` programs, at most one resident
+  wave (``RESIDENT_PER_SM``); both bit groups of ``mixed`` share the launch; partial ``(m, l, O)``
   triples merge by the associative rescale. One launch by default: every share writes its partial and
   bumps an arrival counter, and the share that arrives last merges the tile (no spin-waiting); a second
   merge kernel is the measured alternative (``merge="kernel"``). With one share the output is written
@@ -666,6 +667,8 @@ def plan_splits(n_tiles: int, work_units: int, device: torch.device, waves: Opti
 
     About ``waves x #SMs`` programs in all (Lean Attention; ``waves`` default :data:`DEFAULT_WAVES`), shares
     of at least ``min_tiles`` tiles (a share pays a prologue and a partial write), never an empty share.
+    Without an explicit ``waves`` the plan never exceeds one resident wave (``RESIDENT_PER_SM x #SMs``
+    programs) and fills it when every share keeps at least ``FILL_MIN_TILES`` tiles.
     An explicit ``n_splits`` is only capped by ``n_tiles``. On CPU (interpreter) 4 "SMs" are assumed so
     tests exercise the split + merge path.
     """
@@ -792,7 +795,8 @@ def turbo_decode_attention(
         softcap: logit softcapping ``softcap * tanh(s / softcap)``. key_valid: ``[b, kv_len]`` bool.
         softmax: ``"exact"`` or ``"sas"``; sas_threshold in natural-log units.
         n_splits / waves / min_tiles / block_m / num_warps / num_stages: launch overrides (tests, tuning);
-            by default the context is cut into shares for about ``DEFAULT_WAVES x #SMs`` programs.
+            by default the context is cut into shares for about ``DEFAULT_WAVES x #SMs`` programs (up to
+            ``RESIDENT_PER_SM x #SMs`` when the shares keep ``FILL_MIN_TILES`` tiles), see :func:`plan_splits`.
         max_registers: cap on registers per thread (ptxas ``maxnreg``; GPU only): more programs per SM at the
             price of spills (a tuning knob, measured in ``eval/decode_sweep.py``).
         merge: ``"fused"`` (the last share of a tile to finish merges the partials: one launch) or
