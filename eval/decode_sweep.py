@@ -36,6 +36,9 @@ def grid(which: str = "full"):
     if which == "cap":  # register caps (ptxas maxnreg) with the waves that fill 10 (192) / 12 (168) programs per SM
         return ([dict(num_stages=2, max_registers=192, waves=wv) for wv in (6.0, 9.6)]
                 + [dict(num_stages=2, max_registers=168, waves=wv) for wv in (6.0, 11.6)])
+    if which == "merge":  # the partials merged by a 4-warp merge kernel instead of the last 1-warp share
+        return [dict(merge="kernel"), dict(merge="kernel", waves=4.0), dict(merge="kernel", waves=8.0),
+                dict(waves=4.0)]
     if which == "fill":  # 2 stages, up to one resident wave (8 programs per SM), shorter/longer shares
         return ([dict(num_stages=2, waves=wv) for wv in (6.0, 7.0, 7.7)]
                 + [dict(num_stages=2, waves=6.0, min_tiles=mt) for mt in (2, 8)])
@@ -68,7 +71,7 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budget", type=float, default=200.0, help="seconds; later steps are skipped past it")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--grid", choices=("full", "reg", "launch", "fill", "cap"), default="full",
+    ap.add_argument("--grid", choices=("full", "reg", "launch", "fill", "cap", "merge"), default="full",
                     help="timed variants at 32k batch 8: all, or only the register caps (maxnreg x waves); "
                          "launch: stages x waves at every shape")
     ap.add_argument("--baseline", default=None,
@@ -218,7 +221,7 @@ def main(argv=None) -> int:
             nbytes = layer.memory_bytes()
             a, kw = layer.decode_inputs()
             a = (q,) + a
-            if (ctx, bsz) == (32768, 8) or args.grid in ("launch", "fill", "cap"):
+            if (ctx, bsz) == (32768, 8) or args.grid in ("launch", "fill", "cap", "merge"):
                 vs_ = [DEFAULT] + grid(args.grid)
             else:
                 vs_ = [DEFAULT] + best_by_preset.get(preset, [])[:3] + [grid()[0]]
@@ -232,7 +235,7 @@ def main(argv=None) -> int:
                     rows.append({**base_row, "provider": f"turbo_{preset}", "variant": vname(v),
                                  "error": f"{type(e).__name__}: {str(e)[:200]}"})
                     continue
-                if args.grid in ("launch", "fill", "cap"):  # rank the launches on GPU time (graph replay)
+                if args.grid in ("launch", "fill", "cap", "merge"):  # rank the launches on GPU time (graph replay)
                     try:
                         g_ms = graph_us(lambda: call(*a, v, **kw)) / 1e3
                         rows.append({**base_row, "provider": f"turbo_{preset}", "variant": vname(v) + "-cudagraph",
