@@ -25,12 +25,14 @@ from .bench_common import copy_ceiling, machine_info, machine_line, write_json
 
 HQ, HK, D = 32, 8, 128
 PRESET_BITS = {"int8": [8] * HK, "int4": [4] * HK, "mixed": [4] * (HK // 2) + [2] * (HK // 2)}
+#: grids timed at every shape and ranked on CUDA-graph time (the others: all variants at 32k batch 8 only)
+EVERY_SHAPE = ("launch", "fill", "cap", "merge")
 DEFAULT: dict = {}  # the library's defaults (turbo_decode_attention's keyword defaults)
 
 
 def grid(which: str = "full"):
-    """Timed launch variants: ``full`` (everything below), ``reg`` (the register caps only) or ``launch``
-    (num_stages x waves at 1 warp, timed at every shape)."""
+    """Timed launch variants: ``full`` (everything below), ``reg`` (the register caps only), or one of
+    :data:`EVERY_SHAPE` (``launch`` stages x waves, ``cap``, ``merge``, ``fill``: see the comments below)."""
     if which == "launch":
         return [dict(num_stages=st, waves=wv) for st in (2, 3) for wv in (4.0, 5.0, 6.0, 8.0)]
     if which == "cap":  # register caps (ptxas maxnreg) with the waves that fill 10 (192) / 12 (168) programs per SM
@@ -71,9 +73,9 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budget", type=float, default=200.0, help="seconds; later steps are skipped past it")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--grid", choices=("full", "reg", "launch", "fill", "cap", "merge"), default="full",
-                    help="timed variants at 32k batch 8: all, or only the register caps (maxnreg x waves); "
-                         "launch: stages x waves at every shape")
+    ap.add_argument("--grid", choices=("full", "reg") + EVERY_SHAPE, default="full",
+                    help="full / reg: variants timed at 32k batch 8 (all, or the register caps); launch / fill / "
+                         "cap / merge: timed at every shape, also as CUDA-graph replays")
     ap.add_argument("--baseline", default=None,
                     help="module of an earlier decode kernel to time side by side (e.g. "
                          "turbo_attn_hf.kernels.decode_base, a copy of kernels/decode.py from an earlier commit)")
@@ -221,7 +223,7 @@ def main(argv=None) -> int:
             nbytes = layer.memory_bytes()
             a, kw = layer.decode_inputs()
             a = (q,) + a
-            if (ctx, bsz) == (32768, 8) or args.grid in ("launch", "fill", "cap", "merge"):
+            if (ctx, bsz) == (32768, 8) or args.grid in EVERY_SHAPE:
                 vs_ = [DEFAULT] + grid(args.grid)
             else:
                 vs_ = [DEFAULT] + best_by_preset.get(preset, [])[:3] + [grid()[0]]
@@ -235,7 +237,7 @@ def main(argv=None) -> int:
                     rows.append({**base_row, "provider": f"turbo_{preset}", "variant": vname(v),
                                  "error": f"{type(e).__name__}: {str(e)[:200]}"})
                     continue
-                if args.grid in ("launch", "fill", "cap", "merge"):  # rank the launches on GPU time (graph replay)
+                if args.grid in EVERY_SHAPE:  # rank the launches on GPU time (graph replay)
                     try:
                         g_ms = graph_us(lambda: call(*a, v, **kw)) / 1e3
                         rows.append({**base_row, "provider": f"turbo_{preset}", "variant": vname(v) + "-cudagraph",

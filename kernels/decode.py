@@ -346,8 +346,9 @@ def _decode_program(
     (C = tail_cap slots, n_tail valid): slots < n_sink hold positions 0.. (attention sinks), the others
     positions from n_sink + n_blocks·BS on (the recent window + tail); packed block t holds positions
     n_sink + t·BS ..;
-    kvalid [b, kv_len] int8; o [b, Lq, HQ, D]; po [S, b*H, n_m*BM, BD] and pml [S, b*H, n_m*BM, 2] fp32
-    partials (SPLIT only; rows >= M are not written); cnt [b*H*n_m] int32 arrival counters, zero between
+    kvalid [b, kv_len] int8; o [b, Lq, HQ, D]; po [S, items, n_m*BM, BD] and pml [S, items, n_m*BM, 2] fp32
+    partials over the launch's (batch, head) items (SPLIT only; rows >= M are not written); cnt [items*n_m]
+    int32 arrival counters, zero between
     calls (FUSED_MERGE: the last share of a tile to finish merges it and resets its counter).
     Strides stay specialised (multiples of 16 -> 16-byte vector loads).
 
@@ -541,6 +542,17 @@ def _decode_program(
         tl.store(p_ot, b_o.to(o.dtype.element_ty), mask=m_d[:, None] & m_r[None, :])
 
 
+@triton.jit
+def _work_item(i_bh, n_items, H0, H1):
+    """Work item ``i_bh`` of a launch over two bit groups -> (in group 1, batch row, head index in its group):
+    items ``[0, b·H0)`` are group 0's (batch, head) pairs, the rest group 1's."""
+    n0 = (n_items // (H0 + H1)) * H0  # b·H0
+    in_g1 = i_bh >= n0
+    j = tl.where(in_g1, i_bh - n0, i_bh)
+    h = tl.where(in_g1, tl.maximum(H1, 1), H0)
+    return in_g1, j // h, j % h
+
+
 @triton.jit(do_not_specialize=["n_blocks", "n_tail", "n_sink", "Lq", "kv_len", "T0", "TPS", "window"])
 def _decode_kernel(
     q, sk, mk, kt, vt, sv, kvalid, o, po, pml, cnt,
@@ -562,14 +574,14 @@ def _decode_kernel(
     group has its packed tensors, strides and ``BITS`` (both branches are compiled into the one kernel:
     registers are the larger of the two). The program itself is ``_decode_program``."""
     i_s, i_m, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    n0 = (tl.num_programs(2) // (H0 + H1)) * H0  # b·H0
+    g1, i_b, i_h = _work_item(i_bh, tl.num_programs(2), H0, H1)
     if TWO_GROUPS:
-        in_g1 = i_bh >= n0
+        in_g1 = g1
     else:
         in_g1 = False  # constexpr: the group-1 branch is not compiled
     if in_g1:
         _decode_program(
-            i_s, i_m, i_bh, (i_bh - n0) // H1, (i_bh - n0) % H1,
+            i_s, i_m, i_bh, i_b, i_h,
             q, sk, mk, heads1, kp1, ks1, kz1, vp1, vs1, vz1, kt, vt, sv, kvalid, o, po, pml, cnt,
             n_blocks, n_tail, n_sink, tail_cap, Lq, kv_len, T0, TPS, window, softcap, sas_thr, qscale,
             stride_qb, stride_qh, stride_ql,
@@ -578,7 +590,7 @@ def _decode_kernel(
             FUSED_MERGE, FOLD, USE_ASM, SC)
     else:
         _decode_program(
-            i_s, i_m, i_bh, i_bh // H0, i_bh % H0,
+            i_s, i_m, i_bh, i_b, i_h,
             q, sk, mk, heads0, kp0, ks0, kz0, vp0, vs0, vz0, kt, vt, sv, kvalid, o, po, pml, cnt,
             n_blocks, n_tail, n_sink, tail_cap, Lq, kv_len, T0, TPS, window, softcap, sas_thr, qscale,
             stride_qb, stride_qh, stride_ql,
@@ -623,13 +635,8 @@ def _merge_kernel(
     """grid = (n_m_tiles, b * (H0 + H1)): merge S partial (m, l, acc) by the associative rescale, write o
     (work items as in ``_decode_kernel``: group 0's (batch, head) pairs, then group 1's)."""
     i_m, i_bh = tl.program_id(0), tl.program_id(1)
-    n0 = (tl.num_programs(1) // (H0 + H1)) * H0
-    if i_bh < n0:
-        i_b = i_bh // H0
-        i_hk = tl.load(heads0 + i_bh % H0).to(tl.int64)
-    else:
-        i_b = (i_bh - n0) // H1
-        i_hk = tl.load(heads1 + (i_bh - n0) % H1).to(tl.int64)
+    in_g1, i_b, i_h = _work_item(i_bh, tl.num_programs(1), H0, H1)
+    i_hk = tl.load(tl.where(in_g1, heads1, heads0) + i_h).to(tl.int64)
     i_b64 = i_b.to(tl.int64)
     HQ = HK * G
     M = G * Lq
@@ -689,9 +696,7 @@ def _plan(n_tiles: int, work_units: int, sms: int, waves: Optional[float], n_spl
         n_splits = math.ceil(w * sms / max(work_units, 1))
         if waves is None:  # the default launch: within one resident wave; filled when the shares stay long
             fill = max(1, RESIDENT_PER_SM * sms // max(work_units, 1))
-            if n_tiles // fill >= FILL_MIN_TILES:
-                n_splits = fill
-            n_splits = min(n_splits, fill)
+            n_splits = fill if n_tiles // fill >= FILL_MIN_TILES else min(n_splits, fill)
         n_splits = max(1, min(n_splits, n_tiles // max(min_tiles, 1)))
     n_splits = max(1, min(int(n_splits), n_tiles))
     tps = math.ceil(n_tiles / n_splits)
