@@ -26,13 +26,15 @@ from .bench_common import copy_ceiling, machine_info, machine_line, write_json
 HQ, HK, D = 32, 8, 128
 PRESET_BITS = {"int8": [8] * HK, "int4": [4] * HK, "mixed": [4] * (HK // 2) + [2] * (HK // 2)}
 #: grids timed at every shape and ranked on CUDA-graph time (the others: all variants at 32k batch 8 only)
-EVERY_SHAPE = ("launch", "fill", "cap", "merge")
+EVERY_SHAPE = ("launch", "fill", "cap", "merge", "host")
 DEFAULT: dict = {}  # the library's defaults (turbo_decode_attention's keyword defaults)
 
 
 def grid(which: str = "full"):
     """Timed launch variants: ``full`` (everything below), ``reg`` (the register caps only), or one of
     :data:`EVERY_SHAPE` (``launch`` stages x waves, ``cap``, ``merge``, ``fill``: see the comments below)."""
+    if which == "host":  # the default launch only: eager, graph and host time (binder-free vs Triton's launch)
+        return []
     if which == "launch":
         return [dict(num_stages=st, waves=wv) for st in (2, 3) for wv in (4.0, 5.0, 6.0, 8.0)]
     if which == "cap":  # register caps (ptxas maxnreg) with the waves that fill 10 (192) / 12 (168) programs per SM
@@ -75,7 +77,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--grid", choices=("full", "reg") + EVERY_SHAPE, default="full",
                     help="full / reg: variants timed at 32k batch 8 (all, or the register caps); launch / fill / "
-                         "cap / merge: timed at every shape, also as CUDA-graph replays")
+                         "cap / merge / host (the default only): timed at every shape, also as CUDA-graph replays")
     ap.add_argument("--baseline", default=None,
                     help="module of an earlier decode kernel to time side by side (e.g. "
                          "turbo_attn_hf.kernels.decode_base, a copy of kernels/decode.py from an earlier commit)")
@@ -266,15 +268,27 @@ def main(argv=None) -> int:
                 rows.append({**base_row, "provider": f"turbo_{preset}", "variant": name, "us": ms_x * 1e3,
                              "bytes": nbytes, "GBps": nbytes / ms_x / 1e6, "frac_ceiling": nbytes / ms_x / 1e6 / cgb,
                              "x_sdpa": sdpa_ms / ms_x})
-            # host cost of one call (no synchronisation: the time the Python side takes to queue it)
+            # host cost of one call (no synchronisation: the time the Python side takes to queue it), with the
+            # binder-free relaunch (kernels/launch.py, the default) and with Triton's own JITFunction launch
             fn = lambda: call(*a, DEFAULT, **kw)  # noqa: E731
-            torch.cuda.synchronize()
-            t_h = time.perf_counter()
-            for _ in range(50):
-                fn()
-            host_us = (time.perf_counter() - t_h) / 50 * 1e6
-            torch.cuda.synchronize()
-            rows.append({**base_row, "provider": f"turbo_{preset}", "variant": "host_us_per_call", "us": host_us})
+            lean_launch = DK._DECODE
+            for launch_name, launcher in (("", lean_launch), ("_triton_launch", DK._decode_kernel)):
+                DK._DECODE = launcher
+                try:
+                    fn()
+                    torch.cuda.synchronize()
+                    t_h = time.perf_counter()
+                    for _ in range(50):
+                        fn()
+                    host_us = (time.perf_counter() - t_h) / 50 * 1e6
+                    torch.cuda.synchronize()
+                    rows.append({**base_row, "provider": f"turbo_{preset}", "variant": "host_us_per_call" + launch_name,
+                                 "us": host_us})
+                    ms_x = bench(fn)  # eager (do_bench): includes the host time wherever the host is slower
+                    rows.append({**base_row, "provider": f"turbo_{preset}", "variant": "eager" + (launch_name or "_lean"),
+                                 "us": ms_x * 1e3, "x_sdpa": sdpa_ms / ms_x})
+                finally:
+                    DK._DECODE = lean_launch
             if args.profile_host and bsz == 1:  # where the host time of a call goes
                 import cProfile
                 import io

@@ -48,6 +48,7 @@ import triton
 import triton.language as tl
 
 from .interpreter import interpreting
+from .launch import LeanLaunch
 from .pack import PackedKV, _dequant_tile, _unpack_tile
 from .softmax import sas_exp2
 
@@ -523,19 +524,37 @@ def _decode_program(
         tl.store(pml + o_p * 2, b_m, mask=m_r)
         tl.store(pml + o_p * 2 + 1, b_l, mask=m_r)
         if FUSED_MERGE:
-            # arrival count (no waiting): the share that finds all others done merges the tile. The barrier
-            # orders every thread's partial stores before the (gpu-scope, acq_rel) atomic of this program.
+            # Arrival counts (no waiting), two levels: shares come in groups of SC; the last share of a group to
+            # finish merges the group's partials (one chunk of loads). With one group that is the tile's result;
+            # else the group's (acc, m, l) goes to slot S + group and the last group merger merges those. The
+            # serial chain of L2 round trips is ~2 + cdiv(S, SC) / SC instead of ~S / SC (batch 1: ~100 shares).
+            # A barrier orders every thread's stores before the program's (gpu-scope, acq_rel) atomic.
             tl.debug_barrier()
-            p_cnt = cnt + i_bh * tl.num_programs(1) + i_m
-            n_done = tl.atomic_add(p_cnt, 1, sem="acq_rel", scope="gpu")
-            if n_done == tl.num_programs(0) - 1:
-                tl.atomic_xchg(p_cnt, 0, sem="relaxed", scope="gpu")  # ready for the next call
-                b_acc2, b_m2, b_l2 = _merge_partials(po, pml, i_bh, n_bh, n_mp, tl.where(m_r, o_r, 0), o_d,
-                                                     tl.num_programs(0), BM, BD, SC)
-                b_sv = tl.load(sv + o_kvh + o_d, mask=m_d, other=0.0)
-                b_o = tl.where(b_l2[:, None] > 0, b_acc2 / tl.where(b_l2 > 0, b_l2, 1.0)[:, None], 0.0) * b_sv[None, :]
-                p_o = o + ((i_b64 * Lq + o_qi) * HQ + o_qh)[:, None] * D + o_d[None, :]
-                tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_r[:, None] & m_d[None, :])
+            S = tl.num_programs(0)
+            NG = tl.cdiv(S, SC)
+            i_g = i_s // SC
+            g_lo = i_g * SC
+            p_cnt = cnt + (i_bh * tl.num_programs(1) + i_m) * (NG + 1)
+            o_rm = tl.where(m_r, o_r, 0)
+            n_done = tl.atomic_add(p_cnt + i_g, 1, sem="acq_rel", scope="gpu")
+            if n_done == tl.minimum(S - g_lo, SC) - 1:
+                tl.atomic_xchg(p_cnt + i_g, 0, sem="relaxed", scope="gpu")  # ready for the next call
+                b_acc2, b_m2, b_l2 = _merge_partials(po, pml, i_bh, n_bh, n_mp, o_rm, o_d, g_lo,
+                                                     tl.minimum(g_lo + SC, S), BM, BD, SC)
+                if NG > 1:
+                    o_g = ((S + i_g).to(tl.int64) * n_bh + i_bh) * n_mp + o_r
+                    tl.store(po + o_g[:, None] * BD + o_d[None, :], b_acc2, mask=m_r[:, None])
+                    tl.store(pml + o_g * 2, b_m2, mask=m_r)
+                    tl.store(pml + o_g * 2 + 1, b_l2, mask=m_r)
+                    tl.debug_barrier()
+                    n_grp = tl.atomic_add(p_cnt + NG, 1, sem="acq_rel", scope="gpu")
+                    if n_grp == NG - 1:
+                        tl.atomic_xchg(p_cnt + NG, 0, sem="relaxed", scope="gpu")
+                        b_acc2, b_m2, b_l2 = _merge_partials(po, pml, i_bh, n_bh, n_mp, o_rm, o_d, S, S + NG,
+                                                             BM, BD, SC)
+                        _store_merged(o, sv, b_acc2, b_l2, o_kvh, i_b64, Lq, HQ, o_qi, o_qh, o_d, m_r, m_d, D)
+                else:
+                    _store_merged(o, sv, b_acc2, b_l2, o_kvh, i_b64, Lq, HQ, o_qi, o_qh, o_d, m_r, m_d, D)
     else:
         b_sv = tl.load(sv + o_kvh + o_d, mask=m_d, other=0.0)
         b_o = tl.where(b_l[None, :] > 0, b_acc / tl.where(b_l > 0, b_l, 1.0)[None, :], 0.0) * b_sv[:, None]
@@ -600,23 +619,33 @@ def _decode_kernel(
 
 
 @triton.jit
-def _merge_partials(po, pml, i_bh, n_bh, n_mp, o_r, o_d, S, BM: tl.constexpr, BD: tl.constexpr, SC: tl.constexpr):
-    """Merge S partial (m, l, acc) of one tile: M = max_s m_s, l = Σ_s l_s·2^(m_s - M),
-    acc = Σ_s acc_s·2^(m_s - M), SC shares per step (independent loads in flight; L2 reads: the partials
-    were written by other programs)."""
+def _store_merged(o, sv, b_acc, b_l, o_kvh, i_b64, Lq, HQ, o_qi, o_qh, o_d, m_r, m_d, D: tl.constexpr):
+    """o = acc / l · s_v (0 for a row without any visible key) of a merged tile ``acc [BM, BD]``."""
+    b_sv = tl.load(sv + o_kvh + o_d, mask=m_d, other=0.0)
+    b_o = tl.where(b_l[:, None] > 0, b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None], 0.0) * b_sv[None, :]
+    p_o = o + ((i_b64 * Lq + o_qi) * HQ + o_qh)[:, None] * D + o_d[None, :]
+    tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_r[:, None] & m_d[None, :])
+
+
+@triton.jit
+def _merge_partials(po, pml, i_bh, n_bh, n_mp, o_r, o_d, s_lo, s_hi, BM: tl.constexpr, BD: tl.constexpr,
+                    SC: tl.constexpr):
+    """Merge the partials (m, l, acc) of shares ``[s_lo, s_hi)`` of one tile: M = max_s m_s,
+    l = Σ_s l_s·2^(m_s - M), acc = Σ_s acc_s·2^(m_s - M), SC shares per step (independent loads in flight;
+    L2 reads: the partials were written by other programs)."""
     b_mx = tl.full([BM], float("-inf"), dtype=tl.float32)
-    for s0 in range(0, S, 64):
+    for s0 in range(s_lo, s_hi, 64):
         o_s = s0 + tl.arange(0, 64)
-        o_p = (o_s[:, None] * n_bh + i_bh) * n_mp + o_r[None, :]
-        b_ms = tl.load(pml + o_p * 2, mask=(o_s < S)[:, None], other=float("-inf"), cache_modifier=".cg")
+        o_p = (o_s[:, None].to(tl.int64) * n_bh + i_bh) * n_mp + o_r[None, :]
+        b_ms = tl.load(pml + o_p * 2, mask=(o_s < s_hi)[:, None], other=float("-inf"), cache_modifier=".cg")
         b_mx = tl.maximum(b_mx, tl.max(b_ms, 0))
     b_mz = tl.where(b_mx == float("-inf"), 0.0, b_mx)
     b_acc = tl.zeros([BM, BD], dtype=tl.float32)
     b_l = tl.zeros([BM], dtype=tl.float32)
-    for s0 in range(0, S, SC):
+    for s0 in range(s_lo, s_hi, SC):
         o_s = s0 + tl.arange(0, SC)
-        m_s = (o_s < S)[:, None]
-        o_p = (o_s[:, None] * n_bh + i_bh) * n_mp + o_r[None, :]  # [SC, BM]
+        m_s = (o_s < s_hi)[:, None]
+        o_p = (o_s[:, None].to(tl.int64) * n_bh + i_bh) * n_mp + o_r[None, :]  # [SC, BM]
         b_ms = tl.load(pml + o_p * 2, mask=m_s, other=float("-inf"), cache_modifier=".cg")
         b_ls = tl.load(pml + o_p * 2 + 1, mask=m_s, other=0.0, cache_modifier=".cg")
         b_as = tl.load(po + o_p[:, :, None] * BD + o_d[None, None, :], mask=m_s[:, :, None], other=0.0,
@@ -645,7 +674,7 @@ def _merge_kernel(
     o_d = tl.arange(0, BD)
     m_d = o_d < D
     b_acc, b_m, b_l = _merge_partials(po, pml, i_bh, tl.num_programs(1), tl.num_programs(0) * BM,
-                                      tl.where(m_r, o_r, 0), o_d, S, BM, BD, SC)
+                                      tl.where(m_r, o_r, 0), o_d, 0, S, BM, BD, SC)
     b_sv = tl.load(sv + (i_b64 * HK + i_hk) * D + o_d, mask=m_d, other=0.0)
     b_o = tl.where(b_l[:, None] > 0, b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None], 0.0) * b_sv[None, :]
     o_qi = o_r % Lq
@@ -655,6 +684,9 @@ def _merge_kernel(
 
 
 # ----------------------------------------------------------------------------------------- launcher
+_DECODE = LeanLaunch(_decode_kernel)  # the decode step's launch without Triton's per-call binder
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -871,8 +903,13 @@ def turbo_decode_attention(
         S, tps = plan_splits(n_tiles - t0, n_work, q.device, waves, n_splits, min_tiles)
         split = S > 1
         fused = split and merge == "fused"
+        sc = _merge_chunk(S, BM, BD, num_warps)
         if split:
-            po, pml, cnt = _workspace(q.device, S * n_work * BM * BD, S * n_work * BM * 2, n_work)
+            # partials of the S shares (+ one per group of SC shares for the fused two-level merge), counters
+            n_grp = -(-S // sc)
+            slots = S + (n_grp if fused and n_grp > 1 else 0)
+            po, pml, cnt = _workspace(q.device, slots * n_work * BM * BD, slots * n_work * BM * 2,
+                                      n_work * (n_grp + 1))
         else:
             po = pml = cnt = sv
         ga, gs = [], []
@@ -885,7 +922,7 @@ def turbo_decode_attention(
             sst = (ks.stride(0), ks.stride(1)) if packed else (0, 0)
             vst = (grp.v_scale.stride(0), grp.v_scale.stride(1)) if packed else (0, 0)
             gs += [kp.stride(0), kp.stride(1), sst[0], sst[1], grp.v.stride(0), grp.v.stride(1), vst[0], vst[1]]
-        _decode_kernel[(S, n_m, n_work // n_m)](
+        _DECODE[(S, n_m, n_work // n_m)](
             q, sk, mk, k_tail, v_tail, sv, kvalid if kvalid is not None else k_tail, o, po, pml, cnt, *ga,
             n_blocks, n_tail, n_sink, C, Lq, kv_len, t0, tps, int(window or 0), float(softcap or 1.0),
             float(sas_threshold * LOG2E), float(scale * LOG2E),
@@ -893,7 +930,7 @@ def turbo_decode_attention(
             G=G, D=D, BD=BD, BS=BS, BM=BM, BITS0=g0.bits, BITS1=g1.bits, TWO_GROUPS=H1 > 0, IS_CAUSAL=bool(causal),
             HAS_WINDOW=bool(window), HAS_SOFTCAP=has_softcap, HAS_MEAN=k_mean is not None,
             HAS_KVALID=kvalid is not None, USE_SAS=softmax == "sas", SPLIT=split, FUSED_MERGE=fused,
-            FOLD=bool(fold), USE_ASM=use_asm, SC=_merge_chunk(S, BM, BD, num_warps),
+            FOLD=bool(fold), USE_ASM=use_asm, SC=sc,
             num_warps=num_warps, num_stages=num_stages, **reg_cap,
         )
         if split and not fused:

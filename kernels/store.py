@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from .decode import _pow2
+from .launch import LeanLaunch
 from .quant import _to_int8_half_away
 
 __all__ = ["store_int8_tokens"]
@@ -54,6 +55,9 @@ def _store_tokens_kernel(
     tl.store(vt + o_buf + o_d[None, :] * C + (slot + o_t[:, None]), b_v8, mask=m)
 
 
+_STORE = LeanLaunch(_store_tokens_kernel)  # one launch per layer and decode step: skip the binder
+
+
 def store_int8_tokens(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, k_mean: Optional[torch.Tensor],
                       v_scale: torch.Tensor, k_tail: torch.Tensor, v_tail: torch.Tensor, slot: int) -> None:
     """Quantize ``k, v [b, H, T, D]`` (last dim contiguous) with the universal scales and write them to
@@ -67,7 +71,7 @@ def store_int8_tokens(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, k
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
-    _store_tokens_kernel[(b * H,)](
+    _STORE[(b * H,)](
         k, v, k_scale, k_mean if k_mean is not None else k_scale, v_scale, k_tail, v_tail, int(slot), T,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), H, C,
         D=D, BD=_pow2(D), BT=_pow2(T), HAS_MEAN=k_mean is not None,

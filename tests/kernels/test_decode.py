@@ -200,3 +200,24 @@ def test_decode_launch_variants_match_reference(merge, fold, block_m, device):
     assert_close(out, ref, ATOL_KERNEL)
     if merge == "fused":
         assert int(DK._WORKSPACE[(device.type, device.index)][2].abs().sum()) == 0
+
+
+@pytest.mark.parametrize("block_m,n_splits", [(64, 13), (32, 13), (64, 40), (None, 40)],
+                         ids=["SC2-5groups", "SC4-3groups", "SC2-20groups", "SC8-5groups"])
+def test_decode_two_level_merge_matches_reference(block_m, n_splits, device):
+    """More shares than one merge chunk (SC): the last share of each group of SC merges its group, the last
+    group merger merges the groups (kernels/decode.py). Same numbers as the reference's flat merge to fp32
+    rounding, uneven last groups included; every arrival counter (groups and top) back at zero."""
+    from turbo_attn_hf.kernels import decode as DK
+
+    b, hk, G, L, lq, d, bs = 2, 2, 4, 640, 1, 32, 16
+    q, k, v, (groups, kt, vt, nt, ks, vs, mu) = make_case(b, hk, G, L, lq, d, [4, 2], bs, seed=5)
+    args = (q.to(device), to_packed(groups, device), kt.to(device), vt.to(device), nt, ks.to(device),
+            vs.to(device), mu.to(device))
+    S = DK.plan_splits(L // bs, 1, torch.device(device), n_splits=n_splits)[0]
+    BM = block_m or 4
+    assert S > DK._merge_chunk(S, BM, 32, 1)  # two levels
+    out = turbo_decode_attention(*args, n_splits=n_splits, block_m=block_m)
+    ref = R.turbo_decode_ref(q, groups, kt, vt, nt, ks, vs, mu, n_splits=n_splits)
+    assert_close(out, ref, ATOL_KERNEL)
+    assert int(DK._WORKSPACE[(device.type, device.index)][2].abs().sum()) == 0

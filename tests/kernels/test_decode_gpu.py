@@ -85,6 +85,30 @@ def test_decode_launch_variants_real_size():
     assert int(DK._WORKSPACE[("cuda", q.device.index)][2].abs().sum()) == 0
 
 
+def test_decode_lean_relaunch_equals_triton_launch(monkeypatch):
+    """kernels/launch.py: the binder-free relaunch gives the bytes Triton's own launch gives, for an aligned
+    and a misaligned (2-byte offset) query, each a separate specialisation, called again and again."""
+    from turbo_attn_hf.kernels import decode as DK
+
+    torch.manual_seed(3)
+    b, hk, G, d, L = 2, 8, 4, 128, 64 * 20 + 5
+    k = torch.randn(b, hk, L, d, device="cuda")
+    v = torch.randn(b, hk, L, d, device="cuda")
+    groups, kt, vt, nt, ks, vs, mu = R.build_packed_cache_ref(k, v, 256, [4] * 4 + [2] * 4, 64)
+    packed = _to_packed(groups)
+    q = torch.randn(b, hk * G, 1, d, device="cuda", dtype=torch.bfloat16)
+    q_off = torch.empty(q.numel() + 1, device="cuda", dtype=q.dtype)[1:].view(q.shape)
+    q_off.copy_(q)
+    run = lambda x: turbo_decode_attention(x, packed, kt, vt, nt, ks, vs, mu, n_splits=3)  # noqa: E731
+    lean = [run(x) for x in (q, q_off, q, q_off, q)]
+    assert len(DK._DECODE._kernels) >= 2
+    monkeypatch.setattr(DK, "_DECODE", DK._decode_kernel)
+    plain = [run(x) for x in (q, q_off)]
+    torch.cuda.synchronize()
+    for i, out in enumerate(lean):
+        assert torch.equal(out, plain[i % 2]), i
+
+
 def test_decode_int64_offsets_past_2_31_elements():
     """An 8-bit K buffer of > 2^31 elements: the last batch row lives past 2^31; its output must equal the
     output for the same data in a small tensor (split plan fixed)."""

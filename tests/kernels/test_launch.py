@@ -1,0 +1,116 @@
+"""kernels/launch.py: the binder-free relaunch keys on every fact Triton specialises on, and hands the
+launcher the arguments ``JITFunction.run`` does (runtime ones, tensors as addresses, then the constexprs in
+parameter order)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from turbo_attn_hf.kernels import launch as launch_mod
+from turbo_attn_hf.kernels.launch import LeanLaunch, _fact
+
+
+def test_fact_reads_what_triton_specialises():
+    a = torch.zeros(64, dtype=torch.float32)
+    assert _fact(a, True) == (torch.float32, True, False)
+    assert _fact(a[1:], True) == (torch.float32, False, False)  # 4-byte offset: not 16-byte aligned
+    assert _fact(a.to(torch.int8), True)[0] == torch.int8
+    assert _fact(32, True) != _fact(33, True) != _fact(1, True)
+    assert _fact(32, True) == _fact(48, True)
+    assert len({_fact(16, True), _fact(1 << 31, True), _fact(1 << 33, True)}) == 3  # i32, u32, i64
+    assert _fact(32, False) == _fact(33, False) == _fact(1, False)  # do_not_specialize: the type only
+    assert _fact(1.5, True) == _fact(2.5, True) and _fact(None, True) is type(None)
+
+
+class _FakeKernel:
+    function, packed_metadata = "fn", "meta"
+
+    def __init__(self):
+        self.calls = []
+
+    def launch_metadata(self, *a):
+        return None
+
+    def run(self, *a):
+        self.calls.append(a)
+
+
+class _FakeJit:
+    """Parameters (x, n [do_not_specialize], BLOCK [constexpr], FLAG [constexpr, default True])."""
+
+    def __init__(self):
+        p = lambda name, ce=False, dns=False, default=None: SimpleNamespace(  # noqa: E731
+            name=name, is_constexpr=ce, do_not_specialize=dns, default=default)
+        self.params = [p("x"), p("n", dns=True), p("BLOCK", ce=True), p("FLAG", ce=True, default=True)]
+        self.compiled = []
+
+    def __getitem__(self, grid):
+        def first_launch(*args, **kwargs):
+            k = _FakeKernel()
+            self.compiled.append((grid, args, kwargs, k))
+            return k
+        return first_launch
+
+
+class _FakeDriver:
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device):
+        return 7
+
+
+@pytest.fixture
+def gpu_path(monkeypatch):
+    from triton.runtime.driver import driver
+    monkeypatch.setattr(launch_mod, "interpreting", lambda: False)
+    monkeypatch.setattr(driver, "_active", _FakeDriver())
+
+
+def test_relaunch_skips_the_binder_and_passes_constexprs(gpu_path):
+    fn = _FakeJit()
+    lean = LeanLaunch(fn)
+    x = torch.zeros(64)
+    lean[(3, 2)](x, 5, BLOCK=16, num_warps=1)
+    assert len(fn.compiled) == 1
+    lean[(4, 1)](x, 9, BLOCK=16, num_warps=1)  # n is do_not_specialize: same kernel
+    assert len(fn.compiled) == 1
+    kernel = fn.compiled[0][3]
+    # the tensor goes to the launcher as its address (no data_ptr / cuPointerGetAttribute there)
+    assert kernel.calls == [(4, 1, 1, 7, "fn", "meta", None, None, None, x.data_ptr(), 9, 16, True)]
+
+
+@pytest.mark.parametrize("change", ["misaligned", "dtype", "constexpr", "option"])
+def test_a_new_specialisation_compiles_through_triton(gpu_path, change):
+    fn = _FakeJit()
+    lean = LeanLaunch(fn)
+    x = torch.zeros(64)
+    lean[(1,)](x, 5, BLOCK=16, num_warps=1)
+    args, kwargs = (x, 5), dict(BLOCK=16, num_warps=1)
+    if change == "misaligned":
+        args = (x[1:], 5)
+    elif change == "dtype":
+        args = (x.half(), 5)
+    elif change == "constexpr":
+        kwargs["BLOCK"] = 32
+    else:
+        kwargs["num_warps"] = 4
+    lean[(1,)](*args, **kwargs)
+    assert len(fn.compiled) == 2 and fn.compiled[0][3].calls == []
+
+
+@triton.jit
+def _add_one(x, n, BLOCK: tl.constexpr):
+    o = tl.arange(0, BLOCK)
+    tl.store(x + o, tl.load(x + o, mask=o < n) + 1, mask=o < n)
+
+
+def test_interpreter_calls_the_jit_function():
+    if not launch_mod.interpreting():
+        pytest.skip("TRITON_INTERPRET=1 only")
+    x = torch.zeros(8)
+    LeanLaunch(_add_one)[(1,)](x, 5, BLOCK=8)
+    assert x.tolist() == [1.0] * 5 + [0.0] * 3
