@@ -65,7 +65,7 @@ def machine_info() -> dict:
         "triton": triton.__version__,
         "transformers": tv,
         "cuda": torch.version.cuda,
-        "git_commit": _git_commit(),
+        "git_commit": os.environ.get("TURBO_GIT_COMMIT") or _git_commit(),  # set where the tree has no .git of its own
         "triton_interpret": os.environ.get("TRITON_INTERPRET", "0"),
     }
     if torch.cuda.is_available():

@@ -9,6 +9,14 @@ V is written transposed, ``[d, tokens]``, tokens contiguous.
 Each kernel reads its bf16/fp16 input once (any strides: HF hands over transposed views) and writes the
 int8 codes and fp32 scales once. The K mean is the torch reduction ``reference.k_smooth_mean`` (one
 read of K, shared with the reference so that both quantize against the same mean, bit for bit).
+``quantize_kv`` does K (per token) and V (per block) in one launch, one program per V block: the per-token
+and per-block bodies are ``@triton.jit`` helpers shared with the single-tensor kernels, so the outputs are
+the same bits; the prefill calls it when v_scale="block".
+
+Loads: the batch / head / token strides stay out of the specialization key (they change with L), so the
+compiler knows nothing of their divisibility and loads every bf16 element alone (2-byte ``ld.global.b16``
+in the sm_90 PTX). The launchers pass VEC = elements per 16 bytes when all those strides are multiples of it
+(``_vec``; HF's layouts always are), and the kernels write each stride as ``s // VEC * VEC``: 16-byte loads.
 
 Rounding: ``trunc(x * (127 / amax) + copysign(0.5, .))`` (half away from zero), ``127 / amax`` and
 ``amax / 127`` correctly rounded (``div_rn``), FMA contraction off: bit-exact with ``reference.py``.
@@ -25,7 +33,8 @@ import triton.language as tl
 from .interpreter import interpreting
 from .reference import DEFAULT_BLOCK_N, k_smooth_mean  # noqa: F401  (k_smooth_mean re-exported)
 
-__all__ = ["quantize_per_token", "quantize_v_blocks", "quantize_v_channels", "k_smooth_mean", "interpreting"]
+__all__ = ["quantize_per_token", "quantize_v_blocks", "quantize_kv", "quantize_v_channels", "k_smooth_mean",
+           "interpreting"]
 
 
 
@@ -48,6 +57,62 @@ def _to_int8_half_away(x, inv):
     return tl.minimum(tl.maximum(r.to(tl.int32), -127), 127).to(tl.int8)
 
 
+@triton.jit
+def _multiple(x, VEC: tl.constexpr):
+    """``x`` (a stride the launcher found to be a multiple of VEC) written so that the compiler knows it: strides
+    kept out of the specialization key carry no divisibility, and loads through them stay 2-byte scalar."""
+    return x // VEC * VEC
+
+
+@triton.jit
+def _quant_token_rows(p_x, p_x8, p_s, b_mean, scale, o_t, L, stride_xl, stride_xd,
+                      HAS_SMOOTH: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr):
+    """Per-token INT8 of the rows ``o_t`` ([BT], masked at L) of one head: ``p_x`` its rows (any strides),
+    ``p_x8`` its ``[L, D]`` codes (contiguous), ``p_s`` its ``[L]`` scales; ``b_mean`` [BD] subtracted first."""
+    o_d = tl.arange(0, BD)
+    m_t = o_t < L
+    m_x = m_t[:, None] & (o_d < D)[None, :]
+    b_x = tl.load(p_x + o_t[:, None].to(tl.int64) * stride_xl + o_d[None, :] * stride_xd,
+                  mask=m_x, other=0.0).to(tl.float32)
+    if HAS_SMOOTH:
+        b_x = tl.where(m_x, b_x - b_mean[None, :], 0.0)
+    b_amax = tl.max(tl.abs(b_x), 1)
+    b_safe = tl.where(b_amax > 0, b_amax, 1.0)
+    b_inv = tl.where(b_amax > 0, tl.math.div_rn(tl.full([BT], 127.0, tl.float32), b_safe), 0.0)
+    b_x8 = _to_int8_half_away(b_x, b_inv[:, None])
+    tl.store(p_x8 + o_t[:, None].to(tl.int64) * D + o_d[None, :], b_x8, mask=m_x)
+    b_s = tl.math.div_rn(b_amax, tl.full([BT], 127.0, tl.float32)) * scale
+    tl.store(p_s + o_t, b_s, mask=m_t)
+
+
+@triton.jit
+def _quant_v_block(p_x, p_amax, p_v8t, p_sv, i_n, L, stride_xl, stride_xd, stride_vd,
+                   HAS_AMAX: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr):
+    """INT8 of V block ``i_n`` (BN tokens) of one head, per channel, written transposed: ``p_x`` its rows
+    (any strides), ``p_v8t`` its ``[D, Lpad]`` codes (row stride ``stride_vd``; tokens >= L written as 0),
+    ``p_sv`` its ``[Lpad // BN, D]`` scales; with HAS_AMAX the channel amax ``p_amax`` [D] over the whole
+    sequence is used instead and block 0 writes the one row of scales."""
+    o_t = i_n * BN + tl.arange(0, BN)
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    m_x = (o_t < L)[:, None] & m_d[None, :]
+    b_x = tl.load(p_x + o_t[:, None].to(tl.int64) * stride_xl + o_d[None, :] * stride_xd,
+                  mask=m_x, other=0.0).to(tl.float32)
+    if HAS_AMAX:
+        b_amax = tl.load(p_amax + o_d, mask=m_d, other=0.0)
+    else:
+        b_amax = tl.max(tl.abs(b_x), 0)  # [BD]
+    b_safe = tl.where(b_amax > 0, b_amax, 1.0)
+    b_inv = tl.where(b_amax > 0, tl.math.div_rn(tl.full([BD], 127.0, tl.float32), b_safe), 0.0)
+    b_v8t = tl.trans(_to_int8_half_away(b_x, b_inv[None, :]))  # [BD, BN]
+    tl.store(p_v8t + o_d[:, None].to(tl.int64) * stride_vd + o_t[None, :], b_v8t, mask=m_d[:, None])
+    b_sv = tl.math.div_rn(b_amax, tl.full([BD], 127.0, tl.float32))
+    if HAS_AMAX:
+        tl.store(p_sv + o_d, b_sv, mask=m_d & (i_n == 0))
+    else:
+        tl.store(p_sv + i_n * D + o_d, b_sv, mask=m_d)
+
+
 @triton.jit(do_not_specialize=["L", "stride_xb", "stride_xh", "stride_xl", "stride_sb", "stride_sh"])
 def _quant_tokens_kernel(
     X, MEAN, X8, S, scale, L, H,
@@ -55,31 +120,21 @@ def _quant_tokens_kernel(
     stride_mb, stride_mh,
     stride_ob, stride_oh,
     stride_sb, stride_sh,
-    HAS_SMOOTH: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
+    HAS_SMOOTH: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, VEC: tl.constexpr,
 ):
-    """grid (cdiv(L, BT) * b * H,). X [b, H, L, D] any strides -> X8 [b, H, L, D] contiguous, S [b, H, L]."""
+    """grid (cdiv(L, BT) * b * H,). X [b, H, L, D] any strides (b, H, L ones multiples of VEC) -> X8 [b, H, L, D]
+    contiguous, S [b, H, L]."""
     n_t = tl.cdiv(L, BT)
     i_t, i_bh = tl.program_id(0) % n_t, tl.program_id(0) // n_t  # 1-D grid: b * H may pass 65535
-    i_b, i_h = i_bh // H, i_bh % H
-    o_t = i_t * BT + tl.arange(0, BT)
-    o_d = tl.arange(0, BD)
-    m_t, m_d = o_t < L, o_d < D
-    m_x = m_t[:, None] & m_d[None, :]
-    p_x = (X + i_b.to(tl.int64) * stride_xb + i_h.to(tl.int64) * stride_xh
-           + o_t[:, None].to(tl.int64) * stride_xl + o_d[None, :] * stride_xd)
-    b_x = tl.load(p_x, mask=m_x, other=0.0).to(tl.float32)
+    i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
+    stride_xb, stride_xh, stride_xl = _multiple(stride_xb, VEC), _multiple(stride_xh, VEC), _multiple(stride_xl, VEC)
+    b_mean = tl.zeros([BD], dtype=tl.float32)
     if HAS_SMOOTH:
-        b_mean = tl.load(MEAN + i_b * stride_mb + i_h * stride_mh + o_d, mask=m_d, other=0.0)
-        b_x = tl.where(m_x, b_x - b_mean[None, :], 0.0)
-    b_amax = tl.max(tl.abs(b_x), 1)
-    b_safe = tl.where(b_amax > 0, b_amax, 1.0)
-    b_inv = tl.where(b_amax > 0, tl.math.div_rn(tl.full([BT], 127.0, tl.float32), b_safe), 0.0)
-    b_x8 = _to_int8_half_away(b_x, b_inv[:, None])
-    p_o = (X8 + i_b.to(tl.int64) * stride_ob + i_h.to(tl.int64) * stride_oh
-           + o_t[:, None].to(tl.int64) * D + o_d[None, :])
-    tl.store(p_o, b_x8, mask=m_x)
-    b_s = tl.math.div_rn(b_amax, tl.full([BT], 127.0, tl.float32)) * scale
-    tl.store(S + i_b.to(tl.int64) * stride_sb + i_h.to(tl.int64) * stride_sh + o_t, b_s, mask=m_t)
+        o_d = tl.arange(0, BD)
+        b_mean = tl.load(MEAN + i_b * stride_mb + i_h * stride_mh + o_d, mask=o_d < D, other=0.0)
+    _quant_token_rows(X + i_b * stride_xb + i_h * stride_xh, X8 + i_b * stride_ob + i_h * stride_oh,
+                      S + i_b * stride_sb + i_h * stride_sh, b_mean, scale, i_t * BT + tl.arange(0, BT), L,
+                      stride_xl, stride_xd, HAS_SMOOTH=HAS_SMOOTH, D=D, BD=BD, BT=BT)
 
 
 @triton.jit(do_not_specialize=["L", "stride_xb", "stride_xh", "stride_xl"])
@@ -88,39 +143,58 @@ def _quant_v_kernel(
     stride_xb, stride_xh, stride_xl, stride_xd,
     stride_vb, stride_vh, stride_vd,
     stride_sb, stride_sh,
-    HAS_AMAX: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
+    HAS_AMAX: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, VEC: tl.constexpr,
 ):
-    """grid (Lpad // BN * b * H,). X [b, H, L, D] -> V8T [b, H, D, Lpad] (tokens contiguous; tokens >= L
-    are 0), SV [b, H, Lpad // BN, D] = amax over the block's tokens / 127 per channel; with HAS_AMAX the
-    per-channel AMAX [b, H, D] (contiguous) over the whole sequence is used instead and the first block
-    writes SV [b, H, 1, D]."""
+    """grid (Lpad // BN * b * H,). X [b, H, L, D] (b, H, L strides multiples of VEC) -> V8T [b, H, D, Lpad]
+    (tokens contiguous; tokens >= L are 0), SV [b, H, Lpad // BN, D] = amax over the block's tokens / 127 per
+    channel; with HAS_AMAX the per-channel AMAX [b, H, D] (contiguous) over the whole sequence is used instead
+    and the first block writes SV [b, H, 1, D]."""
     n_blk = tl.maximum(tl.cdiv(L, BN), 1)
     i_n, i_bh = tl.program_id(0) % n_blk, tl.program_id(0) // n_blk
-    i_b, i_h = i_bh // H, i_bh % H
-    o_t = i_n * BN + tl.arange(0, BN)
-    o_d = tl.arange(0, BD)
-    m_d = o_d < D
-    m_x = (o_t < L)[:, None] & m_d[None, :]
-    p_x = (X + i_b.to(tl.int64) * stride_xb + i_h.to(tl.int64) * stride_xh
-           + o_t[:, None].to(tl.int64) * stride_xl + o_d[None, :] * stride_xd)
-    b_x = tl.load(p_x, mask=m_x, other=0.0).to(tl.float32)
-    if HAS_AMAX:
-        b_amax = tl.load(AMAX + i_bh.to(tl.int64) * D + o_d, mask=m_d, other=0.0)
-    else:
-        b_amax = tl.max(tl.abs(b_x), 0)  # [BD]
-    b_safe = tl.where(b_amax > 0, b_amax, 1.0)
-    b_inv = tl.where(b_amax > 0, tl.math.div_rn(tl.full([BD], 127.0, tl.float32), b_safe), 0.0)
-    b_v8t = tl.trans(_to_int8_half_away(b_x, b_inv[None, :]))  # [BD, BN]
-    p_v = (V8T + i_b.to(tl.int64) * stride_vb + i_h.to(tl.int64) * stride_vh
-           + o_d[:, None].to(tl.int64) * stride_vd + o_t[None, :])
-    tl.store(p_v, b_v8t, mask=m_d[:, None])
-    b_sv = tl.math.div_rn(b_amax, tl.full([BD], 127.0, tl.float32))
-    if HAS_AMAX:
-        tl.store(SV + i_b.to(tl.int64) * stride_sb + i_h.to(tl.int64) * stride_sh + o_d, b_sv,
-                 mask=m_d & (i_n == 0))
-    else:
-        tl.store(SV + i_b.to(tl.int64) * stride_sb + i_h.to(tl.int64) * stride_sh + i_n * D + o_d, b_sv,
-                 mask=m_d)
+    i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
+    stride_xb, stride_xh, stride_xl = _multiple(stride_xb, VEC), _multiple(stride_xh, VEC), _multiple(stride_xl, VEC)
+    _quant_v_block(X + i_b * stride_xb + i_h * stride_xh, AMAX + i_bh.to(tl.int64) * D,
+                   V8T + i_b * stride_vb + i_h * stride_vh, SV + i_b * stride_sb + i_h * stride_sh, i_n, L,
+                   stride_xl, stride_xd, stride_vd, HAS_AMAX=HAS_AMAX, D=D, BD=BD, BN=BN)
+
+
+@triton.jit(do_not_specialize=["L", "stride_kb", "stride_kh", "stride_kl", "stride_vb", "stride_vh", "stride_vl",
+                               "stride_skb", "stride_skh"])
+def _quant_kv_kernel(
+    K, MEAN, K8, SK, V, V8T, SV, L, H,
+    stride_kb, stride_kh, stride_kl, stride_kd,
+    stride_vb, stride_vh, stride_vl, stride_vd,
+    stride_mb, stride_mh,
+    stride_k8b, stride_k8h,
+    stride_skb, stride_skh,
+    stride_v8b, stride_v8h, stride_v8d,
+    stride_svb, stride_svh,
+    HAS_SMOOTH: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr,
+    VEC: tl.constexpr,
+):
+    """grid (Lpad // BN * b * H,): one program per V block of BN tokens of one (batch, head) quantizes
+    those tokens of K (per token, in BN // BT row tiles: ``_quant_tokens_kernel``'s tile) and of V (per
+    block and channel: ``_quant_v_kernel`` without HAS_AMAX). Same outputs, one launch. K and V strides over
+    b, H, L are multiples of VEC."""
+    tl.static_assert(BN % BT == 0, "the V block must hold whole K row tiles")
+    n_blk = tl.maximum(tl.cdiv(L, BN), 1)
+    i_n, i_bh = tl.program_id(0) % n_blk, tl.program_id(0) // n_blk
+    i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
+    stride_kb, stride_kh, stride_kl = _multiple(stride_kb, VEC), _multiple(stride_kh, VEC), _multiple(stride_kl, VEC)
+    stride_vb, stride_vh, stride_vl = _multiple(stride_vb, VEC), _multiple(stride_vh, VEC), _multiple(stride_vl, VEC)
+    b_mean = tl.zeros([BD], dtype=tl.float32)
+    if HAS_SMOOTH:
+        o_d = tl.arange(0, BD)
+        b_mean = tl.load(MEAN + i_b * stride_mb + i_h * stride_mh + o_d, mask=o_d < D, other=0.0)
+    p_k = K + i_b * stride_kb + i_h * stride_kh
+    p_k8 = K8 + i_b * stride_k8b + i_h * stride_k8h
+    p_sk = SK + i_b * stride_skb + i_h * stride_skh
+    for j in tl.static_range(BN // BT):
+        _quant_token_rows(p_k, p_k8, p_sk, b_mean, 1.0, i_n * BN + j * BT + tl.arange(0, BT), L,
+                          stride_kl, stride_kd, HAS_SMOOTH=HAS_SMOOTH, D=D, BD=BD, BT=BT)
+    _quant_v_block(V + i_b * stride_vb + i_h * stride_vh, SV, V8T + i_b * stride_v8b + i_h * stride_v8h,
+                   SV + i_b * stride_svb + i_h * stride_svh, i_n, L, stride_vl, stride_vd, stride_v8d,
+                   HAS_AMAX=False, D=D, BD=BD, BN=BN)
 
 
 # ---------------------------------------------------------------------------------------- launchers
@@ -134,10 +208,32 @@ def _as_4d(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _vec(*xs: torch.Tensor) -> int:
+    """Elements in 16 bytes if every stride over the ``[b, H, L]`` dims of ``xs`` (those of size > 1: the
+    others only multiply 0) is a multiple of it, else 1: the kernels' VEC, which lets 16-byte loads through."""
+    vec = 16 // max(x.element_size() for x in xs)
+    ok = all(st % vec == 0 for x in xs for n, st in zip(x.shape[:-1], x.stride()[:-1]) if n > 1)
+    return vec if ok else 1
+
+
+# 4 warps: with 64-row tiles the per-token pass's best (H100, eval/PERF_NOTES.md); eval/bench_quant.py times 8
+_KV_NUM_WARPS = 4
+
+
 def _tile_rows(d: int) -> int:
     if interpreting():
         return 32
     return 64 if d <= 128 else 32
+
+
+def _mean_arg(smooth: Optional[torch.Tensor], unused: torch.Tensor, b: int, h: int, d: int):
+    """(pointer, batch stride, head stride) of the fp32 ``[b, h, d]`` mean to subtract, or of ``unused``."""
+    if smooth is None:
+        return unused, 0, 0
+    m = smooth.to(device=unused.device, dtype=torch.float32).reshape(b, h, d)
+    if m.stride(-1) != 1:
+        m = m.contiguous()
+    return m, m.stride(0), m.stride(1)
 
 
 def quantize_per_token(x: torch.Tensor, *, scale: float = 1.0, smooth: Optional[torch.Tensor] = None):
@@ -155,13 +251,7 @@ def quantize_per_token(x: torch.Tensor, *, scale: float = 1.0, smooth: Optional[
     b, h = x4.shape[0], x4.shape[1]
     x8 = torch.empty(b, h, L, d, dtype=torch.int8, device=x.device)
     s = torch.empty(b, h, L, dtype=torch.float32, device=x.device)
-    if smooth is not None:
-        m = smooth.to(device=x.device, dtype=torch.float32).reshape(b, h, d)
-        if m.stride(-1) != 1:
-            m = m.contiguous()
-        smb, smh = m.stride(0), m.stride(1)
-    else:
-        m, smb, smh = s, 0, 0  # unused pointer
+    m, smb, smh = _mean_arg(smooth, s, b, h, d)
     if L > 0 and b * h > 0:
         bt = _tile_rows(d)
         grid = (triton.cdiv(L, bt) * b * h,)
@@ -169,7 +259,7 @@ def quantize_per_token(x: torch.Tensor, *, scale: float = 1.0, smooth: Optional[
             x4, m, x8, s, float(scale), L, h,
             x4.stride(0), x4.stride(1), x4.stride(2), x4.stride(3),
             smb, smh, x8.stride(0), x8.stride(1), s.stride(0), s.stride(1),
-            HAS_SMOOTH=smooth is not None, D=d, BD=triton.next_power_of_2(d), BT=bt,
+            HAS_SMOOTH=smooth is not None, D=d, BD=triton.next_power_of_2(d), BT=bt, VEC=_vec(x4),
             num_warps=4, enable_fp_fusion=False,
         )
     return x8.reshape(*lead, L, d), s.reshape(*lead, L)
@@ -196,9 +286,52 @@ def quantize_v_blocks(v: torch.Tensor, block: int = DEFAULT_BLOCK_N):
             v, sv, v8t, sv, L, h,
             v.stride(0), v.stride(1), v.stride(2), v.stride(3),
             v8t.stride(0), v8t.stride(1), v8t.stride(2), sv.stride(0), sv.stride(1),
-            HAS_AMAX=False, D=d, BD=triton.next_power_of_2(d), BN=block, num_warps=4, enable_fp_fusion=False,
+            HAS_AMAX=False, D=d, BD=triton.next_power_of_2(d), BN=block, VEC=_vec(v), num_warps=4,
+            enable_fp_fusion=False,
         )
     return v8t, sv
+
+
+def quantize_kv(k: torch.Tensor, v: torch.Tensor, *, smooth: Optional[torch.Tensor] = None,
+                block: int = DEFAULT_BLOCK_N):
+    """K per token and V per block in one Triton pass: ``quantize_per_token(k, smooth=smooth)`` and
+    ``quantize_v_blocks(v, block)`` in one launch, bit for bit (each program takes one block of ``block``
+    tokens of one (batch, head) from both K and V).
+
+    k, v: ``[b, H, L, d]`` fp16/bf16/fp32, any strides (each its own). smooth: optional fp32 ``[b, H, d]``
+    subtracted from K first (``k_smooth_mean(k)``). Returns ``k8 int8 [b, H, L, d]`` (contiguous),
+    ``sk fp32 [b, H, L]`` (amax / 127), ``v8t int8 [b, H, d, Lpad]`` (tokens contiguous, Lpad = L rounded up
+    to ``block``, padded tokens 0) and ``sv fp32 [b, H, Lpad // block, d]``.
+    """
+    for name, t in (("k", k), ("v", v)):
+        _check_device(t, name)
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be [b, H, L, d]; got shape {tuple(t.shape)}")
+        if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(f"quantize_kv takes fp16/bf16/fp32, got {name} {t.dtype}")
+    if k.shape != v.shape or k.device != v.device:
+        raise ValueError(f"k and v must have one shape and device; got {tuple(k.shape)} on {k.device} and "
+                         f"{tuple(v.shape)} on {v.device}")
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"block={block} must be a power of two >= 16")
+    b, h, L, d = k.shape
+    nblk = max(1, triton.cdiv(L, block))
+    k8 = torch.empty(b, h, L, d, dtype=torch.int8, device=k.device)
+    sk = torch.empty(b, h, L, dtype=torch.float32, device=k.device)
+    v8t = torch.empty(b, h, d, nblk * block, dtype=torch.int8, device=v.device)
+    sv = torch.empty(b, h, nblk, d, dtype=torch.float32, device=v.device)
+    m, smb, smh = _mean_arg(smooth, sk, b, h, d)
+    if b * h > 0:
+        _quant_kv_kernel[(nblk * b * h,)](
+            k, m, k8, sk, v, v8t, sv, L, h,
+            k.stride(0), k.stride(1), k.stride(2), k.stride(3),
+            v.stride(0), v.stride(1), v.stride(2), v.stride(3),
+            smb, smh, k8.stride(0), k8.stride(1), sk.stride(0), sk.stride(1),
+            v8t.stride(0), v8t.stride(1), v8t.stride(2), sv.stride(0), sv.stride(1),
+            HAS_SMOOTH=smooth is not None, D=d, BD=triton.next_power_of_2(d), BN=block,
+            BT=min(block, _tile_rows(d)), VEC=_vec(k, v), num_warps=_KV_NUM_WARPS, enable_fp_fusion=False,
+        )
+    return k8, sk, v8t, sv
 
 
 def quantize_v_channels(v: torch.Tensor, block: int = DEFAULT_BLOCK_N):
@@ -224,6 +357,7 @@ def quantize_v_channels(v: torch.Tensor, block: int = DEFAULT_BLOCK_N):
             v, amax, v8t, sv, L, h,
             v.stride(0), v.stride(1), v.stride(2), v.stride(3),
             v8t.stride(0), v8t.stride(1), v8t.stride(2), sv.stride(0), sv.stride(1),
-            HAS_AMAX=True, D=d, BD=triton.next_power_of_2(d), BN=block, num_warps=4, enable_fp_fusion=False,
+            HAS_AMAX=True, D=d, BD=triton.next_power_of_2(d), BN=block, VEC=_vec(v), num_warps=4,
+            enable_fp_fusion=False,
         )
     return v8t, sv

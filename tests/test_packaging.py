@@ -19,7 +19,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 HAS_CUDA = torch.cuda.is_available()
-SCRIPTS = ("bench_prefill", "bench_decode", "bench_e2e", "kernel_accuracy")
+SCRIPTS = ("bench_prefill", "bench_decode", "bench_e2e", "kernel_accuracy", "bench_quant")
 
 
 # ---------------------------------------------------------------------------------------------- README / CI
@@ -132,6 +132,11 @@ def test_kernel_accuracy_dry_run(tmp_path):
     # measured at L=80 (interpreter): turbo_exact normal 0.0139, uniform 0.0060; sdpa_bf16 0.002
     assert mre[("normal", "turbo_exact")] < 0.03 and mre[("uniform", "turbo_exact")] < 0.015
     assert mre[("normal", "sdpa_bf16")] < mre[("normal", "turbo_exact")]
+
+
+def test_bench_quant_dry_run(tmp_path):
+    data = _dry("bench_quant", [], tmp_path)
+    assert data["rows"] and all(r.get("bit_equal", True) for r in data["rows"])
 
 
 def test_bench_decode_dry_run(tmp_path):
