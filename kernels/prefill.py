@@ -53,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .quant import (_check_device, interpreting, k_smooth_mean, quantize_kv, quantize_per_token, quantize_v_blocks,
+from .quant import (_check_device, interpreting, k_smooth_mean, quantize_per_token, quantize_v_blocks,
                     quantize_v_channels)
 from .reference import (
     DEFAULT_BLOCK_N,
@@ -570,11 +570,8 @@ def turbo_attention(q, k, v, *, scale=None, causal=True, window=None, softcap=No
     scale = d ** -0.5 if scale is None else float(scale)
     q8, sq = quantize_per_token(q, scale=scale * LOG2E)
     mean = k_smooth_mean(k) if (smooth_k and softcap is None) else None
-    if v_scale == "block":  # K and V in one pass (one launch, one program per V block)
-        k8, sk, v8t, sv = quantize_kv(k, v, smooth=mean, block=block_n)
-    else:
-        k8, sk = quantize_per_token(k, smooth=mean)
-        v8t, sv = quantize_v_channels(v, block_n)
+    k8, sk = quantize_per_token(k, smooth=mean)
+    v8t, sv = (quantize_v_blocks if v_scale == "block" else quantize_v_channels)(v, block_n)
     return _launch(q8, sq, k8, sk, v8t, sv, out, causal=causal, window=window, softcap=softcap,
                    key_valid=key_valid, use_sas=softmax == "sas", thr2=float(sas_threshold) * LOG2E,
                    block_p=p_scale == "block", Lk=lk, block_n=block_n)
