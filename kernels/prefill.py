@@ -102,8 +102,8 @@ _SQ_MIN = tl.constexpr(SQ_MIN)
 #               (128, 8, 3) 342 352 359 | 284 313 338
 #   d64  BN128: (128, 4, 3) 341 344 349 | 277 (4k)     (64, 4, 3) 334 340 349 | 301 (4k)   (128, 8, 3) 258 | 228
 #   d64  BN64 : (128, 4, 3) 292 294 300 | 254 (4k)     (64, 4, 3) 264 268 270 | 233 (4k)
-#   d256      : not reached by the sweep's time budget; (64, 8, 2) from the previous tile table
-#               (b1 H16 L8k, block_n 64: 267 / 231; (64, 4, 2) 227 / 215, (64, 4, 3) 183 / 156).
+#   d256 (H100, 2026-11-24, eval/results/prefill_sweep_d256_h100.json, mean over L): BN128 (64, 8, 2) 355 | 312;
+#               BN64: (64, 8, 2) 250 | 234, (64, 4, 2) 186 (causal), (128, 8, 2) 169 (causal). 4 warps spill at d 256.
 # BLOCK_M 64 with 4 warps (one warpgroup, two programs per SM) wins at d <= 128.
 _GPU_CONFIGS = {
     (64, False, 128): (128, 4, 3),
@@ -114,6 +114,8 @@ _GPU_CONFIGS = {
     (128, True, 128): (64, 4, 3),
     (128, False, 64): (64, 4, 3),
     (128, True, 64): (64, 4, 3),
+    (256, False, 128): (64, 8, 2),
+    (256, True, 128): (64, 8, 2),
     (256, False, 64): (64, 8, 2),
     (256, True, 64): (64, 8, 2),
 }
@@ -352,7 +354,7 @@ def _int8_attn_fwd_kernel(
 # ---------------------------------------------------------------------------------------- launcher
 def _pick_config(head_dim: int, causal: bool, block_n: int):
     """(BLOCK_M, num_warps, num_stages) from the table (GPU) or small tiles (interpreter); a block_n without
-    an entry (32; 128 at d 256) takes the block_n 64 entry."""
+    an entry (32) takes the block_n 64 entry."""
     if interpreting():
         return _INTERPRET_CONFIG
     bd = triton.next_power_of_2(head_dim)
@@ -527,7 +529,7 @@ def turbo_attention(q, k, v, *, scale=None, causal=True, window=None, softcap=No
         (the mean only commutes with softmax, not with tanh).
       p_scale: "block" (default) or "static" quantization of P, see the module docstring.
       block_n: KV tile (tokens), also the V quantization block with v_scale="block"; None (default):
-        ``default_block_n(d)``, 128 for d <= 128 and 64 for d 256.
+        ``default_block_n(d)`` = 128.
       v_scale: "block" (V scale per block_n tokens and channel, default) or "channel" (one scale per
         channel over the sequence, INT-FlashAttention's choice).
     The plain-PyTorch twin is ``turbo_attn_hf.kernels.reference.turbo_attention`` (same arguments).
