@@ -1,4 +1,4 @@
-"""Prefill quantization passes: the separate passes vs K and V fused in one launch (``quant.quantize_kv``).
+"""Prefill quantization passes, each timed alone: Q and K per token, K's channel mean, V per block (``kernels.quant``).
 
     python -m eval.bench_quant [--quick] [--dims 64,128,256] [--lens 1k,4k,16k] [--layout hf|contig] [--out DIR]
     python -m eval.bench_quant --dry-run    # CPU: tiny shapes through the Triton interpreter, bit checks only
@@ -11,20 +11,24 @@ Passes, each timed alone (``triton.testing.do_bench`` median, µs; GB/s = (bytes
   k_mean     k_smooth_mean(k) (torch mean)             read k;              write mean
   k          quantize_per_token(k, smooth=mean)        read k, mean;        write k8, sk
   v          quantize_v_blocks(v, block_n)             read v;              write v8t, sv
-  kv_fused   quantize_kv(k, v, smooth=mean, block_n)   read k, v, mean;     write k8, sk, v8t, sv
-  k_nohint / v_nohint / kv_fused_nohint: the same with the 16-byte load hint off (VEC = 1, as before it)
-  kv_fused_w8: kv_fused with 8 warps instead of 4; separate_nohint: the separate path as it was before the hint
-Paths, the passes in sequence timed as one call (and replayed from a CUDA graph: ``us_graph``, no launch gaps):
-  separate   q + k_mean + k + v            turbo_attention's quantization before the fused pass
-  fused      q + k_mean + kv_fused         turbo_attention's quantization now (v_scale="block")
+  k_nohint / v_nohint: the same with the 16-byte load hint off (VEC = 1, as before it)
+Path, the passes in sequence timed as one call (and replayed from a CUDA graph: ``us_graph``, no launch gaps):
+  separate   q + k_mean + k + v            turbo_attention's quantization
+  separate_nohint: the same with the 16-byte load hint off
 ``copy_us`` = the row's bytes at the device-to-device copy rate measured in the same process
-(bench_common.copy_ceiling). Every shape checks fused == separate bit for bit (k8, sk, v8t, sv).
+(bench_common.copy_ceiling). Bit check, per head_dim on a small shape (batch 1, 2 heads, 133 tokens: tails of
+the row tile and of the V block) in the same layout: q, k and v with the hint on and off == ``kernels.reference``
+on the CPU, codes and scales bit for bit (``bit_equal`` on every row of that head_dim).
+The committed eval/results/bench_quant_h100.json was written by the earlier version of this script, which also
+timed K and V fused in one launch (``quantize_kv``, 0.96-1.00x the speed of the separate passes, since removed;
+git history has that version).
 Writes ``<out>/bench_quant.json`` (rows + machine line + protocol).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from typing import Optional
@@ -61,6 +65,9 @@ def _inputs(b, h, L, d, layout, device, dtype):
     return one(0.0), one(0.5), one(0.0)
 
 
+CHECK_BATCH, CHECK_HEADS, CHECK_LEN = 1, 2, 133
+
+
 def _bytes(b, h, L, d, block, es):
     """Bytes read + written per pass (es: input element size)."""
     lpad = -(-max(L, 1) // block) * block
@@ -68,44 +75,58 @@ def _bytes(b, h, L, d, block, es):
     tok = b * h * L * d + b * h * L * 4  # per-token codes + scales
     vout = b * h * d * lpad + b * h * (lpad // block) * d * 4
     out = {"q": x + tok, "k_mean": x + mean, "k": x + mean + tok, "v": x + vout}
-    out["kv_fused"] = out["k"] + out["v"]
     out["separate"] = out["q"] + out["k_mean"] + out["k"] + out["v"]
-    out["fused"] = out["q"] + out["k_mean"] + out["kv_fused"]
     return out
 
 
-class _Patched:
-    """Private knobs of kernels.quant for one measurement: VEC hint off (``_vec`` -> 1), fused kernel warps."""
+@contextlib.contextmanager
+def _hint(on: bool):
+    """The 16-byte load hint of kernels.quant on (as shipped) or off (``_vec`` -> 1: 2-byte loads, as before it)."""
+    from turbo_attn_hf.kernels import quant
 
-    def __init__(self, nohint=False, kv_warps=None):
-        self.nohint, self.kv_warps = nohint, kv_warps
-
-    def __enter__(self):
-        from turbo_attn_hf.kernels import quant
-
-        self.saved = quant._vec, quant._KV_NUM_WARPS
-        if self.nohint:
-            quant._vec = lambda *xs: 1
-        if self.kv_warps:
-            quant._KV_NUM_WARPS = self.kv_warps
-
-    def __exit__(self, *exc):
-        from turbo_attn_hf.kernels import quant
-
-        quant._vec, quant._KV_NUM_WARPS = self.saved
+    saved = quant._vec
+    if not on:
+        quant._vec = lambda *xs: 1
+    try:
+        yield
+    finally:
+        quant._vec = saved
 
 
-def _check_equal(fused, separate) -> Optional[str]:
+def check_reference(d, layout="hf") -> Optional[str]:
+    """q, k (mean-smoothed) and v passes, hint on and off, vs ``kernels.reference`` on the CPU on a small shape:
+    None when every code and scale is equal, else what differs."""
     import torch
 
-    for name, a, r in zip(("k8", "sk", "v8t", "sv"), fused, separate):
-        if a.shape != r.shape or not torch.equal(a, r):
-            return f"{name} differs ({int((a != r).sum()) if a.shape == r.shape else 'shape'})"
+    from turbo_attn_hf.kernels import quant, reference as R
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    block = R.default_block_n(d)
+    q, k, v = _inputs(CHECK_BATCH, CHECK_HEADS, CHECK_LEN, d, layout, dev, torch.bfloat16)
+    mean = R.k_smooth_mean(k)
+    scale = d ** -0.5 * R.LOG2E
+    ref = {"q": R.quantize_per_token(q.cpu(), scale=scale), "k": R.quantize_per_token(k.cpu(), smooth=mean.cpu()),
+           "v": R.quantize_v_blocks(v.cpu(), block)}
+    for on in (True, False):
+        try:
+            with _hint(on):
+                got = {"q": quant.quantize_per_token(q, scale=scale), "k": quant.quantize_per_token(k, smooth=mean),
+                       "v": quant.quantize_v_blocks(v, block)}
+        except Exception as e:  # noqa: BLE001 - reported as the check's failure
+            return f"{'' if on else 'nohint: '}{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        for name, outs in got.items():
+            for what, a, r in zip(("codes", "scales"), outs, ref[name]):
+                a = a.cpu()
+                if a.shape != r.shape or not torch.equal(a, r):
+                    n = int((a != r).sum()) if a.shape == r.shape else "shape"
+                    return f"{name}{'' if on else '_nohint'} {what} differ ({n})"
     return None
 
 
-def run_shape(d, L, *, layout="hf", dry_run=False, extras=True, warmup=25, rep=100, copy_gbps=None) -> list[dict]:
-    """Rows of one shape: every pass and path (``extras``: also the no-hint and 8-warp variants)."""
+def run_shape(d, L, *, layout="hf", dry_run=False, extras=True, warmup=25, rep=100, copy_gbps=None,
+              bit_error=None) -> list[dict]:
+    """Rows of one shape: every pass and the separate path (``extras``: also with the hint off). A dry run calls
+    each once (no timing). ``bit_error``: this head_dim's ``check_reference`` result."""
     import torch
 
     from turbo_attn_hf.kernels import quant, reference
@@ -121,7 +142,6 @@ def run_shape(d, L, *, layout="hf", dry_run=False, extras=True, warmup=25, rep=1
         "k_mean": lambda: reference.k_smooth_mean(k),
         "k": lambda: quant.quantize_per_token(k, smooth=mean),
         "v": lambda: quant.quantize_v_blocks(v, block),
-        "kv_fused": lambda: quant.quantize_kv(k, v, smooth=mean, block=block),
     }
 
     def separate():
@@ -129,31 +149,21 @@ def run_shape(d, L, *, layout="hf", dry_run=False, extras=True, warmup=25, rep=1
         m = reference.k_smooth_mean(k)
         return quant.quantize_per_token(k, smooth=m), quant.quantize_v_blocks(v, block)
 
-    def fused():
-        quant.quantize_per_token(q, scale=scale)
-        return quant.quantize_kv(k, v, smooth=reference.k_smooth_mean(k), block=block)
-
-    variants = [(n, fn, {}) for n, fn in passes.items()] + [("separate", separate, {}), ("fused", fused, {})]
+    variants = [(n, fn, True) for n, fn in passes.items()] + [("separate", separate, True)]
     if extras:
-        variants += [(f"{n}_nohint", passes[n], dict(nohint=True)) for n in ("k", "v", "kv_fused")]
-        variants += [("kv_fused_w8", passes["kv_fused"], dict(kv_warps=8)),
-                     ("separate_nohint", separate, dict(nohint=True))]
+        variants += [(f"{n}_nohint", passes[n], False) for n in ("k", "v")] + [("separate_nohint", separate, False)]
     nbytes = _bytes(b, h, L, d, block, q.element_size())
     base = {"d": d, "L": L, "batch": b, "heads": h, "block": block, "layout": layout}
     rows = []
-    (k8, sk), (v8t, sv) = separate()
-    bad = _check_equal(fused(), (k8, sk, v8t, sv))
-    for name, fn, knobs in variants:
-        row = dict(base, run=name, bytes=nbytes[name.replace("_nohint", "").replace("_w8", "")])
+    for name, fn, hint in variants:
+        row = dict(base, run=name, bytes=nbytes[name.replace("_nohint", "")])
         try:
-            with _Patched(**knobs):
-                if name.endswith(("_nohint", "_w8")) and name.startswith("kv_fused"):
-                    err = _check_equal(fn(), (k8, sk, v8t, sv))
-                    if err:
-                        row["error"] = f"not bit-equal: {err}"
-                if not dry_run:
+            with _hint(hint):
+                if dry_run:
+                    fn()
+                else:
                     row.update(bench_ms(fn, warmup=warmup, rep=rep))
-                    if name in ("separate", "fused"):
+                    if name.startswith("separate"):
                         row.update(bench_graph_ms(fn))
         except Exception as e:  # noqa: BLE001 - one variant failing must not stop the table
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
@@ -164,25 +174,23 @@ def run_shape(d, L, *, layout="hf", dry_run=False, extras=True, warmup=25, rep=1
             row["us_graph"] = row["ms_graph"] * 1e3
         if copy_gbps:
             row["copy_us"] = row["bytes"] / (copy_gbps * 1e9) * 1e6
-        row["bit_equal"] = bad is None
+        row["bit_equal"] = bit_error is None
         rows.append(row)
-    if bad:
-        print(f"  d={d} L={L}: fused != separate: {bad}", flush=True)
-    del q, k, v, mean, k8, sk, v8t, sv
+    del q, k, v, mean
     free_gpu_memory()
     return rows
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    """Per shape: separate vs fused path (do_bench and CUDA-graph µs), speed-up, and both at the copy rate."""
+    """Per shape: the separate path (do_bench and CUDA-graph µs), at the copy rate, and without the hint."""
     out = []
     for d, L in dict.fromkeys((r["d"], r["L"]) for r in rows):
         by = {r["run"]: r for r in rows if (r["d"], r["L"]) == (d, L)}
-        sep, fus = by.get("separate", {}), by.get("fused", {})
-        if sep.get("us") and fus.get("us"):
-            out.append({"d": d, "L": L, "separate_us": sep["us"], "fused_us": fus["us"],
-                        "x": sep["us"] / fus["us"], "separate_graph_us": sep.get("us_graph"),
-                        "fused_graph_us": fus.get("us_graph"), "fused_copy_us": fus.get("copy_us")})
+        sep, nohint = by.get("separate", {}), by.get("separate_nohint", {})
+        if sep.get("us"):
+            out.append({"d": d, "L": L, "separate_us": sep["us"], "separate_graph_us": sep.get("us_graph"),
+                        "separate_copy_us": sep.get("copy_us"), "nohint_us": nohint.get("us"),
+                        "hint_x": nohint["us"] / sep["us"] if nohint.get("us") else None})
     return out
 
 
@@ -190,8 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m eval.bench_quant", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true",
-                    help=f"{', '.join(f'd{d} L{L}' for d, L in QUICK_SHAPES)}; the *_nohint / *_w8 rows at the "
-                         "first only")
+                    help=f"{', '.join(f'd{d} L{L}' for d, L in QUICK_SHAPES)}; the *_nohint rows at the first only")
     ap.add_argument("--dims", default="64,128,256")
     ap.add_argument("--lens", default="1k,4k,16k")
     ap.add_argument("--layout", default="hf", choices=("hf", "contig"),
@@ -224,29 +231,36 @@ def main(argv: Optional[list[str]] = None) -> int:
     copy = None if args.dry_run else copy_ceiling((256 << 20) if args.quick else (2 << 30))
     if copy:
         print(f"copy rate: {copy['GBps_read_plus_write']:.0f} GB/s (read + write)", flush=True)
+    checks = {}
+    for d in dict.fromkeys(d for d, _ in shapes):
+        checks[d] = check_reference(d, args.layout)
+        print(f"d={d}: passes == kernels.reference (CPU), hint on and off: {checks[d] or 'yes'}", flush=True)
     rows = []
     for d, L in shapes:
         extras = not args.quick or (d, L) == QUICK_SHAPES[0]
         rows += run_shape(d, L, layout=args.layout, dry_run=args.dry_run, extras=extras, warmup=args.warmup,
-                          rep=args.rep, copy_gbps=copy and copy["GBps_read_plus_write"])
+                          rep=args.rep, copy_gbps=copy and copy["GBps_read_plus_write"], bit_error=checks[d])
     print_table(rows, ["run", "d", "L", "batch", "heads", "block", "us", "us_graph", "GBps", "copy_us", "bit_equal"])
     for r in rows:
         if "error" in r:
             print(f"  {r['run']} d={r['d']} L={r['L']}: {r['error']}")
     ok = all(r["bit_equal"] and "error" not in r for r in rows)
-    print("fused == separate, bit for bit:", "yes" if ok else "NO", flush=True)
+    print("passes == reference, bit for bit, and no errors:", "yes" if ok else "NO", flush=True)
     summary = summarize(rows)
     if summary:
-        print_table(summary, ["d", "L", "separate_us", "fused_us", "x", "separate_graph_us", "fused_graph_us",
-                              "fused_copy_us"])
+        print_table(summary, ["d", "L", "separate_us", "separate_graph_us", "separate_copy_us", "nohint_us",
+                              "hint_x"])
     payload = {
         "benchmark": "quant", "machine": info, "dry_run": args.dry_run, "quick": args.quick, "copy": copy,
         "protocol": {"total_tokens": TOTAL_TOKENS, "hidden": HIDDEN, "dtype": "bfloat16", "layout": args.layout,
                      "timer": f"triton.testing.do_bench median (warmup {args.warmup} ms, rep {args.rep} ms); "
                               "us_graph: do_bench_cudagraph median",
                      "GBps": GBPS_FORMULA, "block": "reference.default_block_n(d)",
+                     "bit_check": f"batch {CHECK_BATCH}, heads {CHECK_HEADS}, L {CHECK_LEN}, per d: q, k, v with the "
+                                  "hint on and off vs kernels.reference on the CPU",
                      "runs": {n: __doc__.split(f"\n  {n} ", 1)[1].split("\n", 1)[0].strip()
-                              for n in ("q", "k_mean", "k", "v", "kv_fused", "separate", "fused")}},
+                              for n in ("q", "k_mean", "k", "v", "separate")}},
+        "bit_check": {str(d): err or "equal" for d, err in checks.items()},
         "all_bit_equal": ok, "summary": summary, "rows": rows,
     }
     if not args.dry_run or args.out:  # a dry run writes only where asked (its rows hold no timings)

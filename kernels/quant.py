@@ -8,10 +8,9 @@ V is written transposed, ``[d, tokens]``, tokens contiguous.
 
 Each kernel reads its bf16/fp16 input once (any strides: HF hands over transposed views) and writes the
 int8 codes and fp32 scales once. The K mean is the torch reduction ``reference.k_smooth_mean`` (one
-read of K, shared with the reference so that both quantize against the same mean, bit for bit).
-``quantize_kv`` does K (per token) and V (per block) in one launch, one program per V block: the per-token
-and per-block bodies are ``@triton.jit`` helpers shared with the single-tensor kernels, so the outputs are
-the same bits; the prefill calls it when v_scale="block".
+read of K, shared with the reference so that both quantize against the same mean, bit for bit). K and V
+stay two passes: a fused K+V pass measured no faster on the H100 once the passes load 16 bytes (0.96-1.00x,
+eval/results/bench_quant_h100.json).
 
 Loads: the batch / head / token strides stay out of the specialization key (they change with L), so the
 compiler knows nothing of their divisibility and loads every bf16 element alone (2-byte ``ld.global.b16``
@@ -33,8 +32,7 @@ import triton.language as tl
 from .interpreter import interpreting
 from .reference import DEFAULT_BLOCK_N, k_smooth_mean  # noqa: F401  (k_smooth_mean re-exported)
 
-__all__ = ["quantize_per_token", "quantize_v_blocks", "quantize_kv", "quantize_v_channels", "k_smooth_mean",
-           "interpreting"]
+__all__ = ["quantize_per_token", "quantize_v_blocks", "quantize_v_channels", "k_smooth_mean", "interpreting"]
 
 
 
@@ -158,45 +156,6 @@ def _quant_v_kernel(
                    stride_xl, stride_xd, stride_vd, HAS_AMAX=HAS_AMAX, D=D, BD=BD, BN=BN)
 
 
-@triton.jit(do_not_specialize=["L", "stride_kb", "stride_kh", "stride_kl", "stride_vb", "stride_vh", "stride_vl",
-                               "stride_skb", "stride_skh"])
-def _quant_kv_kernel(
-    K, MEAN, K8, SK, V, V8T, SV, L, H,
-    stride_kb, stride_kh, stride_kl, stride_kd,
-    stride_vb, stride_vh, stride_vl, stride_vd,
-    stride_mb, stride_mh,
-    stride_k8b, stride_k8h,
-    stride_skb, stride_skh,
-    stride_v8b, stride_v8h, stride_v8d,
-    stride_svb, stride_svh,
-    HAS_SMOOTH: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr,
-    VEC: tl.constexpr,
-):
-    """grid (Lpad // BN * b * H,): one program per V block of BN tokens of one (batch, head) quantizes
-    those tokens of K (per token, in BN // BT row tiles: ``_quant_tokens_kernel``'s tile) and of V (per
-    block and channel: ``_quant_v_kernel`` without HAS_AMAX). Same outputs, one launch. K and V strides over
-    b, H, L are multiples of VEC."""
-    tl.static_assert(BN % BT == 0, "the V block must hold whole K row tiles")
-    n_blk = tl.maximum(tl.cdiv(L, BN), 1)
-    i_n, i_bh = tl.program_id(0) % n_blk, tl.program_id(0) // n_blk
-    i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
-    stride_kb, stride_kh, stride_kl = _multiple(stride_kb, VEC), _multiple(stride_kh, VEC), _multiple(stride_kl, VEC)
-    stride_vb, stride_vh, stride_vl = _multiple(stride_vb, VEC), _multiple(stride_vh, VEC), _multiple(stride_vl, VEC)
-    b_mean = tl.zeros([BD], dtype=tl.float32)
-    if HAS_SMOOTH:
-        o_d = tl.arange(0, BD)
-        b_mean = tl.load(MEAN + i_b * stride_mb + i_h * stride_mh + o_d, mask=o_d < D, other=0.0)
-    p_k = K + i_b * stride_kb + i_h * stride_kh
-    p_k8 = K8 + i_b * stride_k8b + i_h * stride_k8h
-    p_sk = SK + i_b * stride_skb + i_h * stride_skh
-    for j in tl.static_range(BN // BT):
-        _quant_token_rows(p_k, p_k8, p_sk, b_mean, 1.0, i_n * BN + j * BT + tl.arange(0, BT), L,
-                          stride_kl, stride_kd, HAS_SMOOTH=HAS_SMOOTH, D=D, BD=BD, BT=BT)
-    _quant_v_block(V + i_b * stride_vb + i_h * stride_vh, SV, V8T + i_b * stride_v8b + i_h * stride_v8h,
-                   SV + i_b * stride_svb + i_h * stride_svh, i_n, L, stride_vl, stride_vd, stride_v8d,
-                   HAS_AMAX=False, D=D, BD=BD, BN=BN)
-
-
 # ---------------------------------------------------------------------------------------- launchers
 def _as_4d(x: torch.Tensor) -> torch.Tensor:
     if x.dim() < 2:
@@ -214,10 +173,6 @@ def _vec(*xs: torch.Tensor) -> int:
     vec = 16 // max(x.element_size() for x in xs)
     ok = all(st % vec == 0 for x in xs for n, st in zip(x.shape[:-1], x.stride()[:-1]) if n > 1)
     return vec if ok else 1
-
-
-# 4 warps: with 64-row tiles the per-token pass's best (H100, eval/PERF_NOTES.md); eval/bench_quant.py times 8
-_KV_NUM_WARPS = 4
 
 
 def _tile_rows(d: int) -> int:
@@ -290,48 +245,6 @@ def quantize_v_blocks(v: torch.Tensor, block: int = DEFAULT_BLOCK_N):
             enable_fp_fusion=False,
         )
     return v8t, sv
-
-
-def quantize_kv(k: torch.Tensor, v: torch.Tensor, *, smooth: Optional[torch.Tensor] = None,
-                block: int = DEFAULT_BLOCK_N):
-    """K per token and V per block in one Triton pass: ``quantize_per_token(k, smooth=smooth)`` and
-    ``quantize_v_blocks(v, block)`` in one launch, bit for bit (each program takes one block of ``block``
-    tokens of one (batch, head) from both K and V).
-
-    k, v: ``[b, H, L, d]`` fp16/bf16/fp32, any strides (each its own). smooth: optional fp32 ``[b, H, d]``
-    subtracted from K first (``k_smooth_mean(k)``). Returns ``k8 int8 [b, H, L, d]`` (contiguous),
-    ``sk fp32 [b, H, L]`` (amax / 127), ``v8t int8 [b, H, d, Lpad]`` (tokens contiguous, Lpad = L rounded up
-    to ``block``, padded tokens 0) and ``sv fp32 [b, H, Lpad // block, d]``.
-    """
-    for name, t in (("k", k), ("v", v)):
-        _check_device(t, name)
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be [b, H, L, d]; got shape {tuple(t.shape)}")
-        if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-            raise ValueError(f"quantize_kv takes fp16/bf16/fp32, got {name} {t.dtype}")
-    if k.shape != v.shape or k.device != v.device:
-        raise ValueError(f"k and v must have one shape and device; got {tuple(k.shape)} on {k.device} and "
-                         f"{tuple(v.shape)} on {v.device}")
-    if block < 16 or block & (block - 1):
-        raise ValueError(f"block={block} must be a power of two >= 16")
-    b, h, L, d = k.shape
-    nblk = max(1, triton.cdiv(L, block))
-    k8 = torch.empty(b, h, L, d, dtype=torch.int8, device=k.device)
-    sk = torch.empty(b, h, L, dtype=torch.float32, device=k.device)
-    v8t = torch.empty(b, h, d, nblk * block, dtype=torch.int8, device=v.device)
-    sv = torch.empty(b, h, nblk, d, dtype=torch.float32, device=v.device)
-    m, smb, smh = _mean_arg(smooth, sk, b, h, d)
-    if b * h > 0:
-        _quant_kv_kernel[(nblk * b * h,)](
-            k, m, k8, sk, v, v8t, sv, L, h,
-            k.stride(0), k.stride(1), k.stride(2), k.stride(3),
-            v.stride(0), v.stride(1), v.stride(2), v.stride(3),
-            smb, smh, k8.stride(0), k8.stride(1), sk.stride(0), sk.stride(1),
-            v8t.stride(0), v8t.stride(1), v8t.stride(2), sv.stride(0), sv.stride(1),
-            HAS_SMOOTH=smooth is not None, D=d, BD=triton.next_power_of_2(d), BN=block,
-            BT=min(block, _tile_rows(d)), VEC=_vec(k, v), num_warps=_KV_NUM_WARPS, enable_fp_fusion=False,
-        )
-    return k8, sk, v8t, sv
 
 
 def quantize_v_channels(v: torch.Tensor, block: int = DEFAULT_BLOCK_N):

@@ -3,8 +3,10 @@
 Bit-exact by construction: both compute ``x * div_rn(127, amax)`` and round half away from zero in fp32,
 with FMA contraction off in the kernels; both subtract the same fp32 K mean (``k_smooth_mean``).
 Kernel outputs are allocated poisoned (NaN for floats, -128 for int8, a code no kernel writes), so an
-unwritten element fails the comparison. ``quantize_kv`` (K and V in one launch) must give the bits of the two
-separate passes; the sm_90 compile check runs this file as a script in a subprocess without TRITON_INTERPRET.
+unwritten element fails the comparison. Inputs come in HF's layout (transposed views), contiguous, or with a
+token stride that is no multiple of 16 bytes (no 16-byte loads); the real-size GPU test compares the compiled
+kernels with the reference on the CPU, and the sm_90 compile check runs this file as a script in a subprocess
+without TRITON_INTERPRET.
 """
 import json
 import os
@@ -41,42 +43,49 @@ def _rand(shape, dtype, device, seed=0, scale=3.0):
     return x.to(dtype=dtype, device=device)
 
 
+def _layout(x, layout):
+    """[..., H, L, d] contiguous -> "hf": [..., L, H, d] storage viewed as [..., H, L, d]; "odd": rows of a wider
+    tensor (token stride not a multiple of 16 bytes: the kernels must not assume 16-byte loads); else ``x``."""
+    if layout == "hf":
+        return x.transpose(-3, -2).contiguous().transpose(-3, -2)
+    if layout == "odd":
+        wide = torch.zeros(*x.shape[:-1], x.shape[-1] + 1, dtype=x.dtype, device=x.device)
+        wide[..., :-1] = x
+        return wide[..., :-1]
+    return x
+
+
+# shape, dtype, layout: tails of the row tile, L a multiple of it, d 80/96 (masked to 128), d 256
 TOKEN_CASES = [
-    ((2, 3, 37, 80), torch.bfloat16),
-    ((1, 2, 65, 64), torch.float16),
-    ((1, 1, 33, 96), torch.bfloat16),
-    ((2, 2, 63, 128), torch.float32),
-    ((1, 1, 17, 256), torch.bfloat16),
-    ((3, 40, 64), torch.float16),  # [H, L, d]
-    ((5, 64), torch.bfloat16),  # [L, d]
+    ((2, 3, 37, 80), torch.bfloat16, "hf"),
+    ((1, 2, 65, 64), torch.float16, "contig"),
+    ((1, 1, 33, 96), torch.bfloat16, "odd"),
+    ((1, 1, 128, 96), torch.bfloat16, "hf"),
+    ((2, 2, 63, 128), torch.float32, "hf"),
+    ((1, 2, 130, 128), torch.float16, "contig"),
+    ((1, 1, 40, 64), torch.bfloat16, "odd"),
+    ((1, 1, 17, 256), torch.bfloat16, "odd"),
+    ((1, 1, 20, 256), torch.bfloat16, "hf"),
+    ((3, 40, 64), torch.float16, "contig"),  # [H, L, d]
+    ((5, 64), torch.bfloat16, "contig"),  # [L, d]
 ]
 
 
-@pytest.mark.parametrize("shape,dtype", TOKEN_CASES,
-                         ids=[f"{'x'.join(map(str, s))}-{str(d)[6:]}" for s, d in TOKEN_CASES])
+@pytest.mark.parametrize("shape,dtype,layout", TOKEN_CASES,
+                         ids=[f"{'x'.join(map(str, s))}-{str(d)[6:]}-{lay}" for s, d, lay in TOKEN_CASES])
 @pytest.mark.parametrize("smooth", [False, True], ids=["plain", "smooth"])
-def test_per_token_bit_exact(shape, dtype, smooth, device, poisoned_empty):
-    x = _rand(shape, dtype, device)
+def test_per_token_bit_exact(shape, dtype, layout, smooth, device, poisoned_empty):
+    x = _layout(_rand(shape, dtype, device), layout)
     x[..., 1, :] = 0  # an all-zero row: codes 0, scale 0
     mean = R.k_smooth_mean(x) if smooth and x.dim() >= 3 else None
     x8, s = quant.quantize_per_token(x, scale=0.0883883 * R.LOG2E, smooth=mean)
     r8, rs = R.quantize_per_token(x.cpu(), scale=0.0883883 * R.LOG2E, smooth=None if mean is None else mean.cpu())
     assert x8.shape == x.shape and x8.dtype == torch.int8 and s.shape == x.shape[:-1] and s.dtype == torch.float32
+    assert x8.is_contiguous() and s.is_contiguous()
     assert torch.equal(x8.cpu(), r8), f"{int((x8.cpu() != r8).sum())} codes differ"
     assert torch.equal(s.cpu(), rs)
     if mean is None:
         assert torch.all(x8[..., 1, :] == 0) and torch.all(s[..., 1] == 0)
-
-
-def test_per_token_strided_input(device, poisoned_empty):
-    """HF passes [b, L, H, d] storage viewed as [b, H, L, d]: read through the strides, write contiguous."""
-    base = _rand((2, 45, 4, 80), torch.bfloat16, device)
-    x = base.transpose(1, 2)
-    assert not x.is_contiguous()
-    mean = R.k_smooth_mean(x)
-    x8, s = quant.quantize_per_token(x, smooth=mean)
-    r8, rs = R.quantize_per_token(x.contiguous().cpu(), smooth=mean.cpu())
-    assert x8.is_contiguous() and torch.equal(x8.cpu(), r8) and torch.equal(s.cpu(), rs)
 
 
 def test_per_token_error_bound(device):
@@ -88,30 +97,37 @@ def test_per_token_error_bound(device):
     assert torch.all(err <= s[..., None] * (0.5 + 1e-5))
 
 
-V_CASES = [((2, 3, 37, 80), 16, torch.bfloat16), ((1, 2, 64, 64), 64, torch.float16),
-           ((1, 1, 100, 96), 32, torch.bfloat16), ((1, 2, 130, 128), 64, torch.bfloat16),
-           ((1, 1, 20, 256), 16, torch.float32), ((1, 1, 5, 64), 64, torch.float16)]
+# shape, block, dtype, layout (test_v_blocks_bit_exact; test_v_channels_bit_exact takes HF's): L < block, L a
+# multiple of it, tails, d 80/96 (masked to 128), d 256
+V_CASES = [((2, 3, 37, 80), 16, torch.bfloat16, "hf"), ((2, 3, 37, 80), 64, torch.bfloat16, "contig"),
+           ((1, 2, 64, 64), 64, torch.float16, "contig"), ((1, 1, 100, 96), 32, torch.bfloat16, "odd"),
+           ((1, 1, 128, 96), 128, torch.bfloat16, "hf"), ((1, 2, 130, 128), 64, torch.float16, "hf"),
+           ((1, 2, 63, 64), 32, torch.float32, "contig"), ((1, 1, 40, 64), 16, torch.bfloat16, "hf"),
+           ((1, 1, 20, 256), 16, torch.float32, "contig"), ((1, 1, 20, 256), 64, torch.bfloat16, "odd"),
+           ((1, 1, 5, 64), 64, torch.float16, "contig")]
 
 
-@pytest.mark.parametrize("shape,block,dtype", V_CASES, ids=[f"{'x'.join(map(str, s))}-B{b}" for s, b, _ in V_CASES])
-def test_v_blocks_bit_exact(shape, block, dtype, device, poisoned_empty):
-    v = _rand(shape, dtype, device, seed=1)
+@pytest.mark.parametrize("shape,block,dtype,layout", V_CASES,
+                         ids=[f"{'x'.join(map(str, s))}-B{b}-{lay}" for s, b, _, lay in V_CASES])
+def test_v_blocks_bit_exact(shape, block, dtype, layout, device, poisoned_empty):
+    v = _layout(_rand(shape, dtype, device, seed=1), layout)
     v[..., 0] = 0  # an all-zero channel: codes 0, scale 0
     v8t, sv = quant.quantize_v_blocks(v, block)
     r8t, rsv = R.quantize_v_blocks(v.cpu(), block)
     b, h, L, d = shape
     lpad = -(-L // block) * block
-    assert v8t.shape == (b, h, d, lpad) and sv.shape == (b, h, lpad // block, d)
+    assert v8t.shape == (b, h, d, lpad) and sv.shape == (b, h, lpad // block, d) and v8t.is_contiguous()
     assert torch.equal(v8t.cpu(), r8t), f"{int((v8t.cpu() != r8t).sum())} codes differ"
     assert torch.equal(sv.cpu(), rsv)
     assert torch.all(v8t[..., L:] == 0), "padded tokens must be 0"
     assert torch.all(sv[..., 0] == 0)
 
 
-@pytest.mark.parametrize("shape,block,dtype", V_CASES, ids=[f"{'x'.join(map(str, s))}-B{b}" for s, b, _ in V_CASES])
+@pytest.mark.parametrize("shape,block,dtype", [c[:3] for c in V_CASES],
+                         ids=[f"{'x'.join(map(str, s))}-B{b}" for s, b, _, _ in V_CASES])
 def test_v_channels_bit_exact(shape, block, dtype, device, poisoned_empty):
     """One scale per (b, head, channel) over the whole sequence; tokens padded to ``block`` with 0."""
-    v = _rand(shape, dtype, device, seed=2).transpose(1, 2).contiguous().transpose(1, 2)  # HF strides
+    v = _layout(_rand(shape, dtype, device, seed=2), "hf")
     v[..., 0] = 0  # an all-zero channel: codes 0, scale 0
     v8t, sv = quant.quantize_v_channels(v, block)
     r8t, rsv = R.quantize_v_channels(v.cpu(), block)
@@ -145,132 +161,73 @@ def test_quant_input_errors(device):
         quant.quantize_v_blocks(torch.ones(8, 64, device=device), 16)
 
 
-# ------------------------------------------------------------------------------------ K and V in one pass
-def _layout(x, layout):
-    """[b, H, L, d] contiguous -> "hf": [b, L, H, d] storage viewed as [b, H, L, d]; "odd": rows of a wider
-    tensor (token stride not a multiple of 16 bytes: the kernel must not assume 16-byte loads)."""
-    if layout == "hf":
-        return x.transpose(1, 2).contiguous().transpose(1, 2)
-    if layout == "odd":
-        b, h, L, d = x.shape
-        wide = torch.zeros(b, h, L, d + 1, dtype=x.dtype, device=x.device)
-        wide[..., :d] = x
-        return wide[..., :d]
-    return x
-
-
-# (b, H, L, d), block, dtype, K layout, V layout, smooth: L < block, L a multiple of block, tails, block < the
-# per-token row tile (16, 32), mixed layouts, d 80/96 (masked to 128), d 256
-KV_CASES = [
-    ((2, 3, 37, 80), 64, torch.bfloat16, "hf", "hf", True),
-    ((1, 2, 130, 128), 64, torch.float16, "contig", "hf", True),
-    ((1, 1, 128, 96), 128, torch.bfloat16, "hf", "hf", False),
-    ((1, 2, 63, 64), 32, torch.float32, "hf", "contig", True),
-    ((1, 1, 40, 64), 16, torch.bfloat16, "odd", "hf", True),
-    ((1, 1, 20, 256), 64, torch.bfloat16, "hf", "odd", True),
-    ((1, 1, 5, 64), 128, torch.float16, "contig", "contig", False),
-]
-
-
-def _kv_id(c):
-    shape, block, dtype, lk, lv, smooth = c
-    return f"B{shape[0]}-H{shape[1]}-T{shape[2]}-D{shape[3]}-BN{block}-{str(dtype)[6:]}-{lk}-{lv}-" + (
-        "smooth" if smooth else "plain")
-
-
-def _kv_inputs(shape, dtype, k_layout, v_layout, device, seed=3):
-    k = _layout(_rand(shape, dtype, device, seed=seed), k_layout)
-    v = _layout(_rand(shape, dtype, device, seed=seed + 1), v_layout)
-    if shape[2] > 1:
-        k[:, :, 1] = 0  # an all-zero K row (without smoothing: codes 0, scale 0)
-    v[..., 0] = 0  # an all-zero V channel: codes 0, scale 0
-    return k, v
-
-
-def _assert_kv_equal(fused, separate):
-    for name, a, r in zip(("k8", "sk", "v8t", "sv"), fused, separate):
-        assert a.shape == r.shape and a.dtype == r.dtype, f"{name}: {a.shape} {a.dtype} vs {r.shape} {r.dtype}"
-        assert torch.equal(a, r), f"{name}: {int((a != r).sum())} of {a.numel()} differ"
-
-
-@pytest.mark.parametrize("case", KV_CASES, ids=[_kv_id(c) for c in KV_CASES])
-def test_kv_fused_equals_separate_passes(case, device, poisoned_empty):
-    """One launch for K (per token, mean-smoothed) and V (per block, transposed) == the two passes, bit for bit."""
-    shape, block, dtype, k_layout, v_layout, smooth = case
-    k, v = _kv_inputs(shape, dtype, k_layout, v_layout, device)
-    mean = R.k_smooth_mean(k) if smooth else None
-    fused = quant.quantize_kv(k, v, smooth=mean, block=block)
-    separate = (*quant.quantize_per_token(k, smooth=mean), *quant.quantize_v_blocks(v, block))
-    _assert_kv_equal(fused, separate)
-    assert fused[0].is_contiguous() and fused[2].is_contiguous()
-    # and the oracle itself (reference.py, on the CPU)
-    r8, rs = R.quantize_per_token(k.cpu(), smooth=None if mean is None else mean.cpu())
-    rv8t, rsv = R.quantize_v_blocks(v.cpu(), block)
-    _assert_kv_equal([t.cpu() for t in fused], (r8, rs, rv8t, rsv))
-
-
-def test_kv_fused_empty_and_errors(device, poisoned_empty):
-    """L = 0: no K rows, one V block of zeros (as quantize_v_blocks); input errors say what is wrong."""
-    k = torch.zeros(1, 2, 0, 64, dtype=torch.bfloat16, device=device)
-    fused = quant.quantize_kv(k, k.clone(), smooth=torch.zeros(1, 2, 64, device=device), block=32)
-    _assert_kv_equal(fused, (*quant.quantize_per_token(k), *quant.quantize_v_blocks(k, 32)))
-    assert torch.all(fused[2] == 0) and torch.all(fused[3] == 0)
-    x = torch.ones(1, 1, 8, 64, device=device)
-    with pytest.raises(ValueError, match="power of two"):
-        quant.quantize_kv(x, x, block=48)
-    with pytest.raises(ValueError, match="one shape"):
-        quant.quantize_kv(x, torch.ones(1, 1, 9, 64, device=device))
-    with pytest.raises(ValueError, match=r"\[b, H, L, d\]"):
-        quant.quantize_kv(x[0], x[0])
-    with pytest.raises(ValueError, match="fp16/bf16/fp32"):
-        quant.quantize_kv(x.to(torch.int32), x)
+def test_quant_empty_sequence(device, poisoned_empty):
+    """L = 0: no K rows; V gives one block of zero codes and zero scales, as the reference."""
+    x = torch.zeros(1, 2, 0, 64, dtype=torch.bfloat16, device=device)
+    x8, s = quant.quantize_per_token(x, smooth=torch.zeros(1, 2, 64, device=device))
+    assert x8.shape == (1, 2, 0, 64) and s.shape == (1, 2, 0)
+    v8t, sv = quant.quantize_v_blocks(x, 32)
+    r8t, rsv = R.quantize_v_blocks(x.cpu(), 32)
+    assert torch.equal(v8t.cpu(), r8t) and torch.equal(sv.cpu(), rsv)
+    assert v8t.shape == (1, 2, 64, 32) and torch.all(v8t == 0) and torch.all(sv == 0)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("d,block", [(128, 128), (64, 128), (256, 64)], ids=["D128-BN128", "D64-BN128", "D256-BN64"])
-def test_kv_fused_real_size_gpu(d, block):
-    """FA3-protocol size with HF's layout (transposed views), compiled: fused == separate passes, bit for bit."""
+def test_quant_real_size_gpu(d, block):
+    """FA3-protocol size with HF's layout (transposed views), compiled: K per token (mean-smoothed) and V per
+    block == reference.py on the CPU, bit for bit (same fp32 mean, div_rn scales, no FMA contraction)."""
     b, h, L = 4, 16, 4096 + 37
     g = torch.Generator(device="cuda").manual_seed(0)
     k = (torch.randn(b, L, h, d, device="cuda", generator=g) * 3 + 0.5).to(torch.bfloat16).transpose(1, 2)
     v = torch.randn(b, L, h, d, device="cuda", generator=g).to(torch.bfloat16).transpose(1, 2)
     mean = R.k_smooth_mean(k)
-    fused = quant.quantize_kv(k, v, smooth=mean, block=block)
-    separate = (*quant.quantize_per_token(k, smooth=mean), *quant.quantize_v_blocks(v, block))
+    out = (*quant.quantize_per_token(k, smooth=mean), *quant.quantize_v_blocks(v, block))
     torch.cuda.synchronize()
-    _assert_kv_equal(fused, separate)
+    ref = (*R.quantize_per_token(k.cpu(), smooth=mean.cpu()), *R.quantize_v_blocks(v.cpu(), block))
+    for name, a, r in zip(("k8", "sk", "v8t", "sv"), out, ref):
+        a = a.cpu()
+        assert a.shape == r.shape and a.dtype == r.dtype, f"{name}: {a.shape} {a.dtype} vs {r.shape} {r.dtype}"
+        assert torch.equal(a, r), f"{name}: {int((a != r).sum())} of {a.numel()} differ"
 
 
 # ----------------------------------------------------------------------------- sm_90 compile (no GPU needed)
-# (d, block, dtype, K layout, smooth): the prefill's blocks per head_dim, HF and contiguous layouts, fp32.
-# Cold compile ~5 s each on 2 CPU cores.
-KV_COMPILE_CASES = [(128, 128, "bfloat16", "hf", True), (80, 64, "float16", "contig", False),
-                    (256, 64, "float32", "hf", True)]
+# (d, block, dtype, layout, smooth): the prefill's blocks per head_dim, HF and contiguous layouts, fp32; each case
+# compiles both kernels (K per token, V per block). Cold compile ~5 s each on 2 CPU cores.
+COMPILE_CASES = [(128, 128, "bfloat16", "hf", True), (80, 64, "float16", "contig", False),
+                 (256, 64, "float32", "hf", True)]
+# kernel -> its launcher's call on a [b, H, L, d] tensor
+COMPILE_KERNELS = {
+    "_quant_tokens_kernel": lambda x, block, mean: quant.quantize_per_token(x, smooth=mean),
+    "_quant_v_kernel": lambda x, block, mean: quant.quantize_v_blocks(x, block),
+}
 
 
-def _compile_kv_sm90(d, block, dtype, layout, smooth):
-    """Compile ``_quant_kv_kernel`` for sm_90 with the arguments ``quantize_kv`` launches it with (recorded on
-    meta tensors) and the JIT's specialization (16-byte aligned pointers; integers outside do_not_specialize: 1
-    as a constant, multiples of 16 marked). Returns the PTX."""
+def _compile_sm90(kernel_name, d, block, dtype, layout, smooth):
+    """Compile ``kernel_name`` for sm_90 with the arguments its launcher launches it with (recorded on meta
+    tensors) and the JIT's specialization (16-byte aligned pointers; integers outside do_not_specialize: 1 as a
+    constant, multiples of 16 marked). Returns the PTX."""
     import triton
     from triton.backends.compiler import GPUTarget
 
-    kernel, calls = quant._quant_kv_kernel, []
+    kernel, calls = getattr(quant, kernel_name), []
 
     class Recorder:
         def __getitem__(self, grid):
             return lambda *args, **kw: calls.append((args, kw))
 
-    quant._quant_kv_kernel, check = Recorder(), quant._check_device
+    check = quant._check_device
+    setattr(quant, kernel_name, Recorder())
     quant._check_device = lambda *a: None
     try:
         dt = getattr(torch, dtype)
         x = torch.empty(2, 16, 4096, d, dtype=dt, device="meta")
         if layout == "hf":
             x = torch.empty(2, 4096, 16, d, dtype=dt, device="meta").transpose(1, 2)
-        quant.quantize_kv(x, x, smooth=torch.empty(2, 16, d, device="meta") if smooth else None, block=block)
+        COMPILE_KERNELS[kernel_name](x, block, torch.empty(2, 16, d, device="meta") if smooth else None)
     finally:
-        quant._quant_kv_kernel, quant._check_device = kernel, check
+        setattr(quant, kernel_name, kernel)
+        quant._check_device = check
     (args, kw), = calls
     names = [p.name for p in kernel.params if not p.is_constexpr]
     dns = {p.name for p in kernel.params if p.do_not_specialize}
@@ -295,19 +252,21 @@ def _compile_kv_sm90(d, block, dtype, layout, smooth):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
 
 
-def test_kv_kernel_compiles_for_sm90():
-    """The fused kernel goes through the real pipeline (TTIR -> PTX -> cubin) for sm_90, and its HF-layout loads
-    are 16-byte vectors (the VEC stride hint; without it every bf16 element is a 2-byte load)."""
+def test_quant_kernels_compile_for_sm90():
+    """Both kernels of the prefill's K and V passes go through the real pipeline (TTIR -> PTX -> cubin) for sm_90,
+    and their HF-layout loads are 16-byte vectors (the VEC stride hint; without it every bf16 element is a 2-byte
+    load)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, __file__, json.dumps(KV_COMPILE_CASES)], env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, __file__, json.dumps(COMPILE_CASES)], env=env, capture_output=True,
                           text=True, timeout=600)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     assert proc.returncode == 0 and lines, f"compile subprocess failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}"
     out = json.loads(lines[-1])
     if "unavailable" in out:
         pytest.skip(f"cannot compile Triton kernels for sm_90 on this machine: {out['unavailable']}")
+    assert len(out["results"]) == len(COMPILE_CASES) * len(COMPILE_KERNELS)
     failed = {k: v for k, v in out["results"].items() if not isinstance(v, dict)}
-    assert not failed, "fused KV kernel fails to compile for sm_90:\n" + "\n".join(
+    assert not failed, "quantization kernels fail to compile for sm_90:\n" + "\n".join(
         f"{k}: {v}" for k, v in failed.items())
     for case, loads in out["results"].items():
         assert loads["scalar"] == 0 and loads["vector"] > 0, f"{case}: global loads {loads}"
@@ -329,13 +288,15 @@ def _compile_main(cases):
         print(json.dumps({"unavailable": f"{type(e).__name__}: {str(e)[-300:]}"}))
         return
     res = {}
-    for c in cases:
-        try:
-            ptx = _compile_kv_sm90(*c)
-            # tile loads: v4 = 16 bytes; 2-byte (b16) loads of a bf16/fp16 tile would mean the VEC hint is lost
-            res[repr(tuple(c))] = {"vector": ptx.count("ld.global.v4"), "scalar": ptx.count("ld.global.b16")}
-        except Exception as e:  # noqa: BLE001 - report every failing case, not only the first
-            res[repr(tuple(c))] = f"{type(e).__name__}: {str(e)[-600:]}"
+    for kernel_name in COMPILE_KERNELS:
+        for c in cases:
+            key = f"{kernel_name} {tuple(c)!r}"
+            try:
+                ptx = _compile_sm90(kernel_name, *c)
+                # tile loads: v4 = 16 bytes; 2-byte (b16) loads of a bf16/fp16 tile would mean the VEC hint is lost
+                res[key] = {"vector": ptx.count("ld.global.v4"), "scalar": ptx.count("ld.global.b16")}
+            except Exception as e:  # noqa: BLE001 - report every failing case, not only the first
+                res[key] = f"{type(e).__name__}: {str(e)[-600:]}"
     print(json.dumps({"results": res}))
 
 
