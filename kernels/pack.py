@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 
 from .interpreter import use_triton
+from .quant import _multiple, _tile_rows, _to_int8_half_away, _vec
 
 __all__ = ["PackedKV", "quantize_int8", "pack_blocks", "unpack_blocks", "kv_bytes_per_token"]
 
@@ -86,17 +87,20 @@ def _dequant_tile(b_c, b_scale, b_zero, AXIS: tl.constexpr):
 @triton.jit
 def _pack_kernel(
     x, p, s, z,
-    stride_xn, stride_xr, stride_xc,
+    stride_x0, stride_x1, stride_x2, stride_xr, stride_xc,
+    stride_p0, stride_p1, stride_p2, stride_pr,
+    stride_s0, stride_s1, stride_s2, stride_z0, stride_z1, stride_z2,
     R: tl.constexpr, C: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
     BITS: tl.constexpr, AXIS: tl.constexpr,
 ):
-    """One block tile x [R, C] int8 -> packed p [R, C*BITS//8] uint8 + scale/zero per group.
+    """grid (N2, N1, N0): block tile ``[i0, i1, i2]`` of x ``[N0, N1, N2, R, C]`` int8 (any strides) -> its
+    packed ``[R, C*BITS//8]`` uint8 bytes in p (rows ``stride_pr`` apart) + scale/zero per group in s, z.
 
     AXIS=0: the groups are columns (K tile [tokens, D]: per channel; V tile [D, tokens]: per token);
     AXIS=1: the groups are rows. BR/BC are R/C rounded up to powers of two (head dims 80, 96); padded
     entries are kept out of the min/max.
     """
-    i_n = tl.program_id(0).to(tl.int64)
+    i_2, i_1, i_0 = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
     QMAX: tl.constexpr = (1 << BITS) - 1
     PB: tl.constexpr = 8 // BITS
     CB: tl.constexpr = C // PB
@@ -104,8 +108,8 @@ def _pack_kernel(
     o_r = tl.arange(0, BR)
     o_c = tl.arange(0, BC)
     m_x = (o_r[:, None] < R) & (o_c[None, :] < C)
-    b_x = tl.load(x + i_n * stride_xn + o_r[:, None] * stride_xr + o_c[None, :] * stride_xc,
-                  mask=m_x, other=0).to(tl.int32)
+    b_x = tl.load(x + i_0 * stride_x0 + i_1 * stride_x1 + i_2 * stride_x2 + o_r[:, None] * stride_xr
+                  + o_c[None, :] * stride_xc, mask=m_x, other=0).to(tl.int32)
     b_min = tl.min(tl.where(m_x, b_x, 127), axis=AXIS)
     b_max = tl.max(tl.where(m_x, b_x, -127), axis=AXIS)
     b_scale = tl.maximum((b_max - b_min + QMAX - 1) // QMAX, 1)
@@ -130,13 +134,13 @@ def _pack_kernel(
         b_c1, b_c3 = tl.split(b_b)
         b_p = b_c0 | (b_c1 << 2) | (b_c2 << 4) | (b_c3 << 6)
     o_cb = tl.arange(0, BCB)
-    tl.store(p + i_n * (R * CB) + o_r[:, None] * CB + o_cb[None, :], b_p.to(tl.uint8),
-             mask=(o_r[:, None] < R) & (o_cb[None, :] < CB))
+    tl.store(p + i_0 * stride_p0 + i_1 * stride_p1 + i_2 * stride_p2 + o_r[:, None] * stride_pr + o_cb[None, :],
+             b_p.to(tl.uint8), mask=(o_r[:, None] < R) & (o_cb[None, :] < CB))
     NCH: tl.constexpr = C if AXIS == 0 else R
     BCH: tl.constexpr = BC if AXIS == 0 else BR
     o_ch = tl.arange(0, BCH)
-    tl.store(s + i_n * NCH + o_ch, b_scale.to(tl.int8), mask=o_ch < NCH)
-    tl.store(z + i_n * NCH + o_ch, b_min.to(tl.int8), mask=o_ch < NCH)
+    tl.store(s + i_0 * stride_s0 + i_1 * stride_s1 + i_2 * stride_s2 + o_ch, b_scale.to(tl.int8), mask=o_ch < NCH)
+    tl.store(z + i_0 * stride_z0 + i_1 * stride_z1 + i_2 * stride_z2 + o_ch, b_min.to(tl.int8), mask=o_ch < NCH)
 
 
 @triton.jit
@@ -164,63 +168,151 @@ def _unpack_kernel(
              mask=(o_r[:, None] < R) & (o_c[None, :] < C))
 
 
+@triton.jit
+def _quantize_universal(b_x, b_scale, b_mean, HAS_MEAN: tl.constexpr):
+    """INT8 codes of a tile ``b_x [R, D]`` (any float dtype) with the universal per-channel ``b_scale`` (and
+    ``b_mean``) ``[D]`` fp32: ``clamp(round_half_away((x - mean) / scale), ±127)``, the division correctly
+    rounded (``div_rn``, as torch divides): the bits of ``reference.quantize_int8_universal_ref``. The
+    quotient is clamped to ±128 first (the same codes) and a NaN made 0 (torch's code for it), so that the
+    float -> int32 conversion never goes out of range (the GPU's saturates, the interpreter's wraps). Shared by
+    ``_quantize_int8_kernel`` and the decode-step store (``store._store_tokens_kernel``)."""
+    b_x = b_x.to(tl.float32)
+    if HAS_MEAN:
+        b_x = b_x - b_mean[None, :]
+    b_q = tl.math.div_rn(b_x, b_scale[None, :])
+    b_q = tl.clamp(tl.where(b_q == b_q, b_q, 0.0), -128.0, 128.0)
+    return _to_int8_half_away(b_q, 1.0)  # inv 1.0: x * 1.0 is exact
+
+
+@triton.jit(do_not_specialize=["T", "stride_xb", "stride_xh", "stride_xt"])
+def _quantize_int8_kernel(
+    x, s, m, x8, T, H,
+    stride_xb, stride_xh, stride_xt, stride_xd,
+    HAS_MEAN: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, VEC: tl.constexpr,
+):
+    """grid (cdiv(T, BT) * b * H,): ``BT`` tokens of one (batch, head) of x ``[b, H, T, D]`` (any strides; those
+    over b, H, T multiples of VEC) -> x8 ``[b, H, T, D]`` int8 (contiguous); s, m ``[b, H, D]`` fp32 contiguous."""
+    n_t = tl.cdiv(T, BT)
+    i_t, i_bh = tl.program_id(0) % n_t, tl.program_id(0) // n_t  # 1-D grid: b * H may pass 65535
+    i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
+    stride_xb, stride_xh, stride_xt = _multiple(stride_xb, VEC), _multiple(stride_xh, VEC), _multiple(stride_xt, VEC)
+    o_t = i_t * BT + tl.arange(0, BT)
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    m_x = (o_t < T)[:, None] & m_d[None, :]
+    o_s = i_bh.to(tl.int64) * D + o_d
+    b_s = tl.load(s + o_s, mask=m_d, other=1.0)
+    b_m = b_s
+    if HAS_MEAN:
+        b_m = tl.load(m + o_s, mask=m_d, other=0.0)
+    b_x = tl.load(x + i_b * stride_xb + i_h * stride_xh + o_t[:, None].to(tl.int64) * stride_xt
+                  + o_d[None, :] * stride_xd, mask=m_x, other=0.0)
+    o_x8 = (i_bh.to(tl.int64) * T + o_t[:, None]) * D + o_d[None, :]
+    tl.store(x8 + o_x8, _quantize_universal(b_x, b_s, b_m, HAS_MEAN=HAS_MEAN), mask=m_x)
+
+
 # ----------------------------------------------------------------------------------------- public
 def quantize_int8(x: torch.Tensor, scale: torch.Tensor, mean: Optional[torch.Tensor] = None) -> torch.Tensor:
     """FlashQ step 1 with a fixed ("universal") per-channel scale; outliers clamp to +-127.
 
     Args:
-        x: ``[b, H, T, D]`` float keys or values.
+        x: ``[b, H, T, D]`` float keys or values (any strides).
         scale: ``[b, H, D]`` fp32 per-channel scale (amax / 127 of the first prefill).
         mean: optional ``[b, H, D]`` fp32 channel mean subtracted first (K smoothing).
     Returns:
-        ``[b, H, T, D]`` int8 ``clamp(round(x / scale), -127, 127)``, rounding half away from zero
-        (twin: ``reference.quantize_int8_universal_ref``).
+        ``[b, H, T, D]`` int8 (contiguous) ``clamp(round((x - mean) / scale), -127, 127)``, rounding half away
+        from zero. CUDA (or the interpreter): one Triton pass, x read once and the codes written once; CPU
+        tensors without ``TRITON_INTERPRET=1`` take the PyTorch twin ``reference.quantize_int8_universal_ref``
+        (the same bits: tests/kernels/test_pack.py).
     """
-    xf = x.float()
-    if mean is not None:
-        xf = xf - mean[:, :, None, :]
-    xf = xf / scale[:, :, None, :]
-    return torch.where(xf >= 0, xf + 0.5, xf - 0.5).trunc_().clamp_(-127, 127).to(torch.int8)
+    if x.dim() != 4:
+        raise ValueError(f"x must be [b, H, T, D]; got shape {tuple(x.shape)}")
+    for name, t in (("scale", scale), ("mean", mean)):
+        if t is not None and t.dtype != torch.float32:
+            raise ValueError(f"{name} must be fp32 (the universal scales' dtype), got {t.dtype}")
+    if not use_triton(x.device):
+        from .reference import quantize_int8_universal_ref
+
+        return quantize_int8_universal_ref(x, scale, mean)
+    b, H, T, D = x.shape
+    x8 = torch.empty(b, H, T, D, dtype=torch.int8, device=x.device)
+    if x8.numel():
+        s = scale.reshape(b, H, D).contiguous()
+        m = s if mean is None else mean.reshape(b, H, D).contiguous()
+        bt = _tile_rows(D)
+        _quantize_int8_kernel[(triton.cdiv(T, bt) * b * H,)](
+            x, s, m, x8, T, H, *x.stride(), HAS_MEAN=mean is not None, D=D, BD=triton.next_power_of_2(D), BT=bt,
+            VEC=_vec(x), num_warps=4, enable_fp_fusion=False,
+        )
+    return x8
 
 
 def _check_blocks(x8: torch.Tensor, bits: int) -> None:
     if bits not in (2, 4, 8):
         raise ValueError(f"bits={bits} is not supported; choose 2, 4 or 8")
-    if x8.dtype != torch.int8 or x8.dim() != 3:
-        raise ValueError(f"expected int8 block tiles [N, R, C], got {x8.dtype} {tuple(x8.shape)}")
+    if x8.dtype != torch.int8 or not 3 <= x8.dim() <= 5:
+        raise ValueError(f"expected int8 block tiles [*lead, R, C] (1 to 3 leading dims), got {x8.dtype} "
+                         f"{tuple(x8.shape)}")
     if x8.shape[-1] % (8 // bits):
         raise ValueError(f"the packed axis ({x8.shape[-1]}) must be a multiple of {8 // bits} for {bits}-bit codes")
 
 
-def pack_blocks(x8: torch.Tensor, bits: int, axis: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pack N block tiles of INT8 codes to ``bits`` (2 or 4) along their last axis.
+def _lead_strides(t: torch.Tensor, n_lead: int) -> list:
+    """Strides of the ``n_lead`` leading dims of ``t``, padded in front with 0 to three dims (the kernel's)."""
+    return [0] * (3 - n_lead) + list(t.stride()[:n_lead])
+
+
+def pack_blocks(x8: torch.Tensor, bits: int, axis: int, out: Optional[tuple] = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pack block tiles of INT8 codes to ``bits`` (2 or 4) along their last axis.
 
     Args:
-        x8: ``[N, R, C]`` int8 (any strides). K tiles: ``[N, BS, D]``, V tiles: ``[N, D, BS]`` (transposed),
-            both with ``axis=0`` (groups = columns: K per channel, V per token).
+        x8: ``[*lead, R, C]`` int8 with 1 to 3 leading dims, any strides (``PackedKV.append`` hands over
+            ``[b, H, n, BS, D]`` views of the quantized prompt: no copy). K tiles: ``[..., BS, D]``, V tiles:
+            ``[..., D, BS]`` (transposed), both with ``axis=0`` (groups = columns: K per channel, V per token).
         bits: 2 or 4.
         axis: the axis reduced for each group's min/max (0: one group per column, 1: per row).
+        out: optional ``(packed, scale_int, zero)`` of the returned shapes and dtypes to write into: any
+            strides over ``lead``, last dim contiguous (``PackedKV.append`` passes slices of its buffers).
     Returns:
-        ``packed [N, R, C*bits//8] uint8``, ``scale_int [N, NCH] int8``, ``zero [N, NCH] int8``
-        with ``NCH = C if axis == 0 else R``.
+        ``packed [*lead, R, C*bits//8] uint8``, ``scale_int [*lead, NCH] int8``, ``zero [*lead, NCH] int8``
+        with ``NCH = C if axis == 0 else R`` (the tensors of ``out`` when given).
 
     CPU tensors without ``TRITON_INTERPRET=1`` take the PyTorch twin (``reference.pack_blocks_ref``).
     """
     _check_blocks(x8, bits)
     if bits == 8:
         raise ValueError("bits=8 blocks are stored unpacked; pack_blocks takes bits 2 or 4")
+    *lead, R, C = x8.shape
+    nch = C if axis == 0 else R
+    shapes = ((*lead, R, C * bits // 8), (*lead, nch), (*lead, nch))
+    dtypes = (torch.uint8, torch.int8, torch.int8)
+    if out is not None:
+        for name, t, shape, dt in zip(("packed", "scale_int", "zero"), out, shapes, dtypes):
+            if tuple(t.shape) != shape or t.dtype != dt or t.stride(-1) != 1:
+                raise ValueError(f"out {name} must be {dt} {shape} with its last dim contiguous; got {t.dtype} "
+                                 f"{tuple(t.shape)} strides {t.stride()}")
     if not use_triton(x8.device):
         from .reference import pack_blocks_ref
 
-        return pack_blocks_ref(x8, bits, axis)
-    N, R, C = x8.shape
-    nch = C if axis == 0 else R
-    p = torch.empty(N, R, C * bits // 8, dtype=torch.uint8, device=x8.device)
-    s = torch.empty(N, nch, dtype=torch.int8, device=x8.device)
-    z = torch.empty(N, nch, dtype=torch.int8, device=x8.device)
-    if N:
-        _pack_kernel[(N,)](x8, p, s, z, *x8.stride(), R=R, C=C, BR=triton.next_power_of_2(R),
-                           BC=triton.next_power_of_2(C), BITS=bits, AXIS=axis)
+        res = [r.view(shape) for r, shape in zip(pack_blocks_ref(x8.reshape(-1, R, C), bits, axis), shapes)]
+        if out is None:
+            return tuple(res)
+        for o, r in zip(out, res):
+            o.copy_(r)
+        return out
+    p, s, z = out if out is not None else (torch.empty(sh, dtype=dt, device=x8.device)
+                                           for sh, dt in zip(shapes, dtypes))
+    n0, n1, n2 = [1] * (3 - len(lead)) + lead
+    if max(n0, n1) > 65535:
+        raise ValueError(f"leading dims {tuple(lead)}: all but the last must be <= 65535 (grid y/z); merge them")
+    if p.numel():
+        k = len(lead)
+        _pack_kernel[(n2, n1, n0)](
+            x8, p, s, z, *_lead_strides(x8, k), *x8.stride()[-2:], *_lead_strides(p, k), p.stride(-2),
+            *_lead_strides(s, k), *_lead_strides(z, k), R=R, C=C, BR=triton.next_power_of_2(R),
+            BC=triton.next_power_of_2(C), BITS=bits, AXIS=axis,
+        )
     return p, s, z
 
 
@@ -317,20 +409,14 @@ class PackedKV:
             return
         self.reserve(self.n_blocks + n)
         sl = slice(self.n_blocks, self.n_blocks + n)
-        kb = k8.reshape(b, H, n, BS, D)
+        kb = k8.reshape(b, H, n, BS, D)  # views (k8/v8: token slices of [b, H, T, D] codes)
         vb = v8.reshape(b, H, n, BS, D).transpose(-1, -2)  # [b, H, n, D, BS]
         if self.bits == 8:
             self.k[:, :, sl] = kb
             self.v[:, :, sl] = vb
-        else:
-            kp, ks, kz = pack_blocks(kb.reshape(b * H * n, BS, D), self.bits, axis=0)
-            vp, vs, vz = pack_blocks(vb.reshape(b * H * n, D, BS), self.bits, axis=0)
-            self.k[:, :, sl] = kp.view(b, H, n, BS, -1)
-            self.v[:, :, sl] = vp.view(b, H, n, D, -1)
-            self.k_scale[:, :, sl] = ks.view(b, H, n, D)
-            self.k_zero[:, :, sl] = kz.view(b, H, n, D)
-            self.v_scale[:, :, sl] = vs.view(b, H, n, BS)
-            self.v_zero[:, :, sl] = vz.view(b, H, n, BS)
+        else:  # strided views in, buffer slices out: no copy of the codes on the way
+            pack_blocks(kb, self.bits, 0, out=(self.k[:, :, sl], self.k_scale[:, :, sl], self.k_zero[:, :, sl]))
+            pack_blocks(vb, self.bits, 0, out=(self.v[:, :, sl], self.v_scale[:, :, sl], self.v_zero[:, :, sl]))
         self.n_blocks += n
 
     def unpack_block(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:

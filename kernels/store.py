@@ -3,7 +3,8 @@
 A decode step stores 1 (or a few) tokens per layer. Done with PyTorch ops (``pack.quantize_int8`` for K and
 V, then two slice copies into the buffers) that is ~22 kernel launches per layer, and the step is bound by
 their host cost (eval/PERF_NOTES.md, "Decode step on the host"). This kernel does the same arithmetic
-(twin: ``reference.quantize_int8_universal_ref``) and the two writes in one launch:
+(``pack._quantize_universal``, shared with ``quantize_int8``'s kernel; twin: ``reference.quantize_int8_universal_ref``)
+and the two writes in one launch:
 
     k8 = clamp(round_half_away((k - mean) / s_k), ±127)  -> k_tail[b, h, slot + t, :]
     v8 = clamp(round_half_away(v / s_v), ±127)           -> v_tail[b, h, :, slot + t]   (V transposed)
@@ -19,7 +20,7 @@ import triton.language as tl
 
 from .decode import _pow2
 from .launch import LeanLaunch
-from .quant import _to_int8_half_away
+from .pack import _quantize_universal
 
 __all__ = ["store_int8_tokens"]
 
@@ -41,15 +42,16 @@ def _store_tokens_kernel(
     o_s = i_bh.to(tl.int64) * D + o_d
     b_sk = tl.load(sk + o_s, mask=o_d < D, other=1.0)
     b_sv = tl.load(sv + o_s, mask=o_d < D, other=1.0)
-    b_k = tl.load(k + i_b.to(tl.int64) * stride_kb + i_h * stride_kh + o_t[:, None] * stride_kt + o_d[None, :],
-                  mask=m, other=0.0).to(tl.float32)
-    b_v = tl.load(v + i_b.to(tl.int64) * stride_vb + i_h * stride_vh + o_t[:, None] * stride_vt + o_d[None, :],
-                  mask=m, other=0.0).to(tl.float32)
+    b_mk = b_sk
     if HAS_MEAN:
-        b_k = b_k - tl.load(mk + o_s, mask=o_d < D, other=0.0)[None, :]
-    # divide (as pack.quantize_int8 does), then round half away + clamp (inv 1.0: exact)
-    b_k8 = _to_int8_half_away(tl.math.div_rn(b_k, b_sk[None, :]), 1.0)
-    b_v8 = _to_int8_half_away(tl.math.div_rn(b_v, b_sv[None, :]), 1.0)
+        b_mk = tl.load(mk + o_s, mask=o_d < D, other=0.0)
+    b_k = tl.load(k + i_b.to(tl.int64) * stride_kb + i_h * stride_kh + o_t[:, None] * stride_kt + o_d[None, :],
+                  mask=m, other=0.0)
+    b_v = tl.load(v + i_b.to(tl.int64) * stride_vb + i_h * stride_vh + o_t[:, None] * stride_vt + o_d[None, :],
+                  mask=m, other=0.0)
+    # pack.quantize_int8's tile math (one helper: the same bits)
+    b_k8 = _quantize_universal(b_k, b_sk, b_mk, HAS_MEAN=HAS_MEAN)
+    b_v8 = _quantize_universal(b_v, b_sv, b_sv, HAS_MEAN=False)
     o_buf = i_bh.to(tl.int64) * C * D  # the same for [C, D] and [D, C]
     tl.store(kt + o_buf + (slot + o_t[:, None]) * D + o_d[None, :], b_k8, mask=m)
     tl.store(vt + o_buf + o_d[None, :] * C + (slot + o_t[:, None]), b_v8, mask=m)

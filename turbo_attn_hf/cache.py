@@ -37,6 +37,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, Dynam
 from .config import TurboConfig, TurboConfigError
 from .kernels.interpreter import use_triton
 from .kernels.pack import PackedKV, kv_bytes_per_token, quantize_int8
+from .kernels.reference import k_smooth_mean
 
 __all__ = ["TurboCache", "TurboLayer", "TurboSlidingWindowLayer"]
 
@@ -150,7 +151,7 @@ class TurboLayer(CacheLayerMixin):
         """One empty PackedKV per bit width present in ``head_bits``."""
         self.groups = []
         for bits in _BITS_ORDER:
-            heads = [h for h, hb in enumerate(self.head_bits) if hb == bits]
+            heads = self._group_heads(bits)
             if heads:
                 self.groups.append(PackedKV.empty(bits, torch.tensor(heads, dtype=torch.int32), self.batch,
                                                   self.head_dim, self.turbo_config.block_size, self.device))
@@ -173,10 +174,19 @@ class TurboLayer(CacheLayerMixin):
     def n_blocks(self) -> int:
         return self.groups[0].n_blocks if self.groups else 0
 
+    def _group_heads(self, bits: int) -> list[int]:
+        """The layer's KV heads stored with ``bits`` (ascending): one group's ``heads``."""
+        return [h for h, hb in enumerate(self.head_bits) if hb == bits]
+
     def _append_blocks(self, k8: torch.Tensor, v8: torch.Tensor) -> None:
         for grp in self.groups:
-            idx = grp.heads.long()
-            grp.append(k8.index_select(1, idx), v8.index_select(1, idx))
+            heads = self._group_heads(grp.bits)
+            if heads == list(range(heads[0], heads[-1] + 1)):  # a range of heads (all of them, in int4/int8): a view
+                sel = slice(heads[0], heads[-1] + 1)
+                grp.append(k8[:, sel], v8[:, sel])
+            else:
+                idx = grp.heads.long()
+                grp.append(k8.index_select(1, idx), v8.index_select(1, idx))
 
     @property
     def n_sink(self) -> int:
@@ -231,17 +241,33 @@ class TurboLayer(CacheLayerMixin):
         self.n_tail = s0 + n - n_pack
 
     def _fix_scales(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        kf, vf = key_states.float(), value_states.float()
-        if self.turbo_config.smooth_k:
-            self.k_mean = kf.mean(dim=2)
-            kf = kf - self.k_mean[:, :, None, :]
-        else:
-            self.k_mean = None
+        """The universal scales (module doc) from the first prefill ``[b, Hk, T, d]``: three reads of K/V in
+        their own dtype (K's mean and min/max, V's min/max), no fp32 copy of either; bit for bit the fp32
+        formula ``reference.kv_universal_scales_ref`` (tests/turbo_attn_hf/test_cache.py)."""
         h = self.scale_headroom
         h = auto_headroom(key_states.shape[2]) if h == "auto" else float(h)
         self.headroom = h
-        ks = kf.abs().amax(dim=2) * (h / 127.0)
-        vs = vf.abs().amax(dim=2) * (h / 127.0)
+        k_min, k_max = (t.float() for t in torch.aminmax(key_states, dim=2))
+        if self.turbo_config.smooth_k:
+            # k.mean(dim=2, dtype=fp32) == k.float().mean(dim=2) bit for bit, without the fp32 copy. CPU: both are
+            # sum(dtype=fp32) / T, the 16-bit values widened as they are added, in the same order (the test). CUDA:
+            # the 16-bit -> fp32 mean is the float reduction reading 16-bit values (mean_kernel_impl<bf16, float,
+            # float>: the same MeanOps and vt0) under a launch config (Reduce.cuh setReduceConfig) set by the shape,
+            # the element strides and the element alignment: the fp32 copy's, while K's pointer and strides are
+            # multiples of 4 elements (HF's layouts) and the copy stays under 2^31 bytes (32-bit indexing).
+            # k_smooth_mean is also the reference's and the prefill's mean.
+            self.k_mean = k_smooth_mean(key_states)
+            # max_i |fl(k_i - mu)| = max(fl(k_max - mu), fl(mu - k_min)) exactly: fl(x - mu) is monotone in x
+            # and round-to-nearest is symmetric (fl(-y) = -fl(y)), so the extreme differences come from the
+            # extreme keys; a NaN propagates through aminmax/maximum as through amax
+            k_amax = torch.maximum(k_max - self.k_mean, self.k_mean - k_min)
+        else:
+            self.k_mean = None
+            k_amax = torch.maximum(k_max, -k_min)  # |k| max, exact in any dtype
+        v_min, v_max = torch.aminmax(value_states, dim=2)
+        v_amax = torch.maximum(v_max, -v_min).float()
+        ks = k_amax * (h / 127.0)
+        vs = v_amax * (h / 127.0)
         self.k_scale = torch.where(ks > 0, ks, torch.ones_like(ks))
         self.v_scale = torch.where(vs > 0, vs, torch.ones_like(vs))
 

@@ -65,6 +65,89 @@ def test_quantize_int8_matches_reference(device):
     assert int(a.abs().max()) == 127
 
 
+def _quant_inputs(b, H, T, D, dtype, layout, seed=0, device="cpu"):
+    """x [b, H, T, D] in ``layout`` (contiguous; "hf": a transposed [b, T, H, D]; "strided": a token and channel
+    slice with a channel step of 2, last dim not contiguous), fp32 scale and mean [b, H, D] that put values
+    exactly on .5 boundaries, on ±127.5 and far past ±127 steps, plus inf and NaN."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, T, H, D, generator=g).transpose(1, 2) * 3 if layout == "hf" else \
+        torch.randn(b, H, T + 5, 2 * D, generator=g)[:, :, 3:3 + T, ::2] * 3 if layout == "strided" else \
+        torch.randn(b, H, T, D, generator=g) * 3
+    x = x.to(dtype)
+    # channel 0: n/16, all n of [-255, 255] in turn (exact in bf16); with scale 1/8 and mean 1/4 the quotient
+    # n/2 - 2 is a half-integer for every odd n, and reaches ±127.5 and beyond
+    x[:, :, :, 0] = ((torch.arange(T) * 37 % 511 - 255) / 16).to(dtype)
+    x[0, 0, 0, 1:4] = torch.tensor([float("inf"), float("-inf"), float("nan")], dtype=dtype)
+    scale = torch.rand(b, H, D, generator=g) * 0.05 + 1e-3  # small: many values clamp
+    scale[:, :, 0] = 0.125
+    scale[:, :, 2] = 1e-30  # quotients past the int32 range
+    mean = torch.randn(b, H, D, generator=g)
+    mean[:, :, 0] = 0.25
+    return x.to(device), scale.to(device), mean.to(device)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("layout", ["contiguous", "hf", "strided"])
+@pytest.mark.parametrize("b,H,T,D", [(2, 3, 65, 32), (1, 2, 63, 80), (1, 1, 1, 64)],
+                         ids=lambda x: str(x))
+@pytest.mark.parametrize("with_mean", [True, False], ids=["mean", "no-mean"])
+def test_quantize_int8_triton_equals_torch_formula(dtype, layout, b, H, T, D, with_mean, device):
+    # one Triton pass (the interpreter on CPU) == the PyTorch formula (reference.quantize_int8_universal_ref),
+    # bit for bit; T 65 / 63 / 1: tiles of 32 (interpreter) and 64 rows with a partial last one
+    x, scale, mean = _quant_inputs(b, H, T, D, dtype, layout, seed=T + D, device=device)
+    m = mean if with_mean else None
+    a = quantize_int8(x, scale, m)
+    r = R.quantize_int8_universal_ref(x.cpu(), scale.cpu(), None if m is None else m.cpu())
+    assert a.is_contiguous() and a.dtype == torch.int8
+    diff = (a.cpu() != r).nonzero()
+    assert len(diff) == 0, f"{len(diff)} codes differ, first at {diff[0].tolist()}"
+    assert (r == 127).any() and (r == -127).any()  # the clamp was exercised
+    if T > 1 and not with_mean:  # the .5 boundaries: half-integers n/2 round away from zero
+        n = (torch.arange(T) * 37 % 511 - 255).float()
+        assert torch.equal(r[0, 0, :, 0].float(), (torch.sign(n) * torch.floor(n.abs() / 2 + 0.5)).clamp(-127, 127))
+
+
+def test_quantize_int8_rejects_bad_arguments():
+    x = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="scale must be fp32"):
+        quantize_int8(x, torch.ones(1, 2, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"\[b, H, T, D\]"):
+        quantize_int8(x[0], torch.ones(1, 2, 8))
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_pack_blocks_of_strided_views_into_buffer_slices(bits, device):
+    # PackedKV.append's call: [b, H, n, BS, D] views of a head and token slice of the codes (K tiles, and V
+    # tiles transposed) packed straight into slices of larger buffers == packing contiguous [N, R, C] copies
+    b, H, n, BS, D = 2, 3, 3, 16, 32
+    g = torch.Generator().manual_seed(bits)
+    x8 = torch.randint(-127, 128, (b, H + 2, n * BS + 21, D), generator=g, dtype=torch.int8).to(device)
+    kb = x8[:, 1:1 + H, 5:5 + n * BS].reshape(b, H, n, BS, D)
+    for tiles in (kb, kb.transpose(-1, -2)):
+        r, c = tiles.shape[-2:]
+        bufs = (torch.full((b, H, n + 2, r, c * bits // 8), 7, dtype=torch.uint8, device=device),
+                torch.full((b, H, n + 2, c), -128, dtype=torch.int8, device=device),
+                torch.full((b, H, n + 2, c), -128, dtype=torch.int8, device=device))
+        out = tuple(t[:, :, 1:1 + n] for t in bufs)
+        assert all(a is o for a, o in zip(pack_blocks(tiles, bits, 0, out=out), out))
+        ref = R.pack_blocks_ref(tiles.reshape(-1, r, c).cpu(), bits, 0)
+        for o, buf, rf, fill in zip(out, bufs, ref, (7, -128, -128)):
+            assert torch.equal(o.cpu(), rf.view(o.shape))
+            assert bool((buf[:, :, 0] == fill).all() and (buf[:, :, -1] == fill).all())  # nothing written outside
+        assert all(torch.equal(a.cpu(), rf.view(a.shape)) for a, rf in zip(pack_blocks(tiles, bits, 0), ref))
+
+
+@pytest.mark.gpu
+def test_quantize_int8_triton_equals_torch_formula_real_size():
+    # prefill size on a GPU: b 2, 8 KV heads, 4096 + 5 tokens (a partial last tile), d 128, bf16 in HF's
+    # transposed layout; the Triton pass == the torch formula on the same device, bit for bit
+    x, scale, mean = _quant_inputs(2, 8, 4096 + 5, 128, torch.bfloat16, "hf", device="cuda")
+    for m in (mean, None):
+        a = quantize_int8(x, scale, m)
+        r = R.quantize_int8_universal_ref(x, scale, m)
+        assert torch.equal(a, r), f"{int((a != r).sum())} codes differ"
+
+
 @pytest.mark.parametrize("bits", [8, 4, 2])
 def test_packedkv_incremental_append_equals_one_shot(bits, device):
     b, H, BS, D = 2, 2, 16, 32
@@ -122,3 +205,5 @@ def test_cpu_without_interpreter_uses_the_pytorch_twin(monkeypatch):
     p, s, z = pack_blocks(x, 2, 0)
     assert all(torch.equal(a, b) for a, b in zip((p, s, z), R.pack_blocks_ref(x, 2, 0)))
     assert torch.equal(unpack_blocks(p, s, z, 2, 0), R.unpack_blocks_ref(p, s, z, 2, 0))
+    xq, scale, mean = _quant_inputs(1, 2, 9, 32, torch.bfloat16, "hf")
+    assert torch.equal(quantize_int8(xq, scale, mean), R.quantize_int8_universal_ref(xq, scale, mean))

@@ -424,3 +424,51 @@ def test_auto_headroom_follows_the_prompt_length(device):
     layer = cache.layers[0]
     assert layer.headroom == auto_headroom(20)
     assert torch.allclose(layer.v_scale, v.float().abs().amax(2) * auto_headroom(20) / 127)
+
+
+def _scale_inputs(b, hk, T, d, dtype, case, seed=0):
+    """K, V [b, hk, T, d] in HF's transposed layout, with adversarial channels for ``case``."""
+    g = torch.Generator().manual_seed(seed)
+    k = (torch.randn(b, T, hk, d, generator=g) * 3 + torch.randn(1, 1, hk, d, generator=g) * 8).transpose(1, 2)
+    v = (torch.randn(b, T, hk, d, generator=g) * 2).transpose(1, 2)
+    if case == "adversarial":
+        for x in (k, v):
+            x[:, :, :, 0] = 0.0  # all-zero channel (scale 1)
+            x[:, :, :, 1] = -0.0
+            x[:, :, :, 2] = 1.75  # constant channel: K - mean is 0 (scale 1 with smoothing)
+            x[:, :, :, 3] = -x[:, :, :, 3].abs() - 5  # negative-only channels
+            x[:, :, :, 4] = -x[:, :, :, 4].abs()
+            x[:, :, :, 5] = x[:, :, :, 5].abs()  # positive-only
+            x[:, :, ::2, 6], x[:, :, 1::2, 6] = 3.0, -3.0  # symmetric: max and min equally far from the mean
+            x[:, :, 0, 7] = 1e4  # one outlier
+    elif case == "nonfinite":
+        for x in (k, v):
+            x[:, :, 0, 0], x[:, :, 1, 1], x[:, :, 2, 2] = float("inf"), float("-inf"), float("nan")
+            x[:, :, 0, 3], x[:, :, 1, 3] = float("inf"), float("-inf")
+    return k.to(dtype), v.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("smooth_k", [True, False], ids=["smooth", "plain"])
+@pytest.mark.parametrize("case,b,hk,T,d", [
+    ("random", 2, 3, 150, 32), ("adversarial", 2, 3, 151, 64), ("nonfinite", 1, 2, 40, 32),
+    ("random", 1, 8, 4096 + 5, 128),
+    pytest.param("random", 1, 8, 32768, 128, marks=pytest.mark.gpu, id="real"),
+])
+def test_fix_scales_equal_the_fp32_formula(dtype, smooth_k, case, b, hk, T, d, device):
+    """_fix_scales (K's mean(dtype=fp32), aminmax of K and V) == the fp32 formula it replaced, bit for bit.
+    The replaced code is reference.kv_universal_scales_ref with the mean of a float copy, so: (1) the mean of K
+    equals that of its fp32 copy, (2) the layer's scales equal the reference's."""
+    k, v = (t.to(device) for t in _scale_inputs(b, hk, T, d, dtype, case, seed=T))
+    bits = lambda t: t.view(torch.int32)  # noqa: E731  (distinguishes -0.0 and NaN payloads)
+    assert torch.equal(bits(k.mean(dim=2, dtype=torch.float32)), bits(k.float().mean(dim=2)))
+    layer = TurboLayer(_cfg(smooth_k=smooth_k, scale_headroom="auto"))
+    layer._fix_scales(k, v)
+    mean, ks, vs = R.kv_universal_scales_ref(k, v, smooth_k, layer.headroom)
+    assert (layer.k_mean is None) == (mean is None)
+    if mean is not None:
+        assert torch.equal(bits(layer.k_mean), bits(mean))
+    assert torch.equal(bits(layer.k_scale), bits(ks)) and torch.equal(bits(layer.v_scale), bits(vs))
+    if case == "adversarial":  # the zero / constant channels took scale 1
+        assert bool((ks[..., :2] == 1).all() and (vs[..., :2] == 1).all())
+        assert bool((ks[..., 2] == 1).all()) == smooth_k
