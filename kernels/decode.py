@@ -675,12 +675,8 @@ def _merge_kernel(
     m_d = o_d < D
     b_acc, b_m, b_l = _merge_partials(po, pml, i_bh, tl.num_programs(1), tl.num_programs(0) * BM,
                                       tl.where(m_r, o_r, 0), o_d, 0, S, BM, BD, SC)
-    b_sv = tl.load(sv + (i_b64 * HK + i_hk) * D + o_d, mask=m_d, other=0.0)
-    b_o = tl.where(b_l[:, None] > 0, b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None], 0.0) * b_sv[None, :]
-    o_qi = o_r % Lq
-    o_qh = i_hk * G + o_r // Lq
-    p_o = o + ((i_b64 * Lq + o_qi) * HQ + o_qh)[:, None] * D + o_d[None, :]
-    tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_r[:, None] & m_d[None, :])
+    _store_merged(o, sv, b_acc, b_l, (i_b64 * HK + i_hk) * D, i_b64, Lq, HQ, o_r % Lq, i_hk * G + o_r // Lq, o_d,
+                  m_r, m_d, D)
 
 
 # ----------------------------------------------------------------------------------------- launcher

@@ -20,6 +20,8 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, Sequence, Tuple
 
 import torch
+from triton import knobs
+from triton.runtime.driver import driver
 
 from .interpreter import interpreting
 
@@ -66,9 +68,6 @@ class LeanLaunch:
         if interpreting():
             self.fn[tuple(grid)](*args, **kwargs)
             return
-        from triton import knobs
-        from triton.runtime.driver import driver
-
         device = driver.active.get_current_device()
         spec = self._specialise
         call = list(args)  # tensors become their addresses: the launcher then skips data_ptr + cuPointerGetAttribute
