@@ -209,10 +209,11 @@ def _attn_update(
     else:
         b_x = tl.math.fma(b_t, b_sq[:, None], -c_safe[:, None])
     if USE_SAS:
-        b_p = sas_exp2(b_x, thr2)
-        if BLOCK_P_SCALE:  # SAS threshold relative to the row max: m_new - S2 > thr2
+        if BLOCK_P_SCALE:  # SAS threshold relative to the row max: m_new - S2 > thr2, i.e. c - S2 > thr2 - (m - c)
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            b_p = tl.where(-b_x > (thr2 - (m_safe - c_safe))[:, None], 0.0, b_p)
+            b_p = sas_exp2(b_x, (thr2 - (m_safe - c_safe))[:, None])
+        else:
+            b_p = sas_exp2(b_x, thr2)
     else:
         b_p = tl.math.exp2(b_x)
     # p8 = round(127 p) = bits(127 p + C) - bits(C): its low byte (bits(C)'s is 0, p8 <= 127); the row

@@ -104,6 +104,8 @@ DEFAULT_P_SCALE = "block"
 #: C = 1.5 * 2^23 and its bit pattern: round-to-integer and int<->float conversion by one add.
 MAGIC = 12582912.0
 MAGIC_BITS = 0x4B400000
+#: largest y = -x that sas_exp2 keeps (thresholds above are capped): 2^-125 * POLY3 stays a normal float
+SAS_MAX_Y = 125.0
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -125,28 +127,29 @@ def _div127(amax: torch.Tensor) -> torch.Tensor:
     return amax / torch.full_like(amax, 127.0)
 
 
-def sas_exp2(x: torch.Tensor, threshold2: float) -> torch.Tensor:
+def sas_exp2(x: torch.Tensor, threshold2) -> torch.Tensor:
     """SAS approximation of ``exp2(x)`` for x <= 0 (TurboAttention §4, in base 2), fp32.
 
-    ``y = -x``; 0 where ``y > threshold2`` (the sparse part: threshold2 = sas_threshold * log2(e));
-    otherwise ``y = n + f`` with integer n and f in [0, 1], and ``2^(-n) * POLY3(f ln2)``: 2^(-n) is built
-    in the float's exponent bits ((127 - n) << 23), the polynomial runs in Horner form
-    ((a3 f + a2) f + a1) f + a0. n = floor(y) is computed without a conversion instruction as
-    ``r = (y - 0.5) + C``, ``n = r - C`` (round to nearest even of y - 0.5: floor(y), or y - 1 with f = 1
-    when y is an integer, which is as exact), and n's bits are ``bits(r) - bits(C)``. Adds, FMAs and integer
-    ops only: the kernel keeps it off the MUFU unit that limits 8-bit attention on Hopper.
+    ``y = -x``; 0 where ``y > min(threshold2, SAS_MAX_Y)`` (the sparse part: threshold2 = sas_threshold *
+    log2(e), a float or a tensor broadcasting against x); otherwise ``y = n + f`` with integer n and f in
+    [0, 1], and ``2^(-n) * POLY3(f ln2)``, the polynomial in Horner form ((a3 f + a2) f + a1) f + a0.
+    n = floor(y) is computed without a conversion instruction as ``r = (y - 0.5) + C``, ``n = r - C`` (round
+    to nearest even of y - 0.5: floor(y), or y - 1 with f = 1 when y is an integer, which is as exact), and
+    2^(-n) is applied in the exponent field: ``bits(POLY3) - (bits(r) << 23)`` (mod 2^32), since
+    bits(r) = bits(C) + n and bits(C)'s nine low bits are 0. SAS_MAX_Y keeps the result normal
+    (POLY3 in [0.49, 1]). Adds, FMAs and integer ops only: the kernels keep it off the MUFU unit.
     """
     x = x.float()
     y = -x
-    yc = torch.clamp(y, 0.0, 126.0)  # keeps the exponent field valid; lanes above threshold are zeroed
-    r = (yc - 0.5) + MAGIC
+    r = (y - 0.5) + MAGIC
     n = r - MAGIC
-    f = yc - n
+    f = y - n
     a3, a2, a1, a0 = SAS_POLY_BASE2
     poly = ((a3 * f + a2) * f + a1) * f + a0
-    ni = r.view(torch.int32) - MAGIC_BITS
-    pow2 = torch.bitwise_left_shift(127 - ni, 23).view(torch.float32)
-    return torch.where(y > threshold2, torch.zeros_like(poly), poly * pow2)
+    bits = (poly.view(torch.int32).long() - (r.view(torch.int32).long() << 23)) % 2**32
+    p = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32).view(torch.float32)
+    thr = torch.clamp(torch.as_tensor(threshold2, dtype=torch.float32), max=SAS_MAX_Y)
+    return torch.where(y > thr, torch.zeros_like(poly), p)
 
 
 def fma(a, b, c) -> torch.Tensor:
@@ -342,10 +345,11 @@ def int8_flash_attention(q8, sq, k8, sk, v8t, sv, *, causal=True, window=None, s
         if softmax == "exact":
             p = torch.exp2(x)
         else:
-            p = sas_exp2(x, thr2)
             if p_scale == "block":  # threshold relative to the row max: m_new - S2 > thr2
                 m_safe = torch.where(m_new == -math.inf, zero, m_new)
-                p = torch.where(-x > (thr2 - (m_safe - c_safe))[..., None], zero, p)
+                p = sas_exp2(x, (thr2 - (m_safe - c_safe))[..., None])
+            else:
+                p = sas_exp2(x, thr2)
         p8 = quantize_p(p)  # integer-valued fp32 in [0, 127]
         pv = (p8.to(idt) @ vf[:, :, start:end]).to(torch.float32)
         l = l * r + p8.sum(dim=-1)
