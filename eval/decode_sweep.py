@@ -271,6 +271,15 @@ def main(argv=None) -> int:
                 rows.append({**base_row, "provider": f"turbo_{preset}", "variant": name, "us": ms_x * 1e3,
                              "bytes": nbytes, "GBps": nbytes / ms_x / 1e6, "frac_ceiling": nbytes / ms_x / 1e6 / cgb,
                              "x_sdpa": sdpa_ms / ms_x})
+                if args.grid in EVERY_SHAPE:  # same-process GPU time of the extra, as for the variants
+                    try:
+                        us = graph_us(fn)
+                        rows.append({**base_row, "provider": f"turbo_{preset}", "variant": name + "-cudagraph",
+                                     "us": us, "bytes": nbytes, "GBps": nbytes / us / 1e3,
+                                     "frac_ceiling": nbytes / us / 1e3 / cgb, "x_sdpa": sdpa_ms * 1e3 / us})
+                        print(f"  {preset:5s} {name}: eager {ms_x * 1e3:7.1f} us, graph {us:7.1f} us", flush=True)
+                    except Exception as e:  # noqa: BLE001
+                        print(f"  cuda graph of {name} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
             # host cost of one call (no synchronisation: the time the Python side takes to queue it), with the
             # binder-free relaunch (kernels/launch.py, the default) and with Triton's own JITFunction launch
             fn = lambda: call(*a, DEFAULT, **kw)  # noqa: E731
