@@ -26,7 +26,7 @@ from .bench_common import copy_ceiling, machine_info, machine_line, write_json
 HQ, HK, D = 32, 8, 128
 PRESET_BITS = {"int8": [8] * HK, "int4": [4] * HK, "mixed": [4] * (HK // 2) + [2] * (HK // 2)}
 #: grids timed at every shape and ranked on CUDA-graph time (the others: all variants at 32k batch 8 only)
-EVERY_SHAPE = ("launch", "fill", "cap", "merge", "host", "groups")
+EVERY_SHAPE = ("launch", "fill", "cap", "merge", "host")
 DEFAULT: dict = {}  # the library's defaults (turbo_decode_attention's keyword defaults)
 
 
@@ -35,8 +35,6 @@ def grid(which: str = "full"):
     :data:`EVERY_SHAPE` (``launch`` stages x waves, ``cap``, ``merge``, ``fill``: see the comments below)."""
     if which == "host":  # the default launch only: eager, graph and host time (binder-free vs Triton's launch)
         return []
-    if which == "groups":  # mixed: both bit groups on the same shares instead of shorter INT2 shares
-        return [dict(weigh_groups=False)]
     if which == "launch":
         return [dict(num_stages=st, waves=wv) for st in (2, 3) for wv in (4.0, 5.0, 6.0, 8.0)]
     if which == "cap":  # register caps (ptxas maxnreg) with the waves that fill 10 (192) / 12 (168) programs per SM
@@ -68,7 +66,6 @@ def vname(v) -> str:
     fold = {True: "fold", False: "restore", None: "d"}[v.get("fold")]
     reg = f"-r{v['max_registers']}" if v.get("max_registers") else ""
     reg += f"-mt{v['min_tiles']}" if v.get("min_tiles") else ""
-    reg += "-equal-shares" if v.get("weigh_groups") is False else ""
     return (f"{fold}-{v.get('merge', 'd')}-w{v.get('num_warps', 'd')}-s{v.get('num_stages', 'd')}-"
             f"wv{v.get('waves') or 'd'}{reg}")
 

@@ -70,10 +70,6 @@ RESIDENT_PER_SM = 8
 #: share still gets at least this many tiles: 32k batch 8 (1024 programs, 32 tiles each) int4 121 -> 118 us,
 #: mixed 133 -> 127; at batch 1 (4-tile shares) the extra partials to merge cost more (int4 27.6 -> 28.9 us).
 FILL_MIN_TILES = 16
-#: relative cost of one tile per bit width in the default launch: sm_90 SASS warp-instructions per tile of the
-#: main loops (exact softmax: INT8 buffer tile 723, int4 1675 / 2, int2 1917 / 2; eval/PERF_NOTES.md round 6).
-#: A launch over two bit groups gives the costlier group proportionally shorter shares.
-TILE_COST = {8: 0.86, 4: 1.0, 2: 1.14}
 LN2 = 0.6931471805599453
 
 
@@ -334,7 +330,7 @@ def _fold_pv(t, b_p0, b_p1, p_vb, vs, vz, o_vsbase, o_d, m_d, o_sb,
 def _decode_program(
     i_s, i_m, i_bh, i_b, i_h,
     q, sk, mk, heads, kp, ks, kz, vp, vs, vz, kt, vt, sv, kvalid, o, po, pml, cnt,
-    n_blocks, n_tail, n_sink, tail_cap, Lq, kv_len, T0, TPS, S, window, softcap, sas_thr, qscale,
+    n_blocks, n_tail, n_sink, tail_cap, Lq, kv_len, T0, TPS, window, softcap, sas_thr, qscale,
     stride_qb, stride_qh, stride_ql,
     stride_kb, stride_kh, stride_sb, stride_sh, stride_vb, stride_vh, stride_vsb, stride_vsh,
     HK,
@@ -345,8 +341,6 @@ def _decode_program(
 ):
     """One program of ``_decode_kernel``: share ``i_s`` of M tile ``i_m`` of KV head ``heads[i_h]`` of batch row
     ``i_b`` in one bit group; ``i_bh`` is the (batch, head) work item of the launch (partials, counters).
-    The group's context is cut into ``S`` shares of ``TPS`` tiles (the launch's grid axis 0 is the largest S
-    of its groups; programs past their group's S return at once).
 
     q [b, HQ, Lq, D] (any float dtype, strides given, D contiguous); sk/mk/sv [b, HK, D] fp32 (K scale,
     K mean, V scale); packed blocks as in pack.py; kt [b, HK, C, D], vt [b, HK, D, C] the INT8 buffer
@@ -536,10 +530,11 @@ def _decode_program(
             # serial chain of L2 round trips is ~2 + cdiv(S, SC) / SC instead of ~S / SC (batch 1: ~100 shares).
             # A barrier orders every thread's stores before the program's (gpu-scope, acq_rel) atomic.
             tl.debug_barrier()
+            S = tl.num_programs(0)
             NG = tl.cdiv(S, SC)
             i_g = i_s // SC
             g_lo = i_g * SC
-            p_cnt = cnt + (i_bh * tl.num_programs(1) + i_m) * (tl.cdiv(tl.num_programs(0), SC) + 1)
+            p_cnt = cnt + (i_bh * tl.num_programs(1) + i_m) * (NG + 1)
             o_rm = tl.where(m_r, o_r, 0)
             n_done = tl.atomic_add(p_cnt + i_g, 1, sem="acq_rel", scope="gpu")
             if n_done == tl.minimum(S - g_lo, SC) - 1:
@@ -577,12 +572,11 @@ def _work_item(i_bh, n_items, H0, H1):
     return in_g1, j // h, j % h
 
 
-@triton.jit(do_not_specialize=["n_blocks", "n_tail", "n_sink", "Lq", "kv_len", "T0", "TPS0", "TPS1", "S0", "S1",
-                            "window"])
+@triton.jit(do_not_specialize=["n_blocks", "n_tail", "n_sink", "Lq", "kv_len", "T0", "TPS", "window"])
 def _decode_kernel(
     q, sk, mk, kt, vt, sv, kvalid, o, po, pml, cnt,
     heads0, kp0, ks0, kz0, vp0, vs0, vz0, heads1, kp1, ks1, kz1, vp1, vs1, vz1,
-    n_blocks, n_tail, n_sink, tail_cap, Lq, kv_len, T0, TPS0, TPS1, S0, S1, window, softcap, sas_thr, qscale,
+    n_blocks, n_tail, n_sink, tail_cap, Lq, kv_len, T0, TPS, window, softcap, sas_thr, qscale,
     stride_qb, stride_qh, stride_ql,
     stride_kb0, stride_kh0, stride_sb0, stride_sh0, stride_vb0, stride_vh0, stride_vsb0, stride_vsh0,
     stride_kb1, stride_kh1, stride_sb1, stride_sh1, stride_vb1, stride_vh1, stride_vsb1, stride_vsh1,
@@ -597,9 +591,7 @@ def _decode_kernel(
     INT2 heads of ``mixed``), so a step pays one launch and the split plan fills the GPU once for all heads.
     Work items ``[0, b·H0)`` are group 0's (batch, head) pairs, the rest group 1's (TWO_GROUPS only); each
     group has its packed tensors, strides and ``BITS`` (both branches are compiled into the one kernel:
-    registers are the larger of the two). Each group has its own shares (S0 x TPS0, S1 x TPS1: the costlier
-    group per tile gets shorter shares, so both finish together); grid axis 0 is max(S0, S1). The program
-    itself is ``_decode_program``."""
+    registers are the larger of the two). The program itself is ``_decode_program``."""
     i_s, i_m, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     g1, i_b, i_h = _work_item(i_bh, tl.num_programs(2), H0, H1)
     if TWO_GROUPS:
@@ -607,23 +599,19 @@ def _decode_kernel(
     else:
         in_g1 = False  # constexpr: the group-1 branch is not compiled
     if in_g1:
-        if i_s >= S1:
-            return
         _decode_program(
             i_s, i_m, i_bh, i_b, i_h,
             q, sk, mk, heads1, kp1, ks1, kz1, vp1, vs1, vz1, kt, vt, sv, kvalid, o, po, pml, cnt,
-            n_blocks, n_tail, n_sink, tail_cap, Lq, kv_len, T0, TPS1, S1, window, softcap, sas_thr, qscale,
+            n_blocks, n_tail, n_sink, tail_cap, Lq, kv_len, T0, TPS, window, softcap, sas_thr, qscale,
             stride_qb, stride_qh, stride_ql,
             stride_kb1, stride_kh1, stride_sb1, stride_sh1, stride_vb1, stride_vh1, stride_vsb1, stride_vsh1, HK,
             G, D, BD, BS, BM, BITS1, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_MEAN, HAS_KVALID, USE_SAS, SPLIT,
             FUSED_MERGE, FOLD, USE_ASM, SC)
     else:
-        if i_s >= S0:
-            return
         _decode_program(
             i_s, i_m, i_bh, i_b, i_h,
             q, sk, mk, heads0, kp0, ks0, kz0, vp0, vs0, vz0, kt, vt, sv, kvalid, o, po, pml, cnt,
-            n_blocks, n_tail, n_sink, tail_cap, Lq, kv_len, T0, TPS0, S0, window, softcap, sas_thr, qscale,
+            n_blocks, n_tail, n_sink, tail_cap, Lq, kv_len, T0, TPS, window, softcap, sas_thr, qscale,
             stride_qb, stride_qh, stride_ql,
             stride_kb0, stride_kh0, stride_sb0, stride_sh0, stride_vb0, stride_vh0, stride_vsb0, stride_vsh0, HK,
             G, D, BD, BS, BM, BITS0, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_MEAN, HAS_KVALID, USE_SAS, SPLIT,
@@ -668,14 +656,13 @@ def _merge_partials(po, pml, i_bh, n_bh, n_mp, o_r, o_d, s_lo, s_hi, BM: tl.cons
     return b_acc, b_mx, b_l
 
 
-@triton.jit(do_not_specialize=["Lq", "S0", "S1"])
+@triton.jit(do_not_specialize=["Lq", "S"])
 def _merge_kernel(
-    po, pml, heads0, heads1, sv, o, Lq, S0, S1, H0, H1, HK,
+    po, pml, heads0, heads1, sv, o, Lq, S, H0, H1, HK,
     G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, SC: tl.constexpr,
 ):
-    """grid = (n_m_tiles, b * (H0 + H1)): merge the S0 (group 0) or S1 (group 1) partial (m, l, acc) of a tile
-    by the associative rescale, write o (work items as in ``_decode_kernel``: group 0's (batch, head) pairs,
-    then group 1's)."""
+    """grid = (n_m_tiles, b * (H0 + H1)): merge S partial (m, l, acc) by the associative rescale, write o
+    (work items as in ``_decode_kernel``: group 0's (batch, head) pairs, then group 1's)."""
     i_m, i_bh = tl.program_id(0), tl.program_id(1)
     in_g1, i_b, i_h = _work_item(i_bh, tl.num_programs(1), H0, H1)
     i_hk = tl.load(tl.where(in_g1, heads1, heads0) + i_h).to(tl.int64)
@@ -687,7 +674,7 @@ def _merge_kernel(
     o_d = tl.arange(0, BD)
     m_d = o_d < D
     b_acc, b_m, b_l = _merge_partials(po, pml, i_bh, tl.num_programs(1), tl.num_programs(0) * BM,
-                                      tl.where(m_r, o_r, 0), o_d, 0, tl.where(in_g1, S1, S0), BM, BD, SC)
+                                      tl.where(m_r, o_r, 0), o_d, 0, S, BM, BD, SC)
     _store_merged(o, sv, b_acc, b_l, (i_b64 * HK + i_hk) * D, i_b64, Lq, HQ, o_r % Lq, i_hk * G + o_r // Lq, o_d,
                   m_r, m_d, D)
 
@@ -751,31 +738,15 @@ def launch_pairs(groups: Sequence[PackedKV]) -> list:
     return [live[i:i + 2] for i in range(0, len(live), 2)]
 
 
-def weighted_plans(n_tiles: int, S: int, bits: Sequence[int]) -> list:
-    """Per bit group of one launch ``(n_splits, tiles_per_split)`` from the launch's plan of ``S`` shares per
-    (batch, head) item: ``S · cost / mean cost`` shares each (:data:`TILE_COST`), so a group whose tiles cost
-    more gets shorter shares and the launch's programs end together. One group, or equal costs: ``S``."""
-    mean = sum(TILE_COST[b_] for b_ in bits) / len(bits)
-    out = []
-    for b_ in bits:
-        s_g = max(1, min(n_tiles, round(S * TILE_COST[b_] / mean))) if n_tiles > 0 else 1
-        tps = -(-max(n_tiles, 1) // s_g)
-        out.append((-(-max(n_tiles, 1) // tps), tps))
-    return out
-
-
 def group_splits(n_tiles: int, groups: Sequence[PackedKV], b: int, n_m: int, device: torch.device,
                  waves: Optional[float] = None, n_splits: Optional[int] = None, min_tiles: int = 4) -> dict:
-    """``{bits: n_splits}`` as the launcher plans them (one plan per launch over all heads of its groups,
-    weighted per group by :func:`weighted_plans` unless ``n_splits`` is given): what
-    ``reference.turbo_decode_ref`` needs to reproduce the kernel's shares."""
+    """``{bits: n_splits}`` as the launcher plans them (one plan per launch, over all heads of its groups):
+    what ``reference.turbo_decode_ref`` needs to reproduce the kernel's shares."""
     out = {}
     for pair in launch_pairs(groups):
         work = b * n_m * sum(len(g_.heads) for g_ in pair)
-        S, _ = plan_splits(n_tiles, work, device, waves, n_splits, min_tiles)
-        plans = weighted_plans(n_tiles, S, [g_.bits for g_ in pair]) if n_splits is None else [(S, 0)] * len(pair)
-        for g_, (s_g, _) in zip(pair, plans):
-            out[g_.bits] = s_g
+        for g_ in pair:
+            out[g_.bits] = plan_splits(n_tiles, work, device, waves, n_splits, min_tiles)[0]
     return out
 
 
@@ -837,7 +808,6 @@ def turbo_decode_attention(
     max_registers: Optional[int] = None,
     merge: str = "fused",
     fold: bool = True,
-    weigh_groups: bool = True,
 ) -> torch.Tensor:
     """Attention of a query chunk over a packed KV cache (all of ``groups``' blocks, then the tail).
 
@@ -868,9 +838,6 @@ def turbo_decode_attention(
             INT8 tiles (same integers; ``False`` = the restoring variant, kept for measurements). Where a folded
             8-bit dot would reduce over fewer than 32 (packed K bytes < 32, e.g. head_dim 64 at 2 bits, or
             block < 64) the restoring loop runs regardless (Triton's NVIDIA backend rejects K < 32).
-        weigh_groups: a launch over two bit groups gives each its own shares, shorter for the costlier tiles
-            (:func:`weighted_plans`); ``False``: the same shares for both (measured in ``eval/decode_sweep.py``).
-            An explicit ``n_splits`` always applies to both groups alike.
     Returns:
         ``[b, Lq, HQ, D]`` in ``q.dtype``.
     """
@@ -930,9 +897,6 @@ def turbo_decode_attention(
         H0, H1 = g0.heads.shape[0], (g1.heads.shape[0] if len(pair) == 2 else 0)
         n_work = b * (H0 + H1) * n_m
         S, tps = plan_splits(n_tiles - t0, n_work, q.device, waves, n_splits, min_tiles)
-        (S0, tps0), (S1, tps1) = (weighted_plans(n_tiles - t0, S, [g0.bits, g1.bits]) if weigh_groups and n_splits is None
-                                  and H1 else [(S, tps), (S, tps)])
-        S = max(S0, S1)
         split = S > 1
         fused = split and merge == "fused"
         sc = _merge_chunk(S, BM, BD, num_warps)
@@ -956,7 +920,7 @@ def turbo_decode_attention(
             gs += [kp.stride(0), kp.stride(1), sst[0], sst[1], grp.v.stride(0), grp.v.stride(1), vst[0], vst[1]]
         _DECODE[(S, n_m, n_work // n_m)](
             q, sk, mk, k_tail, v_tail, sv, kvalid if kvalid is not None else k_tail, o, po, pml, cnt, *ga,
-            n_blocks, n_tail, n_sink, C, Lq, kv_len, t0, tps0, tps1, S0, S1, int(window or 0), float(softcap or 1.0),
+            n_blocks, n_tail, n_sink, C, Lq, kv_len, t0, tps, int(window or 0), float(softcap or 1.0),
             float(sas_threshold * LOG2E), float(scale * LOG2E),
             q.stride(0), q.stride(1), q.stride(2), *gs, H0, H1, HK,
             G=G, D=D, BD=BD, BS=BS, BM=BM, BITS0=g0.bits, BITS1=g1.bits, TWO_GROUPS=H1 > 0, IS_CAUSAL=bool(causal),
@@ -966,6 +930,6 @@ def turbo_decode_attention(
             num_warps=num_warps, num_stages=num_stages, **reg_cap,
         )
         if split and not fused:
-            _merge_kernel[(n_m, n_work // n_m)](po, pml, g0.heads, g1.heads, sv, o, Lq, S0, S1, H0, H1, HK,
+            _merge_kernel[(n_m, n_work // n_m)](po, pml, g0.heads, g1.heads, sv, o, Lq, S, H0, H1, HK,
                                                 G=G, D=D, BD=BD, BM=BM, SC=_merge_chunk(S, BM, BD, 4), num_warps=4)
     return o
