@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
+import weakref
 from typing import Optional, Sequence
 
 import torch
@@ -755,6 +757,7 @@ def _pow2(n: int) -> int:
     return 1 << (max(int(n), 1) - 1).bit_length()
 
 
+@functools.lru_cache(maxsize=1024)
 def _merge_chunk(S: int, BM: int, BD: int, num_warps: int) -> int:
     """Shares merged per step: up to 128 fp32 registers per thread for the [SC, BM, BD] partial tile (the
     merge runs after the main loop, whose live registers dominate: ptxas reports 245 registers for the
@@ -841,95 +844,196 @@ def turbo_decode_attention(
     Returns:
         ``[b, Lq, HQ, D]`` in ``q.dtype``.
     """
-    if q.dim() != 4:
-        raise ValueError(f"q must be [b, HQ, Lq, D], got shape {tuple(q.shape)}")
-    b, HQ, Lq, D = q.shape
-    HK = k_tail.shape[1]
-    if HQ % HK:
-        raise ValueError(f"{HQ} query heads are not a multiple of {HK} KV heads")
-    if merge not in ("fused", "kernel"):
-        raise ValueError(f"merge={merge!r} must be 'fused' or 'kernel'")
-    if softmax not in ("exact", "sas"):
-        raise ValueError(f"softmax={softmax!r} must be 'exact' or 'sas'")
-    if not groups:
-        raise ValueError("groups is empty: pass at least one PackedKV (possibly with 0 blocks)")
-    n_blocks = groups[0].n_blocks
-    if any(g_.n_blocks != n_blocks for g_ in groups):
-        raise ValueError(f"bit groups hold different block counts {[g_.n_blocks for g_ in groups]}")
-    BS = groups[0].block_size
-    C = k_tail.shape[2]
-    if C % BS or tuple(v_tail.shape[2:]) != (D, C):
-        raise ValueError(f"INT8 buffers k_tail {tuple(k_tail.shape)} / v_tail {tuple(v_tail.shape)} must be "
-                         f"[b, HK, C, {D}] / [b, HK, {D}, C] with C a multiple of the block size {BS}")
-    if not 0 <= n_tail <= C:
-        raise ValueError(f"n_tail={n_tail} must lie in [0, {C}] (the INT8 buffer's slots)")
-    if n_sink % BS or not 0 <= n_sink <= C or (n_blocks and n_tail < n_sink):
-        raise ValueError(f"n_sink={n_sink} must be a multiple of {BS} in [0, {C}], all held once blocks are packed")
-    kv_len = n_blocks * BS + n_tail
-    if Lq > kv_len:
-        raise ValueError(f"query chunk of {Lq} tokens exceeds the {kv_len} stored tokens (store first)")
-    G = HQ // HK
-    scale = D ** -0.5 if scale is None else float(scale)
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    has_softcap = bool(softcap)
-    o = torch.empty(b, Lq, HQ, D, dtype=q.dtype, device=q.device)
-    kvalid = None
-    if key_valid is not None:
-        if tuple(key_valid.shape) != (b, kv_len):
-            raise ValueError(f"key_valid must be [b, kv_len] = {(b, kv_len)}, got {tuple(key_valid.shape)}")
-        kvalid = key_valid.to(torch.int8).contiguous()
-    BD = _pow2(D)
-    M = G * Lq
-    BM = block_m or min(64, max(4, _pow2(M)))  # query rows are the N side of the MMAs
-    n_m = -(-M // BM)
-    n_tiles = n_blocks + -(-n_tail // BS)
-    t0 = min(max(first_visible_tile(kv_len, Lq, window, BS) - n_sink // BS, 0), n_blocks)
-    k_tail, v_tail = k_tail.contiguous(), v_tail.contiguous()
-    sk = k_scale.float().contiguous()
-    sv = v_scale.float().contiguous()
-    mk = k_mean.float().contiguous() if k_mean is not None else sk
-    use_asm = q.device.type == "cuda" and not _INTERPRET
-    reg_cap = {"maxnreg": int(max_registers)} if max_registers and use_asm else {}
-    # one launch per pair of bit groups (mixed: its INT4 and INT2 heads together), split plan over the pair
-    for pair in launch_pairs(groups):
-        g0, g1 = pair[0], pair[-1]
-        H0, H1 = g0.heads.shape[0], (g1.heads.shape[0] if len(pair) == 2 else 0)
-        n_work = b * (H0 + H1) * n_m
-        S, tps = plan_splits(n_tiles - t0, n_work, q.device, waves, n_splits, min_tiles)
-        split = S > 1
-        fused = split and merge == "fused"
-        sc = _merge_chunk(S, BM, BD, num_warps)
-        if split:
-            # partials of the S shares (+ one per group of SC shares for the fused two-level merge), counters
-            n_grp = -(-S // sc)
-            slots = S + (n_grp if fused and n_grp > 1 else 0)
-            po, pml, cnt = _workspace(q.device, slots * n_work * BM * BD, slots * n_work * BM * 2,
-                                      n_work * (n_grp + 1))
-        else:
-            po = pml = cnt = sv
-        ga, gs = [], []
-        for grp in (g0, g1):
-            packed = grp.bits != 8
-            kp = grp.k
-            ks = grp.k_scale if packed else kp
-            ga += [grp.heads, kp, ks, grp.k_zero if packed else kp, grp.v,
-                   grp.v_scale if packed else kp, grp.v_zero if packed else kp]
-            sst = (ks.stride(0), ks.stride(1)) if packed else (0, 0)
-            vst = (grp.v_scale.stride(0), grp.v_scale.stride(1)) if packed else (0, 0)
-            gs += [kp.stride(0), kp.stride(1), sst[0], sst[1], grp.v.stride(0), grp.v.stride(1), vst[0], vst[1]]
-        _DECODE[(S, n_m, n_work // n_m)](
-            q, sk, mk, k_tail, v_tail, sv, kvalid if kvalid is not None else k_tail, o, po, pml, cnt, *ga,
-            n_blocks, n_tail, n_sink, C, Lq, kv_len, t0, tps, int(window or 0), float(softcap or 1.0),
-            float(sas_threshold * LOG2E), float(scale * LOG2E),
-            q.stride(0), q.stride(1), q.stride(2), *gs, H0, H1, HK,
-            G=G, D=D, BD=BD, BS=BS, BM=BM, BITS0=g0.bits, BITS1=g1.bits, TWO_GROUPS=H1 > 0, IS_CAUSAL=bool(causal),
-            HAS_WINDOW=bool(window), HAS_SOFTCAP=has_softcap, HAS_MEAN=k_mean is not None,
-            HAS_KVALID=kvalid is not None, USE_SAS=softmax == "sas", SPLIT=split, FUSED_MERGE=fused,
-            FOLD=bool(fold), USE_ASM=use_asm, SC=sc,
-            num_warps=num_warps, num_stages=num_stages, **reg_cap,
-        )
-        if split and not fused:
-            _merge_kernel[(n_m, n_work // n_m)](po, pml, g0.heads, g1.heads, sv, o, Lq, S, H0, H1, HK,
-                                                G=G, D=D, BD=BD, BM=BM, SC=_merge_chunk(S, BM, BD, 4), num_warps=4)
-    return o
+    # The static part of a call (validation, derived sizes, the launch arguments that come from the storage
+    # tensors and the options) is built once per (storage tensor objects, query layout, options) and reused:
+    # consecutive decode steps of a layer pass the same buffers, and rebuilding it cost ~60 us of Python per
+    # call (eval/PERF_NOTES.md, decode round 6). Buffers replaced (capacity growth, beam reorder) are new
+    # objects, hence a new entry; entries hold weak references only.
+    stor = (k_tail, v_tail, k_scale, v_scale, k_mean)
+    for g_ in groups:
+        stor += (g_.heads, g_.k, g_.v, g_.k_scale, g_.k_zero, g_.v_scale, g_.v_zero)
+    key = (tuple(map(id, stor)), tuple(g_.bits for g_ in groups), q.shape, q.dtype, q.stride(), q.device,
+           scale, causal, window, softcap, key_valid is None, n_sink, softmax, sas_threshold, n_splits, waves,
+           min_tiles, block_m, num_warps, num_stages, max_registers, merge, fold)
+    st = _STATIC.get(key)
+    if st is None or not st.alive(stor):
+        st = _DecodeStatic(q, groups, stor, scale=scale, causal=causal, window=window, softcap=softcap,
+                           n_sink=n_sink, softmax=softmax, sas_threshold=sas_threshold, n_splits=n_splits,
+                           waves=waves, min_tiles=min_tiles, block_m=block_m, num_warps=num_warps,
+                           num_stages=num_stages, max_registers=max_registers, merge=merge, fold=fold)
+        if st.cacheable:
+            if len(_STATIC) >= _STATIC_MAX:
+                _STATIC.clear()
+            _STATIC[key] = st
+    return st.run(q, groups, stor, n_tail, key_valid)
+
+
+def _none_ref():
+    return None
+
+
+_STATIC: dict = {}
+_STATIC_MAX = 512  # layers x (bit layouts, options) of a process; cleared when full (rebuilt on demand)
+
+
+class _DecodeStatic:
+    """The part of a ``turbo_decode_attention`` call that depends only on the storage tensors, the query's
+    layout and the options; ``run`` adds what changes every step (query, ``n_blocks``, ``n_tail``, the
+    split plan, the output). ``stor`` = (k_tail, v_tail, k_scale, v_scale, k_mean, then per group heads, k, v,
+    k_scale, k_zero, v_scale, v_zero): the entry keeps weak references to them and indices into ``stor``,
+    never the tensors (a dropped cache frees its memory). Inputs that would need a converted copy (scales not
+    fp32-contiguous, a non-contiguous INT8 buffer) make an entry for that call only (``cacheable`` false): a
+    cached copy could go stale."""
+
+    def __init__(self, q, groups, stor, *, scale, causal, window, softcap, n_sink, softmax, sas_threshold,
+                 n_splits, waves, min_tiles, block_m, num_warps, num_stages, max_registers, merge, fold):
+        k_tail, v_tail, k_scale, v_scale, k_mean = stor[:5]
+        if q.dim() != 4:
+            raise ValueError(f"q must be [b, HQ, Lq, D], got shape {tuple(q.shape)}")
+        b, HQ, Lq, D = q.shape
+        HK = k_tail.shape[1]
+        if HQ % HK:
+            raise ValueError(f"{HQ} query heads are not a multiple of {HK} KV heads")
+        if merge not in ("fused", "kernel"):
+            raise ValueError(f"merge={merge!r} must be 'fused' or 'kernel'")
+        if softmax not in ("exact", "sas"):
+            raise ValueError(f"softmax={softmax!r} must be 'exact' or 'sas'")
+        if not groups:
+            raise ValueError("groups is empty: pass at least one PackedKV (possibly with 0 blocks)")
+        BS = groups[0].block_size
+        C = k_tail.shape[2]
+        if C % BS or tuple(v_tail.shape[2:]) != (D, C):
+            raise ValueError(f"INT8 buffers k_tail {tuple(k_tail.shape)} / v_tail {tuple(v_tail.shape)} must be "
+                             f"[b, HK, C, {D}] / [b, HK, {D}, C] with C a multiple of the block size {BS}")
+        if n_sink % BS or not 0 <= n_sink <= C:
+            raise ValueError(f"n_sink={n_sink} must be a multiple of {BS} in [0, {C}], all held once blocks are packed")
+        self.refs = tuple(_none_ref if t is None else weakref.ref(t) for t in stor)
+        self.n_groups = len(groups)
+        G = HQ // HK
+        self.scale = D ** -0.5 if scale is None else float(scale)
+        self.q_copy = q.stride(-1) != 1
+        qs = q.stride() if not self.q_copy else (HQ * Lq * D, Lq * D, D, 1)
+        self.o_shape, self.device = (b, Lq, HQ, D), q.device
+        self.b, self.Lq, self.BS, self.C, self.n_sink, self.window = b, Lq, BS, C, n_sink, window
+        BD = _pow2(D)
+        M = G * Lq
+        BM = block_m or min(64, max(4, _pow2(M)))  # query rows are the N side of the MMAs
+        self.BM, self.BD, self.n_m = BM, BD, -(-M // BM)
+        conv = [k_tail.contiguous(), v_tail.contiguous(), k_scale.float().contiguous(), v_scale.float().contiguous(),
+                k_mean.float().contiguous() if k_mean is not None else None]
+        self.cacheable = all(c is t for c, t in zip(conv, stor[:5]))
+        self.conv = None if self.cacheable else tuple(conv)  # this call's converted inputs (not cached)
+        self.head = operator.itemgetter(2, 4 if k_mean is not None else 2, 0, 1, 3)  # sk, mk, k_tail, v_tail, sv
+        use_asm = q.device.type == "cuda" and not _INTERPRET
+        reg_cap = {"maxnreg": int(max_registers)} if max_registers and use_asm else {}
+        self.sms = 4  # CPU (interpreter): 4 "SMs", so tests exercise the split + merge path
+        if q.device.type == "cuda":
+            self.sms = _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
+        self.plan_opts = (waves, n_splits, min_tiles)
+        self.merge, self.num_warps = merge, num_warps
+        self.scalars = (int(window or 0), float(softcap or 1.0), float(sas_threshold * LOG2E),
+                        float(self.scale * LOG2E), qs[0], qs[1], qs[2])
+        # one launch per pair of bit groups (mixed: its INT4 and INT2 heads together), split plan over the pair
+        self.pairs = []
+        for pair in launch_pairs(groups):
+            g0, g1 = pair[0], pair[-1]
+            H0, H1 = g0.heads.shape[0], (g1.heads.shape[0] if len(pair) == 2 else 0)
+            ga, gs = [], []
+            for grp in (g0, g1):
+                packed = grp.bits != 8
+                kp = grp.k
+                ks = grp.k_scale if packed else kp
+                i0 = 5 + 7 * next(i for i, g_ in enumerate(groups) if g_ is grp)  # heads, k, v, ks, kz, vs, vz
+                ga += [i0, i0 + 1, i0 + 3, i0 + 4, i0 + 2, i0 + 5, i0 + 6] if packed else [i0, i0 + 1] + [i0 + 1] * 2 + [
+                    i0 + 2] + [i0 + 1] * 2
+                sst = (ks.stride(0), ks.stride(1)) if packed else (0, 0)
+                vst = (grp.v_scale.stride(0), grp.v_scale.stride(1)) if packed else (0, 0)
+                gs += [kp.stride(0), kp.stride(1), sst[0], sst[1], grp.v.stride(0), grp.v.stride(1), vst[0], vst[1]]
+            const = dict(G=G, D=D, BD=BD, BS=BS, BM=BM, BITS0=g0.bits, BITS1=g1.bits, TWO_GROUPS=H1 > 0,
+                         IS_CAUSAL=bool(causal), HAS_WINDOW=bool(window), HAS_SOFTCAP=bool(softcap),
+                         HAS_MEAN=k_mean is not None)
+            opts = dict(USE_SAS=softmax == "sas", FOLD=bool(fold), USE_ASM=use_asm)
+            n_work = b * (H0 + H1) * self.n_m
+            self.pairs.append((n_work, operator.itemgetter(*ga), tuple(gs) + (H0, H1, HK), const, opts, dict(
+                num_warps=num_warps, num_stages=num_stages, **reg_cap), (ga[0], ga[7], H0, H1, HK, G, D)))
+        # (pair, has kvalid, split, fused, sc, alignments) -> (the launch's keyword arguments, the compiled
+        # kernel that ran with them or None, the storage tensors' addresses)
+        self.kwargs = {}
+
+    def alive(self, stor) -> bool:
+        """The entry's storage tensors are the objects passed now (ids of dead objects can be reused)."""
+        return len(stor) == len(self.refs) and all(map(operator.is_, map(operator.call, self.refs), stor))
+
+    def run(self, q, groups, stor, n_tail, key_valid):
+        if self.conv is not None:
+            stor = self.conv + stor[5:]
+        n_blocks = groups[0].n_blocks
+        if any(g_.n_blocks != n_blocks for g_ in groups):
+            raise ValueError(f"bit groups hold different block counts {[g_.n_blocks for g_ in groups]}")
+        BS, C, n_sink, Lq = self.BS, self.C, self.n_sink, self.Lq
+        if not 0 <= n_tail <= C:
+            raise ValueError(f"n_tail={n_tail} must lie in [0, {C}] (the INT8 buffer's slots)")
+        if n_blocks and n_tail < n_sink:
+            raise ValueError(f"n_sink={n_sink} must be a multiple of {BS} in [0, {C}], all held once blocks are packed")
+        kv_len = n_blocks * BS + n_tail
+        if Lq > kv_len:
+            raise ValueError(f"query chunk of {Lq} tokens exceeds the {kv_len} stored tokens (store first)")
+        kvalid = None
+        if key_valid is not None:
+            if tuple(key_valid.shape) != (self.b, kv_len):
+                raise ValueError(f"key_valid must be [b, kv_len] = {(self.b, kv_len)}, got {tuple(key_valid.shape)}")
+            kvalid = key_valid.to(torch.int8).contiguous()
+        if self.q_copy:
+            q = q.contiguous()
+        o = torch.empty(self.o_shape, dtype=q.dtype, device=self.device)
+        n_tiles = n_blocks + -(-n_tail // BS)
+        t0 = 0
+        if self.window:
+            t0 = min(max(first_visible_tile(kv_len, Lq, self.window, BS) - n_sink // BS, 0), n_blocks)
+        BM, BD, n_m = self.BM, self.BD, self.n_m
+        head = self.head(stor)
+        sv = head[4]
+        waves, n_splits, min_tiles = self.plan_opts
+        for i_p, (n_work, ga, gs, const, opts, launch, merge_args) in enumerate(self.pairs):
+            S, tps = _plan(n_tiles - t0, n_work, self.sms, waves, n_splits, min_tiles)
+            split = S > 1
+            fused = split and self.merge == "fused"
+            sc = _merge_chunk(S, BM, BD, self.num_warps)
+            if split:
+                # partials of the S shares (+ one per group of SC shares for the fused two-level merge), counters
+                n_grp = -(-S // sc)
+                slots = S + (n_grp if fused and n_grp > 1 else 0)
+                po, pml, cnt = _workspace(self.device, slots * n_work * BM * BD, slots * n_work * BM * 2,
+                                          n_work * (n_grp + 1))
+            else:
+                po = pml = cnt = sv
+            grid = (S, n_m, n_work // n_m)
+            kv = kvalid if kvalid is not None else head[2]
+            # the launch's specialisation facts beyond the entry's: the query's and key_valid's 16-byte alignment
+            # (o and the workspace are fresh allocations; the integers that change are not specialised)
+            kk = (i_p, kvalid is not None, split, fused, sc, q.data_ptr() & 15 == 0, kv.data_ptr() & 15 == 0)
+            hit = self.kwargs.get(kk)
+            lean = isinstance(_DECODE, LeanLaunch)
+            if hit is not None and hit[1] is not None and lean and not LeanLaunch.hooks_active():
+                _, compiled, ptrs = hit  # the entry's storage tensors' addresses (same objects: ``alive``)
+                LeanLaunch.relaunch(compiled, grid, (
+                    q.data_ptr(), *ptrs[0], kv.data_ptr(), o.data_ptr(), po.data_ptr(), pml.data_ptr(),
+                    cnt.data_ptr(), *ptrs[1], n_blocks, n_tail, n_sink, C, Lq, kv_len, t0, tps, *self.scalars, *gs))
+            else:
+                kw = hit[0] if hit is not None else dict(
+                    const, HAS_KVALID=kvalid is not None, **opts, SPLIT=split, FUSED_MERGE=fused, SC=sc, **launch)
+                ga_t = ga(stor)
+                ran = _DECODE[grid](q, *head, kv, o, po, pml, cnt, *ga_t, n_blocks, n_tail, n_sink, C, Lq, kv_len,
+                                    t0, tps, *self.scalars, *gs, **kw)
+                if not lean or not isinstance(ran, tuple):
+                    ran = None
+                if self.cacheable and ran is not None:  # relaunch it directly from now on
+                    ptrs = (tuple(t.data_ptr() for t in head), tuple(t.data_ptr() for t in ga_t))
+                    self.kwargs[kk] = (kw, ran, ptrs)
+                elif hit is None:
+                    self.kwargs[kk] = (kw, None, None)
+            if split and not fused:
+                h0, h1, H0, H1, HK, G, D = merge_args
+                _merge_kernel[(n_m, n_work // n_m)](po, pml, stor[h0], stor[h1], sv, o, Lq, S, H0, H1, HK,
+                                                    G=G, D=D, BD=BD, BM=BM, SC=_merge_chunk(S, BM, BD, 4), num_warps=4)
+        return o

@@ -64,10 +64,12 @@ class LeanLaunch:
     def __getitem__(self, grid: Sequence[int]) -> Callable[..., None]:
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
-    def launch(self, grid: Sequence[int], args: Sequence[Any], kwargs: Dict[str, Any]) -> None:
+    def launch(self, grid: Sequence[int], args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
+        """Launch; returns ``(compiled kernel, trailing arguments)`` that ran, or None (interpreter, or the
+        first launch of a key): what :meth:`relaunch` takes."""
         if interpreting():
             self.fn[tuple(grid)](*args, **kwargs)
-            return
+            return None
         device = driver.active.get_current_device()
         spec = self._specialise
         call = list(args)  # tensors become their addresses: the launcher then skips data_ptr + cuPointerGetAttribute
@@ -90,7 +92,7 @@ class LeanLaunch:
             kernel = kernel.result() if hasattr(kernel, "result") else kernel  # async compile mode
             tail = tuple(kwargs.get(n, self._defaults[n]) for n in self._names[len(args):])
             self._kernels[key] = (kernel, tail)
-            return
+            return None
         kernel, tail = hit
         g = tuple(grid) + (1, 1)
         stream = driver.active.get_current_stream(device)
@@ -101,4 +103,22 @@ class LeanLaunch:
             meta = enter = leave = None
         kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, meta, enter, leave,
                    *call, *tail)
+        return hit
+
+    @staticmethod
+    def hooks_active() -> bool:
+        """A profiler's launch hooks are set (they need the tensors, so callers take :meth:`launch` then)."""
+        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+        return bool(getattr(enter, "calls", enter) or getattr(leave, "calls", leave))
+
+    @staticmethod
+    def relaunch(hit: Tuple[Any, Tuple], grid: Sequence[int], call: Sequence[Any]) -> None:
+        """Launch ``hit`` (as returned by :meth:`launch`) again with the runtime arguments ``call``, tensors
+        given as their addresses. The caller guarantees that every specialisation fact of ``call`` equals
+        that of the launch ``hit`` came from (dtypes, 16-byte alignment, specialised integers' ``% 16`` and
+        ``== 1``, int32 range) and that no launch hooks are set (:meth:`hooks_active`)."""
+        kernel, tail = hit
+        g = tuple(grid) + (1, 1)
+        stream = driver.active.get_current_stream(driver.active.get_current_device())
+        kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, None, None, None, *call, *tail)
 

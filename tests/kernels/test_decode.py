@@ -221,3 +221,56 @@ def test_decode_two_level_merge_matches_reference(block_m, n_splits, device):
     ref = R.turbo_decode_ref(q, groups, kt, vt, nt, ks, vs, mu, n_splits=n_splits)
     assert_close(out, ref, ATOL_KERNEL)
     assert int(DK._WORKSPACE[(device.type, device.index)][2].abs().sum()) == 0
+
+
+def test_static_part_reused_across_steps_and_rebuilt_for_new_storage(device):
+    """The call's static part (kernels/decode.py ``_DecodeStatic``) is reused while the same storage tensors
+    come back with a new query / ``n_tail`` (decode steps), rebuilt when a buffer is a new object (capacity
+    growth, beam reorder), and never keeps the storage alive."""
+    import gc
+    import weakref
+
+    from turbo_attn_hf.kernels import decode as DK
+
+    q, k, v, (groups, kt, vt, nt, ks, vs, mu) = make_case(1, 2, 4, 150, 1, 32, [4, 2], 16, n_prefill=150)
+    packed = to_packed(groups, device)
+    kt, vt, ks, vs, mu = (t.to(device) for t in (kt, vt, ks, vs, mu))
+    DK._STATIC.clear()
+    for step, n_tail in enumerate((nt - 2, nt - 1, nt)):  # the tail grows by one token per step
+        q_s = q * (1 + step)
+        out = turbo_decode_attention(q_s.to(device), packed, kt, vt, n_tail, ks, vs, mu, n_splits=2)
+        ref = R.turbo_decode_ref(q_s, groups, kt.cpu(), vt.cpu(), n_tail, ks.cpu(), vs.cpu(), mu.cpu(), n_splits=2)
+        assert_close(out, ref, ATOL_KERNEL, name=f"step {step}")
+    assert len(DK._STATIC) == 1
+    # a buffer replaced by a new object (other values): a new entry, the new values read
+    groups[0].k = torch.flip(groups[0].k, dims=[-2]).contiguous()
+    packed[0].k = groups[0].k.to(device)
+    out = turbo_decode_attention(q.to(device), packed, kt, vt, nt, ks, vs, mu, n_splits=2)
+    assert_close(out, R.turbo_decode_ref(q, groups, kt.cpu(), vt.cpu(), nt, ks.cpu(), vs.cpu(), mu.cpu(), n_splits=2),
+                 ATOL_KERNEL, name="replaced buffer")
+    assert len(DK._STATIC) == 2
+    # the entries hold weak references only: dropping the storage frees it
+    ref_k = weakref.ref(packed[0].k)
+    del packed, groups, out
+    gc.collect()
+    assert ref_k() is None
+
+
+def test_static_part_not_cached_for_converted_inputs(device):
+    """Scales that need a converted copy (here fp64) are converted per call, never cached: a cached copy would
+    not follow in-place updates of the caller's tensor."""
+    from turbo_attn_hf.kernels import decode as DK
+
+    q, k, v, (groups, kt, vt, nt, ks, vs, mu) = make_case(1, 1, 4, 80, 1, 32, [4], 16)
+    packed = to_packed(groups, device)
+    ks64 = ks.double().to(device)
+    DK._STATIC.clear()
+    a = turbo_decode_attention(q.to(device), packed, kt.to(device), vt.to(device), nt, ks64, vs.to(device),
+                               mu.to(device), n_splits=1)
+    ks64.mul_(2.0)  # in place: the next call must see it
+    b_ = turbo_decode_attention(q.to(device), packed, kt.to(device), vt.to(device), nt, ks64, vs.to(device),
+                                mu.to(device), n_splits=1)
+    assert len(DK._STATIC) == 0
+    ref = R.turbo_decode_ref(q, groups, kt, vt, nt, (ks64 / 1).cpu().float(), vs, mu, n_splits=1)
+    assert_close(b_, ref, ATOL_KERNEL)
+    assert not torch.equal(a, b_)
