@@ -197,7 +197,8 @@ def test_decode_timing_32k():
 
 
 def _one_decode_call():
-    """A small decode call (mixed bits, split + merge, tail, key_valid) and a decode-step store into the last
+    """Small decode calls (mixed bits, split + merge, tail, key_valid; each repeated, so the direct relaunch
+    runs too) and a decode-step store into the last
     slots of the INT8 buffer, for compute-sanitizer memcheck:
     ``compute-sanitizer --tool memcheck python tests/kernels/test_decode_gpu.py``."""
     torch.manual_seed(0)
@@ -209,11 +210,14 @@ def _one_decode_call():
                                                               recent_blocks=2)
     kv = torch.ones(b, L, dtype=torch.bool, device="cuda")
     kv[0, :7] = False
-    out = turbo_decode_attention(q, _to_packed(groups), kt, vt, nt, ks, vs, mu, key_valid=kv, n_sink=64, n_splits=3,
-                                 softmax="sas")
+    packed = _to_packed(groups)
+    for _ in range(3):  # the first call launches through Triton's cache, the later ones relaunch directly
+        out = turbo_decode_attention(q, packed, kt, vt, nt, ks, vs, mu, key_valid=kv, n_sink=64, n_splits=3,
+                                     softmax="sas")
+        out1 = turbo_decode_attention(q[:, :, :1], packed, kt, vt, nt - 1, ks, vs, mu, n_sink=64)
     torch.cuda.synchronize()
-    assert torch.isfinite(out).all()
-    print("decode call ok", tuple(out.shape))
+    assert torch.isfinite(out).all() and torch.isfinite(out1).all()
+    print("decode calls ok", tuple(out.shape), tuple(out1.shape))
     from turbo_attn_hf.kernels.store import store_int8_tokens
 
     k1 = torch.randn(b, hk, 3, d, device="cuda", dtype=torch.bfloat16)
