@@ -940,15 +940,19 @@ class _DecodeStatic:
             H0, H1 = g0.heads.shape[0], (g1.heads.shape[0] if len(pair) == 2 else 0)
             ga, gs = [], []
             for grp in (g0, g1):
-                packed = grp.bits != 8
-                kp = grp.k
-                ks = grp.k_scale if packed else kp
-                i0 = 5 + 7 * next(i for i, g_ in enumerate(groups) if g_ is grp)  # heads, k, v, ks, kz, vs, vz
-                ga += [i0, i0 + 1, i0 + 3, i0 + 4, i0 + 2, i0 + 5, i0 + 6] if packed else [i0, i0 + 1] + [i0 + 1] * 2 + [
-                    i0 + 2] + [i0 + 1] * 2
-                sst = (ks.stride(0), ks.stride(1)) if packed else (0, 0)
-                vst = (grp.v_scale.stride(0), grp.v_scale.stride(1)) if packed else (0, 0)
-                gs += [kp.stride(0), kp.stride(1), sst[0], sst[1], grp.v.stride(0), grp.v.stride(1), vst[0], vst[1]]
+                # the group's tensors in ``stor``: heads, k, v, k_scale, k_zero, v_scale, v_zero from i0 on; the
+                # kernel takes heads, k, k_scale, k_zero, v, v_scale, v_zero (INT8 groups: k stands in for the
+                # scales and zeros they do not have)
+                i0 = 5 + 7 * next(i for i, g_ in enumerate(groups) if g_ is grp)
+                heads, k, v, ks, kz, vs, vz = range(i0, i0 + 7)
+                if grp.bits == 8:
+                    ks = kz = vs = vz = k
+                    sst = vst = (0, 0)
+                else:
+                    sst = (grp.k_scale.stride(0), grp.k_scale.stride(1))
+                    vst = (grp.v_scale.stride(0), grp.v_scale.stride(1))
+                ga += [heads, k, ks, kz, v, vs, vz]
+                gs += [grp.k.stride(0), grp.k.stride(1), *sst, grp.v.stride(0), grp.v.stride(1), *vst]
             const = dict(G=G, D=D, BD=BD, BS=BS, BM=BM, BITS0=g0.bits, BITS1=g1.bits, TWO_GROUPS=H1 > 0,
                          IS_CAUSAL=bool(causal), HAS_WINDOW=bool(window), HAS_SOFTCAP=bool(softcap),
                          HAS_MEAN=k_mean is not None)
@@ -993,6 +997,7 @@ class _DecodeStatic:
         BM, BD, n_m = self.BM, self.BD, self.n_m
         head = self.head(stor)
         sv = head[4]
+        cur = torch.cuda.current_device() if self.device.type == "cuda" else -1
         waves, n_splits, min_tiles = self.plan_opts
         for i_p, (n_work, ga, gs, const, opts, launch, merge_args) in enumerate(self.pairs):
             S, tps = _plan(n_tiles - t0, n_work, self.sms, waves, n_splits, min_tiles)
@@ -1011,7 +1016,8 @@ class _DecodeStatic:
             kv = kvalid if kvalid is not None else head[2]
             # the launch's specialisation facts beyond the entry's: the query's and key_valid's 16-byte alignment
             # (o and the workspace are fresh allocations; the integers that change are not specialised)
-            kk = (i_p, kvalid is not None, split, fused, sc, q.data_ptr() & 15 == 0, kv.data_ptr() & 15 == 0)
+            kk = (i_p, kvalid is not None, split, fused, sc, q.data_ptr() & 15 == 0, kv.data_ptr() & 15 == 0,
+                  cur)  # a compiled kernel is loaded per device; Triton launches on the current one
             hit = self.kwargs.get(kk)
             lean = isinstance(_DECODE, LeanLaunch)
             if hit is not None and hit[1] is not None and lean and not LeanLaunch.hooks_active():
