@@ -883,7 +883,9 @@ class _DecodeStatic:
     k_scale, k_zero, v_scale, v_zero): the entry keeps weak references to them and indices into ``stor``,
     never the tensors (a dropped cache frees its memory). Inputs that would need a converted copy (scales not
     fp32-contiguous, a non-contiguous INT8 buffer) make an entry for that call only (``cacheable`` false): a
-    cached copy could go stale."""
+    cached copy could go stale. Assumed, as of any buffer a kernel keeps using: a storage tensor object is not
+    re-pointed or re-shaped in place (``Tensor.set_``, ``resize_``) between calls; the cache replaces its
+    buffers by new tensors (capacity growth, beam reorder), which is a new entry; contents may change freely."""
 
     def __init__(self, q, groups, stor, *, scale, causal, window, softcap, n_sink, softmax, sas_threshold,
                  n_splits, waves, min_tiles, block_m, num_warps, num_stages, max_registers, merge, fold):
@@ -908,7 +910,6 @@ class _DecodeStatic:
         if n_sink % BS or not 0 <= n_sink <= C:
             raise ValueError(f"n_sink={n_sink} must be a multiple of {BS} in [0, {C}], all held once blocks are packed")
         self.refs = tuple(_none_ref if t is None else weakref.ref(t) for t in stor)
-        self.n_groups = len(groups)
         G = HQ // HK
         self.scale = D ** -0.5 if scale is None else float(scale)
         self.q_copy = q.stride(-1) != 1
