@@ -46,8 +46,7 @@ from .bench_common import (
     write_json,
 )
 
-TOTAL_TOKENS = 16384
-HIDDEN = 2048
+from .bench_prefill import HIDDEN, TOTAL_TOKENS  # the prefill protocol's shapes (FA3: 16k tokens, hidden 2048)
 QUICK_SHAPES = [(128, 4096), (64, 4096), (256, 4096), (128, 16384)]
 GBPS_FORMULA = "(bytes read + bytes written) / median time; int8 codes 1 B, scales and mean fp32"
 

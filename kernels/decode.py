@@ -911,7 +911,7 @@ class _DecodeStatic:
             raise ValueError(f"n_sink={n_sink} must be a multiple of {BS} in [0, {C}], all held once blocks are packed")
         self.refs = tuple(_none_ref if t is None else weakref.ref(t) for t in stor)
         G = HQ // HK
-        self.scale = D ** -0.5 if scale is None else float(scale)
+        scale = D ** -0.5 if scale is None else float(scale)
         self.q_copy = q.stride(-1) != 1
         qs = q.stride() if not self.q_copy else (HQ * Lq * D, Lq * D, D, 1)
         self.o_shape, self.device = (b, Lq, HQ, D), q.device
@@ -933,7 +933,7 @@ class _DecodeStatic:
         self.plan_opts = (waves, n_splits, min_tiles)
         self.merge, self.num_warps = merge, num_warps
         self.scalars = (int(window or 0), float(softcap or 1.0), float(sas_threshold * LOG2E),
-                        float(self.scale * LOG2E), qs[0], qs[1], qs[2])
+                        float(scale * LOG2E), qs[0], qs[1], qs[2])
         # one launch per pair of bit groups (mixed: its INT4 and INT2 heads together), split plan over the pair
         self.pairs = []
         for pair in launch_pairs(groups):
@@ -961,9 +961,9 @@ class _DecodeStatic:
             n_work = b * (H0 + H1) * self.n_m
             self.pairs.append((n_work, operator.itemgetter(*ga), tuple(gs) + (H0, H1, HK), const, opts, dict(
                 num_warps=num_warps, num_stages=num_stages, **reg_cap), (ga[0], ga[7], H0, H1, HK, G, D)))
-        # (pair, has kvalid, split, fused, sc, alignments) -> (the launch's keyword arguments, the compiled
-        # kernel that ran with them or None, the storage tensors' addresses)
-        self.kwargs = {}
+        # (pair, has kvalid, split, fused, sc, alignments, device) -> (the launch's keyword arguments, the
+        # compiled kernel that ran with them or None, the storage tensors' addresses)
+        self.launches = {}
 
     def alive(self, stor) -> bool:
         """The entry's storage tensors are the objects passed now (ids of dead objects can be reused)."""
@@ -979,7 +979,7 @@ class _DecodeStatic:
         if not 0 <= n_tail <= C:
             raise ValueError(f"n_tail={n_tail} must lie in [0, {C}] (the INT8 buffer's slots)")
         if n_blocks and n_tail < n_sink:
-            raise ValueError(f"n_sink={n_sink} must be a multiple of {BS} in [0, {C}], all held once blocks are packed")
+            raise ValueError(f"n_tail={n_tail} < n_sink={n_sink}: the sink slots must all be held once blocks are packed")
         kv_len = n_blocks * BS + n_tail
         if Lq > kv_len:
             raise ValueError(f"query chunk of {Lq} tokens exceeds the {kv_len} stored tokens (store first)")
@@ -1019,7 +1019,7 @@ class _DecodeStatic:
             # (o and the workspace are fresh allocations; the integers that change are not specialised)
             kk = (i_p, kvalid is not None, split, fused, sc, q.data_ptr() & 15 == 0, kv.data_ptr() & 15 == 0,
                   cur)  # a compiled kernel is loaded per device; Triton launches on the current one
-            hit = self.kwargs.get(kk)
+            hit = self.launches.get(kk)
             lean = isinstance(_DECODE, LeanLaunch)
             if hit is not None and hit[1] is not None and lean and not LeanLaunch.hooks_active():
                 _, compiled, ptrs = hit  # the entry's storage tensors' addresses (same objects: ``alive``)
@@ -1032,13 +1032,11 @@ class _DecodeStatic:
                 ga_t = ga(stor)
                 ran = _DECODE[grid](q, *head, kv, o, po, pml, cnt, *ga_t, n_blocks, n_tail, n_sink, C, Lq, kv_len,
                                     t0, tps, *self.scalars, *gs, **kw)
-                if not lean or not isinstance(ran, tuple):
-                    ran = None
-                if self.cacheable and ran is not None:  # relaunch it directly from now on
+                if self.cacheable and lean and ran is not None:  # relaunch it directly from now on
                     ptrs = (tuple(t.data_ptr() for t in head), tuple(t.data_ptr() for t in ga_t))
-                    self.kwargs[kk] = (kw, ran, ptrs)
+                    self.launches[kk] = (kw, ran, ptrs)
                 elif hit is None:
-                    self.kwargs[kk] = (kw, None, None)
+                    self.launches[kk] = (kw, None, None)
             if split and not fused:
                 h0, h1, H0, H1, HK, G, D = merge_args
                 _merge_kernel[(n_m, n_work // n_m)](po, pml, stor[h0], stor[h1], sv, o, Lq, S, H0, H1, HK,

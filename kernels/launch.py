@@ -93,16 +93,15 @@ class LeanLaunch:
             tail = tuple(kwargs.get(n, self._defaults[n]) for n in self._names[len(args):])
             self._kernels[key] = (kernel, tail)
             return None
-        kernel, tail = hit
+        if not self.hooks_active():
+            self.relaunch(hit, grid, call)
+            return hit
+        kernel, tail = hit  # a profiler's hooks (proton) take the launch metadata, built from the tensors
         g = tuple(grid) + (1, 1)
         stream = driver.active.get_current_stream(device)
-        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-        if getattr(enter, "calls", enter) or getattr(leave, "calls", leave):  # a profiler's hooks (proton)
-            meta = kernel.launch_metadata(g, stream, *args, *tail)
-        else:
-            meta = enter = leave = None
-        kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, meta, enter, leave,
-                   *call, *tail)
+        meta = kernel.launch_metadata(g, stream, *args, *tail)
+        kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, meta,
+                   knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *call, *tail)
         return hit
 
     @staticmethod

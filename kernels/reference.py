@@ -91,7 +91,7 @@ def default_block_n(head_dim: int) -> int:
     the kernel speed of 64, for N(0,1) MRE 1.6 -> 1.8 % and FA3 outlier RMSE 4.3e-3 -> 5.2e-3 at L 1k; d 256: on
     an H100 1.33-1.42x (kernel 355 / 312 TFLOP/s full / causal vs 250 / 234, eval/results/prefill_sweep_d256_h100.json;
     see eval/PERF_NOTES.md)."""
-    return 128
+    return DEFAULT_BLOCK_N
 #: "block" P scale: a block is quantized relative to c = max(block max, running max - P_BLOCK_GAP) (log2
 #: units), so the accumulator, kept relative to c, stays below 2^(P_BLOCK_GAP + 50) (no fp32 overflow).
 P_BLOCK_GAP = 32.0
