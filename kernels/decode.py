@@ -52,6 +52,7 @@ import triton.language as tl
 from .interpreter import interpreting
 from .launch import LeanLaunch
 from .pack import PackedKV, _dequant_tile, _unpack_tile
+from .reference import SQ_MIN
 from .softmax import sas_exp2
 
 __all__ = ["turbo_decode_attention", "plan_splits", "group_splits", "launch_pairs", "first_visible_tile"]
@@ -73,6 +74,7 @@ RESIDENT_PER_SM = 8
 #: mixed 133 -> 127; at batch 1 (4-tile shares) the extra partials to merge cost more (int4 27.6 -> 28.9 us).
 FILL_MIN_TILES = 16
 LN2 = 0.6931471805599453
+_SQ_MIN = tl.constexpr(SQ_MIN)
 
 
 # ----------------------------------------------------------------------------------------- Triton
@@ -170,11 +172,11 @@ def _qk_half(b_kp, b_a0, b_a1, b_a2, b_a3, BITS: tl.constexpr, USE_ASM: tl.const
 
 @triton.jit
 def _masked_scores(
-    b_si, b_sq, b_qb, o_key, m_key, o_pos, window, softcap,
+    b_s, b_qb, o_key, m_key, o_pos, window, softcap,
     IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
-    """Integer scores, transposed ``b_si [N keys, BM rows]`` (= k8·q8) -> base-2 logits, -inf where masked."""
-    b_s = b_si.to(tl.float32) * b_sq[None, :]
+    """Scores ``b_s [N keys, BM rows]`` (fp32) -> -inf where masked (``m_key`` [N] false, or the key invisible to
+    the row); with softcap the base-2 logits ``s`` first become ``cap(s + qb)``."""
     if HAS_SOFTCAP:  # base-2 logits: softcap * tanh(s / softcap), tanh via exp2 (reference formula)
         b_s = b_s + b_qb[None, :]
         b_s = (1.0 - 2.0 / (tl.exp2(b_s * (2.0 / softcap)) + 1.0)) * (softcap * 1.4426950408889634)
@@ -239,7 +241,8 @@ def _int8_tile(
     accᵀ [BD, BM] += P·V with b_v [BD, BS] INT8 values, or (PER_TOKEN) codes whose per-token integer
     scale/zero b_vs/b_vz [BS] (fp32) ride in P: w = p·s_t quantized per row, + Σ_t p·z_t."""
     b_si = tl.dot(b_k, b_qt, out_dtype=tl.int32)
-    b_s = _masked_scores(b_si, b_sq, b_qb, o_key, m_key, o_pos, window, softcap, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP)
+    b_s = _masked_scores(b_si.to(tl.float32) * b_sq[None, :], b_qb, o_key, m_key, o_pos, window, softcap, IS_CAUSAL,
+                         HAS_WINDOW, HAS_SOFTCAP)
     b_mn, b_ms, b_alpha = _running_max(b_m, tl.max(b_s, 0))
     b_p = _probs(b_s, b_ms, sas_thr, USE_SAS)
     if PER_TOKEN:
@@ -267,15 +270,20 @@ def _fold_scores(
     t, ok, p_kb, ks, kz, kvalid, o_sbase, o_kvrow, o_d, m_d, o_dk, m_dk, o_t0, o_t1, b_q32, b_q0, b_q1, b_q2, b_q3,
     b_sq, b_qb, o_pos, n_sink, window, softcap,
     BS: tl.constexpr, D: tl.constexpr, DK: tl.constexpr, BITS: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_KVALID: tl.constexpr, USE_ASM: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_KVALID: tl.constexpr, MASKED: tl.constexpr,
+    USE_ASM: tl.constexpr,
 ):
-    """Base-2 logits of packed block ``t`` (folded K·Qᵀ, no INT8 tile restored) as its two token parts
-    ``[BS // 2, BM]``; -inf where masked, and everywhere when ``ok`` is false (the padding block of a step)."""
+    """Packed block ``t`` (folded K·Qᵀ, no INT8 tile restored) as ``(f0, f1, a, c)``: its base-2 logits are
+    ``fma(f, a, c)`` per token part ``f [BS // 2, BM]`` and row (twin: ``reference.fold_logits_ref``).
+    Without softcap f = float(Σ_c code·(q8·s_k)[c]), a = sq, c = sq·Σ_c q8·z_k: the zero term and the later
+    ``- m`` ride in one FMA per score, and the block's row max is ``fma(max f, sq, c)`` (sq > 0). With softcap f
+    is the capped logit itself (a = 1, c = 0). f = -inf where masked (MASKED: causal / window / key_valid; a
+    block every row sees needs none); c = -inf for the padding block of a step (``ok`` false)."""
     BM: tl.constexpr = b_q32.shape[0]
     o_sc = o_sbase + t * D + o_d
     b_ks0, b_ks1, b_ks2, b_ks3 = _channel_parts(tl.load(ks + o_sc, mask=m_d, other=0).to(tl.int32)[None, :], BITS)
     b_kz = tl.load(kz + o_sc, mask=m_d, other=0).to(tl.int32)
-    b_zq = tl.sum(b_q32 * b_kz[None, :], 1)[None, :]  # Σ_c q8·z_k, [1, BM]
+    b_zq = tl.sum(b_q32 * b_kz[None, :], 1).to(tl.float32)  # Σ_c q8·z_k [BM], exact (< 2^24)
     b_a0 = _a_split(b_q0, b_ks0)
     b_a1 = _a_split(b_q1, b_ks1)
     if BITS == 2:
@@ -287,35 +295,42 @@ def _fold_scores(
     p_kt = p_kb + t * (BS * DK) + o_dk[None, :]
     b_kp0 = tl.load(p_kt + o_t0[:, None] * DK, mask=m_dk[None, :], other=0)
     b_kp1 = tl.load(p_kt + o_t1[:, None] * DK, mask=m_dk[None, :], other=0)
-    b_si0 = _qk_half(b_kp0, b_a0, b_a1, b_a2, b_a3, BITS, USE_ASM) + b_zq
-    b_si1 = _qk_half(b_kp1, b_a0, b_a1, b_a2, b_a3, BITS, USE_ASM) + b_zq
-    o_key0 = n_sink + t * BS + o_t0
-    o_key1 = n_sink + t * BS + o_t1
-    if HAS_KVALID:
-        m_key0 = (tl.load(kvalid + o_kvrow + o_key0) != 0) & ok
-        m_key1 = (tl.load(kvalid + o_kvrow + o_key1) != 0) & ok
+    b_f0 = _qk_half(b_kp0, b_a0, b_a1, b_a2, b_a3, BITS, USE_ASM).to(tl.float32)
+    b_f1 = _qk_half(b_kp1, b_a0, b_a1, b_a2, b_a3, BITS, USE_ASM).to(tl.float32)
+    b_c = b_zq * b_sq
+    if MASKED or HAS_SOFTCAP:
+        o_key0 = n_sink + t * BS + o_t0
+        o_key1 = n_sink + t * BS + o_t1
+        if HAS_KVALID:
+            m_key0 = (tl.load(kvalid + o_kvrow + o_key0) != 0) & ok
+            m_key1 = (tl.load(kvalid + o_kvrow + o_key1) != 0) & ok
+        else:
+            m_key0 = (o_t0 < BS) & ok
+            m_key1 = m_key0
+        if HAS_SOFTCAP:  # the cap is not linear: f becomes the logit itself
+            b_f0 = tl.math.fma(b_f0, b_sq[None, :], b_c[None, :])
+            b_f1 = tl.math.fma(b_f1, b_sq[None, :], b_c[None, :])
+        b_f0 = _masked_scores(b_f0, b_qb, o_key0, m_key0, o_pos, window, softcap, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP)
+        b_f1 = _masked_scores(b_f1, b_qb, o_key1, m_key1, o_pos, window, softcap, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP)
+    if HAS_SOFTCAP:
+        b_a = tl.full([BM], 1.0, tl.float32)
+        b_c = tl.zeros([BM], dtype=tl.float32)
     else:
-        m_key0 = (o_t0 < BS) & ok
-        m_key1 = m_key0
-    b_s0 = _masked_scores(b_si0, b_sq, b_qb, o_key0, m_key0, o_pos, window, softcap, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP)
-    b_s1 = _masked_scores(b_si1, b_sq, b_qb, o_key1, m_key1, o_pos, window, softcap, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP)
-    return b_s0, b_s1
+        b_a = b_sq
+        b_c = tl.where(ok, b_c, float("-inf"))
+    return b_f0, b_f1, b_a, b_c
 
 
 @triton.jit
-def _fold_pv(t, b_p0, b_p1, p_vb, vs, vz, o_vsbase, o_d, m_d, o_sb,
-             BS: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, USE_ASM: tl.constexpr):
-    """P·V of packed block ``t`` from its two token parts' probabilities ``[BS // 2, BM]``, transposed:
-    (``Σ_t code·w8 · max w / 127`` [BD, BM], ``p·z_t`` [BS // 2, BM] to be summed over tokens). V's per-token
-    scale rides in P (w = p·s_t, quantized per row of the block, twin ``reference.pv_tile_ref``)."""
+def _fold_v(t, p_vb, vs, vz, o_vsbase, o_d, m_d, o_sb, BS: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
+            USE_ASM: tl.constexpr):
+    """V of packed block ``t`` in its two token parts: codes ``[BD, BS // 2]`` (straight from the packed bytes)
+    and the per-token integer scale and zero ``[BS // 2]`` (fp32) of each part."""
     BD: tl.constexpr = o_d.shape[0]
     BSB: tl.constexpr = o_sb.shape[0]
     o_vs = o_vsbase + t * BS + tl.arange(0, BS)
     b_vs0, b_vs1 = _token_parts(tl.load(vs + o_vs).to(tl.float32), BITS)
     b_vz0, b_vz1 = _token_parts(tl.load(vz + o_vs).to(tl.float32), BITS)
-    b_w0 = b_p0 * b_vs0[:, None]
-    b_w1 = b_p1 * b_vs1[:, None]
-    b_inv, b_f = _p_scale(tl.max(tl.maximum(b_w0, b_w1), 0))
     b_vp = tl.load(p_vb + t * (D * BSB) + o_d[:, None] * BSB + o_sb[None, :], mask=m_d[:, None], other=0)
     if BITS == 4:
         b_vc0 = _codes(b_vp, 0, 4, USE_ASM)
@@ -323,9 +338,67 @@ def _fold_pv(t, b_p0, b_p1, p_vb, vs, vz, o_vsbase, o_d, m_d, o_sb,
     else:
         b_vc0 = tl.reshape(tl.join(_codes(b_vp, 0, 2, USE_ASM), _codes(b_vp, 2, 2, USE_ASM)), (BD, BS // 2))
         b_vc1 = tl.reshape(tl.join(_codes(b_vp, 4, 2, USE_ASM), _codes(b_vp, 6, 2, USE_ASM)), (BD, BS // 2))
-    b_pc = tl.dot(b_vc0, _p_codes(b_w0, b_inv), out_dtype=tl.int32)
-    b_pc = tl.dot(b_vc1, _p_codes(b_w1, b_inv), acc=b_pc, out_dtype=tl.int32)
-    return b_pc.to(tl.float32) * b_f[None, :], b_p0 * b_vz0[:, None] + b_p1 * b_vz1[:, None]
+    return b_vc0, b_vc1, b_vs0, b_vs1, b_vz0, b_vz1
+
+
+@triton.jit
+def _fold_probs(b_f, b_a, b_cm, sas_thr, USE_SAS: tl.constexpr):
+    """p = exp2(fma(f, a, c - m)) (exact exp2 or SAS) of one token part of a folded block (``_fold_scores``)."""
+    b_x = tl.math.fma(b_f, b_a[None, :], b_cm[None, :])
+    if USE_SAS:
+        b_p = sas_exp2(b_x, sas_thr)
+    else:
+        b_p = tl.exp2(b_x)
+    return b_p
+
+
+@triton.jit
+def _fold_step(
+    b_acc, b_m, b_l, t, t_end, p_kb, ks, kz, kvalid, o_sbase, o_kvrow, o_d, m_d, o_dk, m_dk, o_t0, o_t1,
+    b_q32, b_q0, b_q1, b_q2, b_q3, b_sq, b_qb, o_pos, n_sink, window, softcap, sas_thr, p_vb, vs, vz, o_vsbase, o_sb,
+    BS: tl.constexpr, D: tl.constexpr, DK: tl.constexpr, BITS: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_KVALID: tl.constexpr, MASKED: tl.constexpr,
+    USE_SAS: tl.constexpr, USE_ASM: tl.constexpr,
+):
+    """One online-softmax step over packed blocks t and t + 1 (< t_end; else a padding copy of t, c = -inf)."""
+    t_b = tl.minimum(t + 1, t_end - 1)
+    b_f0a, b_f1a, b_aa, b_ca = _fold_scores(
+        t, True, p_kb, ks, kz, kvalid, o_sbase, o_kvrow, o_d, m_d, o_dk, m_dk, o_t0, o_t1, b_q32, b_q0, b_q1, b_q2,
+        b_q3, b_sq, b_qb, o_pos, n_sink, window, softcap, BS, D, DK, BITS, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
+        HAS_KVALID, MASKED, USE_ASM)
+    b_f0b, b_f1b, b_ab, b_cb = _fold_scores(
+        t_b, t + 1 < t_end, p_kb, ks, kz, kvalid, o_sbase, o_kvrow, o_d, m_d, o_dk, m_dk, o_t0, o_t1, b_q32, b_q0,
+        b_q1, b_q2, b_q3, b_sq, b_qb, o_pos, n_sink, window, softcap, BS, D, DK, BITS, IS_CAUSAL, HAS_WINDOW,
+        HAS_SOFTCAP, HAS_KVALID, MASKED, USE_ASM)
+    # row max of fma(f, a, c) = fma(row max f, a, c): a > 0 and rounding is monotone
+    b_tmax = tl.maximum(tl.math.fma(tl.max(tl.maximum(b_f0a, b_f1a), 0), b_aa, b_ca),
+                        tl.math.fma(tl.max(tl.maximum(b_f0b, b_f1b), 0), b_ab, b_cb))
+    b_m, b_ms, b_alpha = _running_max(b_m, b_tmax)
+    b_cma = b_ca - b_ms
+    b_cmb = b_cb - b_ms
+    b_p0a = _fold_probs(b_f0a, b_aa, b_cma, sas_thr, USE_SAS)
+    b_p1a = _fold_probs(b_f1a, b_aa, b_cma, sas_thr, USE_SAS)
+    b_p0b = _fold_probs(b_f0b, b_ab, b_cmb, sas_thr, USE_SAS)
+    b_p1b = _fold_probs(b_f1b, b_ab, b_cmb, sas_thr, USE_SAS)
+    # P·V of the step's two blocks in one INT8 accumulator: V's per-token scale rides in P (w = p·s_t), w
+    # quantized per row over the whole step (twin: reference.pv_tile_ref over the step's tiles), zeros as Σ p·z_t
+    b_vc0a, b_vc1a, b_vs0a, b_vs1a, b_vz0a, b_vz1a = _fold_v(t, p_vb, vs, vz, o_vsbase, o_d, m_d, o_sb, BS, D, BITS,
+                                                             USE_ASM)
+    b_vc0b, b_vc1b, b_vs0b, b_vs1b, b_vz0b, b_vz1b = _fold_v(t_b, p_vb, vs, vz, o_vsbase, o_d, m_d, o_sb, BS, D,
+                                                             BITS, USE_ASM)
+    b_w0a = b_p0a * b_vs0a[:, None]
+    b_w1a = b_p1a * b_vs1a[:, None]
+    b_w0b = b_p0b * b_vs0b[:, None]
+    b_w1b = b_p1b * b_vs1b[:, None]
+    b_inv, b_f = _p_scale(tl.max(tl.maximum(tl.maximum(b_w0a, b_w1a), tl.maximum(b_w0b, b_w1b)), 0))
+    b_pc = tl.dot(b_vc0a, _p_codes(b_w0a, b_inv), out_dtype=tl.int32)
+    b_pc = tl.dot(b_vc1a, _p_codes(b_w1a, b_inv), acc=b_pc, out_dtype=tl.int32)
+    b_pc = tl.dot(b_vc0b, _p_codes(b_w0b, b_inv), acc=b_pc, out_dtype=tl.int32)
+    b_pc = tl.dot(b_vc1b, _p_codes(b_w1b, b_inv), acc=b_pc, out_dtype=tl.int32)
+    b_zs = tl.sum((b_p0a * b_vz0a[:, None] + b_p1a * b_vz1a[:, None]) + (b_p0b * b_vz0b[:, None] + b_p1b * b_vz1b[:, None]), 0)
+    b_l = tl.math.fma(b_l, b_alpha, tl.sum((b_p0a + b_p1a) + (b_p0b + b_p1b), 0))
+    b_acc = tl.math.fma(b_acc, b_alpha[None, :], tl.math.fma(b_pc.to(tl.float32), b_f[None, :], b_zs[None, :]))
+    return b_acc, b_m, b_l
 
 
 @triton.jit
@@ -407,7 +480,8 @@ def _decode_program(
     b_x = tl.where(b_x >= 0, b_x + 0.5, b_x - 0.5).to(tl.int32)
     b_q32 = tl.minimum(tl.maximum(b_x, -127), 127)
     b_qt = tl.trans(b_q32.to(tl.int8))  # [BD, BM]
-    b_sq = tl.math.div_rn(b_amax, tl.full([BM], 127.0, tl.float32)) * qscale
+    # > 0 even for an all-zero row (its q8 and scores are 0): folded logits are fma(f, sq, c) with f = -inf masked
+    b_sq = tl.maximum(tl.math.div_rn(b_amax, tl.full([BM], 127.0, tl.float32)) * qscale, _SQ_MIN)
     if HAS_SOFTCAP and HAS_MEAN:  # smoothing correction qscale * q.mean_k, added before the cap
         b_mk = tl.load(mk + o_kvh + o_d, mask=m_d, other=0.0)
         b_qb = tl.sum(b_qf * b_mk[None, :], 1) * qscale
@@ -455,27 +529,28 @@ def _decode_program(
     if DO_FOLD:
         # two blocks per step (reference.packed_tiles_per_step): one running-max update and one l / Σp·z
         # reduction per step, and two independent load -> MMA -> softmax chains for the warp to interleave.
-        # P stays quantized per block. An odd last block of the share pairs with a fully masked copy of itself.
+        # P stays quantized per block. An odd last block of a loop pairs with a padding copy of itself (c = -inf).
+        # Blocks that every row of the chunk sees completely (all of them at Lq = 1) run without per-score masks
+        # (reference.fold_unmasked_blocks); the rest, if any, in a second loop with them.
         o_kvrow = i_b64 * kv_len
-        for t in range(t_lo, t_hp, 2):
-            t_b = tl.minimum(t + 1, t_hp - 1)
-            b_s0a, b_s1a = _fold_scores(t, True, p_kb, ks, kz, kvalid, o_sbase, o_kvrow, o_d, m_d, o_dk, m_dk, o_t0,
-                                        o_t1, b_q32, b_q0, b_q1, b_q2, b_q3, b_sq, b_qb, o_pos, n_sink, window, softcap,
-                                        BS, D, DK, BITS, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_KVALID, USE_ASM)
-            b_s0b, b_s1b = _fold_scores(t_b, t + 1 < t_hp, p_kb, ks, kz, kvalid, o_sbase, o_kvrow, o_d, m_d, o_dk,
-                                        m_dk, o_t0, o_t1, b_q32, b_q0, b_q1, b_q2, b_q3, b_sq, b_qb, o_pos, n_sink,
-                                        window, softcap, BS, D, DK, BITS, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
-                                        HAS_KVALID, USE_ASM)
-            b_m, b_ms, b_alpha = _running_max(
-                b_m, tl.max(tl.maximum(tl.maximum(b_s0a, b_s1a), tl.maximum(b_s0b, b_s1b)), 0))
-            b_p0a = _probs(b_s0a, b_ms, sas_thr, USE_SAS)
-            b_p1a = _probs(b_s1a, b_ms, sas_thr, USE_SAS)
-            b_p0b = _probs(b_s0b, b_ms, sas_thr, USE_SAS)
-            b_p1b = _probs(b_s1b, b_ms, sas_thr, USE_SAS)
-            b_pva, b_za = _fold_pv(t, b_p0a, b_p1a, p_vb, vs, vz, o_vsbase, o_d, m_d, o_sb, BS, D, BITS, USE_ASM)
-            b_pvb, b_zb = _fold_pv(t_b, b_p0b, b_p1b, p_vb, vs, vz, o_vsbase, o_d, m_d, o_sb, BS, D, BITS, USE_ASM)
-            b_l = tl.math.fma(b_l, b_alpha, tl.sum((b_p0a + b_p1a) + (b_p0b + b_p1b), 0))
-            b_acc = tl.math.fma(b_acc, b_alpha[None, :], (b_pva + b_pvb) + tl.sum(b_za + b_zb, 0)[None, :])
+        if HAS_WINDOW or HAS_KVALID or HAS_SOFTCAP:
+            t_u = t_lo
+        elif IS_CAUSAL:
+            t_u = tl.minimum(tl.maximum(tl.maximum(kv_len - Lq - n_sink + 1, 0) // BS, t_lo), t_hp)
+        else:
+            t_u = t_hp
+        for t in range(t_lo, t_u, 2):
+            b_acc, b_m, b_l = _fold_step(
+                b_acc, b_m, b_l, t, t_u, p_kb, ks, kz, kvalid, o_sbase, o_kvrow, o_d, m_d, o_dk, m_dk, o_t0, o_t1,
+                b_q32, b_q0, b_q1, b_q2, b_q3, b_sq, b_qb, o_pos, n_sink, window, softcap, sas_thr, p_vb, vs, vz,
+                o_vsbase, o_sb, BS, D, DK, BITS, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_KVALID, False, USE_SAS,
+                USE_ASM)
+        for t in range(t_u, t_hp, 2):
+            b_acc, b_m, b_l = _fold_step(
+                b_acc, b_m, b_l, t, t_hp, p_kb, ks, kz, kvalid, o_sbase, o_kvrow, o_d, m_d, o_dk, m_dk, o_t0, o_t1,
+                b_q32, b_q0, b_q1, b_q2, b_q3, b_sq, b_qb, o_pos, n_sink, window, softcap, sas_thr, p_vb, vs, vz,
+                o_vsbase, o_sb, BS, D, DK, BITS, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_KVALID, True, USE_SAS,
+                USE_ASM)
     else:
         for t in range(t_lo, t_hp):
             o_key = n_sink + t * BS + o_n

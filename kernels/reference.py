@@ -541,10 +541,10 @@ def prepare_query_ref(q, k_scale, k_mean, scale, softcap):
 
 
 def _group_tiles_ref(grp, k_tail, v_tail, n_tail, bs, n_sink=0):
-    """Yield ``(positions [n], k8 [b, H, n, d], v [b, H, n, d], vs [b, H, n], vz [b, H, n])`` per tile of one
-    bit group (packed blocks, then the INT8 buffer in tiles of ``bs`` slots: sinks, recent window + tail):
+    """Yield ``(positions [n], k8 [b, H, n, d], v [b, H, n, d], vs [b, H, n], vz [b, H, n], kz)`` per tile of
+    one bit group (packed blocks, then the INT8 buffer in tiles of ``bs`` slots: sinks, recent window + tail):
     K restored to INT8, V as codes with its per-token integer scale/zero (INT8 tiles: the INT8 values,
-    scale 1, zero 0)."""
+    scale 1, zero 0), ``kz [b, H, d]`` K's integer zero of a 4/2-bit block (None otherwise)."""
     heads = grp.heads.long().to(k_tail.device)
     for t in range(grp.n_blocks):
         k, v = grp.k[:, :, t], grp.v[:, :, t]
@@ -553,12 +553,14 @@ def _group_tiles_ref(grp, k_tail, v_tail, n_tail, bs, n_sink=0):
             k8, vc = k, v.transpose(-1, -2)
             vs = torch.ones(b, h, bs, device=k.device)
             vz = torch.zeros(b, h, bs, device=k.device)
+            kz = None
         else:
             k8 = unpack_blocks_ref(k.reshape(b * h, *k.shape[2:]), grp.k_scale[:, :, t].reshape(b * h, -1),
                                    grp.k_zero[:, :, t].reshape(b * h, -1), grp.bits, 0).view(b, h, bs, -1)
             vc = unpack_codes_ref(v, grp.bits).transpose(-1, -2)
             vs, vz = grp.v_scale[:, :, t].float(), grp.v_zero[:, :, t].float()
-        yield torch.arange(n_sink + t * bs, n_sink + (t + 1) * bs, device=k.device), k8, vc, vs, vz
+            kz = grp.k_zero[:, :, t]
+        yield torch.arange(n_sink + t * bs, n_sink + (t + 1) * bs, device=k.device), k8, vc, vs, vz, kz
     for s0 in range(0, n_tail, bs):
         s1 = min(s0 + bs, n_tail)
         k8 = k_tail[:, heads, s0:s1]
@@ -566,7 +568,22 @@ def _group_tiles_ref(grp, k_tail, v_tail, n_tail, bs, n_sink=0):
         slot = torch.arange(s0, s1, device=k8.device)
         pos = torch.where(slot < n_sink, slot, slot + grp.n_blocks * bs)
         yield (pos, k8, v_tail[:, heads, :, s0:s1].transpose(-1, -2),
-               torch.ones(b, h, n, device=k8.device), torch.zeros(b, h, n, device=k8.device))
+               torch.ones(b, h, n, device=k8.device), torch.zeros(b, h, n, device=k8.device), None)
+
+
+def fold_logits_ref(s_int, zq, sq, qb, softcap):
+    """Base-2 logits of a folded packed tile as the decode kernel forms them (``decode._fold_scores``):
+    ``fma(f, a, c)`` with f = float(q8·k8 - zq) (the folded integer score: Σ_c code·q8·s_k), a = sq and
+    c = sq·zq (``zq [.., R, 1] = Σ_c q8·z_k``), so the zero term and the running max ride in one FMA; with softcap
+    f = cap(fma(f, sq, c) + qb), a = 1, c = 0. s_int, zq fp64 holding integers; returns (f, a [.., R], c [.., R])."""
+    f = (s_int - zq).to(torch.float32)
+    c = zq[..., 0].to(torch.float32) * sq
+    if not softcap:
+        return f, sq, c
+    f = fma(f, sq[..., None], c[..., None])
+    if qb is not None:
+        f = f + qb[..., None]
+    return _tanh_softcap_base2(f, float(softcap)), torch.ones_like(sq), torch.zeros_like(sq)
 
 
 def pv_tile_ref(p: torch.Tensor, vc: torch.Tensor, vs: torch.Tensor, vz: torch.Tensor) -> torch.Tensor:
@@ -590,9 +607,22 @@ def pv_tile_ref(p: torch.Tensor, vc: torch.Tensor, vs: torch.Tensor, vz: torch.T
 def packed_tiles_per_step(bits: int, head_dim: int, block: int, fold: bool = True) -> int:
     """Packed tiles per online-softmax step of the decode kernel: 2 where it folds the integer scale/zero
     (2/4-bit heads whose folded 8-bit dots reduce over >= 32: packed K bytes per row and half a block), else 1.
-    A step takes one running max over its tiles; P is still quantized per tile."""
+    A step takes one running max over its tiles and one P quantization (``pv_tile_ref`` over its tiles)."""
     bd = 1 << (head_dim - 1).bit_length()
     return 2 if fold and bits != 8 and bd // (8 // bits) >= 32 and block >= 64 else 1
+
+
+def fold_unmasked_blocks(kv_len: int, lq: int, n_sink: int, block: int, *, causal: bool, window, key_valid: bool,
+                         softcap) -> float:
+    """Packed blocks ``[0, n)`` that every query of a chunk sees completely: the decode kernel runs them without
+    per-score masks, in a loop of their own (two-block steps pair within each loop). Block t holds positions
+    ``n_sink + t·block ..``; the chunk's first query sits at ``kv_len - lq``. A window, key_valid or softcap
+    (whose logits are masked after the cap) mask every block: 0. Not causal: every block (inf)."""
+    if window or key_valid or softcap:
+        return 0
+    if not causal:
+        return math.inf
+    return max(kv_len - lq - n_sink + 1, 0) // block
 
 
 def turbo_decode_ref(q, groups, k_tail, v_tail, n_tail, k_scale, v_scale, k_mean=None, *, scale=None,
@@ -625,11 +655,14 @@ def turbo_decode_ref(q, groups, k_tail, v_tail, n_tail, k_scale, v_scale, k_mean
     n_blocks = groups[0].n_blocks
     kv_len = n_blocks * bs + n_tail
     q8, sq, qb = prepare_query_ref(q, k_scale, k_mean, scale, softcap)
+    sq = sq.clamp_min(SQ_MIN)  # > 0 for an all-zero row too (its scores are 0 either way)
     pos = torch.arange(lq, device=dev) + (kv_len - lq)
     kv = None if key_valid is None else key_valid.to(device=dev, dtype=torch.bool)
     out = torch.zeros(b, lq, hq, d, dtype=torch.float32, device=dev)
     ninf = torch.tensor(-math.inf, dtype=torch.float32, device=dev)
     n_tiles = n_blocks + -(-n_tail // bs)
+    t_u = fold_unmasked_blocks(kv_len, lq, n_sink, bs, causal=causal, window=window, key_valid=kv is not None,
+                               softcap=softcap)
     # packed blocks wholly before the window are skipped (the INT8 buffer's tiles never are)
     t0 = min(max(0, (kv_len - lq - int(window) + 1) // bs - n_sink // bs), n_blocks) if window else 0
     for grp in groups:
@@ -654,17 +687,18 @@ def turbo_decode_ref(q, groups, k_tail, v_tail, n_tail, k_scale, v_scale, k_mean
             share = tiles[s0:s0 + tps]
             n_packed = max(0, min(len(share), grp.n_blocks - t0 - s0))  # the share's packed tiles come first
             step = packed_tiles_per_step(grp.bits, d, bs, fold)
-            steps = [share[i:min(i + step, n_packed)] for i in range(0, n_packed, step)]
+            folded = step == 2
+            # kernel loops: packed tiles below t_u (no per-score masks), the other packed tiles, the INT8 tiles;
+            # two-tile steps pair within a loop
+            n_u = min(max(t_u - t0 - s0, 0), n_packed) if folded else n_packed
+            steps = [share[i:min(i + step, n_u)] for i in range(0, n_u, step)]
+            steps += [share[i:min(i + step, n_packed)] for i in range(n_u, n_packed, step)]
             steps += [[tile] for tile in share[n_packed:]]
-            for tiles_of_step in steps:  # one running-max update per step
-                s2s = []
-                for j, k8, vc, vs, vz in tiles_of_step:
+            for i_step, tiles_of_step in enumerate(steps):  # one running-max update per step
+                fold_step = folded and i_step < len(steps) - (len(share) - n_packed)
+                logits = []  # per tile (f, a, c): base-2 logits fma(f, a, c), f = -inf where masked
+                for j, k8, vc, vs, vz, kz in tiles_of_step:
                     n = k8.shape[2]
-                    s2 = (qg @ k8.to(torch.float64).transpose(-1, -2)).to(torch.float32) * sqg[..., None]
-                    if softcap:
-                        if qbg is not None:
-                            s2 = s2 + qbg[..., None]
-                        s2 = _tanh_softcap_base2(s2, float(softcap))
                     mask = torch.ones(g * lq, n, dtype=torch.bool, device=dev)
                     if causal:
                         mask &= j[None, :] <= rpos[:, None]
@@ -673,17 +707,28 @@ def turbo_decode_ref(q, groups, k_tail, v_tail, n_tail, k_scale, v_scale, k_mean
                     mask = mask.expand(b, h, g * lq, n)
                     if kv is not None:
                         mask = mask & kv[:, None, None, j]
-                    s2s.append(torch.where(mask, s2, ninf))
-                m_new = torch.maximum(m, torch.stack([s2.amax(-1) for s2 in s2s]).amax(0))
+                    s_int = qg @ k8.to(torch.float64).transpose(-1, -2)
+                    if fold_step:
+                        f, a, c = fold_logits_ref(s_int, qg @ kz.to(torch.float64)[..., None], sqg, qbg, softcap)
+                    else:
+                        f = s_int.to(torch.float32) * sqg[..., None]
+                        if softcap:
+                            if qbg is not None:
+                                f = f + qbg[..., None]
+                            f = _tanh_softcap_base2(f, float(softcap))
+                        a, c = torch.ones_like(sqg), torch.zeros_like(sqg)
+                    logits.append((torch.where(mask, f, ninf), a, c))
+                m_new = torch.maximum(m, torch.stack([fma(f.amax(-1), a, c) for f, a, c in logits]).amax(0))
                 m_safe = torch.where(m_new == -math.inf, torch.zeros_like(m_new), m_new)
                 alpha = torch.exp2(m - m_safe)
-                psum = torch.zeros_like(l)
-                pv = torch.zeros_like(acc)
-                for s2, (j, k8, vc, vs, vz) in zip(s2s, tiles_of_step):
-                    x = s2 - m_safe[..., None]
-                    p = torch.exp2(x) if softmax == "exact" else sas_exp2(x, thr2)
-                    psum = psum + p.sum(-1)
-                    pv = pv + pv_tile_ref(p, vc, vs, vz)
+                ps = []
+                for (f, a, c) in logits:
+                    x = fma(f, a[..., None], (c - m_safe)[..., None]) if fold_step else f - m_safe[..., None]
+                    ps.append(torch.exp2(x) if softmax == "exact" else sas_exp2(x, thr2))
+                psum = sum(p.sum(-1) for p in ps)
+                # P·V: one P quantization over the step's tiles (a folded step: the kernel's one INT8 accumulator)
+                pv = pv_tile_ref(torch.cat(ps, -1), *(torch.cat([tile[i] for tile in tiles_of_step], -2 if i == 2 else -1)
+                                                      for i in (2, 3, 4)))
                 l = fma(l, alpha, psum)
                 acc = fma(acc, alpha[..., None], pv)
                 m = m_new

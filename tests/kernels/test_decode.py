@@ -124,6 +124,23 @@ def test_decode_folded_steps_with_masks(device):
         assert_close(out, R.turbo_decode_ref(q, groups, kt, vt, nt, ks, vs, mu, n_splits=S, **kw), ATOL_KERNEL)
 
 
+@pytest.mark.parametrize("head_bits,softmax", [([4, 4], "exact"), ([2, 4], "sas")])
+def test_decode_folded_chunk_over_packed_blocks(head_bits, softmax, device):
+    """A query chunk whose causal edge crosses packed blocks: the folded loop runs the blocks every row sees
+    without masks and the rest masked (reference.fold_unmasked_blocks), each loop pairing its own blocks (odd
+    counts pad); an all-zero query row (sq = 0 -> SQ_MIN) keeps -inf masked logits, not NaN."""
+    b, hk, G, L, lq, d, bs = 1, 2, 2, 330, 90, 64 if head_bits[0] == 4 else 128, 64
+    q, k, v, (groups, kt, vt, nt, ks, vs, mu) = make_case(b, hk, G, L, lq, d, head_bits, bs, n_prefill=300, seed=11)
+    q[0, 1, 5] = 0.0
+    n_blocks = groups[0].n_blocks
+    assert 0 < R.fold_unmasked_blocks(L, lq, 0, bs, causal=True, window=None, key_valid=False, softcap=None) < n_blocks
+    for S in (1, 3):
+        out = turbo_decode_attention(q.to(device), to_packed(groups, device), kt.to(device), vt.to(device), nt,
+                                     ks.to(device), vs.to(device), mu.to(device), softmax=softmax, n_splits=S)
+        assert_close(out, R.turbo_decode_ref(q, groups, kt, vt, nt, ks, vs, mu, softmax=softmax, n_splits=S),
+                     ATOL_KERNEL)
+
+
 def test_decode_fully_masked_rows_are_zero(device):
     b, hk, G, L, lq, d, bs = 2, 1, 4, 40, 1, 32, 16
     q, k, v, (groups, kt, vt, nt, ks, vs, mu) = make_case(b, hk, G, L, lq, d, [4], bs, seed=3)
