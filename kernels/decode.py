@@ -322,15 +322,19 @@ def _fold_scores(
 
 
 @triton.jit
-def _fold_v(t, p_vb, vs, vz, o_vsbase, o_d, m_d, o_sb, BS: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
-            USE_ASM: tl.constexpr):
-    """V of packed block ``t`` in its two token parts: codes ``[BD, BS // 2]`` (straight from the packed bytes)
-    and the per-token integer scale and zero ``[BS // 2]`` (fp32) of each part."""
+def _fold_pv(t, b_p0, b_p1, p_vb, vs, vz, o_vsbase, o_d, m_d, o_sb,
+             BS: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, USE_ASM: tl.constexpr):
+    """P·V of packed block ``t`` from its two token parts' probabilities ``[BS // 2, BM]``, transposed:
+    (``Σ_t code·w8 · max w / 127`` [BD, BM], ``p·z_t`` [BS // 2, BM] to be summed over tokens). V's per-token
+    scale rides in P (w = p·s_t, quantized per row of the block, twin ``reference.pv_tile_ref``)."""
     BD: tl.constexpr = o_d.shape[0]
     BSB: tl.constexpr = o_sb.shape[0]
     o_vs = o_vsbase + t * BS + tl.arange(0, BS)
     b_vs0, b_vs1 = _token_parts(tl.load(vs + o_vs).to(tl.float32), BITS)
     b_vz0, b_vz1 = _token_parts(tl.load(vz + o_vs).to(tl.float32), BITS)
+    b_w0 = b_p0 * b_vs0[:, None]
+    b_w1 = b_p1 * b_vs1[:, None]
+    b_inv, b_f = _p_scale(tl.max(tl.maximum(b_w0, b_w1), 0))
     b_vp = tl.load(p_vb + t * (D * BSB) + o_d[:, None] * BSB + o_sb[None, :], mask=m_d[:, None], other=0)
     if BITS == 4:
         b_vc0 = _codes(b_vp, 0, 4, USE_ASM)
@@ -338,7 +342,9 @@ def _fold_v(t, p_vb, vs, vz, o_vsbase, o_d, m_d, o_sb, BS: tl.constexpr, D: tl.c
     else:
         b_vc0 = tl.reshape(tl.join(_codes(b_vp, 0, 2, USE_ASM), _codes(b_vp, 2, 2, USE_ASM)), (BD, BS // 2))
         b_vc1 = tl.reshape(tl.join(_codes(b_vp, 4, 2, USE_ASM), _codes(b_vp, 6, 2, USE_ASM)), (BD, BS // 2))
-    return b_vc0, b_vc1, b_vs0, b_vs1, b_vz0, b_vz1
+    b_pc = tl.dot(b_vc0, _p_codes(b_w0, b_inv), out_dtype=tl.int32)
+    b_pc = tl.dot(b_vc1, _p_codes(b_w1, b_inv), acc=b_pc, out_dtype=tl.int32)
+    return b_pc.to(tl.float32) * b_f[None, :], b_p0 * b_vz0[:, None] + b_p1 * b_vz1[:, None]
 
 
 @triton.jit
@@ -380,24 +386,10 @@ def _fold_step(
     b_p1a = _fold_probs(b_f1a, b_aa, b_cma, sas_thr, USE_SAS)
     b_p0b = _fold_probs(b_f0b, b_ab, b_cmb, sas_thr, USE_SAS)
     b_p1b = _fold_probs(b_f1b, b_ab, b_cmb, sas_thr, USE_SAS)
-    # P·V of the step's two blocks in one INT8 accumulator: V's per-token scale rides in P (w = p·s_t), w
-    # quantized per row over the whole step (twin: reference.pv_tile_ref over the step's tiles), zeros as Σ p·z_t
-    b_vc0a, b_vc1a, b_vs0a, b_vs1a, b_vz0a, b_vz1a = _fold_v(t, p_vb, vs, vz, o_vsbase, o_d, m_d, o_sb, BS, D, BITS,
-                                                             USE_ASM)
-    b_vc0b, b_vc1b, b_vs0b, b_vs1b, b_vz0b, b_vz1b = _fold_v(t_b, p_vb, vs, vz, o_vsbase, o_d, m_d, o_sb, BS, D,
-                                                             BITS, USE_ASM)
-    b_w0a = b_p0a * b_vs0a[:, None]
-    b_w1a = b_p1a * b_vs1a[:, None]
-    b_w0b = b_p0b * b_vs0b[:, None]
-    b_w1b = b_p1b * b_vs1b[:, None]
-    b_inv, b_f = _p_scale(tl.max(tl.maximum(tl.maximum(b_w0a, b_w1a), tl.maximum(b_w0b, b_w1b)), 0))
-    b_pc = tl.dot(b_vc0a, _p_codes(b_w0a, b_inv), out_dtype=tl.int32)
-    b_pc = tl.dot(b_vc1a, _p_codes(b_w1a, b_inv), acc=b_pc, out_dtype=tl.int32)
-    b_pc = tl.dot(b_vc0b, _p_codes(b_w0b, b_inv), acc=b_pc, out_dtype=tl.int32)
-    b_pc = tl.dot(b_vc1b, _p_codes(b_w1b, b_inv), acc=b_pc, out_dtype=tl.int32)
-    b_zs = tl.sum((b_p0a * b_vz0a[:, None] + b_p1a * b_vz1a[:, None]) + (b_p0b * b_vz0b[:, None] + b_p1b * b_vz1b[:, None]), 0)
+    b_pva, b_za = _fold_pv(t, b_p0a, b_p1a, p_vb, vs, vz, o_vsbase, o_d, m_d, o_sb, BS, D, BITS, USE_ASM)
+    b_pvb, b_zb = _fold_pv(t_b, b_p0b, b_p1b, p_vb, vs, vz, o_vsbase, o_d, m_d, o_sb, BS, D, BITS, USE_ASM)
     b_l = tl.math.fma(b_l, b_alpha, tl.sum((b_p0a + b_p1a) + (b_p0b + b_p1b), 0))
-    b_acc = tl.math.fma(b_acc, b_alpha[None, :], tl.math.fma(b_pc.to(tl.float32), b_f[None, :], b_zs[None, :]))
+    b_acc = tl.math.fma(b_acc, b_alpha[None, :], (b_pva + b_pvb) + tl.sum(b_za + b_zb, 0)[None, :])
     return b_acc, b_m, b_l
 
 

@@ -607,7 +607,7 @@ def pv_tile_ref(p: torch.Tensor, vc: torch.Tensor, vs: torch.Tensor, vz: torch.T
 def packed_tiles_per_step(bits: int, head_dim: int, block: int, fold: bool = True) -> int:
     """Packed tiles per online-softmax step of the decode kernel: 2 where it folds the integer scale/zero
     (2/4-bit heads whose folded 8-bit dots reduce over >= 32: packed K bytes per row and half a block), else 1.
-    A step takes one running max over its tiles and one P quantization (``pv_tile_ref`` over its tiles)."""
+    A step takes one running max over its tiles; P is still quantized per tile."""
     bd = 1 << (head_dim - 1).bit_length()
     return 2 if fold and bits != 8 and bd // (8 // bits) >= 32 and block >= 64 else 1
 
@@ -725,10 +725,11 @@ def turbo_decode_ref(q, groups, k_tail, v_tail, n_tail, k_scale, v_scale, k_mean
                 for (f, a, c) in logits:
                     x = fma(f, a[..., None], (c - m_safe)[..., None]) if fold_step else f - m_safe[..., None]
                     ps.append(torch.exp2(x) if softmax == "exact" else sas_exp2(x, thr2))
-                psum = sum(p.sum(-1) for p in ps)
-                # P·V: one P quantization over the step's tiles (a folded step: the kernel's one INT8 accumulator)
-                pv = pv_tile_ref(torch.cat(ps, -1), *(torch.cat([tile[i] for tile in tiles_of_step], -2 if i == 2 else -1)
-                                                      for i in (2, 3, 4)))
+                psum = torch.zeros_like(l)
+                pv = torch.zeros_like(acc)
+                for p, (j, k8, vc, vs, vz, kz) in zip(ps, tiles_of_step):
+                    psum = psum + p.sum(-1)
+                    pv = pv + pv_tile_ref(p, vc, vs, vz)
                 l = fma(l, alpha, psum)
                 acc = fma(acc, alpha[..., None], pv)
                 m = m_new
