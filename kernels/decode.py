@@ -267,7 +267,7 @@ def _int8_tile(
 
 @triton.jit
 def _fold_scores(
-    t, ok, p_kb, ks, kz, kvalid, o_sbase, o_kvrow, o_d, m_d, o_dk, m_dk, o_t0, o_t1, b_q32, b_q0, b_q1, b_q2, b_q3,
+    t, p_kb, ks, kz, kvalid, o_sbase, o_kvrow, o_d, m_d, o_dk, m_dk, o_t0, o_t1, b_q32, b_q0, b_q1, b_q2, b_q3,
     b_sq, b_qb, o_pos, n_sink, window, softcap,
     BS: tl.constexpr, D: tl.constexpr, DK: tl.constexpr, BITS: tl.constexpr, IS_CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_KVALID: tl.constexpr, MASKED: tl.constexpr,
@@ -278,7 +278,7 @@ def _fold_scores(
     Without softcap f = float(Σ_c code·(q8·s_k)[c]), a = sq, c = sq·Σ_c q8·z_k: the zero term and the later
     ``- m`` ride in one FMA per score, and the block's row max is ``fma(max f, sq, c)`` (sq > 0). With softcap f
     is the capped logit itself (a = 1, c = 0). f = -inf where masked (MASKED: causal / window / key_valid; a
-    block every row sees needs none); c = -inf for the padding block of a step (``ok`` false)."""
+    block every row sees needs none)."""
     BM: tl.constexpr = b_q32.shape[0]
     o_sc = o_sbase + t * D + o_d
     b_ks0, b_ks1, b_ks2, b_ks3 = _channel_parts(tl.load(ks + o_sc, mask=m_d, other=0).to(tl.int32)[None, :], BITS)
@@ -302,10 +302,10 @@ def _fold_scores(
         o_key0 = n_sink + t * BS + o_t0
         o_key1 = n_sink + t * BS + o_t1
         if HAS_KVALID:
-            m_key0 = (tl.load(kvalid + o_kvrow + o_key0) != 0) & ok
-            m_key1 = (tl.load(kvalid + o_kvrow + o_key1) != 0) & ok
+            m_key0 = tl.load(kvalid + o_kvrow + o_key0) != 0
+            m_key1 = tl.load(kvalid + o_kvrow + o_key1) != 0
         else:
-            m_key0 = (o_t0 < BS) & ok
+            m_key0 = o_t0 < BS
             m_key1 = m_key0
         if HAS_SOFTCAP:  # the cap is not linear: f becomes the logit itself
             b_f0 = tl.math.fma(b_f0, b_sq[None, :], b_c[None, :])
@@ -317,7 +317,6 @@ def _fold_scores(
         b_c = tl.zeros([BM], dtype=tl.float32)
     else:
         b_a = b_sq
-        b_c = tl.where(ok, b_c, float("-inf"))
     return b_f0, b_f1, b_a, b_c
 
 
@@ -360,36 +359,25 @@ def _fold_probs(b_f, b_a, b_cm, sas_thr, USE_SAS: tl.constexpr):
 
 @triton.jit
 def _fold_step(
-    b_acc, b_m, b_l, t, t_end, p_kb, ks, kz, kvalid, o_sbase, o_kvrow, o_d, m_d, o_dk, m_dk, o_t0, o_t1,
+    b_acc, b_m, b_l, t, p_kb, ks, kz, kvalid, o_sbase, o_kvrow, o_d, m_d, o_dk, m_dk, o_t0, o_t1,
     b_q32, b_q0, b_q1, b_q2, b_q3, b_sq, b_qb, o_pos, n_sink, window, softcap, sas_thr, p_vb, vs, vz, o_vsbase, o_sb,
     BS: tl.constexpr, D: tl.constexpr, DK: tl.constexpr, BITS: tl.constexpr, IS_CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_KVALID: tl.constexpr, MASKED: tl.constexpr,
     USE_SAS: tl.constexpr, USE_ASM: tl.constexpr,
 ):
-    """One online-softmax step over packed blocks t and t + 1 (< t_end; else a padding copy of t, c = -inf)."""
-    t_b = tl.minimum(t + 1, t_end - 1)
-    b_f0a, b_f1a, b_aa, b_ca = _fold_scores(
-        t, True, p_kb, ks, kz, kvalid, o_sbase, o_kvrow, o_d, m_d, o_dk, m_dk, o_t0, o_t1, b_q32, b_q0, b_q1, b_q2,
+    """One online-softmax step over packed block t, folded (no INT8 tile restored)."""
+    b_f0, b_f1, b_a, b_c = _fold_scores(
+        t, p_kb, ks, kz, kvalid, o_sbase, o_kvrow, o_d, m_d, o_dk, m_dk, o_t0, o_t1, b_q32, b_q0, b_q1, b_q2,
         b_q3, b_sq, b_qb, o_pos, n_sink, window, softcap, BS, D, DK, BITS, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
         HAS_KVALID, MASKED, USE_ASM)
-    b_f0b, b_f1b, b_ab, b_cb = _fold_scores(
-        t_b, t + 1 < t_end, p_kb, ks, kz, kvalid, o_sbase, o_kvrow, o_d, m_d, o_dk, m_dk, o_t0, o_t1, b_q32, b_q0,
-        b_q1, b_q2, b_q3, b_sq, b_qb, o_pos, n_sink, window, softcap, BS, D, DK, BITS, IS_CAUSAL, HAS_WINDOW,
-        HAS_SOFTCAP, HAS_KVALID, MASKED, USE_ASM)
     # row max of fma(f, a, c) = fma(row max f, a, c): a > 0 and rounding is monotone
-    b_tmax = tl.maximum(tl.math.fma(tl.max(tl.maximum(b_f0a, b_f1a), 0), b_aa, b_ca),
-                        tl.math.fma(tl.max(tl.maximum(b_f0b, b_f1b), 0), b_ab, b_cb))
-    b_m, b_ms, b_alpha = _running_max(b_m, b_tmax)
-    b_cma = b_ca - b_ms
-    b_cmb = b_cb - b_ms
-    b_p0a = _fold_probs(b_f0a, b_aa, b_cma, sas_thr, USE_SAS)
-    b_p1a = _fold_probs(b_f1a, b_aa, b_cma, sas_thr, USE_SAS)
-    b_p0b = _fold_probs(b_f0b, b_ab, b_cmb, sas_thr, USE_SAS)
-    b_p1b = _fold_probs(b_f1b, b_ab, b_cmb, sas_thr, USE_SAS)
-    b_pva, b_za = _fold_pv(t, b_p0a, b_p1a, p_vb, vs, vz, o_vsbase, o_d, m_d, o_sb, BS, D, BITS, USE_ASM)
-    b_pvb, b_zb = _fold_pv(t_b, b_p0b, b_p1b, p_vb, vs, vz, o_vsbase, o_d, m_d, o_sb, BS, D, BITS, USE_ASM)
-    b_l = tl.math.fma(b_l, b_alpha, tl.sum((b_p0a + b_p1a) + (b_p0b + b_p1b), 0))
-    b_acc = tl.math.fma(b_acc, b_alpha[None, :], (b_pva + b_pvb) + tl.sum(b_za + b_zb, 0)[None, :])
+    b_m, b_ms, b_alpha = _running_max(b_m, tl.math.fma(tl.max(tl.maximum(b_f0, b_f1), 0), b_a, b_c))
+    b_cm = b_c - b_ms
+    b_p0 = _fold_probs(b_f0, b_a, b_cm, sas_thr, USE_SAS)
+    b_p1 = _fold_probs(b_f1, b_a, b_cm, sas_thr, USE_SAS)
+    b_pv, b_z = _fold_pv(t, b_p0, b_p1, p_vb, vs, vz, o_vsbase, o_d, m_d, o_sb, BS, D, BITS, USE_ASM)
+    b_l = tl.math.fma(b_l, b_alpha, tl.sum(b_p0 + b_p1, 0))
+    b_acc = tl.math.fma(b_acc, b_alpha[None, :], b_pv + tl.sum(b_z, 0)[None, :])
     return b_acc, b_m, b_l
 
 
@@ -519,11 +507,10 @@ def _decode_program(
         o_t1 = o_t0 + 2
     # ---- packed blocks
     if DO_FOLD:
-        # two blocks per step (reference.packed_tiles_per_step): one running-max update and one l / Σp·z
-        # reduction per step, and two independent load -> MMA -> softmax chains for the warp to interleave.
-        # P stays quantized per block. An odd last block of a loop pairs with a padding copy of itself (c = -inf).
-        # Blocks that every row of the chunk sees completely (all of them at Lq = 1) run without per-score masks
-        # (reference.fold_unmasked_blocks); the rest, if any, in a second loop with them.
+        # One block per step. Blocks that every row of the chunk sees completely (all of them at Lq = 1) run
+        # without per-score masks (reference.fold_unmasked_blocks), the rest, if any, in a second loop with them.
+        # (Two blocks per step, one running-max update for both, measured slower or equal: eval/PERF_NOTES.md,
+        # decode round 7 -- with 255 registers per thread the pair spilled in the two-group `mixed` kernel.)
         o_kvrow = i_b64 * kv_len
         if HAS_WINDOW or HAS_KVALID or HAS_SOFTCAP:
             t_u = t_lo
@@ -531,15 +518,15 @@ def _decode_program(
             t_u = tl.minimum(tl.maximum(tl.maximum(kv_len - Lq - n_sink + 1, 0) // BS, t_lo), t_hp)
         else:
             t_u = t_hp
-        for t in range(t_lo, t_u, 2):
+        for t in range(t_lo, t_u):
             b_acc, b_m, b_l = _fold_step(
-                b_acc, b_m, b_l, t, t_u, p_kb, ks, kz, kvalid, o_sbase, o_kvrow, o_d, m_d, o_dk, m_dk, o_t0, o_t1,
+                b_acc, b_m, b_l, t, p_kb, ks, kz, kvalid, o_sbase, o_kvrow, o_d, m_d, o_dk, m_dk, o_t0, o_t1,
                 b_q32, b_q0, b_q1, b_q2, b_q3, b_sq, b_qb, o_pos, n_sink, window, softcap, sas_thr, p_vb, vs, vz,
                 o_vsbase, o_sb, BS, D, DK, BITS, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_KVALID, False, USE_SAS,
                 USE_ASM)
-        for t in range(t_u, t_hp, 2):
+        for t in range(t_u, t_hp):
             b_acc, b_m, b_l = _fold_step(
-                b_acc, b_m, b_l, t, t_hp, p_kb, ks, kz, kvalid, o_sbase, o_kvrow, o_d, m_d, o_dk, m_dk, o_t0, o_t1,
+                b_acc, b_m, b_l, t, p_kb, ks, kz, kvalid, o_sbase, o_kvrow, o_d, m_d, o_dk, m_dk, o_t0, o_t1,
                 b_q32, b_q0, b_q1, b_q2, b_q3, b_sq, b_qb, o_pos, n_sink, window, softcap, sas_thr, p_vb, vs, vz,
                 o_vsbase, o_sb, BS, D, DK, BITS, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_KVALID, True, USE_SAS,
                 USE_ASM)

@@ -604,18 +604,18 @@ def pv_tile_ref(p: torch.Tensor, vc: torch.Tensor, vs: torch.Tensor, vz: torch.T
     return fma(pc, _div127(wmax)[..., None], zs[..., None])
 
 
-def packed_tiles_per_step(bits: int, head_dim: int, block: int, fold: bool = True) -> int:
-    """Packed tiles per online-softmax step of the decode kernel: 2 where it folds the integer scale/zero
-    (2/4-bit heads whose folded 8-bit dots reduce over >= 32: packed K bytes per row and half a block), else 1.
-    A step takes one running max over its tiles; P is still quantized per tile."""
+def folds_packed_tiles(bits: int, head_dim: int, block: int, fold: bool = True) -> bool:
+    """Whether the decode kernel folds the integer scale/zero of packed tiles (``fold_logits_ref``): 2/4-bit heads
+    whose folded 8-bit dots reduce over >= 32 (packed K bytes per row and half a block); else it restores INT8
+    tiles (same integers, logits formed as for INT8 tiles)."""
     bd = 1 << (head_dim - 1).bit_length()
-    return 2 if fold and bits != 8 and bd // (8 // bits) >= 32 and block >= 64 else 1
+    return fold and bits != 8 and bd // (8 // bits) >= 32 and block >= 64
 
 
 def fold_unmasked_blocks(kv_len: int, lq: int, n_sink: int, block: int, *, causal: bool, window, key_valid: bool,
                          softcap) -> float:
     """Packed blocks ``[0, n)`` that every query of a chunk sees completely: the decode kernel runs them without
-    per-score masks, in a loop of their own (two-block steps pair within each loop). Block t holds positions
+    per-score masks, in a loop of their own (the same numbers: their masks are all true). Block t holds positions
     ``n_sink + t·block ..``; the chunk's first query sits at ``kv_len - lq``. A window, key_valid or softcap
     (whose logits are masked after the cap) mask every block: 0. Not causal: every block (inf)."""
     if window or key_valid or softcap:
@@ -633,15 +633,16 @@ def turbo_decode_ref(q, groups, k_tail, v_tail, n_tail, k_scale, v_scale, k_mean
     the ``n_tiles`` tiles (packed blocks, then the INT8 buffer's tiles) are cut into shares of ``ceil(n_tiles / n_splits)``
     (``n_splits``: an int, or a dict bits -> int per bit group); with a sliding window the tiles no query
     of the chunk can see are skipped first (``decode.first_visible_tile``);
-    each share runs the online softmax from scratch, in steps of ``packed_tiles_per_step`` packed tiles
-    (one running-max update per step; ``fold``: the kernel's variant) and then one INT8-buffer tile per step;
-    shares merge by the rescale
+    each share runs the online softmax from scratch, one tile per step; shares merge by the rescale
     ``m = max m_s, l = Σ l_s 2^(m_s - m), acc = Σ acc_s 2^(m_s - m)``. Per tile (fp32 state)::
 
         s2 = (q8 . k8)_int * sq  [+ qb, softcap]; masked -> -inf; m_new = max(m, rowmax s2)
         p = exp2(s2 - m_safe) (or sas_exp2);  alpha = exp2(m - m_safe)
         l = l * alpha + Σ p;  acc = acc * alpha + pv_tile_ref(p, v codes, s_t, z_t)
-        (a step of several tiles: m_new over all of them, Σ p and pv_tile_ref summed over its tiles)
+
+    Folded packed tiles (``folds_packed_tiles``; ``fold`` selects the kernel's variant) form the same logits as
+    ``fma(f, a, c)`` (``fold_logits_ref``): m_new from ``fma(rowmax f, a, c)``, p = exp2(fma(f, a, c - m_safe)).
+    sq is floored at ``SQ_MIN`` (an all-zero query row: its scores are 0 either way).
 
     and ``o = acc / l * s_v`` (0 where l == 0). Returns ``[b, Lq, HQ, d]`` in q's dtype.
     """
@@ -661,8 +662,6 @@ def turbo_decode_ref(q, groups, k_tail, v_tail, n_tail, k_scale, v_scale, k_mean
     out = torch.zeros(b, lq, hq, d, dtype=torch.float32, device=dev)
     ninf = torch.tensor(-math.inf, dtype=torch.float32, device=dev)
     n_tiles = n_blocks + -(-n_tail // bs)
-    t_u = fold_unmasked_blocks(kv_len, lq, n_sink, bs, causal=causal, window=window, key_valid=kv is not None,
-                               softcap=softcap)
     # packed blocks wholly before the window are skipped (the INT8 buffer's tiles never are)
     t0 = min(max(0, (kv_len - lq - int(window) + 1) // bs - n_sink // bs), n_blocks) if window else 0
     for grp in groups:
@@ -686,52 +685,36 @@ def turbo_decode_ref(q, groups, k_tail, v_tail, n_tail, k_scale, v_scale, k_mean
             acc = torch.zeros(b, h, g * lq, d, dtype=torch.float32, device=dev)
             share = tiles[s0:s0 + tps]
             n_packed = max(0, min(len(share), grp.n_blocks - t0 - s0))  # the share's packed tiles come first
-            step = packed_tiles_per_step(grp.bits, d, bs, fold)
-            folded = step == 2
-            # kernel loops: packed tiles below t_u (no per-score masks), the other packed tiles, the INT8 tiles;
-            # two-tile steps pair within a loop
-            n_u = min(max(t_u - t0 - s0, 0), n_packed) if folded else n_packed
-            steps = [share[i:min(i + step, n_u)] for i in range(0, n_u, step)]
-            steps += [share[i:min(i + step, n_packed)] for i in range(n_u, n_packed, step)]
-            steps += [[tile] for tile in share[n_packed:]]
-            for i_step, tiles_of_step in enumerate(steps):  # one running-max update per step
-                fold_step = folded and i_step < len(steps) - (len(share) - n_packed)
-                logits = []  # per tile (f, a, c): base-2 logits fma(f, a, c), f = -inf where masked
-                for j, k8, vc, vs, vz, kz in tiles_of_step:
-                    n = k8.shape[2]
-                    mask = torch.ones(g * lq, n, dtype=torch.bool, device=dev)
-                    if causal:
-                        mask &= j[None, :] <= rpos[:, None]
-                    if window:
-                        mask &= j[None, :] > rpos[:, None] - window
-                    mask = mask.expand(b, h, g * lq, n)
-                    if kv is not None:
-                        mask = mask & kv[:, None, None, j]
-                    s_int = qg @ k8.to(torch.float64).transpose(-1, -2)
-                    if fold_step:
-                        f, a, c = fold_logits_ref(s_int, qg @ kz.to(torch.float64)[..., None], sqg, qbg, softcap)
-                    else:
-                        f = s_int.to(torch.float32) * sqg[..., None]
-                        if softcap:
-                            if qbg is not None:
-                                f = f + qbg[..., None]
-                            f = _tanh_softcap_base2(f, float(softcap))
-                        a, c = torch.ones_like(sqg), torch.zeros_like(sqg)
-                    logits.append((torch.where(mask, f, ninf), a, c))
-                m_new = torch.maximum(m, torch.stack([fma(f.amax(-1), a, c) for f, a, c in logits]).amax(0))
+            folded = folds_packed_tiles(grp.bits, d, bs, fold)
+            for i_tile, (j, k8, vc, vs, vz, kz) in enumerate(share):  # one online-softmax step per tile
+                fold_step = folded and i_tile < n_packed
+                n = k8.shape[2]
+                mask = torch.ones(g * lq, n, dtype=torch.bool, device=dev)
+                if causal:
+                    mask &= j[None, :] <= rpos[:, None]
+                if window:
+                    mask &= j[None, :] > rpos[:, None] - window
+                mask = mask.expand(b, h, g * lq, n)
+                if kv is not None:
+                    mask = mask & kv[:, None, None, j]
+                s_int = qg @ k8.to(torch.float64).transpose(-1, -2)
+                if fold_step:
+                    f, a, c = fold_logits_ref(s_int, qg @ kz.to(torch.float64)[..., None], sqg, qbg, softcap)
+                else:
+                    f = s_int.to(torch.float32) * sqg[..., None]
+                    if softcap:
+                        if qbg is not None:
+                            f = f + qbg[..., None]
+                        f = _tanh_softcap_base2(f, float(softcap))
+                    a, c = torch.ones_like(sqg), torch.zeros_like(sqg)
+                f = torch.where(mask, f, ninf)
+                m_new = torch.maximum(m, fma(f.amax(-1), a, c))
                 m_safe = torch.where(m_new == -math.inf, torch.zeros_like(m_new), m_new)
                 alpha = torch.exp2(m - m_safe)
-                ps = []
-                for (f, a, c) in logits:
-                    x = fma(f, a[..., None], (c - m_safe)[..., None]) if fold_step else f - m_safe[..., None]
-                    ps.append(torch.exp2(x) if softmax == "exact" else sas_exp2(x, thr2))
-                psum = torch.zeros_like(l)
-                pv = torch.zeros_like(acc)
-                for p, (j, k8, vc, vs, vz, kz) in zip(ps, tiles_of_step):
-                    psum = psum + p.sum(-1)
-                    pv = pv + pv_tile_ref(p, vc, vs, vz)
-                l = fma(l, alpha, psum)
-                acc = fma(acc, alpha[..., None], pv)
+                x = fma(f, a[..., None], (c - m_safe)[..., None]) if fold_step else f - m_safe[..., None]
+                p = torch.exp2(x) if softmax == "exact" else sas_exp2(x, thr2)
+                l = fma(l, alpha, p.sum(-1))
+                acc = fma(acc, alpha[..., None], pv_tile_ref(p, vc, vs, vz))
                 m = m_new
             parts.append((m, l, acc))
         if len(parts) == 1:

@@ -58,7 +58,7 @@ CASES = [
     (1, 3, 1, 47, 3, 32, [4, 8, 2], 16, "sas", 2),
     (1, 2, 4, 100, 40, 32, [4, 8], 16, "exact", 2),  # a second prefill: G*Lq = 160 rows -> 3 M tiles
     (1, 3, 3, 130, 1, 64, [4, 2, 2], 64, "exact", 2),  # SmolLM2-135M shape: d 64, GQA 3, mixed
-    # folded packed blocks two per step: an odd count in one share (2 + 2 + 1), shares of 2 + 2 / 2 + tail
+    # folded packed blocks: 5 in one share, shares of 2 + 2 / 2 + tail
     (2, 2, 4, 330, 1, 64, [4, 4], 64, "exact", 1),
     (1, 2, 4, 400, 3, 128, [4, 2], 64, "sas", 2),
 ]
@@ -109,8 +109,7 @@ def test_decode_masks_and_softcap(variant, device):
 
 
 def test_decode_folded_steps_with_masks(device):
-    """The folded two-blocks-per-step loop honours key_valid, a window and softcap in both blocks of a step
-    and in the masked padding block of an odd share (5 packed blocks, window over the last 3)."""
+    """The folded loop honours key_valid, a window and softcap (5 packed blocks, window over the last 3)."""
     b, hk, G, L, lq, d, bs = 2, 2, 2, 330, 2, 64, 64
     q, k, v, (groups, kt, vt, nt, ks, vs, mu) = make_case(b, hk, G, L, lq, d, [4, 2], bs, seed=5)
     kv = torch.ones(b, L, dtype=torch.bool)
@@ -127,8 +126,8 @@ def test_decode_folded_steps_with_masks(device):
 @pytest.mark.parametrize("head_bits,softmax", [([4, 4], "exact"), ([2, 4], "sas")])
 def test_decode_folded_chunk_over_packed_blocks(head_bits, softmax, device):
     """A query chunk whose causal edge crosses packed blocks: the folded loop runs the blocks every row sees
-    without masks and the rest masked (reference.fold_unmasked_blocks), each loop pairing its own blocks (odd
-    counts pad); an all-zero query row (sq = 0 -> SQ_MIN) keeps -inf masked logits, not NaN."""
+    without masks and the rest masked (reference.fold_unmasked_blocks); an all-zero query row (sq = 0 -> SQ_MIN)
+    keeps -inf masked logits, not NaN."""
     b, hk, G, L, lq, d, bs = 1, 2, 2, 330, 90, 64 if head_bits[0] == 4 else 128, 64
     q, k, v, (groups, kt, vt, nt, ks, vs, mu) = make_case(b, hk, G, L, lq, d, head_bits, bs, n_prefill=300, seed=11)
     q[0, 1, 5] = 0.0
