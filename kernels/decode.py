@@ -71,10 +71,11 @@ DEFAULT_WAVES = 6.0
 RESIDENT_PER_SM = 8
 #: the default plan fills the resident wave (more warps per SM to hide the load -> MMA -> softmax chain) when every
 #: share still gets at least this many tiles: 32k batch 8 (1024 programs, 32 tiles each) int4 121 -> 118 us,
-#: mixed 133 -> 127 (decode round 4). With one block per step (round 7) 4-tile shares gain too: 32k batch 1 (128
-#: shares instead of 99) int4 24.0 -> 22.4 us, mixed 25.9 -> 24.5 (CUDA graph; eval/results/decode_sweep_launch_r7_h100.json,
-#: the waves-8 rows, the same plan); the round-4 kernel had lost there (int4 27.6 -> 28.9), hence 16 before.
-FILL_MIN_TILES = 4
+#: mixed 133 -> 127; at batch 1 (4-tile shares) the extra partials to merge cost more (int4 27.6 -> 28.9 us).
+#: Re-checked with one block per step (decode round 7): 4 instead of 16 looked better in one process (32k batch 1
+#: int4 24.0 -> 22.4 us in a graph, eval/results/decode_sweep_launch_r7_h100.json) but not across bench_decode
+#: runs (22.2 vs 22.0 us, mixed 23.8 vs 24.1), so 16 stays.
+FILL_MIN_TILES = 16
 LN2 = 0.6931471805599453
 _SQ_MIN = tl.constexpr(SQ_MIN)
 
