@@ -512,8 +512,8 @@ def _decode_program(
     if DO_FOLD:
         # One block per step. Blocks that every row of the chunk sees completely (all of them at Lq = 1) run
         # without per-score masks (reference.fold_unmasked_blocks), the rest, if any, in a second loop with them.
-        # (Two blocks per step, one running-max update for both, measured slower or equal: eval/PERF_NOTES.md,
-        # decode round 7 -- with 255 registers per thread the pair spilled in the two-group `mixed` kernel.)
+        # (Two blocks per step with one running max for both measured 13 % slower for `mixed` at batch 8 and no
+        # faster for int4: eval/PERF_NOTES.md, decode round 7.)
         o_kvrow = i_b64 * kv_len
         if HAS_WINDOW or HAS_KVALID or HAS_SOFTCAP:
             t_u = t_lo
