@@ -192,12 +192,12 @@ def _masked_scores(
 
 
 @triton.jit
-def _probs(b_s, b_ms, sas_thr, USE_SAS: tl.constexpr):
-    """p = exp2(s - m) fp32 (exact exp2 or SAS); b_s [N, BM], b_ms [BM] the (finite) running max."""
+def _probs(b_x, sas_thr, USE_SAS: tl.constexpr):
+    """p = exp2(x) for the base-2 logits less the running max, x <= 0 (exact exp2 or SAS)."""
     if USE_SAS:
-        b_p = sas_exp2(b_s - b_ms[None, :], sas_thr)
+        b_p = sas_exp2(b_x, sas_thr)
     else:
-        b_p = tl.exp2(b_s - b_ms[None, :])
+        b_p = tl.exp2(b_x)
     return b_p
 
 
@@ -247,7 +247,7 @@ def _int8_tile(
     b_s = _masked_scores(b_si.to(tl.float32) * b_sq[None, :], b_qb, o_key, m_key, o_pos, window, softcap, IS_CAUSAL,
                          HAS_WINDOW, HAS_SOFTCAP)
     b_mn, b_ms, b_alpha = _running_max(b_m, tl.max(b_s, 0))
-    b_p = _probs(b_s, b_ms, sas_thr, USE_SAS)
+    b_p = _probs(b_s - b_ms[None, :], sas_thr, USE_SAS)
     if PER_TOKEN:
         b_w = b_p * b_vs[:, None]
     else:
@@ -350,17 +350,6 @@ def _fold_pv(t, b_p0, b_p1, p_vb, vs, vz, o_vsbase, o_d, m_d, o_sb,
 
 
 @triton.jit
-def _fold_probs(b_f, b_a, b_cm, sas_thr, USE_SAS: tl.constexpr):
-    """p = exp2(fma(f, a, c - m)) (exact exp2 or SAS) of one token part of a folded block (``_fold_scores``)."""
-    b_x = tl.math.fma(b_f, b_a[None, :], b_cm[None, :])
-    if USE_SAS:
-        b_p = sas_exp2(b_x, sas_thr)
-    else:
-        b_p = tl.exp2(b_x)
-    return b_p
-
-
-@triton.jit
 def _fold_step(
     b_acc, b_m, b_l, t, p_kb, ks, kz, kvalid, o_sbase, o_kvrow, o_d, m_d, o_dk, m_dk, o_t0, o_t1,
     b_q32, b_q0, b_q1, b_q2, b_q3, b_sq, b_qb, o_pos, n_sink, window, softcap, sas_thr, p_vb, vs, vz, o_vsbase, o_sb,
@@ -375,9 +364,9 @@ def _fold_step(
         HAS_KVALID, MASKED, USE_ASM)
     # row max of fma(f, a, c) = fma(row max f, a, c): a > 0 and rounding is monotone
     b_m, b_ms, b_alpha = _running_max(b_m, tl.math.fma(tl.max(tl.maximum(b_f0, b_f1), 0), b_a, b_c))
-    b_cm = b_c - b_ms
-    b_p0 = _fold_probs(b_f0, b_a, b_cm, sas_thr, USE_SAS)
-    b_p1 = _fold_probs(b_f1, b_a, b_cm, sas_thr, USE_SAS)
+    b_cm = (b_c - b_ms)[None, :]
+    b_p0 = _probs(tl.math.fma(b_f0, b_a[None, :], b_cm), sas_thr, USE_SAS)
+    b_p1 = _probs(tl.math.fma(b_f1, b_a[None, :], b_cm), sas_thr, USE_SAS)
     b_pv, b_z = _fold_pv(t, b_p0, b_p1, p_vb, vs, vz, o_vsbase, o_d, m_d, o_sb, BS, D, BITS, USE_ASM)
     b_l = tl.math.fma(b_l, b_alpha, tl.sum(b_p0 + b_p1, 0))
     b_acc = tl.math.fma(b_acc, b_alpha[None, :], b_pv + tl.sum(b_z, 0)[None, :])
@@ -521,18 +510,19 @@ def _decode_program(
             t_u = tl.minimum(tl.maximum(tl.maximum(kv_len - Lq - n_sink + 1, 0) // BS, t_lo), t_hp)
         else:
             t_u = t_hp
-        for t in range(t_lo, t_u):
-            b_acc, b_m, b_l = _fold_step(
-                b_acc, b_m, b_l, t, p_kb, ks, kz, kvalid, o_sbase, o_kvrow, o_d, m_d, o_dk, m_dk, o_t0, o_t1,
-                b_q32, b_q0, b_q1, b_q2, b_q3, b_sq, b_qb, o_pos, n_sink, window, softcap, sas_thr, p_vb, vs, vz,
-                o_vsbase, o_sb, BS, D, DK, BITS, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_KVALID, False, USE_SAS,
-                USE_ASM)
-        for t in range(t_u, t_hp):
-            b_acc, b_m, b_l = _fold_step(
-                b_acc, b_m, b_l, t, p_kb, ks, kz, kvalid, o_sbase, o_kvrow, o_d, m_d, o_dk, m_dk, o_t0, o_t1,
-                b_q32, b_q0, b_q1, b_q2, b_q3, b_sq, b_qb, o_pos, n_sink, window, softcap, sas_thr, p_vb, vs, vz,
-                o_vsbase, o_sb, BS, D, DK, BITS, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_KVALID, True, USE_SAS,
-                USE_ASM)
+        for seg in tl.static_range(2):  # 0: [t_lo, t_u) without per-score masks, 1: [t_u, t_hp) with them
+            if seg == 0:
+                t_a = t_lo
+                t_z = t_u
+            else:
+                t_a = t_u
+                t_z = t_hp
+            for t in range(t_a, t_z):
+                b_acc, b_m, b_l = _fold_step(
+                    b_acc, b_m, b_l, t, p_kb, ks, kz, kvalid, o_sbase, o_kvrow, o_d, m_d, o_dk, m_dk, o_t0, o_t1,
+                    b_q32, b_q0, b_q1, b_q2, b_q3, b_sq, b_qb, o_pos, n_sink, window, softcap, sas_thr, p_vb, vs, vz,
+                    o_vsbase, o_sb, BS, D, DK, BITS, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_KVALID, seg == 1,
+                    USE_SAS, USE_ASM)
     else:
         for t in range(t_lo, t_hp):
             o_key = n_sink + t * BS + o_n
