@@ -76,6 +76,14 @@ RESIDENT_PER_SM = 8
 #: int4 24.0 -> 22.4 us in a graph, eval/results/decode_sweep_launch_r7_h100.json) but not across bench_decode
 #: runs (22.2 vs 22.0 us, mixed 23.8 vs 24.1), so 16 stays.
 FILL_MIN_TILES = 16
+#: Pipeline stages of a launch with a 2-bit group (``mixed``). Triton gives a loop (stages - 1) shared-memory
+#: buffers per load and issues block t + 1's copies after block t's compute, so with 2 stages a one-warp program
+#: waits for every block's load (ncu, 32k batch 8: 30 % (int4) and 22 % (mixed) of the stall samples sat at that
+#: wait); 3 stages keep one block in flight during the compute and still fit 8 programs per SM (18.7 KB: the
+#: INT8-buffer loop is not pipelined, its 16 KB tiles would have taken 2 x 16 KB). Measured (eval/PERF_NOTES.md,
+#: decode round 8, two passes): `mixed` 32k batch 8 105.1-105.8 us with 3 vs 107.2-107.3 with 2; int4 123.0-123.3
+#: with 3 vs 121.1 with 2 (its loop waits on memory either way: DRAM at 76 % of peak), so int4 and INT8 keep 2.
+INT2_STAGES = 3
 LN2 = 0.6931471805599453
 _SQ_MIN = tl.constexpr(SQ_MIN)
 
@@ -324,16 +332,24 @@ def _fold_scores(
 
 
 @triton.jit
-def _fold_pv(t, b_p0, b_p1, p_vb, vs, vz, o_vsbase, o_d, m_d, o_sb,
+def _v_scale_zero(vsz, o_vsbase, t, BS: tl.constexpr):
+    """Block ``t``'s per-token V scales and zeros ``([BS], [BS])`` fp32 from its one 2·BS-byte row (pack.py):
+    a single load of 4 bytes per thread, which the pipeliner prefetches (two BS-byte loads are too narrow)."""
+    b_sz = tl.load(vsz + o_vsbase + t * (2 * BS) + tl.arange(0, 2 * BS)).to(tl.float32)
+    return tl.split(tl.permute(tl.reshape(b_sz, (2, BS)), (1, 0)))
+
+
+@triton.jit
+def _fold_pv(t, b_p0, b_p1, p_vb, vsz, o_vsbase, o_d, m_d, o_sb,
              BS: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, USE_ASM: tl.constexpr):
     """P·V of packed block ``t`` from its two token parts' probabilities ``[BS // 2, BM]``, transposed:
     (``Σ_t code·w8 · max w / 127`` [BD, BM], ``p·z_t`` [BS // 2, BM] to be summed over tokens). V's per-token
     scale rides in P (w = p·s_t, quantized per row of the block, twin ``reference.pv_tile_ref``)."""
     BD: tl.constexpr = o_d.shape[0]
     BSB: tl.constexpr = o_sb.shape[0]
-    o_vs = o_vsbase + t * BS + tl.arange(0, BS)
-    b_vs0, b_vs1 = _token_parts(tl.load(vs + o_vs).to(tl.float32), BITS)
-    b_vz0, b_vz1 = _token_parts(tl.load(vz + o_vs).to(tl.float32), BITS)
+    b_vs, b_vz = _v_scale_zero(vsz, o_vsbase, t, BS)
+    b_vs0, b_vs1 = _token_parts(b_vs, BITS)
+    b_vz0, b_vz1 = _token_parts(b_vz, BITS)
     b_w0 = b_p0 * b_vs0[:, None]
     b_w1 = b_p1 * b_vs1[:, None]
     b_inv, b_f = _p_scale(tl.max(tl.maximum(b_w0, b_w1), 0))
@@ -352,7 +368,7 @@ def _fold_pv(t, b_p0, b_p1, p_vb, vs, vz, o_vsbase, o_d, m_d, o_sb,
 @triton.jit
 def _fold_step(
     b_acc, b_m, b_l, t, p_kb, ks, kz, kvalid, o_sbase, o_kvrow, o_d, m_d, o_dk, m_dk, o_t0, o_t1,
-    b_q32, b_q0, b_q1, b_q2, b_q3, b_sq, b_qb, o_pos, n_sink, window, softcap, sas_thr, p_vb, vs, vz, o_vsbase, o_sb,
+    b_q32, b_q0, b_q1, b_q2, b_q3, b_sq, b_qb, o_pos, n_sink, window, softcap, sas_thr, p_vb, vsz, o_vsbase, o_sb,
     BS: tl.constexpr, D: tl.constexpr, DK: tl.constexpr, BITS: tl.constexpr, IS_CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_KVALID: tl.constexpr, MASKED: tl.constexpr,
     USE_SAS: tl.constexpr, USE_ASM: tl.constexpr,
@@ -367,7 +383,7 @@ def _fold_step(
     b_cm = (b_c - b_ms)[None, :]
     b_p0 = _probs(tl.math.fma(b_f0, b_a[None, :], b_cm), sas_thr, USE_SAS)
     b_p1 = _probs(tl.math.fma(b_f1, b_a[None, :], b_cm), sas_thr, USE_SAS)
-    b_pv, b_z = _fold_pv(t, b_p0, b_p1, p_vb, vs, vz, o_vsbase, o_d, m_d, o_sb, BS, D, BITS, USE_ASM)
+    b_pv, b_z = _fold_pv(t, b_p0, b_p1, p_vb, vsz, o_vsbase, o_d, m_d, o_sb, BS, D, BITS, USE_ASM)
     b_l = tl.math.fma(b_l, b_alpha, tl.sum(b_p0 + b_p1, 0))
     b_acc = tl.math.fma(b_acc, b_alpha[None, :], b_pv + tl.sum(b_z, 0)[None, :])
     return b_acc, b_m, b_l
@@ -376,7 +392,7 @@ def _fold_step(
 @triton.jit
 def _decode_program(
     i_s, i_m, i_bh, i_b, i_h,
-    q, sk, mk, heads, kp, ks, kz, vp, vs, vz, kt, vt, sv, kvalid, o, po, pml, cnt,
+    q, sk, mk, heads, kp, ks, kz, vp, vsz, kt, vt, sv, kvalid, o, po, pml, cnt,
     n_blocks, n_tail, n_sink, tail_cap, Lq, kv_len, T0, TPS, window, softcap, sas_thr, qscale,
     stride_qb, stride_qh, stride_ql,
     stride_kb, stride_kh, stride_sb, stride_sh, stride_vb, stride_vh, stride_vsb, stride_vsh,
@@ -482,7 +498,7 @@ def _decode_program(
     p_kb = kp + i_b64 * stride_kb + i_h * stride_kh
     p_vb = vp + i_b64 * stride_vb + i_h * stride_vh
     o_sbase = i_b64 * stride_sb + i_h * stride_sh  # K scale/zero [.., NB, D]
-    o_vsbase = i_b64 * stride_vsb + i_h * stride_vsh  # V scale/zero [.., NB, BS] (per token)
+    o_vsbase = i_b64 * stride_vsb + i_h * stride_vsh  # V scales, zeros [.., NB, 2, BS] (per token)
     o_dk = tl.arange(0, BDK)
     o_sb = tl.arange(0, BSB)
     if D == BD:
@@ -520,7 +536,7 @@ def _decode_program(
             for t in range(t_a, t_z):
                 b_acc, b_m, b_l = _fold_step(
                     b_acc, b_m, b_l, t, p_kb, ks, kz, kvalid, o_sbase, o_kvrow, o_d, m_d, o_dk, m_dk, o_t0, o_t1,
-                    b_q32, b_q0, b_q1, b_q2, b_q3, b_sq, b_qb, o_pos, n_sink, window, softcap, sas_thr, p_vb, vs, vz,
+                    b_q32, b_q0, b_q1, b_q2, b_q3, b_sq, b_qb, o_pos, n_sink, window, softcap, sas_thr, p_vb, vsz,
                     o_vsbase, o_sb, BS, D, DK, BITS, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_KVALID, seg == 1,
                     USE_SAS, USE_ASM)
     else:
@@ -542,9 +558,9 @@ def _decode_program(
                 b_k = _dequant_tile(_unpack_tile(b_kp, BS, BD, BITS), tl.load(ks + o_sc, mask=m_d, other=0).to(tl.int32),
                                     tl.load(kz + o_sc, mask=m_d, other=0).to(tl.int32), 0)
                 b_vc = _unpack_tile(b_vp, BD, BS, BITS).to(tl.int8)  # V stays codes: its scale rides in P
-                o_vs = o_vsbase + t * BS + o_n
+                b_vs, b_vz = _v_scale_zero(vsz, o_vsbase, t, BS)
                 b_acc, b_m, b_l = _int8_tile(b_acc, b_m, b_l, b_qt, b_sq, b_qb, b_k, b_vc,
-                                             tl.load(vs + o_vs).to(tl.float32), tl.load(vz + o_vs).to(tl.float32),
+                                             b_vs, b_vz,
                                              o_key, m_key, o_pos, window, softcap, sas_thr, IS_CAUSAL, HAS_WINDOW,
                                              HAS_SOFTCAP, USE_SAS, True)
     # ---- INT8 buffer (sink tiles, then the recent window + tail). All BS slots of a tile are read (stale
@@ -552,7 +568,7 @@ def _decode_program(
     t_i8 = t_lo
     if t_i8 < n_blocks:
         t_i8 = n_blocks
-    for t in range(t_i8, t_hi):
+    for t in tl.range(t_i8, t_hi, num_stages=1):  # a tile or two per share: not worth pipeline buffers
         o_slot = (t - n_blocks) * BS + o_n
         b_k = tl.load(kt + (o_kvh * tail_cap + o_slot[:, None] * D + o_d[None, :]), mask=m_d[None, :], other=0)
         b_v = tl.load(vt + (o_kvh * tail_cap + o_d[:, None] * tail_cap + o_slot[None, :]), mask=m_d[:, None],
@@ -624,7 +640,7 @@ def _work_item(i_bh, n_items, H0, H1):
 @triton.jit(do_not_specialize=["n_blocks", "n_tail", "n_sink", "Lq", "kv_len", "T0", "TPS", "window"])
 def _decode_kernel(
     q, sk, mk, kt, vt, sv, kvalid, o, po, pml, cnt,
-    heads0, kp0, ks0, kz0, vp0, vs0, vz0, heads1, kp1, ks1, kz1, vp1, vs1, vz1,
+    heads0, kp0, ks0, kz0, vp0, vsz0, heads1, kp1, ks1, kz1, vp1, vsz1,
     n_blocks, n_tail, n_sink, tail_cap, Lq, kv_len, T0, TPS, window, softcap, sas_thr, qscale,
     stride_qb, stride_qh, stride_ql,
     stride_kb0, stride_kh0, stride_sb0, stride_sh0, stride_vb0, stride_vh0, stride_vsb0, stride_vsh0,
@@ -650,7 +666,7 @@ def _decode_kernel(
     if in_g1:
         _decode_program(
             i_s, i_m, i_bh, i_b, i_h,
-            q, sk, mk, heads1, kp1, ks1, kz1, vp1, vs1, vz1, kt, vt, sv, kvalid, o, po, pml, cnt,
+            q, sk, mk, heads1, kp1, ks1, kz1, vp1, vsz1, kt, vt, sv, kvalid, o, po, pml, cnt,
             n_blocks, n_tail, n_sink, tail_cap, Lq, kv_len, T0, TPS, window, softcap, sas_thr, qscale,
             stride_qb, stride_qh, stride_ql,
             stride_kb1, stride_kh1, stride_sb1, stride_sh1, stride_vb1, stride_vh1, stride_vsb1, stride_vsh1, HK,
@@ -659,7 +675,7 @@ def _decode_kernel(
     else:
         _decode_program(
             i_s, i_m, i_bh, i_b, i_h,
-            q, sk, mk, heads0, kp0, ks0, kz0, vp0, vs0, vz0, kt, vt, sv, kvalid, o, po, pml, cnt,
+            q, sk, mk, heads0, kp0, ks0, kz0, vp0, vsz0, kt, vt, sv, kvalid, o, po, pml, cnt,
             n_blocks, n_tail, n_sink, tail_cap, Lq, kv_len, T0, TPS, window, softcap, sas_thr, qscale,
             stride_qb, stride_qh, stride_ql,
             stride_kb0, stride_kh0, stride_sb0, stride_sh0, stride_vb0, stride_vh0, stride_vsb0, stride_vsh0, HK,
@@ -733,6 +749,11 @@ _DECODE = LeanLaunch(_decode_kernel)  # the decode step's launch without Triton'
 
 
 @functools.lru_cache(maxsize=None)
+def _stages(*bits: int) -> int:
+    """Default pipeline stages of a launch over groups of these bit widths (``INT2_STAGES``: see there)."""
+    return INT2_STAGES if 2 in bits and 8 not in bits else 2
+
+
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
@@ -854,7 +875,7 @@ def turbo_decode_attention(
     min_tiles: int = 4,
     block_m: Optional[int] = None,
     num_warps: int = 1,
-    num_stages: int = 2,
+    num_stages: Optional[int] = None,
     max_registers: Optional[int] = None,
     merge: str = "fused",
     fold: bool = True,
@@ -878,6 +899,7 @@ def turbo_decode_attention(
         softcap: logit softcapping ``softcap * tanh(s / softcap)``. key_valid: ``[b, kv_len]`` bool.
         softmax: ``"exact"`` or ``"sas"``; sas_threshold in natural-log units.
         n_splits / waves / min_tiles / block_m / num_warps / num_stages: launch overrides (tests, tuning);
+            ``num_stages`` None: ``INT2_STAGES`` for a launch with a 2-bit group and no INT8 one, else 2;
             by default the context is cut into shares for about ``DEFAULT_WAVES x #SMs`` programs (up to
             ``RESIDENT_PER_SM x #SMs`` when the shares keep ``FILL_MIN_TILES`` tiles), see :func:`plan_splits`.
         max_registers: cap on registers per thread (ptxas ``maxnreg``; GPU only): more programs per SM at the
@@ -898,7 +920,7 @@ def turbo_decode_attention(
     # objects, hence a new entry; entries hold weak references only.
     stor = (k_tail, v_tail, k_scale, v_scale, k_mean)
     for g_ in groups:
-        stor += (g_.heads, g_.k, g_.v, g_.k_scale, g_.k_zero, g_.v_scale, g_.v_zero)
+        stor += (g_.heads, g_.k, g_.v, g_.k_scale, g_.k_zero, g_.v_sz)
     key = (tuple(map(id, stor)), tuple(g_.bits for g_ in groups), q.shape, q.dtype, q.stride(), q.device,
            scale, causal, window, softcap, key_valid is None, n_sink, softmax, sas_threshold, n_splits, waves,
            min_tiles, block_m, num_warps, num_stages, max_registers, merge, fold)
@@ -927,7 +949,7 @@ class _DecodeStatic:
     """The part of a ``turbo_decode_attention`` call that depends only on the storage tensors, the query's
     layout and the options; ``run`` adds what changes every step (query, ``n_blocks``, ``n_tail``, the
     split plan, the output). ``stor`` = (k_tail, v_tail, k_scale, v_scale, k_mean, then per group heads, k, v,
-    k_scale, k_zero, v_scale, v_zero): the entry keeps weak references to them and indices into ``stor``,
+    k_scale, k_zero, v_sz): the entry keeps weak references to them and indices into ``stor``,
     never the tensors (a dropped cache frees its memory). Inputs that would need a converted copy (scales not
     fp32-contiguous, a non-contiguous INT8 buffer) make an entry for that call only (``cacheable`` false): a
     cached copy could go stale. Assumed, as of any buffer a kernel keeps using: a storage tensor object is not
@@ -988,18 +1010,21 @@ class _DecodeStatic:
             H0, H1 = g0.heads.shape[0], (g1.heads.shape[0] if len(pair) == 2 else 0)
             ga, gs = [], []
             for grp in (g0, g1):
-                # the group's tensors in ``stor``: heads, k, v, k_scale, k_zero, v_scale, v_zero from i0 on; the
-                # kernel takes heads, k, k_scale, k_zero, v, v_scale, v_zero (INT8 groups: k stands in for the
-                # scales and zeros they do not have)
-                i0 = 5 + 7 * next(i for i, g_ in enumerate(groups) if g_ is grp)
-                heads, k, v, ks, kz, vs, vz = range(i0, i0 + 7)
+                # the group's tensors in ``stor``: heads, k, v, k_scale, k_zero, v_sz from i0 on; the kernel
+                # takes heads, k, k_scale, k_zero, v, v_sz (INT8 groups: k stands in for the scales and zeros
+                # they do not have)
+                i0 = 5 + 6 * next(i for i, g_ in enumerate(groups) if g_ is grp)
+                heads, k, v, ks, kz, vsz = range(i0, i0 + 6)
                 if grp.bits == 8:
-                    ks = kz = vs = vz = k
+                    ks = kz = vsz = k
                     sst = vst = (0, 0)
                 else:
+                    if grp.v_sz.stride()[2:] != (2 * BS, BS, 1):
+                        raise ValueError(f"v_sz must hold each block's scales and zeros as one contiguous [2, {BS}] "
+                                         f"row (pack.py format); got strides {grp.v_sz.stride()}")
                     sst = (grp.k_scale.stride(0), grp.k_scale.stride(1))
-                    vst = (grp.v_scale.stride(0), grp.v_scale.stride(1))
-                ga += [heads, k, ks, kz, v, vs, vz]
+                    vst = (grp.v_sz.stride(0), grp.v_sz.stride(1))
+                ga += [heads, k, ks, kz, v, vsz]
                 gs += [grp.k.stride(0), grp.k.stride(1), *sst, grp.v.stride(0), grp.v.stride(1), *vst]
             const = dict(G=G, D=D, BD=BD, BS=BS, BM=BM, BITS0=g0.bits, BITS1=g1.bits, TWO_GROUPS=H1 > 0,
                          IS_CAUSAL=bool(causal), HAS_WINDOW=bool(window), HAS_SOFTCAP=bool(softcap),
@@ -1007,7 +1032,8 @@ class _DecodeStatic:
             opts = dict(USE_SAS=softmax == "sas", FOLD=bool(fold), USE_ASM=use_asm)
             n_work = b * (H0 + H1) * self.n_m
             self.pairs.append((n_work, operator.itemgetter(*ga), tuple(gs) + (H0, H1, HK), const, opts, dict(
-                num_warps=num_warps, num_stages=num_stages, **reg_cap), (ga[0], ga[7], H0, H1, HK, G, D)))
+                num_warps=num_warps, num_stages=num_stages or _stages(g0.bits, g1.bits), **reg_cap),
+                (ga[0], ga[6], H0, H1, HK, G, D)))
         # (pair, has kvalid, split, fused, sc, alignments, device) -> (the launch's keyword arguments, the
         # compiled kernel that ran with them or None, the storage tensors' addresses)
         self.launches = {}

@@ -31,10 +31,13 @@ capacity, ``BS`` block size, ``D`` head dim, ``PB = 8 // bits`` codes per byte):
   k       ``[b, H, NB, BS, D // PB]``  uint8   K packed along ``D`` (tile ``[tokens, D]``, ``D`` contiguous)
   v       ``[b, H, NB, D, BS // PB]``  uint8   V transposed, packed along tokens (tile ``[D, tokens]``)
   k_scale, k_zero  ``[b, H, NB, D]``   int8    per block and channel (absent for bits=8)
-  v_scale, v_zero  ``[b, H, NB, BS]``  int8    per token (absent for bits=8)
+  v_sz    ``[b, H, NB, 2, BS]``      int8    per token: scale row, then zero row (absent for bits=8);
+                                              ``v_scale`` / ``v_zero`` are its views ``[b, H, NB, BS]``
 
 Blocks are contiguous (block-major), so a block tile is one contiguous load and the buffers grow by
-appending along ``NB``. For bits=8 ``k``/``v`` are int8 with ``PB = 1``.
+appending along ``NB``. A block's V scales and zeros are one 2·BS-byte row, so the decode kernel reads them
+in one load of 4 bytes per thread, which Triton's pipeliner prefetches with the codes (two separate
+BS-byte rows are 2-byte loads, too narrow for cp.async: the decode loop then waited on them every block). For bits=8 ``k``/``v`` are int8 with ``PB = 1``.
 
 Byte layout ("interleaved"): byte ``j`` of a row holds codes ``PB*j + p`` in bits ``[bits*p, bits*p + bits)``,
 ``p = 0..PB-1``. Unpacking a row of bytes in registers is a few shifts/masks and ``tl.join`` + ``tl.reshape``
@@ -43,7 +46,6 @@ Byte layout ("interleaved"): byte ``j`` of a row holds codes ``PB*j + p`` in bit
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 import torch
@@ -340,25 +342,38 @@ def kv_bytes_per_token(head_dim: int, bits: int, block_size: int) -> float:
 
 
 # ----------------------------------------------------------------------------------------- storage
-@dataclasses.dataclass
 class PackedKV:
     """Packed full blocks of one bit-width group of KV heads of one layer (format in the module doc).
 
     ``heads`` ``[H]`` int32 holds the layer's KV-head index of each slot; ``n_blocks`` full blocks are
-    valid out of the allocated capacity ``k.shape[2]``, which grows by doubling.
+    valid out of the allocated capacity ``k.shape[2]``, which grows by doubling. V's per-token scales and
+    zeros live in ``v_sz``; separate ``v_scale``/``v_zero`` passed to the constructor are stacked into it.
     """
 
-    bits: int
-    heads: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    k_scale: Optional[torch.Tensor] = None
-    k_zero: Optional[torch.Tensor] = None
-    v_scale: Optional[torch.Tensor] = None
-    v_zero: Optional[torch.Tensor] = None
-    n_blocks: int = 0
+    TENSORS = ("k", "v", "k_scale", "k_zero", "v_sz")
 
-    TENSORS = ("k", "v", "k_scale", "k_zero", "v_scale", "v_zero")
+    def __init__(self, bits: int, heads: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 k_scale: Optional[torch.Tensor] = None, k_zero: Optional[torch.Tensor] = None,
+                 v_scale: Optional[torch.Tensor] = None, v_zero: Optional[torch.Tensor] = None, n_blocks: int = 0,
+                 v_sz: Optional[torch.Tensor] = None):
+        if v_sz is None and v_scale is not None:
+            v_sz = torch.stack((v_scale, v_zero), 3)
+        self.bits, self.heads, self.k, self.v = bits, heads, k, v
+        self.k_scale, self.k_zero, self.v_sz, self.n_blocks = k_scale, k_zero, v_sz, n_blocks
+
+    def __repr__(self) -> str:
+        return (f"PackedKV(bits={self.bits}, heads={self.heads.tolist()}, n_blocks={self.n_blocks}, "
+                f"capacity={self.capacity}, k={tuple(self.k.shape)})")
+
+    @property
+    def v_scale(self) -> Optional[torch.Tensor]:
+        """``[b, H, NB, BS]`` int8 per-token V scales (a view of ``v_sz``)."""
+        return None if self.v_sz is None else self.v_sz[:, :, :, 0]
+
+    @property
+    def v_zero(self) -> Optional[torch.Tensor]:
+        """``[b, H, NB, BS]`` int8 per-token V zeros (a view of ``v_sz``)."""
+        return None if self.v_sz is None else self.v_sz[:, :, :, 1]
 
     @classmethod
     def empty(cls, bits: int, heads: torch.Tensor, batch: int, head_dim: int, block_size: int,
@@ -370,8 +385,8 @@ class PackedKV:
                 k=torch.empty(batch, H, capacity, BS, D // pb, dtype=dt, device=device),
                 v=torch.empty(batch, H, capacity, D, BS // pb, dtype=dt, device=device))
         if bits != 8:
-            for name, n in (("k_scale", D), ("k_zero", D), ("v_scale", BS), ("v_zero", BS)):
-                setattr(g, name, torch.empty(batch, H, capacity, n, dtype=torch.int8, device=device))
+            for name, shape in (("k_scale", (D,)), ("k_zero", (D,)), ("v_sz", (2, BS))):
+                setattr(g, name, torch.empty(batch, H, capacity, *shape, dtype=torch.int8, device=device))
         return g
 
     @property

@@ -197,6 +197,9 @@ def test_decode_rejects_bad_inputs(device):
         turbo_decode_attention(torch.randn(1, 4, 41, 32, device=device), pk, *args)
     with pytest.raises(ValueError, match="softmax"):
         turbo_decode_attention(q.to(device), pk, *args, softmax="fast")
+    pk[0].v_sz = pk[0].v_sz.transpose(-1, -2).contiguous().transpose(-1, -2)  # right shape, scales not one row
+    with pytest.raises(ValueError, match="v_sz"):
+        turbo_decode_attention(q.to(device), pk, *args)
 
 
 @pytest.mark.parametrize("merge,fold,block_m", [("kernel", True, None), ("fused", False, None), ("fused", True, 16)],

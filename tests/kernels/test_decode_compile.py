@@ -48,7 +48,7 @@ def _compile(D, bits, G, Lq, BS, variant):
     for g, bg in (("0", bits0), ("1", bits1)):
         code = "*i8" if bg == 8 else "*u8"
         sig.update({"heads" + g: "*i32", "kp" + g: code, "ks" + g: "*i8", "kz" + g: "*i8", "vp" + g: code,
-                    "vs" + g: "*i8", "vz" + g: "*i8"})
+                    "vsz" + g: "*i8"})
     for name in ("n_blocks", "n_tail", "n_sink", "tail_cap", "Lq", "kv_len", "T0", "TPS", "window"):
         sig[name] = "i32"
     for name in ("softcap", "sas_thr", "qscale"):

@@ -179,6 +179,30 @@ def test_packedkv_incremental_append_equals_one_shot(bits, device):
     assert inc.k.shape[0] == 3 and torch.equal(inc.k[2], old[0]) and torch.equal(inc.k[0], old[1])
 
 
+@pytest.mark.parametrize("bits", [4, 2])
+def test_packedkv_v_scale_zero_share_one_row_per_block(bits, device):
+    """V's per-token scales and zeros of a block are one contiguous [2, BS] row of ``v_sz`` (the decode kernel
+    reads both in one load); ``v_scale``/``v_zero`` are views of it, also after growth and batch reindexing, and
+    separate tensors handed to the constructor are stacked into that layout."""
+    b, H, BS, D = 2, 2, 16, 32
+    g = torch.Generator().manual_seed(bits)
+    k8 = torch.randint(-127, 128, (b, H, 3 * BS, D), generator=g, dtype=torch.int8).to(device)
+    v8 = torch.randint(-127, 128, (b, H, 3 * BS, D), generator=g, dtype=torch.int8).to(device)
+    pk = PackedKV.empty(bits, torch.tensor([0, 1], dtype=torch.int32), b, D, BS, device)
+    pk.append(k8, v8)
+    pk.index_batch(torch.tensor([1, 0, 1]))
+    for t in (pk.v_scale, pk.v_zero):
+        assert t.data_ptr() - pk.v_sz.data_ptr() in (0, BS) and t._base is not None
+    assert pk.v_sz.shape[2:] == (pk.capacity, 2, BS) and pk.v_sz.stride()[2:] == (2 * BS, BS, 1)
+    _, vs_ref, vz_ref = R.pack_blocks_ref(v8[0].reshape(H, 3, BS, D).transpose(-1, -2).reshape(-1, D, BS).cpu(),
+                                          bits, 0)
+    assert torch.equal(pk.v_scale[1, :, :3].reshape(-1, BS).cpu(), vs_ref)
+    assert torch.equal(pk.v_zero[1, :, :3].reshape(-1, BS).cpu(), vz_ref)
+    again = PackedKV(bits=bits, heads=pk.heads, k=pk.k, v=pk.v, k_scale=pk.k_scale, k_zero=pk.k_zero,
+                     v_scale=pk.v_scale.clone(), v_zero=pk.v_zero.clone(), n_blocks=pk.n_blocks)
+    assert torch.equal(again.v_sz, pk.v_sz) and again.v_sz.stride()[2:] == (2 * BS, BS, 1)
+
+
 def test_bytes_per_token_arithmetic():
     # d=128, block 64: int4 = 2*128/2 codes + 2*128/64 K scale/zero + 2 V scale/zero (per token) = 134 bytes
     # per head per token (bf16: 512) -> 0.262x; int2 = 64 + 4 + 2 = 70
