@@ -748,12 +748,12 @@ def _merge_kernel(
 _DECODE = LeanLaunch(_decode_kernel)  # the decode step's launch without Triton's per-call binder
 
 
-@functools.lru_cache(maxsize=None)
 def _stages(*bits: int) -> int:
     """Default pipeline stages of a launch over groups of these bit widths (``INT2_STAGES``: see there)."""
     return INT2_STAGES if 2 in bits and 8 not in bits else 2
 
 
+@functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
