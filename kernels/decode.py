@@ -393,7 +393,7 @@ def _fold_step(
 def _decode_program(
     i_s, i_m, i_bh, i_b, i_h,
     q, sk, mk, heads, kp, ks, kz, vp, vsz, kt, vt, sv, kvalid, o, po, pml, cnt,
-    n_blocks, n_tail, n_sink, tail_cap, Lq, kv_len, T0, TPS, window, softcap, sas_thr, qscale,
+    n_blocks, n_tail, n_sink, tail_cap, Lq, kv_len, T0, TPS, S, S_MAX, N_M, N_BH, window, softcap, sas_thr, qscale,
     stride_qb, stride_qh, stride_ql,
     stride_kb, stride_kh, stride_sb, stride_sh, stride_vb, stride_vh, stride_vsb, stride_vsh,
     HK,
@@ -582,8 +582,8 @@ def _decode_program(
 
     p_ot = o + ((i_b64 * Lq + o_qi) * HQ + o_qh)[None, :] * D + o_d[:, None]  # [BD, BM]
     if SPLIT:
-        n_bh = tl.num_programs(2)
-        n_mp = tl.num_programs(1) * BM
+        n_bh = N_BH
+        n_mp = N_M * BM
         o_p = (i_s.to(tl.int64) * n_bh + i_bh) * n_mp + o_r
         tl.store(po + o_p[None, :] * BD + o_d[:, None], b_acc, mask=m_r[None, :])
         tl.store(pml + o_p * 2, b_m, mask=m_r)
@@ -595,11 +595,10 @@ def _decode_program(
             # serial chain of L2 round trips is ~2 + cdiv(S, SC) / SC instead of ~S / SC (batch 1: ~100 shares).
             # A barrier orders every thread's stores before the program's (gpu-scope, acq_rel) atomic.
             tl.debug_barrier()
-            S = tl.num_programs(0)
-            NG = tl.cdiv(S, SC)
+            NG = tl.cdiv(S, SC)  # S: this group's shares; counters are laid out for the launch's largest, S_MAX
             i_g = i_s // SC
             g_lo = i_g * SC
-            p_cnt = cnt + (i_bh * tl.num_programs(1) + i_m) * (NG + 1)
+            p_cnt = cnt + (i_bh * N_M + i_m) * (tl.cdiv(S_MAX, SC) + 1)
             o_rm = tl.where(m_r, o_r, 0)
             n_done = tl.atomic_add(p_cnt + i_g, 1, sem="acq_rel", scope="gpu")
             if n_done == tl.minimum(S - g_lo, SC) - 1:
@@ -637,11 +636,13 @@ def _work_item(i_bh, n_items, H0, H1):
     return in_g1, j // h, j % h
 
 
-@triton.jit(do_not_specialize=["n_blocks", "n_tail", "n_sink", "Lq", "kv_len", "T0", "TPS", "window"])
+@triton.jit(do_not_specialize=["n_blocks", "n_tail", "n_sink", "Lq", "kv_len", "T0", "TPS0", "TPS1", "S0", "S1",
+                              "window"])
 def _decode_kernel(
     q, sk, mk, kt, vt, sv, kvalid, o, po, pml, cnt,
     heads0, kp0, ks0, kz0, vp0, vsz0, heads1, kp1, ks1, kz1, vp1, vsz1,
-    n_blocks, n_tail, n_sink, tail_cap, Lq, kv_len, T0, TPS, window, softcap, sas_thr, qscale,
+    n_blocks, n_tail, n_sink, tail_cap, Lq, kv_len, T0, TPS0, TPS1, S0, S1, N_M, B, window, softcap, sas_thr,
+    qscale,
     stride_qb, stride_qh, stride_ql,
     stride_kb0, stride_kh0, stride_sb0, stride_sh0, stride_vb0, stride_vh0, stride_vsb0, stride_vsh0,
     stride_kb1, stride_kh1, stride_sb1, stride_sh1, stride_vb1, stride_vh1, stride_vsb1, stride_vsh1,
@@ -652,13 +653,25 @@ def _decode_kernel(
     HAS_MEAN: tl.constexpr, HAS_KVALID: tl.constexpr, USE_SAS: tl.constexpr, SPLIT: tl.constexpr,
     FUSED_MERGE: tl.constexpr, FOLD: tl.constexpr, USE_ASM: tl.constexpr, SC: tl.constexpr,
 ):
-    """grid = (n_splits, n_m_tiles, b * (H0 + H1)): one launch for up to two bit groups (e.g. the INT4 and the
-    INT2 heads of ``mixed``), so a step pays one launch and the split plan fills the GPU once for all heads.
-    Work items ``[0, b·H0)`` are group 0's (batch, head) pairs, the rest group 1's (TWO_GROUPS only); each
-    group has its packed tensors, strides and ``BITS`` (both branches are compiled into the one kernel:
-    registers are the larger of the two). The program itself is ``_decode_program``."""
-    i_s, i_m, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    g1, i_b, i_h = _work_item(i_bh, tl.num_programs(2), H0, H1)
+    """grid = (n_items0 * S0 + n_items1 * S1,): one launch for up to two bit groups (e.g. the INT4 and the INT2
+    heads of ``mixed``), so a step pays one launch and the split plan fills the GPU once for all heads. Work items
+    (batch, head, M tile) ``[0, b·H0·N_M)`` are group 0's, the rest group 1's (TWO_GROUPS only); group g cuts each
+    of its items into S_g shares of TPS_g tiles, and the grid holds exactly the programs of both (a grid with
+    idle programs ran 18-33 % slower: eval/PERF_NOTES.md, decode #25). Each group has its packed tensors, strides
+    and ``BITS`` (both branches are compiled into the one kernel: registers are the larger of the two). The
+    program itself is ``_decode_program``."""
+    pid = tl.program_id(0)
+    NB0 = B * H0  # group 0's (batch, head) items
+    NBH = B * (H0 + H1)
+    p0 = NB0 * N_M * S0  # group 0's programs
+    in1 = pid >= p0
+    q_ = tl.where(in1, pid - p0, pid)
+    s_g = tl.where(in1, S1, S0)
+    i_s = q_ % s_g
+    i_w = q_ // s_g + tl.where(in1, NB0 * N_M, 0)  # work item = i_bh * N_M + i_m
+    i_bh = i_w // N_M
+    i_m = i_w % N_M
+    g1, i_b, i_h = _work_item(i_bh, NBH, H0, H1)
     if TWO_GROUPS:
         in_g1 = g1
     else:
@@ -667,7 +680,8 @@ def _decode_kernel(
         _decode_program(
             i_s, i_m, i_bh, i_b, i_h,
             q, sk, mk, heads1, kp1, ks1, kz1, vp1, vsz1, kt, vt, sv, kvalid, o, po, pml, cnt,
-            n_blocks, n_tail, n_sink, tail_cap, Lq, kv_len, T0, TPS, window, softcap, sas_thr, qscale,
+            n_blocks, n_tail, n_sink, tail_cap, Lq, kv_len, T0, TPS1, S1, tl.maximum(S0, S1), N_M, NBH, window, softcap,
+            sas_thr, qscale,
             stride_qb, stride_qh, stride_ql,
             stride_kb1, stride_kh1, stride_sb1, stride_sh1, stride_vb1, stride_vh1, stride_vsb1, stride_vsh1, HK,
             G, D, BD, BS, BM, BITS1, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_MEAN, HAS_KVALID, USE_SAS, SPLIT,
@@ -676,7 +690,8 @@ def _decode_kernel(
         _decode_program(
             i_s, i_m, i_bh, i_b, i_h,
             q, sk, mk, heads0, kp0, ks0, kz0, vp0, vsz0, kt, vt, sv, kvalid, o, po, pml, cnt,
-            n_blocks, n_tail, n_sink, tail_cap, Lq, kv_len, T0, TPS, window, softcap, sas_thr, qscale,
+            n_blocks, n_tail, n_sink, tail_cap, Lq, kv_len, T0, TPS0, S0, tl.maximum(S0, S1), N_M, NBH, window, softcap,
+            sas_thr, qscale,
             stride_qb, stride_qh, stride_ql,
             stride_kb0, stride_kh0, stride_sb0, stride_sh0, stride_vb0, stride_vh0, stride_vsb0, stride_vsh0, HK,
             G, D, BD, BS, BM, BITS0, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_MEAN, HAS_KVALID, USE_SAS, SPLIT,
@@ -801,6 +816,20 @@ def _plan(n_tiles: int, work_units: int, sms: int, waves: Optional[float], n_spl
     return math.ceil(n_tiles / tps), tps
 
 
+def spare_slot_shares(S: int, n0: int, n1: int, bits0: int, bits1: int, sms: int) -> Optional[tuple[int, int]]:
+    """Share counts per bit group for a launch over two groups whose plan fills the resident wave with S shares
+    per item (``RESIDENT_PER_SM x #SMs`` slots, ``n0 + n1`` items): the slots left over go to the wider group
+    (more bytes per tile: its shares end last) as one more share per item, when they cover all its items.
+    ``mixed`` at 32k batch 8: 16 + 16 shares (1024 programs) -> 17 for the INT4 heads (1056): 104.0-104.8 ->
+    102.7-102.9 us eager (eval/PERF_NOTES.md, decode #26). None: one plan for both."""
+    slots = RESIDENT_PER_SM * sms
+    if S != slots // (n0 + n1) or bits0 == bits1:  # not the filled plan: leave it
+        return None
+    if bits0 > bits1:
+        return (S + 1, S) if slots - S * (n0 + n1) >= n0 else None
+    return (S, S + 1) if slots - S * (n0 + n1) >= n1 else None
+
+
 def launch_pairs(groups: Sequence[PackedKV]) -> list:
     """The bit groups that share one launch: consecutive pairs of the non-empty groups (``mixed``: its
     INT4 and INT2 heads in one launch; a third bit width would take a second launch)."""
@@ -879,6 +908,7 @@ def turbo_decode_attention(
     max_registers: Optional[int] = None,
     merge: str = "fused",
     fold: bool = True,
+    group_splits: Optional[tuple] = None,
 ) -> torch.Tensor:
     """Attention of a query chunk over a packed KV cache (all of ``groups``' blocks, then the tail).
 
@@ -906,6 +936,8 @@ def turbo_decode_attention(
             price of spills (a tuning knob, measured in ``eval/decode_sweep.py``).
         merge: ``"fused"`` (the last share of a tile to finish merges the partials: one launch) or
             ``"kernel"`` (a second small merge kernel).
+        group_splits: ``(shares of group 0, shares of group 1)`` for a launch over two bit groups instead of
+            one plan for both (fused merge only).
         fold: packed heads fold ``scale_int``/``zero`` into the query and the output instead of restoring
             INT8 tiles (same integers; ``False`` = the restoring variant, kept for measurements). Where a folded
             8-bit dot would reduce over fewer than 32 (packed K bytes < 32, e.g. head_dim 64 at 2 bits, or
@@ -923,13 +955,14 @@ def turbo_decode_attention(
         stor += (g_.heads, g_.k, g_.v, g_.k_scale, g_.k_zero, g_.v_sz)
     key = (tuple(map(id, stor)), tuple(g_.bits for g_ in groups), q.shape, q.dtype, q.stride(), q.device,
            scale, causal, window, softcap, key_valid is None, n_sink, softmax, sas_threshold, n_splits, waves,
-           min_tiles, block_m, num_warps, num_stages, max_registers, merge, fold)
+           min_tiles, block_m, num_warps, num_stages, max_registers, merge, fold, group_splits)
     st = _STATIC.get(key)
     if st is None or not st.alive(stor):
         st = _DecodeStatic(q, groups, stor, scale=scale, causal=causal, window=window, softcap=softcap,
                            n_sink=n_sink, softmax=softmax, sas_threshold=sas_threshold, n_splits=n_splits,
                            waves=waves, min_tiles=min_tiles, block_m=block_m, num_warps=num_warps,
-                           num_stages=num_stages, max_registers=max_registers, merge=merge, fold=fold)
+                           num_stages=num_stages, max_registers=max_registers, merge=merge, fold=fold,
+                           group_splits=group_splits)
         if st.cacheable:
             if len(_STATIC) >= _STATIC_MAX:
                 _STATIC.clear()
@@ -957,7 +990,8 @@ class _DecodeStatic:
     buffers by new tensors (capacity growth, beam reorder), which is a new entry; contents may change freely."""
 
     def __init__(self, q, groups, stor, *, scale, causal, window, softcap, n_sink, softmax, sas_threshold,
-                 n_splits, waves, min_tiles, block_m, num_warps, num_stages, max_registers, merge, fold):
+                 n_splits, waves, min_tiles, block_m, num_warps, num_stages, max_registers, merge, fold,
+                 group_splits=None):
         k_tail, v_tail, k_scale, v_scale, k_mean = stor[:5]
         if q.dim() != 4:
             raise ValueError(f"q must be [b, HQ, Lq, D], got shape {tuple(q.shape)}")
@@ -1001,6 +1035,9 @@ class _DecodeStatic:
             self.sms = _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
         self.plan_opts = (waves, n_splits, min_tiles)
         self.merge, self.num_warps = merge, num_warps
+        if group_splits is not None and (merge != "fused" or len(group_splits) != 2):
+            raise ValueError(f"group_splits={group_splits!r}: two share counts, with merge='fused'")
+        self.group_splits = group_splits
         self.scalars = (int(window or 0), float(softcap or 1.0), float(sas_threshold * LOG2E),
                         float(scale * LOG2E), qs[0], qs[1], qs[2])
         # one launch per pair of bit groups (mixed: its INT4 and INT2 heads together), split plan over the pair
@@ -1074,7 +1111,15 @@ class _DecodeStatic:
         cur = torch.cuda.current_device() if self.device.type == "cuda" else -1
         waves, n_splits, min_tiles = self.plan_opts
         for i_p, (n_work, ga, gs, const, opts, launch, merge_args) in enumerate(self.pairs):
-            S, tps = _plan(n_tiles - t0, n_work, self.sms, waves, n_splits, min_tiles)
+            S0, tps0 = S1, tps1 = _plan(n_tiles - t0, n_work, self.sms, waves, n_splits, min_tiles)
+            n0 = self.b * gs[-3] * n_m  # group 0's work items (gs ends with H0, H1, HK)
+            group_splits = self.group_splits
+            if (group_splits is None and const["TWO_GROUPS"] and waves is None and n_splits is None
+                    and self.merge == "fused"):
+                group_splits = spare_slot_shares(S0, n0, n_work - n0, const["BITS0"], const["BITS1"], self.sms)
+            if group_splits is not None and const["TWO_GROUPS"]:  # a share count per bit group
+                (S0, tps0), (S1, tps1) = (_plan(n_tiles - t0, n_work, self.sms, None, sg, 1) for sg in group_splits)
+            S = max(S0, S1)
             split = S > 1
             fused = split and self.merge == "fused"
             sc = _merge_chunk(S, BM, BD, self.num_warps)
@@ -1086,7 +1131,7 @@ class _DecodeStatic:
                                           n_work * (n_grp + 1))
             else:
                 po = pml = cnt = sv
-            grid = (S, n_m, n_work // n_m)
+            grid = (n0 * S0 + (n_work - n0) * S1,)
             kv = kvalid if kvalid is not None else head[2]
             # the launch's specialisation facts beyond the entry's: the query's and key_valid's 16-byte alignment
             # (o and the workspace are fresh allocations; the integers that change are not specialised)
@@ -1098,13 +1143,14 @@ class _DecodeStatic:
                 _, compiled, ptrs = hit  # the entry's storage tensors' addresses (same objects: ``alive``)
                 LeanLaunch.relaunch(compiled, grid, (
                     q.data_ptr(), *ptrs[0], kv.data_ptr(), o.data_ptr(), po.data_ptr(), pml.data_ptr(),
-                    cnt.data_ptr(), *ptrs[1], n_blocks, n_tail, n_sink, C, Lq, kv_len, t0, tps, *self.scalars, *gs))
+                    cnt.data_ptr(), *ptrs[1], n_blocks, n_tail, n_sink, C, Lq, kv_len, t0, tps0, tps1, S0, S1, n_m, self.b,
+                    *self.scalars, *gs))
             else:
                 kw = hit[0] if hit is not None else dict(
                     const, HAS_KVALID=kvalid is not None, **opts, SPLIT=split, FUSED_MERGE=fused, SC=sc, **launch)
                 ga_t = ga(stor)
                 ran = _DECODE[grid](q, *head, kv, o, po, pml, cnt, *ga_t, n_blocks, n_tail, n_sink, C, Lq, kv_len,
-                                    t0, tps, *self.scalars, *gs, **kw)
+                                    t0, tps0, tps1, S0, S1, n_m, self.b, *self.scalars, *gs, **kw)
                 if self.cacheable and lean and ran is not None:  # relaunch it directly from now on
                     ptrs = (tuple(t.data_ptr() for t in head), tuple(t.data_ptr() for t in ga_t))
                     self.launches[kk] = (kw, ran, ptrs)

@@ -221,6 +221,43 @@ def test_decode_launch_variants_match_reference(merge, fold, block_m, device):
         assert int(DK._WORKSPACE[(device.type, device.index)][2].abs().sum()) == 0
 
 
+def test_spare_slot_shares_rule():
+    """The default per-group plan: the resident slots a filled plan leaves over go to the wider group as one more
+    share per item (H100: 132 SMs x 8 slots), only when they cover all its items."""
+    from turbo_attn_hf.kernels.decode import spare_slot_shares
+
+    assert spare_slot_shares(16, 32, 32, 4, 2, 132) == (17, 16)  # mixed, batch 8: 1056 programs
+    assert spare_slot_shares(16, 32, 32, 2, 4, 132) == (16, 17)  # the wider group second
+    assert spare_slot_shares(4, 128, 128, 4, 2, 132) is None  # batch 32: 32 spare slots < 128 items
+    assert spare_slot_shares(13, 32, 32, 4, 2, 132) is None  # not the filled plan (short context)
+    assert spare_slot_shares(16, 32, 32, 4, 4, 132) is None  # one bit width
+
+
+@pytest.mark.parametrize("group_splits,lq", [((3, 2), 1), ((2, 5), 1), ((13, 7), 1), ((4, 3), 40)],
+                         ids=["3-2", "2-5", "13-7-two-level", "4-3-two-M-tiles"])
+def test_decode_per_group_shares_match_reference(group_splits, lq, device):
+    """A launch over two bit groups with a share count per group (the flat grid holds exactly both groups'
+    programs): the same output as the reference to fp32 rounding of the merge order; every arrival counter back
+    at zero; merge='kernel' (one share count for all) refuses it."""
+    from turbo_attn_hf.kernels import decode as DK
+
+    b, hk, G, L, d, bs = 2, 2, 4, 640, 32, 16
+    q, k, v, (groups, kt, vt, nt, ks, vs, mu) = make_case(b, hk, G, L, lq, d, [4, 2], bs, seed=7)
+    args = (q.to(device), to_packed(groups, device), kt.to(device), vt.to(device), nt, ks.to(device),
+            vs.to(device), mu.to(device))
+    out = turbo_decode_attention(*args, group_splits=group_splits)
+    # each group's heads as the reference computes them with that group's share count (the shares' running maxima
+    # set the per-tile P scales, so the split is part of the quantized math)
+    ref = torch.empty_like(out, device="cpu")
+    for grp, n_splits in zip(groups, group_splits):
+        rows = (grp.heads.long()[:, None] * G + torch.arange(G)).flatten()
+        ref[:, :, rows] = R.turbo_decode_ref(q, groups, kt, vt, nt, ks, vs, mu, n_splits=n_splits)[:, :, rows]
+    assert_close(out, ref, ATOL_KERNEL)
+    assert int(DK._WORKSPACE[(device.type, device.index)][2].abs().sum()) == 0
+    with pytest.raises(ValueError, match="group_splits"):
+        turbo_decode_attention(*args, group_splits=(2, 3), merge="kernel")
+
+
 @pytest.mark.parametrize("block_m,n_splits", [(64, 13), (32, 13), (64, 40), (None, 40)],
                          ids=["SC2-5groups", "SC4-3groups", "SC2-20groups", "SC8-5groups"])
 def test_decode_two_level_merge_matches_reference(block_m, n_splits, device):

@@ -49,7 +49,7 @@ def _compile(D, bits, G, Lq, BS, variant):
         code = "*i8" if bg == 8 else "*u8"
         sig.update({"heads" + g: "*i32", "kp" + g: code, "ks" + g: "*i8", "kz" + g: "*i8", "vp" + g: code,
                     "vsz" + g: "*i8"})
-    for name in ("n_blocks", "n_tail", "n_sink", "tail_cap", "Lq", "kv_len", "T0", "TPS", "window"):
+    for name in ("n_blocks", "n_tail", "n_sink", "tail_cap", "Lq", "kv_len", "T0", "TPS0", "TPS1", "S0", "S1", "N_M", "B", "window"):
         sig[name] = "i32"
     for name in ("softcap", "sas_thr", "qscale"):
         sig[name] = "fp32"
