@@ -680,8 +680,8 @@ def _decode_kernel(
         _decode_program(
             i_s, i_m, i_bh, i_b, i_h,
             q, sk, mk, heads1, kp1, ks1, kz1, vp1, vsz1, kt, vt, sv, kvalid, o, po, pml, cnt,
-            n_blocks, n_tail, n_sink, tail_cap, Lq, kv_len, T0, TPS1, S1, tl.maximum(S0, S1), N_M, NBH, window, softcap,
-            sas_thr, qscale,
+            n_blocks, n_tail, n_sink, tail_cap, Lq, kv_len, T0, TPS1, S1, tl.maximum(S0, S1), N_M, NBH, window,
+            softcap, sas_thr, qscale,
             stride_qb, stride_qh, stride_ql,
             stride_kb1, stride_kh1, stride_sb1, stride_sh1, stride_vb1, stride_vh1, stride_vsb1, stride_vsh1, HK,
             G, D, BD, BS, BM, BITS1, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_MEAN, HAS_KVALID, USE_SAS, SPLIT,
@@ -690,8 +690,8 @@ def _decode_kernel(
         _decode_program(
             i_s, i_m, i_bh, i_b, i_h,
             q, sk, mk, heads0, kp0, ks0, kz0, vp0, vsz0, kt, vt, sv, kvalid, o, po, pml, cnt,
-            n_blocks, n_tail, n_sink, tail_cap, Lq, kv_len, T0, TPS0, S0, tl.maximum(S0, S1), N_M, NBH, window, softcap,
-            sas_thr, qscale,
+            n_blocks, n_tail, n_sink, tail_cap, Lq, kv_len, T0, TPS0, S0, tl.maximum(S0, S1), N_M, NBH, window,
+            softcap, sas_thr, qscale,
             stride_qb, stride_qh, stride_ql,
             stride_kb0, stride_kh0, stride_sb0, stride_sh0, stride_vb0, stride_vh0, stride_vsb0, stride_vsh0, HK,
             G, D, BD, BS, BM, BITS0, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_MEAN, HAS_KVALID, USE_SAS, SPLIT,
@@ -830,6 +830,25 @@ def spare_slot_shares(S: int, n0: int, n1: int, bits0: int, bits1: int, sms: int
     return (S, S + 1) if slots - S * (n0 + n1) >= n1 else None
 
 
+@functools.lru_cache(maxsize=4096)
+def _pair_plan(n_tiles: int, n0: int, n1: int, bits0: int, bits1: int, sms: int, waves: Optional[float],
+               n_splits, min_tiles: int, fused: bool) -> tuple[tuple[int, int], tuple[int, int]]:
+    """``((S0, tps0), (S1, tps1))``: the shares of a launch over one or two bit groups with ``n0`` / ``n1`` work
+    items. ``n_splits``: None (the default plan), an int for all, or ``((bits, S), ...)`` per bit group (as
+    ``reference.turbo_decode_ref`` takes them). The default plan is one for both groups, except that a filled
+    plan's spare slots go to the wider group (``spare_slot_shares``, fused merge only)."""
+    if isinstance(n_splits, tuple):
+        per = dict(n_splits)
+        return tuple(_plan(n_tiles, n0 + n1, sms, None, per.get(bits, 1), 1) for bits in (bits0, bits1))
+    plan = _plan(n_tiles, n0 + n1, sms, waves, n_splits, min_tiles)
+    spare = None
+    if n1 and waves is None and n_splits is None and fused:
+        spare = spare_slot_shares(plan[0], n0, n1, bits0, bits1, sms)
+    if spare is None:
+        return plan, plan
+    return tuple(_plan(n_tiles, n0 + n1, sms, None, S, 1) for S in spare)
+
+
 def launch_pairs(groups: Sequence[PackedKV]) -> list:
     """The bit groups that share one launch: consecutive pairs of the non-empty groups (``mixed``: its
     INT4 and INT2 heads in one launch; a third bit width would take a second launch)."""
@@ -839,13 +858,19 @@ def launch_pairs(groups: Sequence[PackedKV]) -> list:
 
 def group_splits(n_tiles: int, groups: Sequence[PackedKV], b: int, n_m: int, device: torch.device,
                  waves: Optional[float] = None, n_splits: Optional[int] = None, min_tiles: int = 4) -> dict:
-    """``{bits: n_splits}`` as the launcher plans them (one plan per launch, over all heads of its groups):
-    what ``reference.turbo_decode_ref`` needs to reproduce the kernel's shares."""
+    """``{bits: n_splits}`` as the launcher plans them with the fused merge (one plan per launch, over all heads
+    of its groups, ``_pair_plan``): what ``reference.turbo_decode_ref`` needs to reproduce the kernel's shares."""
+    sms = 4
+    if device.type == "cuda":
+        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     out = {}
     for pair in launch_pairs(groups):
-        work = b * n_m * sum(len(g_.heads) for g_ in pair)
-        for g_ in pair:
-            out[g_.bits] = plan_splits(n_tiles, work, device, waves, n_splits, min_tiles)[0]
+        g0, g1 = pair[0], pair[-1]
+        n0 = b * n_m * len(g0.heads)
+        n1 = b * n_m * len(g1.heads) if len(pair) == 2 else 0
+        plans = _pair_plan(n_tiles, n0, n1, g0.bits, g1.bits, sms, waves, n_splits, min_tiles, True)
+        for g_, (S, _) in zip((g0, g1), plans):
+            out[g_.bits] = S
     return out
 
 
@@ -908,7 +933,6 @@ def turbo_decode_attention(
     max_registers: Optional[int] = None,
     merge: str = "fused",
     fold: bool = True,
-    group_splits: Optional[tuple] = None,
 ) -> torch.Tensor:
     """Attention of a query chunk over a packed KV cache (all of ``groups``' blocks, then the tail).
 
@@ -929,6 +953,8 @@ def turbo_decode_attention(
         softcap: logit softcapping ``softcap * tanh(s / softcap)``. key_valid: ``[b, kv_len]`` bool.
         softmax: ``"exact"`` or ``"sas"``; sas_threshold in natural-log units.
         n_splits / waves / min_tiles / block_m / num_warps / num_stages: launch overrides (tests, tuning);
+            ``n_splits`` an int for every group or ``{bits: n}`` per bit group (as the reference takes it;
+            different counts within a launch need ``merge="fused"``);
             ``num_stages`` None: ``INT2_STAGES`` for a launch with a 2-bit group and no INT8 one, else 2;
             by default the context is cut into shares for about ``DEFAULT_WAVES x #SMs`` programs (up to
             ``RESIDENT_PER_SM x #SMs`` when the shares keep ``FILL_MIN_TILES`` tiles), see :func:`plan_splits`.
@@ -936,8 +962,6 @@ def turbo_decode_attention(
             price of spills (a tuning knob, measured in ``eval/decode_sweep.py``).
         merge: ``"fused"`` (the last share of a tile to finish merges the partials: one launch) or
             ``"kernel"`` (a second small merge kernel).
-        group_splits: ``(shares of group 0, shares of group 1)`` for a launch over two bit groups instead of
-            one plan for both (fused merge only).
         fold: packed heads fold ``scale_int``/``zero`` into the query and the output instead of restoring
             INT8 tiles (same integers; ``False`` = the restoring variant, kept for measurements). Where a folded
             8-bit dot would reduce over fewer than 32 (packed K bytes < 32, e.g. head_dim 64 at 2 bits, or
@@ -950,19 +974,20 @@ def turbo_decode_attention(
     # consecutive decode steps of a layer pass the same buffers, and rebuilding it cost ~60 us of Python per
     # call (eval/PERF_NOTES.md, decode round 6). Buffers replaced (capacity growth, beam reorder) are new
     # objects, hence a new entry; entries hold weak references only.
+    if isinstance(n_splits, dict):
+        n_splits = tuple(sorted((int(k), int(v)) for k, v in n_splits.items()))
     stor = (k_tail, v_tail, k_scale, v_scale, k_mean)
     for g_ in groups:
         stor += (g_.heads, g_.k, g_.v, g_.k_scale, g_.k_zero, g_.v_sz)
     key = (tuple(map(id, stor)), tuple(g_.bits for g_ in groups), q.shape, q.dtype, q.stride(), q.device,
            scale, causal, window, softcap, key_valid is None, n_sink, softmax, sas_threshold, n_splits, waves,
-           min_tiles, block_m, num_warps, num_stages, max_registers, merge, fold, group_splits)
+           min_tiles, block_m, num_warps, num_stages, max_registers, merge, fold)
     st = _STATIC.get(key)
     if st is None or not st.alive(stor):
         st = _DecodeStatic(q, groups, stor, scale=scale, causal=causal, window=window, softcap=softcap,
                            n_sink=n_sink, softmax=softmax, sas_threshold=sas_threshold, n_splits=n_splits,
                            waves=waves, min_tiles=min_tiles, block_m=block_m, num_warps=num_warps,
-                           num_stages=num_stages, max_registers=max_registers, merge=merge, fold=fold,
-                           group_splits=group_splits)
+                           num_stages=num_stages, max_registers=max_registers, merge=merge, fold=fold)
         if st.cacheable:
             if len(_STATIC) >= _STATIC_MAX:
                 _STATIC.clear()
@@ -990,8 +1015,7 @@ class _DecodeStatic:
     buffers by new tensors (capacity growth, beam reorder), which is a new entry; contents may change freely."""
 
     def __init__(self, q, groups, stor, *, scale, causal, window, softcap, n_sink, softmax, sas_threshold,
-                 n_splits, waves, min_tiles, block_m, num_warps, num_stages, max_registers, merge, fold,
-                 group_splits=None):
+                 n_splits, waves, min_tiles, block_m, num_warps, num_stages, max_registers, merge, fold):
         k_tail, v_tail, k_scale, v_scale, k_mean = stor[:5]
         if q.dim() != 4:
             raise ValueError(f"q must be [b, HQ, Lq, D], got shape {tuple(q.shape)}")
@@ -1035,9 +1059,6 @@ class _DecodeStatic:
             self.sms = _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
         self.plan_opts = (waves, n_splits, min_tiles)
         self.merge, self.num_warps = merge, num_warps
-        if group_splits is not None and (merge != "fused" or len(group_splits) != 2):
-            raise ValueError(f"group_splits={group_splits!r}: two share counts, with merge='fused'")
-        self.group_splits = group_splits
         self.scalars = (int(window or 0), float(softcap or 1.0), float(sas_threshold * LOG2E),
                         float(scale * LOG2E), qs[0], qs[1], qs[2])
         # one launch per pair of bit groups (mixed: its INT4 and INT2 heads together), split plan over the pair
@@ -1111,17 +1132,15 @@ class _DecodeStatic:
         cur = torch.cuda.current_device() if self.device.type == "cuda" else -1
         waves, n_splits, min_tiles = self.plan_opts
         for i_p, (n_work, ga, gs, const, opts, launch, merge_args) in enumerate(self.pairs):
-            S0, tps0 = S1, tps1 = _plan(n_tiles - t0, n_work, self.sms, waves, n_splits, min_tiles)
             n0 = self.b * gs[-3] * n_m  # group 0's work items (gs ends with H0, H1, HK)
-            group_splits = self.group_splits
-            if (group_splits is None and const["TWO_GROUPS"] and waves is None and n_splits is None
-                    and self.merge == "fused"):
-                group_splits = spare_slot_shares(S0, n0, n_work - n0, const["BITS0"], const["BITS1"], self.sms)
-            if group_splits is not None and const["TWO_GROUPS"]:  # a share count per bit group
-                (S0, tps0), (S1, tps1) = (_plan(n_tiles - t0, n_work, self.sms, None, sg, 1) for sg in group_splits)
+            (S0, tps0), (S1, tps1) = _pair_plan(n_tiles - t0, n0, n_work - n0, const["BITS0"], const["BITS1"],
+                                                self.sms, waves, n_splits, min_tiles, self.merge == "fused")
             S = max(S0, S1)
             split = S > 1
             fused = split and self.merge == "fused"
+            if S0 != S1 and not fused:
+                raise ValueError(f"share counts per bit group {S0} != {S1} need merge='fused' (the merge kernel takes "
+                                 f"one count for all)")
             sc = _merge_chunk(S, BM, BD, self.num_warps)
             if split:
                 # partials of the S shares (+ one per group of SC shares for the fused two-level merge), counters
@@ -1143,8 +1162,8 @@ class _DecodeStatic:
                 _, compiled, ptrs = hit  # the entry's storage tensors' addresses (same objects: ``alive``)
                 LeanLaunch.relaunch(compiled, grid, (
                     q.data_ptr(), *ptrs[0], kv.data_ptr(), o.data_ptr(), po.data_ptr(), pml.data_ptr(),
-                    cnt.data_ptr(), *ptrs[1], n_blocks, n_tail, n_sink, C, Lq, kv_len, t0, tps0, tps1, S0, S1, n_m, self.b,
-                    *self.scalars, *gs))
+                    cnt.data_ptr(), *ptrs[1], n_blocks, n_tail, n_sink, C, Lq, kv_len, t0, tps0, tps1, S0, S1, n_m,
+                    self.b, *self.scalars, *gs))
             else:
                 kw = hit[0] if hit is not None else dict(
                     const, HAS_KVALID=kvalid is not None, **opts, SPLIT=split, FUSED_MERGE=fused, SC=sc, **launch)

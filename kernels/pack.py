@@ -37,7 +37,8 @@ capacity, ``BS`` block size, ``D`` head dim, ``PB = 8 // bits`` codes per byte):
 Blocks are contiguous (block-major), so a block tile is one contiguous load and the buffers grow by
 appending along ``NB``. A block's V scales and zeros are one 2·BS-byte row, so the decode kernel reads them
 in one load of 4 bytes per thread, which Triton's pipeliner prefetches with the codes (two separate
-BS-byte rows are 2-byte loads, too narrow for cp.async: the decode loop then waited on them every block). For bits=8 ``k``/``v`` are int8 with ``PB = 1``.
+BS-byte rows are 2-byte loads, too narrow for cp.async: the decode loop then waited on them every block).
+For bits=8 ``k``/``v`` are int8 with ``PB = 1``.
 
 Byte layout ("interleaved"): byte ``j`` of a row holds codes ``PB*j + p`` in bits ``[bits*p, bits*p + bits)``,
 ``p = 0..PB-1``. Unpacking a row of bytes in registers is a few shifts/masks and ``tl.join`` + ``tl.reshape``

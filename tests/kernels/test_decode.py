@@ -233,29 +233,37 @@ def test_spare_slot_shares_rule():
     assert spare_slot_shares(16, 32, 32, 4, 4, 132) is None  # one bit width
 
 
-@pytest.mark.parametrize("group_splits,lq", [((3, 2), 1), ((2, 5), 1), ((13, 7), 1), ((4, 3), 40)],
+def test_group_splits_reports_the_launchers_per_group_plan(device):
+    """``group_splits`` (what the reference needs to reproduce a launch) follows the launcher's plan, the spare-slot
+    rule included: on the interpreter's 4 "SMs" (32 slots) one INT4 + two INT2 work items fill 10 shares each,
+    and the 2 slots left over give the INT4 item an 11th."""
+    from turbo_attn_hf.kernels import decode as DK
+
+    heads = lambda n: torch.zeros(n, dtype=torch.int32)  # noqa: E731 - only their number matters here
+    g4, g2 = (DK.PackedKV.empty(bits, heads(n), 1, 32, 16, "cpu") for bits, n in ((4, 1), (2, 2)))
+    assert DK.group_splits(1024, [g4, g2], 1, 1, torch.device("cpu")) == {4: 11, 2: 10}
+    assert DK.spare_slot_shares(10, 1, 2, 4, 2, 4) == (11, 10)
+
+
+@pytest.mark.parametrize("per_group,lq", [((3, 2), 1), ((2, 5), 1), ((13, 7), 1), ((4, 3), 40)],
                          ids=["3-2", "2-5", "13-7-two-level", "4-3-two-M-tiles"])
-def test_decode_per_group_shares_match_reference(group_splits, lq, device):
-    """A launch over two bit groups with a share count per group (the flat grid holds exactly both groups'
-    programs): the same output as the reference to fp32 rounding of the merge order; every arrival counter back
-    at zero; merge='kernel' (one share count for all) refuses it."""
+def test_decode_per_group_shares_match_reference(per_group, lq, device):
+    """``n_splits={bits: n}`` with a share count per bit group of one launch (the flat grid holds exactly both
+    groups' programs): the reference's output with the same counts, to fp32 rounding of the merge order; every
+    arrival counter back at zero; merge='kernel' (one count for all) refuses different counts."""
     from turbo_attn_hf.kernels import decode as DK
 
     b, hk, G, L, d, bs = 2, 2, 4, 640, 32, 16
     q, k, v, (groups, kt, vt, nt, ks, vs, mu) = make_case(b, hk, G, L, lq, d, [4, 2], bs, seed=7)
     args = (q.to(device), to_packed(groups, device), kt.to(device), vt.to(device), nt, ks.to(device),
             vs.to(device), mu.to(device))
-    out = turbo_decode_attention(*args, group_splits=group_splits)
-    # each group's heads as the reference computes them with that group's share count (the shares' running maxima
-    # set the per-tile P scales, so the split is part of the quantized math)
-    ref = torch.empty_like(out, device="cpu")
-    for grp, n_splits in zip(groups, group_splits):
-        rows = (grp.heads.long()[:, None] * G + torch.arange(G)).flatten()
-        ref[:, :, rows] = R.turbo_decode_ref(q, groups, kt, vt, nt, ks, vs, mu, n_splits=n_splits)[:, :, rows]
+    splits = dict(zip((4, 2), per_group))
+    out = turbo_decode_attention(*args, n_splits=splits)
+    ref = R.turbo_decode_ref(q, groups, kt, vt, nt, ks, vs, mu, n_splits=splits)
     assert_close(out, ref, ATOL_KERNEL)
     assert int(DK._WORKSPACE[(device.type, device.index)][2].abs().sum()) == 0
-    with pytest.raises(ValueError, match="group_splits"):
-        turbo_decode_attention(*args, group_splits=(2, 3), merge="kernel")
+    with pytest.raises(ValueError, match="merge='fused'"):
+        turbo_decode_attention(*args, n_splits=splits, merge="kernel")
 
 
 @pytest.mark.parametrize("block_m,n_splits", [(64, 13), (32, 13), (64, 40), (None, 40)],
