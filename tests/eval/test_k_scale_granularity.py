@@ -1,8 +1,8 @@
-"""eval.k_scale_granularity: the per-block K quantization it measures is the reference's per-token one at
+"""eval.experiments.k_scale_granularity: the per-block K quantization it measures is the reference's per-token one at
 block 1, and one scale per block otherwise."""
 import torch
 
-from turbo_attn_hf.eval.k_scale_granularity import attention, quantize_k_blocks
+from turbo_attn_hf.eval.experiments.k_scale_granularity import attention, quantize_k_blocks
 from turbo_attn_hf.kernels import reference as R
 
 

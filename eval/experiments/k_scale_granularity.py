@@ -1,6 +1,6 @@
 """Would a coarser K scale keep the prefill's accuracy? CPU, reference math only (no kernel, no GPU).
 
-    python -m eval.k_scale_granularity [--blocks 32,64,128] [--out DIR]
+    python -m eval.experiments.k_scale_granularity [--blocks 32,64,128] [--out DIR]
 
 The prefill loop is issue-bound (eval/PERF_NOTES.md, prefill session 6). One K scale per block of keys
 (SageAttention's granularity) instead of one per token would fold ``sk·sq`` into the FMA that forms the logits:
@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 from typing import Optional
 
-from .bench_common import machine_info, parse_int_list, write_json
-from .kernel_accuracy import FA3_DIST, MRE_FORMULA, RMSE_FORMULA, metrics, sample
+from ..bench_common import machine_info, parse_int_list, write_json
+from ..kernel_accuracy import FA3_DIST, MRE_FORMULA, RMSE_FORMULA, metrics, sample
 
 
 def quantize_k_blocks(k, block: int, smooth):
@@ -57,7 +57,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     from turbo_attn_hf.kernels.reference import attention_fp64
 
-    ap = argparse.ArgumentParser(prog="python -m eval.k_scale_granularity", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m eval.experiments.k_scale_granularity", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--blocks", default="32,64,128", help="K scale blocks (keys) besides per token")
     ap.add_argument("--out", default=None)

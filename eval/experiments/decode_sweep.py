@@ -1,6 +1,6 @@
 """Decode-kernel sweep: correctness at real sizes, then time and bandwidth of launch variants vs SDPA.
 
-    python -m turbo_attn_hf.eval.decode_sweep [--budget 200] [--out DIR]
+    python -m eval.experiments.decode_sweep [--budget 200] [--out DIR]
 
 1. Kernel vs ``reference.turbo_decode_ref`` (same split plan) at b 2, GQA 32/8, d 128, L 4133, for int8 /
    int4 / mixed and each variant below; plus one masked chunk (key_valid left padding, window, SAS, Lq 3).
@@ -21,7 +21,7 @@ import math
 import sys
 import time
 
-from .bench_common import copy_ceiling, machine_info, machine_line, write_json
+from ..bench_common import copy_ceiling, machine_info, machine_line, write_json
 
 HQ, HK, D = 32, 8, 128
 PRESET_BITS = {"int8": [8] * HK, "int4": [4] * HK, "mixed": [4] * (HK // 2) + [2] * (HK // 2)}
@@ -71,7 +71,7 @@ def vname(v) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m turbo_attn_hf.eval.decode_sweep", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m eval.experiments.decode_sweep", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budget", type=float, default=200.0, help="seconds; later steps are skipped past it")
     ap.add_argument("--out", default=None)
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     from turbo_attn_hf.kernels import reference as R
     from turbo_attn_hf.kernels.pack import PackedKV
 
-    from .bench_decode import build_layer, sdpa_fold
+    from ..bench_decode import build_layer, sdpa_fold
 
     info = machine_info()
     print(machine_line(info), flush=True)

@@ -1,8 +1,8 @@
 """On-device sweep of the INT8 prefill kernel's variants (tiles, KV block, P/V scales, softmax).
 
-    python -m eval.prefill_sweep --warm 3/12      # compile shard 3 of 12 (run the shards in parallel first)
-    python -m eval.prefill_sweep [--budget-s 150] [--json PATH] [--dims 128,64,256] [--only NAME,...]
-    python -m eval.prefill_sweep --dry-run        # CPU: the variant list and one tiny interpreter call
+    python -m eval.experiments.prefill_sweep --warm 3/12      # compile shard 3 of 12 (run the shards in parallel first)
+    python -m eval.experiments.prefill_sweep [--budget-s 150] [--json PATH] [--dims 128,64,256] [--only NAME,...]
+    python -m eval.experiments.prefill_sweep --dry-run        # CPU: the variant list and one tiny interpreter call
 
 What it prints (and writes as JSON): for each head_dim d, causal mode and L in 4k / 8k / 16k (FA3 protocol:
 16k tokens in total, hidden 2048, so batch = 16384 / L and heads = 2048 / d), the kernel alone (operands
@@ -181,7 +181,7 @@ def run(args):
     import torch.nn.functional as F
     from triton.testing import do_bench
 
-    from .bench_common import machine_info
+    from ..bench_common import machine_info
 
     prefill, _, _, _ = _modules()
     info = machine_info()
