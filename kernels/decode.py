@@ -8,8 +8,8 @@ What it implements:
 - P quantized per row of each tile relative to the tile's own max (not INT-FlashAttention's static
   1/127, which rounds every key more than ~5.5 nats below the running max to 0): ``w8 = round(127 w / max w)``
   with ``w = p`` for INT8 tiles and ``w = p·s_t`` for packed V (its per-token scale rides in P, its zero in
-  ``Σ_t p·z_t``); ``P·V = (w8·code)·max w/127 + Σ p·z``, and ``l = Σ p`` in fp32. Measured on SmolLM2-135M
-  (int8 preset, decode-path KL vs fp32, 3 GSM8K texts): static 5.3e-3, per tile 2.8e-3.
+  ``Σ_t p·z_t``); ``P·V = (w8·code)·max w/127 + Σ p·z``, and ``l = Σ p`` in fp32. About halves the decode-path
+  KL vs the static scale on SmolLM2 (PERF_NOTES: decode round 2, decode launch defaults).
 - FlashAttention-3's K-major rule for 8-bit dots: K tiles are ``[tokens, D]`` (D contiguous), V tiles
   ``[D, tokens]`` (tokens contiguous), so both dots read their reduction axis contiguously.
 - GQA packing: the G query heads of one KV head and the chunk's Lq queries form the M rows of one
@@ -60,29 +60,17 @@ __all__ = ["turbo_decode_attention", "plan_splits", "group_splits", "launch_pair
 
 _INTERPRET = interpreting()
 LOG2E = 1.4426950408889634
-#: programs per SM that the split plan aims for (Lean Attention's grid sized to the SM count). Measured on the
-#: H100 (eval/PERF_NOTES.md, Decode round 4; CUDA-graph times, 32k context batch 1/8/32 and 4k batch 8): with
-#: 1 warp per program and 2 stages, 6 waves is the best or within 6 % of the best for int8, int4 and mixed.
+#: programs per SM that the split plan aims for (Lean Attention's grid sized to the SM count): with 1 warp and
+#: 2 stages, best or within 6 % of best for every preset (PERF_NOTES: decode launch defaults).
 DEFAULT_WAVES = 6.0
-#: programs one SM holds at once with the default launch: 1 warp at 255 registers -> 65536 / (256 * 32) = 8,
-#: and 8 x ~18 KB of shared memory at 2 stages fits (3 stages: ~35 KB, only 6). A plan past
-#: ``RESIDENT_PER_SM x #SMs`` programs runs a second, mostly idle wave (measured: 32k batch 32, waves 8 ->
-#: 1280 programs on 132 SMs, 30 % slower than waves 6 -> 1024), so the default plan is capped there.
+#: programs one SM holds at once with the default launch (1 warp at 255 registers: 65536 / (256 * 32)); a plan past
+#: ``RESIDENT_PER_SM x #SMs`` runs a second, mostly idle wave, so the default is capped there (PERF_NOTES: same).
 RESIDENT_PER_SM = 8
-#: the default plan fills the resident wave (more warps per SM to hide the load -> MMA -> softmax chain) when every
-#: share still gets at least this many tiles: 32k batch 8 (1024 programs, 32 tiles each) int4 121 -> 118 us,
-#: mixed 133 -> 127; at batch 1 (4-tile shares) the extra partials to merge cost more (int4 27.6 -> 28.9 us).
-#: Re-checked with one block per step (decode round 7): 4 instead of 16 looked better in one process (32k batch 1
-#: int4 24.0 -> 22.4 us in a graph, eval/results/decode_sweep_launch_r7_h100.json) but not across bench_decode
-#: runs (22.2 vs 22.0 us, mixed 23.8 vs 24.1), so 16 stays.
+#: the default plan fills the resident wave (more warps to hide the load -> MMA -> softmax chain) only when every
+#: share keeps this many tiles: shorter shares add more merge work than they gain (PERF_NOTES: same).
 FILL_MIN_TILES = 16
-#: Pipeline stages of a launch with a 2-bit group (``mixed``). Triton gives a loop (stages - 1) shared-memory
-#: buffers per load and issues block t + 1's copies after block t's compute, so with 2 stages a one-warp program
-#: waits for every block's load (ncu, 32k batch 8: 30 % (int4) and 22 % (mixed) of the stall samples sat at that
-#: wait); 3 stages keep one block in flight during the compute and still fit 8 programs per SM (18.7 KB: the
-#: INT8-buffer loop is not pipelined, its 16 KB tiles would have taken 2 x 16 KB). Measured (eval/PERF_NOTES.md,
-#: decode round 8, two passes): `mixed` 32k batch 8 105.1-105.8 us with 3 vs 107.2-107.3 with 2; int4 123.0-123.3
-#: with 3 vs 121.1 with 2 (its loop waits on memory either way: DRAM at 76 % of peak), so int4 and INT8 keep 2.
+#: pipeline stages of a launch with a 2-bit group (``mixed``): a third stage keeps one block's load in flight
+#: during the compute and still fits 8 programs per SM; int4 / INT8 launches keep 2 (PERF_NOTES: same).
 INT2_STAGES = 3
 LN2 = 0.6931471805599453
 _SQ_MIN = tl.constexpr(SQ_MIN)
@@ -959,7 +947,7 @@ def turbo_decode_attention(
             by default the context is cut into shares for about ``DEFAULT_WAVES x #SMs`` programs (up to
             ``RESIDENT_PER_SM x #SMs`` when the shares keep ``FILL_MIN_TILES`` tiles), see :func:`plan_splits`.
         max_registers: cap on registers per thread (ptxas ``maxnreg``; GPU only): more programs per SM at the
-            price of spills (a tuning knob, measured in ``eval/decode_sweep.py``).
+            price of spills (a tuning knob, measured in ``eval/experiments/decode_sweep.py``).
         merge: ``"fused"`` (the last share of a tile to finish merges the partials: one launch) or
             ``"kernel"`` (a second small merge kernel).
         fold: packed heads fold ``scale_int``/``zero`` into the query and the output instead of restoring
