@@ -282,6 +282,13 @@ def turbo_attention_forward(
         return out, None
 
     # 3. INT8 flash attention over the given K/V (prefill, or decode over a DynamicCache).
+    if lq < lk:
+        log_once(
+            "decode-unquantized-cache",
+            f"{ATTN_NAME}: {st.model} decodes over a cache that is not a TurboCache (e.g. a DynamicCache): the KV "
+            "cache stays unquantized (no memory saving) and attention re-quantizes it every step. Use plain "
+            "generate() (it builds a TurboCache) or pass turbo_attn_hf.TurboCache(...) as the cache.",
+        )
     in_dtype = query.dtype
     if in_dtype not in caps.KERNEL_DTYPES:
         cast = caps.CAST_DTYPES.get(in_dtype)

@@ -1,10 +1,12 @@
 """Default TurboCache for a plain ``model.generate(...)`` of a model loaded with ``turbo_int8``.
 
 transformers rejects custom ``cache_implementation`` names and has no registry of cache classes, so at
-import we wrap ``GenerationMixin._prepare_cache_for_generation`` (its first two parameters,
-``generation_config`` and ``model_kwargs``, have been stable since 4.46; it writes
-``model_kwargs["past_key_values"]`` in place). The wrapper calls the original first, then replaces the
-cache it built by ``TurboCache.from_template(cache, turbo_config, text_config)`` only if all hold:
+registration we wrap ``GenerationMixin._prepare_cache_for_generation``. We rely on two things only: its first
+two parameters, ``generation_config`` and ``model_kwargs`` (stable since 4.46), and that it stores the cache
+it builds as a ``Cache`` value in ``model_kwargs``. The *key* is not assumed: transformers <= 5.23 writes
+``model_kwargs["past_key_values"]``, 5.24 renamed it to ``model_kwargs["cache"]``, so the wrapper finds the
+cache by type and by what changed during the call. It calls the original first, then replaces the cache
+it built by ``TurboCache.from_template(cache, turbo_config, text_config)`` only if all hold:
 
   * the user passed no cache (looked up *before* calling the original, not through private flags);
   * the model's text config says ``turbo_int8`` now (checked on every call, so
@@ -13,35 +15,38 @@ cache it built by ``TurboCache.from_template(cache, turbo_config, text_config)``
   * the built cache is exactly a ``DynamicCache`` (not a subclass, static, offloaded or encoder-decoder).
 
 Assistant models (assisted decoding) get ``activate_past_recording()`` on the new cache as the
-original did on the DynamicCache. Nothing sets ``_layer_type`` on any class. Until
-``turbo_attn_hf.cache.TurboCache`` exists the DynamicCache is kept (one info log).
+original did on the DynamicCache. Nothing sets ``_layer_type`` on any class.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 import warnings
 from typing import Any
 
 from .capabilities import ATTN_NAME, get_turbo_config, log_once
 
-_CACHE_NAME = "past_key_values"
 _WRAPPED_FLAG = "_turbo_attn_wrapped"
 
 
-def _load_turbo_cache():
-    try:
-        from .cache import TurboCache
-    except ImportError as e:  # cache.py is written by another part of the project
-        log_once(
-            "no-turbocache",
-            f"{ATTN_NAME}: turbo_attn_hf.cache.TurboCache is not available ({e}); generate() keeps the "
-            "DynamicCache (attention still runs the INT8 kernels, quantizing the cache on the fly).",
-            logging.INFO,
-        )
-        return None
-    return TurboCache
+def cache_entries(model_kwargs: dict) -> dict[str, Any]:
+    """The ``Cache`` objects in ``model_kwargs`` by key (``past_key_values`` or ``cache``, whichever
+    this transformers version uses)."""
+    from transformers.cache_utils import Cache
+
+    return {k: v for k, v in model_kwargs.items() if isinstance(v, Cache)}
+
+
+@functools.lru_cache(maxsize=None)
+def cache_kwarg() -> str:
+    """The keyword ``generate()`` and ``forward()`` take a cache under on the installed transformers:
+    ``"cache"`` since 5.24 (``past_key_values`` still accepted there, deprecated), else ``"past_key_values"``.
+    Detected from generate()'s output fields, renamed in the same release."""
+    import dataclasses
+
+    from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+    return "cache" if "cache" in {f.name for f in dataclasses.fields(GenerateDecoderOnlyOutput)} else "past_key_values"
 
 
 def uses_turbo(model: Any) -> bool:
@@ -53,33 +58,31 @@ def uses_turbo(model: Any) -> bool:
     return getattr(text, "_attn_implementation", None) == ATTN_NAME
 
 
-def maybe_swap_cache(model: Any, generation_config: Any, model_kwargs: dict) -> bool:
-    """Replace a freshly built DynamicCache in ``model_kwargs`` by a TurboCache; True if replaced."""
+def maybe_swap_cache(model: Any, generation_config: Any, model_kwargs: dict, before: dict[str, Any]) -> bool:
+    """Replace the DynamicCache that ``_prepare_cache_for_generation`` just put in ``model_kwargs`` (the
+    one Cache entry not in ``before``) by a TurboCache under the same key; True if replaced."""
     from transformers.cache_utils import DynamicCache
 
     if not uses_turbo(model):
         return False
     if getattr(generation_config, "cache_implementation", None) not in (None, "dynamic"):
         return False
-    cache = model_kwargs.get(_CACHE_NAME)
+    built = {k: v for k, v in cache_entries(model_kwargs).items() if before.get(k) is not v}
+    if len(built) != 1:
+        if built:
+            log_once("several-caches", f"{ATTN_NAME}: generate() built several caches ({sorted(built)}); "
+                     "none is replaced by a TurboCache. Pass one explicitly to quantize the cache.")
+        return False
+    (key, cache), = built.items()
     if type(cache) is not DynamicCache:
         return False
-    TurboCache = _load_turbo_cache()
-    if TurboCache is None:
-        return False
+    from .cache import TurboCache
+
     text_config = model.config.get_text_config(decoder=True)
     new = TurboCache.from_template(cache, get_turbo_config(model), text_config)
     if getattr(generation_config, "is_assistant", False):
-        activate = getattr(new, "activate_past_recording", None)
-        if activate is None:
-            log_once(
-                "assistant-dynamic",
-                f"{ATTN_NAME}: TurboCache cannot record the past for assisted decoding; the assistant model "
-                "keeps a DynamicCache.",
-            )
-            return False
-        activate()
-    model_kwargs[_CACHE_NAME] = new
+        new.activate_past_recording()
+    model_kwargs[key] = new
     return True
 
 
@@ -93,7 +96,8 @@ def install() -> bool:
     if original is None:
         warnings.warn(
             f"{ATTN_NAME}: transformers.GenerationMixin has no _prepare_cache_for_generation; generate() will use "
-            "a DynamicCache. Pass past_key_values=TurboCache(...) explicitly to get the quantized cache.",
+            "a DynamicCache. Pass a TurboCache(...) to generate() explicitly (past_key_values=, or cache= on "
+            "transformers >= 5.24) to get the quantized cache.",
             RuntimeWarning,
             stacklevel=2,
         )
@@ -103,10 +107,10 @@ def install() -> bool:
 
     @functools.wraps(original)
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-        user_cache = model_kwargs.get(_CACHE_NAME) is not None
+        before = cache_entries(model_kwargs)  # a user's cache is already here, under whichever key
         result = original(self, generation_config, model_kwargs, *args, **kwargs)
-        if not user_cache:
-            maybe_swap_cache(self, generation_config, model_kwargs)
+        if not before:
+            maybe_swap_cache(self, generation_config, model_kwargs, before)
         return result
 
     setattr(_prepare_cache_for_generation, _WRAPPED_FLAG, True)

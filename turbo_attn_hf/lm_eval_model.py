@@ -132,11 +132,16 @@ class TurboHFLM(HFLM):
         return turbo_attn_hf.TurboCache(self.turbo_config, config=self._model.config)
 
     def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs) -> torch.Tensor:
-        if self.uses_turbo and self.cache_mode == "turbo" and "past_key_values" not in generation_kwargs:
-            generation_kwargs["past_key_values"] = self.new_cache()
+        from .generation import cache_kwarg
+
+        if (self.uses_turbo and self.cache_mode == "turbo"
+                and not {"past_key_values", "cache"} & set(generation_kwargs)):
+            generation_kwargs[cache_kwarg()] = self.new_cache()
         generation_kwargs["return_dict_in_generate"] = True
         out = super()._model_generate(context, max_length, stop, **generation_kwargs)
-        cache = getattr(out, "past_key_values", None)
+        cache = getattr(out, "cache", None)
+        if cache is None:  # transformers < 5.24 names it past_key_values
+            cache = getattr(out, "past_key_values", None)
         name = type(cache).__name__
         self.cache_types[name] += 1
         if self.uses_turbo:

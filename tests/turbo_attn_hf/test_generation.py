@@ -16,6 +16,9 @@ kernels (interpreter on CPU).
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import traceback
 
 import pytest
@@ -130,6 +133,52 @@ def test_explicit_caches_are_respected(tm, pytorch_reference_kernels):
     turbo = TurboCache("int8", config=model.config)
     out = model.generate(ids, past_key_values=turbo, **kw)
     assert out.past_key_values is turbo and turbo.turbo_config.name == "int8"
+
+
+@pytest.mark.parametrize("key", ["past_key_values", "cache", "kv_cache_of_a_future_release"])
+def test_hook_finds_the_built_cache_under_any_key(tm, key):
+    """transformers 5.24 renamed model_kwargs["past_key_values"] to ["cache"]: the hook must not care."""
+    from turbo_attn_hf.cache import TurboCache
+    from turbo_attn_hf.generation import maybe_swap_cache
+
+    model = tm.make_model("llama", attn="turbo_int8")
+    gen = model.generation_config
+    kwargs = {key: DynamicCache(config=model.config), "attention_mask": None}
+    assert maybe_swap_cache(model, gen, kwargs, before={})
+    assert isinstance(kwargs[key], TurboCache) and set(kwargs) == {key, "attention_mask"}
+    user = DynamicCache(config=model.config)  # present before the call: a user's cache, never replaced
+    kwargs = {key: user}
+    assert not maybe_swap_cache(model, gen, kwargs, before={key: user}) and kwargs[key] is user
+
+
+def test_generate_passes_the_cache_under_this_versions_keyword(tm, pytorch_reference_kernels):
+    from turbo_attn_hf.cache import TurboCache
+    from turbo_attn_hf.generation import cache_kwarg
+
+    model = tm.make_model("llama", attn="turbo_int8")
+    turbo = TurboCache("int8", config=model.config)
+    out = model.generate(tm.token_ids(1, 12), max_new_tokens=2, do_sample=False, return_dict_in_generate=True,
+                         **{cache_kwarg(): turbo})
+    assert out.past_key_values is turbo and turbo.get_seq_length() == 13
+
+
+def test_import_is_light_and_registers_when_transformers_loads():
+    """`import turbo_attn_hf` imports neither torch nor transformers (fast CLI start); loading transformers'
+    modeling code afterwards registers turbo_int8 and the generate() hook."""
+    code = (
+        "import sys, turbo_attn_hf\n"
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, sorted(sys.modules)\n"
+        "from transformers import AutoModelForCausalLM\n"
+        "from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS\n"
+        "from transformers.generation.utils import GenerationMixin\n"
+        "assert 'turbo_int8' in ALL_ATTENTION_FUNCTIONS\n"
+        "assert getattr(GenerationMixin._prepare_cache_for_generation, '_turbo_attn_wrapped', False)\n"
+        "assert turbo_attn_hf.REGISTERED is True\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=180)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
 
 
 @pytest.mark.parametrize("mode", ["sample", "beam"])
