@@ -2,6 +2,7 @@
 
     python -m eval.bench_decode [--quick] [--contexts 1k,...,128k] [--batches 1,2,4,8,16,32,64] [--out DIR]
     python -m eval.bench_decode --dry-run      # CPU: tiny shapes through the Triton interpreter
+    python -m eval.bench_decode --layer-step   # host cost of one cache layer's decode step (writes layer_step.json)
 
 One layer, GQA 32 query / 8 KV heads, head_dim 128, one new query token per sequence, bf16.
 For each (context, batch) the K/V of the context are random bf16; every provider reads the same tokens:
@@ -20,6 +21,12 @@ and its fraction of the device-to-device copy ceiling measured in the same run, 
 Bytes read: sdpa = 2·b·Hk·T·d·2 (K and V, bf16); turbo = the layer's cache bytes (packed blocks + scales/zeros
 + INT8 tail + universal scales, ``TurboLayer.memory_bytes()``); dequant = packed bytes + the bf16 copy written
 and read back (2 × sdpa bytes) — what actually crosses HBM. Query/output bytes are negligible and left out.
+
+``--layer-step`` times one whole decode step of one cache layer instead: ``TurboCache.update`` (1 token) +
+``layer.attention``, per preset at batch 1 / 8k and batch 8 / 32k: median wall time per step with a sync after
+it, the host part (until the calls return), and the pipelined time per step (50 steps, one sync), each with the
+step's store fused into one Triton launch (``cache.FUSED_STORE``, the default) and with the PyTorch path. A
+model's decode step is bound by this host work (eval/PERF_NOTES.md, decode round 3).
 """
 
 from __future__ import annotations
@@ -27,7 +34,9 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import statistics
 import sys
+import time
 from typing import Optional
 
 from .bench_common import (
@@ -260,8 +269,60 @@ def summarize(rows) -> dict:
     return out
 
 
+def layer_step_times(preset: str, b: int, T: int, fused_store: bool, *, hq=HQ, hk=HK, d=D) -> dict:
+    """One decode step of one cache layer (update of 1 token + attention) at context ``T``, batch ``b``: median
+    step time (synced), its host part, and the pipelined time per step; ``fused_store`` picks the store path."""
+    import torch
+
+    from turbo_attn_hf import cache as C
+    from turbo_attn_hf.cache import TurboCache
+
+    C.FUSED_STORE = fused_store
+    try:
+        k = torch.randn(b, hk, T, d, device="cuda", dtype=torch.bfloat16)
+        cache = TurboCache(preset)
+        cache.update(k, k, 0)
+        layer = cache.layers[0]
+        q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.bfloat16)
+        k1 = torch.randn(b, hk, 1, d, device="cuda", dtype=torch.bfloat16)
+        step, host = [], []
+        for i in range(80):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            kk, vv = cache.update(k1, k1, 0)
+            layer.attention(q, kk, vv)
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            if i >= 5:  # warm-up: compilation, allocator
+                host.append(t1 - t0)
+                step.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(50):
+            kk, vv = cache.update(k1, k1, 0)
+            layer.attention(q, kk, vv)
+        torch.cuda.synchronize()
+        pipelined = (time.perf_counter() - t0) / 50
+    finally:
+        C.FUSED_STORE = True
+    return {"preset": preset, "batch": b, "context": T, "fused_store": fused_store,
+            "step_us": statistics.median(step) * 1e6, "host_us": statistics.median(host) * 1e6,
+            "pipelined_us": pipelined * 1e6}
+
+
+def layer_step(presets, out) -> int:
+    """``--layer-step``: :func:`layer_step_times` for every preset, shape and store path -> ``layer_step.json``."""
+    require_cuda("bench_decode --layer-step")
+    info = machine_info()
+    print(machine_line(info), flush=True)
+    rows = [layer_step_times(p, b, T, f) for b, T in ((1, 8192), (8, 32768)) for p in presets for f in (False, True)]
+    print_table(rows, ["preset", "batch", "context", "fused_store", "step_us", "host_us", "pipelined_us"])
+    write_json("layer_step", {"benchmark": "layer_step", "machine": info, "rows": rows}, out)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m eval.bench_decode", description=__doc__,
+    ap = argparse.ArgumentParser(prog="turbo-attn bench-decode", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="contexts 4k/32k x batch 1/8/32")
     ap.add_argument("--contexts", default=",".join(str(c) for c in FULL["contexts"]))
@@ -274,12 +335,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes, no timing (CPU: Triton interpreter)")
+    ap.add_argument("--layer-step", action="store_true",
+                    help="time one cache layer's whole decode step (store + attention, host part) instead (GPU)")
     return ap
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     presets = [p.strip() for p in args.presets.split(",") if p.strip()]
+    if args.layer_step:
+        return layer_step(presets, args.out)
     import torch
 
     if args.dry_run:

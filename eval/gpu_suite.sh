@@ -15,7 +15,7 @@
 #   accuracy  python -m eval.kernel_accuracy --quick   (MRE tables, FA3 outlier RMSE vs fp64)
 #   prefill   python -m eval.bench_prefill --quick     (FA3 protocol subset, SDPA cuDNN/flash, Sage, turbo)
 #   decode    python -m eval.bench_decode --quick      (4k/32k x batch 1/8/32, presets vs SDPA vs dequant+SDPA)
-#   layer     python -m eval.bench_layer_step     (host cost of one layer's decode step, fused store on / off)
+#   layer     python -m eval.bench_decode --layer-step  (host cost of one layer's decode step, fused store on / off)
 #   e2e       python -m eval.bench_e2e --quick         (Llama-3-8B-shaped, E2E_LAYERS layers, default 32)
 #   chat      turbo-attn chat on SmolLM2-135M-Instruct, turbo_int8 vs sdpa tokens/s and KV memory, when the GGUF
 #             was staged (SMOL_GGUF, default /tmp/m/smol.gguf: ../shared/tools/stage-model, two runs); else skipped
@@ -127,11 +127,11 @@ fi
 want accuracy && run_step accuracy 90 $PY -m eval.kernel_accuracy --quick --out "$RES"
 want prefill && run_step prefill 150 $PY -m eval.bench_prefill --quick --out "$RES"
 want decode && run_step decode 120 $PY -m eval.bench_decode --quick --out "$RES"
-want layer && run_step layer 60 $PY -m eval.bench_layer_step --out "$RES"
+want layer && run_step layer 60 $PY -m eval.bench_decode --layer-step --out "$RES"
 want e2e && run_step e2e 170 $PY -m eval.bench_e2e --quick --layers "$E2E_LAYERS" --out "$RES"
 if want chat; then
   if [ -f "$SMOL_GGUF" ]; then
-    run_step chat 90 $PY -m turbo_attn_hf.eval.cli chat --model "$SMOL_GGUF" --preset int4 --max-new-tokens 64 \
+    run_step chat 90 $PY -m turbo_attn_hf.cli chat --model "$SMOL_GGUF" --preset int4 --max-new-tokens 64 \
       --prompt "What is the capital of France? Answer in one sentence."
   else
     SUMMARY+=("chat: SKIPPED (no GGUF at $SMOL_GGUF; stage it with ../shared/tools/stage-model)")
