@@ -221,7 +221,7 @@ def longest(model, impl: str, bytes_per_token: float, verify: bool) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m eval.bench_e2e", description=__doc__,
+    ap = argparse.ArgumentParser(prog="turbo-attn bench-e2e", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="prefill 8k/32k x 1 rep, decode 8k/32k x batch 1/8/32, 8 steps")
     ap.add_argument("--layers", type=int, default=32, help="decoder layers (32 = Llama-3-8B; fewer for time)")

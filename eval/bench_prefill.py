@@ -175,7 +175,7 @@ def _turbo_defaults() -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m eval.bench_prefill", description=__doc__,
+    ap = argparse.ArgumentParser(prog="turbo-attn bench-prefill", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help=f"d=128 at 1k/4k/8k/16k, d=64/256 at 4k ({len(QUICK_SHAPES)} shapes)")
     ap.add_argument("--dims", default="64,128,256")

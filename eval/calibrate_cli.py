@@ -48,7 +48,8 @@ def calibration_prompts(dataset: str, n: int, skip: int = 0, data_dir=None, shot
 
 
 def main(argv: Optional[list[str]] = None) -> Path:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="turbo-attn calibrate", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
     ap.add_argument("--gguf-file", default=None)
     ap.add_argument("--dataset", default="gsm8k", choices=DATASETS)

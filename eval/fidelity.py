@@ -331,7 +331,8 @@ def to_markdown(res: dict) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="turbo-attn fidelity", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
     ap.add_argument("--gguf-file", default=None)
     ap.add_argument("--presets", default="int8,int4,mixed",

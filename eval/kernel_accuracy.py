@@ -145,7 +145,7 @@ def check_targets(rows: list[dict]) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m eval.kernel_accuracy", description=__doc__,
+    ap = argparse.ArgumentParser(prog="turbo-attn accuracy", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="MRE at L 1k/4k/16k, FA3 test at L 4k")
     ap.add_argument("--lens", default="1k,2k,4k,8k,16k", help="MRE table lengths")

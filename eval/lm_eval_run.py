@@ -392,7 +392,8 @@ def _free(device: str) -> None:
 
 # ================================================================================ CLI
 def main(argv: Optional[list[str]] = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="turbo-attn lm-eval", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="HF model dir/id (with --gguf-file: the dir holding it)")
     ap.add_argument("--gguf-file", default=None)
     ap.add_argument("--presets", default="sdpa,int8,int4,mixed", help="comma list: sdpa, int8, int4, mixed, YAML paths")

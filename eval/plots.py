@@ -167,7 +167,7 @@ PLOTTERS = {"bench_prefill": plot_prefill, "bench_decode": plot_decode, "bench_e
 def main(argv: Optional[list[str]] = None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m eval.plots", description=__doc__,
+    ap = argparse.ArgumentParser(prog="turbo-attn plots", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("paths", nargs="*", help="result JSON files (default: eval/results/bench_{prefill,decode,e2e}.json)")
     args = ap.parse_args(argv)

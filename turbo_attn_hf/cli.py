@@ -1,6 +1,6 @@
 """``turbo-attn``: the console script of turbo-attn-hf.
 
-    turbo-attn chat [...]           streaming chat demo, turbo_int8 vs sdpa (eval/chat.py)
+    turbo-attn chat [...]           streaming chat demo, turbo_int8 vs sdpa (turbo_attn_hf/chat.py)
     turbo-attn info                 versions, device, presets and the capability table
     turbo-attn lm-eval [...]        lm-eval CoT runs, sdpa vs presets (eval/lm_eval_run.py)
     turbo-attn fidelity [...]       teacher-forced KL / top-1 / perplexity vs eager fp32 (eval/fidelity.py)
@@ -11,8 +11,9 @@
     turbo-attn accuracy [...]       kernel accuracy vs fp64: MRE tables, FA3 outlier RMSE (eval/kernel_accuracy.py)
     turbo-attn plots [...]          PNG plots from the result JSON files (eval/plots.py)
 
-Each subcommand is the ``main(argv)`` of one module, imported only when chosen; ``turbo-attn CMD --help``
-shows its options.
+Each subcommand is the ``main(argv)`` of one module, imported only when chosen (this file imports nothing
+heavy, so ``--help`` is quick); ``turbo-attn CMD --help`` shows its options. A bad input (missing or invalid
+config file, unknown preset, a path that is not a model) prints one ``error:`` line on stderr and exits 2.
 """
 
 from __future__ import annotations
@@ -21,19 +22,20 @@ import importlib
 import sys
 from typing import Optional
 
-#: subcommand -> (module inside turbo_attn_hf.eval, one-line help)
+#: subcommand -> (module with its main(argv), one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "chat": ("chat", "streaming chat demo: turbo_int8 vs sdpa tokens/s and KV memory"),
+    "chat": ("turbo_attn_hf.chat", "streaming chat demo: turbo_int8 vs sdpa tokens/s and KV memory"),
     "info": ("", "versions, device, presets and supported features"),
-    "lm-eval": ("lm_eval_run", "lm-eval chain-of-thought runs: sdpa vs presets"),
-    "fidelity": ("fidelity", "teacher-forced KL / top-1 agreement / perplexity vs eager fp32"),
-    "calibrate": ("calibrate_cli", "calibrate the per-layer 2-bit KV heads, write a config"),
-    "bench-prefill": ("bench_prefill", "prefill attention benchmark (GPU)"),
-    "bench-decode": ("bench_decode", "decode attention benchmark over a packed cache (GPU)"),
-    "bench-e2e": ("bench_e2e", "end-to-end benchmark of a Llama-3-8B-shaped model (GPU)"),
-    "accuracy": ("kernel_accuracy", "kernel accuracy vs fp64 (MRE, FA3 outlier RMSE)"),
-    "plots": ("plots", "PNG plots from eval/results/*.json"),
+    "lm-eval": ("turbo_attn_hf.eval.lm_eval_run", "lm-eval chain-of-thought runs: sdpa vs presets"),
+    "fidelity": ("turbo_attn_hf.eval.fidelity", "teacher-forced KL / top-1 agreement / perplexity vs eager fp32"),
+    "calibrate": ("turbo_attn_hf.eval.calibrate_cli", "calibrate the per-layer 2-bit KV heads, write a config"),
+    "bench-prefill": ("turbo_attn_hf.eval.bench_prefill", "prefill attention benchmark (GPU)"),
+    "bench-decode": ("turbo_attn_hf.eval.bench_decode", "decode attention benchmark over a packed cache (GPU)"),
+    "bench-e2e": ("turbo_attn_hf.eval.bench_e2e", "end-to-end benchmark of a Llama-3-8B-shaped model (GPU)"),
+    "accuracy": ("turbo_attn_hf.eval.kernel_accuracy", "kernel accuracy vs fp64 (MRE, FA3 outlier RMSE)"),
+    "plots": ("turbo_attn_hf.eval.plots", "PNG plots from eval/results/*.json"),
 }
+INFO_USAGE = "usage: turbo-attn info\n\nPrint versions, the device, the presets and the supported features."
 
 
 def _usage() -> str:
@@ -72,6 +74,20 @@ def info() -> int:
     return 0
 
 
+def _user_error(exc: BaseException) -> Optional[str]:
+    """The one-line message for an error caused by the user's input, or None for a bug (keep its traceback).
+
+    Only looks at modules already imported by the subcommand, so this file stays free of heavy imports."""
+    kinds = []
+    for mod, name in (("turbo_attn_hf.config", "TurboConfigError"), ("turbo_attn_hf.chat", "ChatError")):
+        cls = getattr(sys.modules.get(mod), name, None)
+        if cls is not None:
+            kinds.append(cls)
+    if isinstance(exc, tuple(kinds) + (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)):
+        return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return None
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -79,12 +95,28 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd not in COMMANDS:
-        print(f"turbo-attn: unknown command {cmd!r}\n\n{_usage()}", file=sys.stderr)
+        print(f"error: unknown command {cmd!r}; choose one of: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     if cmd == "info":
+        if any(a in ("-h", "--help") for a in rest):
+            print(INFO_USAGE)
+            return 0
+        if rest:
+            print(f"error: turbo-attn info takes no arguments (got {' '.join(rest)})", file=sys.stderr)
+            return 2
         return info()
-    mod = importlib.import_module(f"{__package__ or 'turbo_attn_hf.eval'}.{COMMANDS[cmd][0]}")
-    rc = mod.main(rest)
+    try:
+        mod = importlib.import_module(COMMANDS[cmd][0])
+        rc = mod.main(rest)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - re-raised below unless it is a user-input error
+        msg = _user_error(e)
+        if msg is None:
+            raise
+        print(f"error: {msg}", file=sys.stderr)
+        return 2
     return rc if isinstance(rc, int) else 0  # some mains return their results (dict / path)
 
 
