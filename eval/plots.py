@@ -161,7 +161,58 @@ def plot_e2e(path) -> Optional[Path]:
     return _save(fig, path)
 
 
-PLOTTERS = {"bench_prefill": plot_prefill, "bench_decode": plot_decode, "bench_e2e": plot_e2e}
+def plot_generate(path) -> Optional[Path]:
+    """bench_generate: decode ms per step and time to first token per shape (batch x context), one bar per config;
+    rows without a number are marked at the axis (OOM, n/i = not implemented, skip = time budget)."""
+    plt = _plt()
+    if plt is None:
+        return None
+    path = Path(path)
+    data = _load(path)
+    rows = data.get("rows", [])
+    if not rows:
+        return None
+    order = ["sdpa_dynamic", "sdpa_static", "sdpa_compiled"] + [f"turbo_{p}_{m}" for p in ("int8", "int4", "mixed")
+                                                                for m in ("eager", "compiled")]
+    colors = {"sdpa_dynamic": "#a0a0a0", "sdpa_static": "#6a9fcf", "sdpa_compiled": "#1f4e79",
+              "int8": "tab:green", "int4": "tab:purple", "mixed": "tab:orange"}
+    configs = sorted({r["config"] for r in rows}, key=lambda c: (order.index(c) if c in order else len(order), c))
+    shapes = sorted({(r["batch"], r["context"]) for r in rows}, key=lambda s: (s[0] * s[1], s[0]))
+    by = {(r["config"], r["batch"], r["context"]): r for r in rows}
+    fig, axes = plt.subplots(1, 2, figsize=(max(10, 1.9 * len(shapes) + 4), 4.2))
+    width = 0.8 / max(len(configs), 1)
+    for ax, key, ylabel in ((axes[0], "decode_ms_per_step", "decode ms per step (lower is better)"),
+                            (axes[1], "ttft_ms", "time to first token, ms")):
+        for i, cfg in enumerate(configs):
+            xs = [x + i * width for x in range(len(shapes))]
+            ys = [(by.get((cfg, b, t)) or {}).get(key) for b, t in shapes]
+            style = dict(hatch="//", edgecolor="white") if cfg.endswith("_compiled") else {}
+            color = colors.get(cfg) or colors.get(cfg.split("_")[1] if cfg.startswith("turbo_") else "", None)
+            ax.bar([x for x, y in zip(xs, ys) if y], [y for y in ys if y], width, color=color, **style,
+                   label=cfg if any(ys) else f"{cfg} (no data)")
+            for x, (b, t) in zip(xs, shapes):
+                r = by.get((cfg, b, t))
+                if r and r.get(key) is None and r.get("error"):
+                    err = r["error"]
+                    mark = "OOM" if err == "OOM" else "n/i" if err.startswith("not implemented") else \
+                        "skip" if err.startswith("skipped") else "err"
+                    ax.text(x, 0.02, mark, rotation=90, fontsize=6, ha="center", va="bottom",
+                            transform=ax.get_xaxis_transform())
+        ax.set_xticks([x + width * (len(configs) - 1) / 2 for x in range(len(shapes))],
+                      [f"{b}×{t // 1024}k" if t % 1024 == 0 else f"{b}×{t}" for b, t in shapes], fontsize=8)
+        ax.set_xlabel("batch × context")
+        ax.set_ylabel(ylabel)
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3, axis="y")
+    axes[1].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    cfg = data.get("config", {})
+    fig.suptitle(_title(data, f"model.generate(), Llama-3-8B-shaped ({cfg.get('layers', '?')} layers), "
+                              f"N = {cfg.get('new_tokens', '?')}"), fontsize=9)
+    return _save(fig, path)
+
+
+PLOTTERS = {"bench_prefill": plot_prefill, "bench_decode": plot_decode, "bench_e2e": plot_e2e,
+            "bench_generate": plot_generate}
 
 
 def main(argv: Optional[list[str]] = None) -> int:

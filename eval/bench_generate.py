@@ -1,0 +1,542 @@
+"""The headline end-to-end benchmark: plain ``model.generate()`` of a Llama-3-8B-shaped model (issue 18, item 4).
+
+    python -m eval.bench_generate [--quick] [--layers N] [--shapes 1x1k,4x8k] [--configs sdpa_dynamic,...]
+                                  [--new-tokens 32] [--reps 2] [--max-seconds 540] [--profile-step] [--merge]
+    python -m eval.bench_generate --dry-run      # CPU: a 2-layer toy model, 1 x 16 tokens, checks the set-up
+                                                 # (turbo: PyTorch reference; TRITON_INTERPRET=1: the kernels)
+
+Model: bench_e2e's builder: ``LlamaConfig`` with 32 layers (``--layers N`` to shrink), hidden 4096, 32 query /
+8 KV heads (head_dim 128), intermediate 14336, vocab 128256, random bf16 weights. One model load; every config
+switches the same weights with ``model.set_attn_implementation`` (+ ``turbo_attn_hf.set_turbo_config``).
+
+Configs (``--configs``):
+  sdpa_dynamic          sdpa + the default DynamicCache
+  sdpa_static           sdpa + ``cache_implementation="static"``, ``disable_compile=True`` (no auto-compile)
+  sdpa_compiled         sdpa + ``cache_implementation="static"`` with HF's automatic compile of the decode step
+                        (``CompileConfig()`` default: inductor, reduce-overhead = CUDA graphs); compiled afresh
+                        per shape (``torch._dynamo.reset()``), the warm-up run's seconds are recorded (``warmup_s``)
+  turbo_<p>_eager       turbo_int8 with preset p (int8, int4, mixed); plain ``generate()`` picks the TurboCache
+  turbo_<p>_compiled    turbo_int8 + ``cache_implementation="static"`` (auto-compile). Timed only when generate
+                        returns a compileable TurboCache; until then the row says
+                        ``error: "not implemented: static TurboCache (issue 18)"``.
+
+Measured per (config, batch x context), random input ids, greedy, ``min_new_tokens = max_new_tokens`` and no EOS,
+so every run generates exactly the asked number of tokens (checked):
+  ttft_ms              median wall time of ``generate(max_new_tokens=1)`` (CUDA synchronised)
+  decode_ms_per_step   (median t(1 + N new) - median t(1 new)) / N, N = ``--new-tokens`` >= 32
+  tokens_per_s         batch * 1000 / decode_ms_per_step
+  peak_gib             torch.cuda.max_memory_allocated() over the timed runs (reset after the warm-up)
+One warm-up (a 1 + N run), then ``--reps`` (>= 2) runs of each. OOM is caught per row (the row
+says ``error: "OOM"``) and the run goes on; memory and compiled graphs are freed between rows.
+``--max-seconds`` (default 540, under the device's 10-minute limit per command) skips the rows that would not fit
+(``error: "skipped: time budget"``). Rows are written shape by shape, all configs of a shape in this process;
+``--merge`` keeps the other shapes' rows of an earlier result file (split a long sweep into several commands).
+``--profile-step``: one torch.profiler trace of generate(1) and of generate(1 + P) per config at the first
+shape (``--profile-shape``); the difference / P gives one decode step: kernel launches (per layer), CUDA graph
+launches, GPU kernels, host ms (wall - time blocked in CUDA syncs) — the ``profile`` key. The generate(1)
+trace alone gives the same for the prefill (time to first token).
+Output: eval/results/bench_generate_<gpu>.json (+ .png), a table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Optional
+
+from .bench_common import RESULTS_DIR, free_gpu_memory, gib, is_oom, machine_info, machine_line, parse_int_list, \
+    print_table, require_cuda, save_results, write_json
+from .bench_e2e import LLAMA3_8B, PRESETS, TOY, build_model, set_impl
+
+SDPA_CONFIGS = ("sdpa_dynamic", "sdpa_static", "sdpa_compiled")
+ALL_CONFIGS = SDPA_CONFIGS + tuple(f"turbo_{p}_{m}" for p in PRESETS for m in ("eager", "compiled"))
+DEFAULT_SHAPES = "1x1k,1x4k,1x32k,4x8k,8x16k,8x32k"
+QUICK = dict(layers=8, shapes="1x1k,1x4k,4x8k", new_tokens=32, reps=2, max_seconds=330.0,
+             configs="sdpa_dynamic,sdpa_compiled,turbo_int4_eager,turbo_mixed_eager,turbo_int8_eager")
+DRY = dict(layers=2, shapes="1x16", new_tokens=4, reps=2, max_seconds=0.0, configs="sdpa_dynamic,turbo_int4_eager")
+NOT_IMPLEMENTED = "not implemented: static TurboCache (issue 18)"
+SKIPPED = "skipped: time budget"
+OOM = "OOM"
+ROW_KEYS = ("config", "batch", "context", "ttft_ms", "decode_ms_per_step", "tokens_per_s", "peak_gib")
+FORMULAS = {
+    "ttft_ms": "median wall time of model.generate(ids, max_new_tokens=1), torch.cuda.synchronize() before/after",
+    "decode_ms_per_step": "(median t(max_new_tokens=1+N) - median t(max_new_tokens=1)) / N, N = new_tokens",
+    "tokens_per_s": "batch * 1000 / decode_ms_per_step",
+    "peak_gib": "torch.cuda.max_memory_allocated() / 2**30 over the timed runs (stats reset after the warm-up; "
+                "weights included)",
+    "warmup_s": "wall time of the first generate(1+N) of the row (compile + CUDA-graph capture for *_compiled)",
+    "decode_vs_sdpa_compiled": "decode_ms_per_step / sdpa_compiled's at the same shape (issue 18: <= 1.05 at 1k/4k)",
+    "decode_vs_sdpa_dynamic": "decode_ms_per_step / sdpa_dynamic's at the same shape (issue 18: turbo eager <= 1)",
+    "ttft_vs_sdpa_dynamic": "ttft_ms / sdpa_dynamic's at the same shape (issue 19: <= 1.10 at 1 x 1k / 1 x 4k)",
+    "profile": "per step = (trace of generate(1+P) - trace of generate(1)) / P; launches = cudaLaunchKernel(ExC) + "
+               "cuLaunchKernel(Ex) calls, graph_launches = cudaGraphLaunch, kernels = GPU kernel executions; "
+               "host_ms = wall - time in cuda*Synchronize / blocking cudaMemcpy (profiler overhead included); "
+               "per_layer = per step / layers (lm_head, sampling and generate's own ops included)",
+}
+
+
+# ----------------------------------------------------------------------------------------------------- parsing
+def parse_shapes(s: str) -> list[tuple[int, int]]:
+    """'1x1k,4x8k' -> [(1, 1024), (4, 8192)] (batch x context)."""
+    out = []
+    for part in s.split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        b, _, t = part.partition("x")
+        if not t:
+            raise argparse.ArgumentTypeError(f"shape {part!r}: expected BATCHxCONTEXT, e.g. 4x8k")
+        out.append((int(b), parse_int_list(t)[0]))
+    return out
+
+
+def shape_name(b: int, T: int) -> str:
+    return f"{b}x{T // 1024}k" if T % 1024 == 0 else f"{b}x{T}"
+
+
+def parse_config(name: str) -> dict:
+    """'sdpa_compiled' -> {impl: 'sdpa', static: True, compile: True}; 'turbo_int4_eager' -> impl 'int4', ..."""
+    if name == "sdpa_dynamic":
+        return {"name": name, "impl": "sdpa", "static": False, "compile": False}
+    if name == "sdpa_static":
+        return {"name": name, "impl": "sdpa", "static": True, "compile": False}
+    if name == "sdpa_compiled":
+        return {"name": name, "impl": "sdpa", "static": True, "compile": True}
+    m = re.fullmatch(r"turbo_(\w+?)_(eager|compiled)", name)
+    if m and m.group(1) in PRESETS:
+        compiled = m.group(2) == "compiled"
+        return {"name": name, "impl": m.group(1), "static": compiled, "compile": compiled}
+    raise SystemExit(f"bench_generate: unknown config {name!r}; known: {', '.join(ALL_CONFIGS)}")
+
+
+def gpu_slug(info: dict) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'h100'; 'cpu (x86_64)' -> 'cpu'."""
+    dev = str(info.get("device", "cpu"))
+    if dev.startswith("cpu"):
+        return "cpu"
+    m = re.search(r"\b(G?[A-Z]{1,2}\d{2,4}[A-Z]?)\b", dev.replace("NVIDIA", ""))
+    if m:
+        return m.group(1).lower()
+    return re.sub(r"[^a-z0-9]+", "_", dev.lower()).strip("_") or "gpu"
+
+
+# --------------------------------------------------------------------------------------------------- generate
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _gen_kwargs(spec: dict, n: int) -> dict:
+    kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    if spec["static"]:
+        kw["cache_implementation"] = "static"
+        if not spec["compile"]:
+            kw["disable_compile"] = True
+    return kw
+
+
+def _out_cache(out):
+    """The cache generate() used, from a return_dict_in_generate output (``cache`` since transformers 5.24)."""
+    for key in ("past_key_values", "cache"):
+        c = getattr(out, key, None)
+        if c is not None:
+            return c
+    return None
+
+
+def generate_timed(model, ids, mask, spec: dict, n: int, return_out: bool = False):
+    """(seconds, output) of one model.generate(...) producing exactly ``n`` new tokens (checked)."""
+    import torch
+
+    _sync()
+    t0 = time.perf_counter()
+    out = model.generate(input_ids=ids, attention_mask=mask, return_dict_in_generate=return_out, **_gen_kwargs(spec, n))
+    _sync()
+    dt = time.perf_counter() - t0
+    seq = out.sequences if return_out else out
+    if not isinstance(seq, torch.Tensor) or seq.shape[1] != ids.shape[1] + n:
+        raise RuntimeError(f"generate returned {tuple(getattr(seq, 'shape', ()))}, expected {ids.shape[1] + n} "
+                           "tokens per sequence")
+    return dt, (out if return_out else None)
+
+
+def reset_static_len(model) -> None:
+    """HF sizes a static cache by max(this call, every earlier call) (``_previous_max_cache_length``), so one
+    32k row would make every later static row attend over 32k slots: forget it between rows."""
+    if hasattr(model, "_previous_max_cache_length"):
+        del model._previous_max_cache_length
+
+
+def reset_compile(model) -> None:
+    """Drop HF's compiled forward and dynamo / CUDA-graph state (frees the graphs' memory pools)."""
+    for attr in ("_compiled_call", "_last_compile_config"):
+        if hasattr(model, attr):
+            delattr(model, attr)
+    try:
+        import torch._dynamo
+
+        torch._dynamo.reset()
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+
+        reset_cudagraph_trees()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def cache_problem(spec: dict, cache, model) -> Optional[str]:
+    """None when generate() used the cache the config is about, else what it used instead."""
+    name = type(cache).__name__ if cache is not None else "no cache"
+    if spec["impl"] == "sdpa":
+        want = "StaticCache" if spec["static"] else "DynamicCache"
+        if name != want:
+            return f"generate used {name}, expected {want}"
+    else:
+        from turbo_attn_hf import TurboCache
+
+        if not isinstance(cache, TurboCache):
+            return f"generate used {name}, not a TurboCache"
+        if spec["static"] and not getattr(cache, "is_compileable", False):
+            return f"generate used a {name} that is not compileable"
+    if spec["compile"] and not hasattr(model, "_compiled_call"):
+        return "HF did not compile the decode step (_valid_auto_compile_criteria was False)"
+    return None
+
+
+def probe_static_turbo(model, preset: str) -> Optional[str]:
+    """None when generate(cache_implementation="static") of a turbo model builds a compileable TurboCache,
+    else what it did (a 1 x 16 prompt, 2 tokens, compile disabled: nothing is compiled for the probe)."""
+    import torch
+
+    set_impl(model, preset)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (1, 16), generator=g).to(model.device)
+    spec = {"impl": preset, "static": True, "compile": False}
+    try:
+        _, out = generate_timed(model, ids, torch.ones_like(ids), spec, 2, return_out=True)
+        problem = cache_problem(spec, _out_cache(out), model)
+    except Exception as e:  # noqa: BLE001
+        problem = f"generate(cache_implementation='static') raised {type(e).__name__}: {str(e)[:160]}"
+    out = None  # noqa: F841
+    reset_static_len(model)
+    free_gpu_memory()
+    return problem
+
+
+# ---------------------------------------------------------------------------------------------------- profile
+_LAUNCH = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
+           "cudaLaunchCooperativeKernel"}
+_GRAPH = {"cudaGraphLaunch", "cuGraphLaunch"}
+_SYNC = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cuStreamSynchronize",
+         "cuCtxSynchronize", "cudaMemcpy", "cuMemcpyDtoH_v2", "cuMemcpyDtoH"}
+
+
+def trace_stats(trace_path) -> dict:
+    """Launch / kernel counts and times from a torch.profiler chrome trace."""
+    with open(trace_path) as f:
+        events = json.load(f).get("traceEvents", [])
+    st = {"launches": 0, "graph_launches": 0, "copies": 0, "kernels": 0, "gpu_kernel_ms": 0.0, "sync_ms": 0.0}
+    names: Counter = Counter()
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        cat, name, dur = e.get("cat", ""), e.get("name", ""), float(e.get("dur", 0.0))
+        if cat in ("cuda_runtime", "cuda_driver"):
+            if name in _LAUNCH:
+                st["launches"] += 1
+            elif name in _GRAPH:
+                st["graph_launches"] += 1
+            elif name.startswith(("cudaMemcpy", "cudaMemset", "cuMemcpy", "cuMemset")):
+                st["copies"] += 1
+            if name in _SYNC:
+                st["sync_ms"] += dur / 1e3
+        elif cat == "kernel":
+            st["kernels"] += 1
+            st["gpu_kernel_ms"] += dur / 1e3
+            names[name[:90]] += 1
+    st["kernel_names"] = names
+    return st
+
+
+def profile_generate(model, ids, mask, spec: dict, n: int) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        with profile(activities=acts) as prof:
+            dt, _ = generate_timed(model, ids, mask, spec, n)
+        prof.export_chrome_trace(path)
+        st = trace_stats(path)
+    st["wall_ms"] = dt * 1e3
+    st["host_ms"] = st["wall_ms"] - st["sync_ms"]
+    return st
+
+
+def profile_row(model, ids, mask, spec: dict, steps: int, layers: int) -> dict:
+    """One decode step (difference of generate(1+P) and generate(1) traces / P) and the prefill (generate(1))."""
+    short = profile_generate(model, ids, mask, spec, 1)
+    long = profile_generate(model, ids, mask, spec, 1 + steps)
+    keys = ("launches", "graph_launches", "copies", "kernels", "gpu_kernel_ms", "wall_ms", "host_ms", "sync_ms")
+    step = {k: (long[k] - short[k]) / steps for k in keys}
+    step["launches_per_layer"] = step["launches"] / layers
+    step["kernels_per_layer"] = step["kernels"] / layers
+    diff = long["kernel_names"].copy()
+    diff.subtract(short["kernel_names"])
+    step["top_kernels"] = {k: v / steps for k, v in diff.most_common(15) if v > 0}
+    pre = {k: short[k] for k in keys}
+    pre["launches_per_layer"] = short["launches"] / layers
+    pre["kernels_per_layer"] = short["kernels"] / layers
+    return {"profile_steps": steps, "decode_step": step, "prefill": pre}
+
+
+# ------------------------------------------------------------------------------------------------------- rows
+def measure(model, spec: dict, b: int, T: int, n: int, reps: int, layers: int, profile_steps: int = 0) -> dict:
+    import torch
+
+    reset_static_len(model)
+    if spec["compile"]:
+        reset_compile(model)
+    g = torch.Generator().manual_seed(1000 * b + T)
+    ids = torch.randint(0, model.config.vocab_size, (b, T), generator=g).to(model.device)
+    mask = torch.ones_like(ids)
+    row: dict = {}
+    # warm-up: the long run first, so a static cache is sized for T + N by every later run of the row
+    warm, out = generate_timed(model, ids, mask, spec, 1 + n, return_out=True)
+    cache = _out_cache(out)
+    row["warmup_s"] = warm
+    row["cache"] = type(cache).__name__ if cache is not None else None
+    problem = cache_problem(spec, cache, model)
+    out = cache = None  # noqa: F841
+    if problem:
+        return {**row, "error": f"wrong path: {problem}"}
+    free_gpu_memory()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    t1, tn = [], []
+    for _ in range(reps):
+        t1.append(generate_timed(model, ids, mask, spec, 1)[0])
+        tn.append(generate_timed(model, ids, mask, spec, 1 + n)[0])
+    peak = gib(torch.cuda.max_memory_allocated()) if torch.cuda.is_available() else None
+    m1, mn = statistics.median(t1), statistics.median(tn)
+    decode_ms = (mn - m1) / n * 1e3
+    row.update(ttft_ms=m1 * 1e3, decode_ms_per_step=decode_ms,
+               tokens_per_s=b * 1000.0 / decode_ms if decode_ms > 0 else None, peak_gib=peak,
+               t1_s=t1, t1n_s=tn)
+    if profile_steps:
+        try:
+            row["_profile"] = profile_row(model, ids, mask, spec, profile_steps, layers)
+        except Exception as e:  # noqa: BLE001 - the timings stand without the profile
+            row["_profile"] = {"error": "OOM" if is_oom(e) else f"{type(e).__name__}: {str(e)[:200]}"}
+    return row
+
+
+def add_ratios(rows: list[dict]) -> None:
+    by = {(r["config"], r["batch"], r["context"]): r for r in rows}
+    for r in rows:
+        for key, base_cfg, val in (("decode_vs_sdpa_compiled", "sdpa_compiled", "decode_ms_per_step"),
+                                   ("decode_vs_sdpa_dynamic", "sdpa_dynamic", "decode_ms_per_step"),
+                                   ("ttft_vs_sdpa_dynamic", "sdpa_dynamic", "ttft_ms")):
+            base = by.get((base_cfg, r["batch"], r["context"]), {})
+            r.pop(key, None)
+            if r.get(val) and base.get(val) and r["config"] != base_cfg:
+                r[key] = r[val] / base[val]
+
+
+def estimate_s(spec: dict, b: int, T: int, done: dict, layers: int) -> float:
+    """Rough seconds a row will take: the config's last row scaled by batch x context (a compiled row's
+    warm-up, mostly compilation, unscaled), or a guess for a first compile."""
+    prev = done.get(spec["name"])
+    if prev:
+        secs, warm, tokens = prev
+        scale = max(1.0, b * T / tokens)
+        return (warm + (secs - warm) * scale) if spec["compile"] else secs * scale
+    return 30.0 + 2.5 * layers if spec["compile"] else 0.0
+
+
+# ------------------------------------------------------------------------------------------------------- main
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="turbo-attn bench-generate", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true",
+                    help=f"layers {QUICK['layers']}, shapes {QUICK['shapes']}, N {QUICK['new_tokens']}, "
+                         f"{QUICK['reps']} reps, configs {QUICK['configs']} (< 6 min on an H100)")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default 32 = Llama-3-8B)")
+    ap.add_argument("--shapes", default=None, help=f"batch x context list (default {DEFAULT_SHAPES})")
+    ap.add_argument("--configs", default=None, help=f"default: all of {','.join(ALL_CONFIGS)}")
+    ap.add_argument("--new-tokens", type=int, default=None, help="N decode steps timed (>= 32; default 32)")
+    ap.add_argument("--reps", type=int, default=None, help="timed runs per row after the warm-up (>= 2; default 2)")
+    ap.add_argument("--max-seconds", type=float, default=None,
+                    help="skip rows that would end past this many seconds from the start (0 = no limit; "
+                         "default 540, --quick 330)")
+    ap.add_argument("--profile-step", action="store_true", help="torch.profiler of one decode step per config")
+    ap.add_argument("--profile-shape", default=None, help="shape to profile (default: the first shape)")
+    ap.add_argument("--profile-steps", type=int, default=4, help="decode steps in the profiled run (P)")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep rows of other shapes / configs from an existing result file of the same model")
+    ap.add_argument("--out", default=None, help="result folder (default eval/results)")
+    ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--dry-run", action="store_true",
+                    help=f"CPU: 2-layer toy model, shape {DRY['shapes']}, configs {DRY['configs']}, "
+                         f"N {DRY['new_tokens']}")
+    return ap
+
+
+def _resolve(args) -> dict:
+    base = DRY if args.dry_run else QUICK if args.quick else dict(layers=32, shapes=DEFAULT_SHAPES, new_tokens=32,
+                                                                    reps=2, max_seconds=540.0,
+                                                                    configs=",".join(ALL_CONFIGS))
+    opt = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in base.items()}
+    if not args.dry_run and opt["new_tokens"] < 32:
+        raise SystemExit("bench_generate: --new-tokens must be >= 32 (issue 18)")
+    if opt["reps"] < 2:
+        raise SystemExit("bench_generate: --reps must be >= 2")
+    opt["shapes"] = parse_shapes(opt["shapes"])
+    opt["specs"] = [parse_config(c.strip()) for c in opt["configs"].split(",") if c.strip()]
+    return opt
+
+
+def _load_merge(path: Path, cfg: dict) -> tuple[list[dict], list[dict], list[dict]]:
+    if not path.is_file():
+        return [], [], []
+    old = json.loads(path.read_text())
+    oc = old.get("config", {})
+    if (oc.get("layers"), oc.get("new_tokens"), oc.get("model")) != (cfg["layers"], cfg["new_tokens"], cfg["model"]):
+        print(f"--merge: {path} was measured with another model / N; not merged", flush=True)
+        return [], [], []
+    return old.get("rows", []), old.get("profile", []), old.get("runs", [])
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    t_start = time.perf_counter()
+    args = build_parser().parse_args(argv)
+    opt = _resolve(args)
+    import torch
+
+    if args.dry_run:  # on CPU, turbo runs the PyTorch reference, or the Triton interpreter with TRITON_INTERPRET=1
+        device, shape = ("cuda" if torch.cuda.is_available() else "cpu"), TOY
+    else:
+        require_cuda("bench_generate")
+        device, shape = "cuda", LLAMA3_8B
+    layers, n, reps, specs, shapes = opt["layers"], opt["new_tokens"], opt["reps"], opt["specs"], opt["shapes"]
+    prof_shape = None
+    if args.profile_step:
+        prof_shape = parse_shapes(args.profile_shape)[0] if args.profile_shape else shapes[0]
+    info = machine_info()
+    print(machine_line(info), flush=True)
+    t0 = time.perf_counter()
+    model = build_model(layers, shape, device, torch.bfloat16)
+    gen_cfg = model.generation_config  # random weights: no EOS / pad, so every run generates exactly N tokens
+    gen_cfg.eos_token_id = None
+    gen_cfg.pad_token_id = None
+    gen_cfg.cache_implementation = None
+    n_params = sum(p.numel() for p in model.parameters())
+    what = "toy (dry run)" if args.dry_run else "Llama-3-8B-shaped"
+    print(f"model: {what}, {layers} layers, {n_params / 1e9:.2f} B params, bf16, built in "
+          f"{time.perf_counter() - t0:.1f} s; N = {n}, reps = {reps}", flush=True)
+
+    from transformers import CompileConfig
+
+    name = f"bench_generate_{gpu_slug(info)}" + ("_dryrun" if args.dry_run else "")
+    out_dir = Path(args.out) if args.out else RESULTS_DIR
+    config = {"model": "LlamaConfig, Llama-3-8B shape" if not args.dry_run else "toy", "layers": layers, **shape,
+              "params": n_params, "dtype": "bfloat16", "weights": "random N(0, 0.02)", "new_tokens": n, "reps": reps,
+              "warmup": "one generate(1+N) per row", "input": "random ids, attention_mask ones",
+              "shapes": [shape_name(b, T) for b, T in shapes], "configs": [s["name"] for s in specs],
+              "compile_config": {k: str(v) for k, v in CompileConfig().to_dict().items()},
+              "compile_scope": "fresh per shape: torch._dynamo.reset() before each *_compiled row",
+              "max_seconds": opt["max_seconds"]}
+    old_rows, old_prof, runs = _load_merge(out_dir / f"{name}.json", config) if args.merge else ([], [], [])
+    this_run = {"machine": info, "argv": sys.argv[1:] if argv is None else list(argv),
+                "shapes": config["shapes"], "configs": config["configs"]}
+    runs = runs + [this_run]
+    rows: list[dict] = []
+    profiles: list[dict] = []
+    mine = {(s["name"], b, T) for s in specs for b, T in shapes}
+
+    def payload() -> dict:
+        keep = [r for r in old_rows if (r["config"], r["batch"], r["context"]) not in mine]
+        keep_p = [p for p in old_prof if (p["config"], p["batch"], p["context"]) not in mine]
+        all_rows = keep + rows
+        add_ratios(all_rows)
+        return {"benchmark": "generate", "machine": info, "dry_run": args.dry_run, "quick": args.quick,
+                "config": config, "formulas": FORMULAS, "runs": runs, "rows": all_rows, "profile": keep_p + profiles}
+
+    static_turbo: dict[str, Optional[str]] = {}
+    done: dict[str, tuple[float, int]] = {}
+    for b, T in shapes:
+        for spec in specs:
+            row: dict = {"config": spec["name"], "batch": b, "context": T}
+            elapsed = time.perf_counter() - t_start
+            if spec["impl"] != "sdpa" and spec["static"]:
+                if spec["impl"] not in static_turbo:
+                    static_turbo[spec["impl"]] = probe_static_turbo(model, spec["impl"])
+                if static_turbo[spec["impl"]]:
+                    row.update(error=NOT_IMPLEMENTED, detail=static_turbo[spec["impl"]])
+            budget = opt["max_seconds"]
+            if "error" not in row and budget and elapsed + estimate_s(spec, b, T, done, layers) > budget:
+                row["error"] = SKIPPED
+            if "error" not in row:
+                set_impl(model, spec["impl"])
+                t_row = time.perf_counter()
+                try:
+                    row.update(measure(model, spec, b, T, n, reps, layers,
+                                       args.profile_steps if (b, T) == prof_shape else 0))
+                except Exception as e:  # noqa: BLE001 - OOM (or anything else) ends this row only
+                    row["error"] = OOM if is_oom(e) else f"{type(e).__name__}: {str(e)[:200]}"
+                    e = None  # noqa: F841
+                row["row_s"] = time.perf_counter() - t_row
+                done[spec["name"]] = (row["row_s"], row.get("warmup_s") or 0.0, b * T)
+            # outside the except block, so the traceback's frames (and their tensors) are gone
+            reset_static_len(model)
+            if spec["compile"]:
+                reset_compile(model)
+            free_gpu_memory()
+            prof = row.pop("_profile", None)
+            if prof:
+                profiles.append({"config": spec["name"], "batch": b, "context": T, "layers": layers, **prof})
+            for k in ROW_KEYS:
+                row.setdefault(k, None)
+            rows.append(row)
+            print(f"  {spec['name']:>20} {shape_name(b, T):>6}: " + (
+                f"ttft {row['ttft_ms']:.1f} ms, decode {row['decode_ms_per_step']:.2f} ms/step, "
+                f"peak {row['peak_gib'] or 0:.1f} GiB, warm-up {row.get('warmup_s', 0):.1f} s"
+                if row.get("decode_ms_per_step") is not None else f"{row.get('error')}"), flush=True)
+            write_json(name, payload(), out_dir)  # partial results survive a timeout
+
+    data = payload()
+    print()
+    print_table(data["rows"], ["config", "batch", "context", "ttft_ms", "decode_ms_per_step", "tokens_per_s",
+                               "peak_gib", "warmup_s", "decode_vs_sdpa_compiled", "decode_vs_sdpa_dynamic",
+                               "ttft_vs_sdpa_dynamic", "error"])
+    profs = [p for p in data["profile"] if "decode_step" in p]
+    if profs:
+        print("\nprofile (one decode step; prefill = generate(1)):")
+        prow = [{"config": p["config"], "shape": shape_name(p["batch"], p["context"]),
+                 "launch/layer": p["decode_step"]["launches_per_layer"],
+                 "graphs": p["decode_step"]["graph_launches"], "kern/layer": p["decode_step"]["kernels_per_layer"],
+                 "host_ms": p["decode_step"]["host_ms"], "gpu_ms": p["decode_step"]["gpu_kernel_ms"],
+                 "wall_ms": p["decode_step"]["wall_ms"],
+                 "pre_launch/layer": p["prefill"]["launches_per_layer"], "pre_host_ms": p["prefill"]["host_ms"]}
+                for p in profs]
+        print_table(prow, list(prow[0]))
+    print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
+    save_results(name, data, out_dir, None if args.no_plot or args.dry_run else "plot_generate")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
