@@ -88,6 +88,39 @@ def _dequant_tile(b_c, b_scale, b_zero, AXIS: tl.constexpr):
 
 
 @triton.jit
+def _pack_tile(b_x, m_x, BR: tl.constexpr, BC: tl.constexpr, BITS: tl.constexpr, AXIS: tl.constexpr):
+    """Eq. 7 on one tile: ``b_x [BR, BC]`` int32 INT8 codes (``m_x``: the real entries; padded ones are kept out
+    of the min/max) -> ``(packed [BR, BC*BITS//8] int32 bytes, scale_int, zero)``, one group per column (AXIS=0,
+    scale/zero ``[BC]``) or per row (AXIS=1, ``[BR]``). Shared by ``_pack_kernel`` and the fused store
+    (``store._store_kv_kernel``): one copy of the rounding."""
+    QMAX: tl.constexpr = (1 << BITS) - 1
+    PB: tl.constexpr = 8 // BITS
+    BCB: tl.constexpr = BC // PB
+    b_min = tl.min(tl.where(m_x, b_x, 127), axis=AXIS)
+    b_max = tl.max(tl.where(m_x, b_x, -127), axis=AXIS)
+    b_scale = tl.maximum((b_max - b_min + QMAX - 1) // QMAX, 1)
+    if AXIS == 0:
+        b_n = b_x - b_min[None, :]
+        b_sc = b_scale[None, :]
+        b_top = ((127 - b_min) // b_scale)[None, :]
+    else:
+        b_n = b_x - b_min[:, None]
+        b_sc = b_scale[:, None]
+        b_top = ((127 - b_min) // b_scale)[:, None]
+    # round half up of b_n / b_sc (b_n >= 0), in integers; never past 127 when restored (no clamp needed)
+    b_c = tl.minimum(tl.minimum((2 * b_n + b_sc) // (2 * b_sc), QMAX), b_top)
+    if BITS == 4:
+        b_c0, b_c1 = tl.split(tl.reshape(b_c, (BR, BCB, 2)))
+        b_p = b_c0 | (b_c1 << 4)
+    else:
+        b_a, b_b = tl.split(tl.reshape(b_c, (BR, BCB, 2, 2)))
+        b_c0, b_c2 = tl.split(b_a)
+        b_c1, b_c3 = tl.split(b_b)
+        b_p = b_c0 | (b_c1 << 2) | (b_c2 << 4) | (b_c3 << 6)
+    return b_p, b_scale, b_min
+
+
+@triton.jit
 def _pack_kernel(
     x, p, s, z,
     stride_x0, stride_x1, stride_x2, stride_xr, stride_xc,
@@ -104,7 +137,6 @@ def _pack_kernel(
     entries are kept out of the min/max.
     """
     i_2, i_1, i_0 = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
-    QMAX: tl.constexpr = (1 << BITS) - 1
     PB: tl.constexpr = 8 // BITS
     CB: tl.constexpr = C // PB
     BCB: tl.constexpr = BC // PB
@@ -113,29 +145,7 @@ def _pack_kernel(
     m_x = (o_r[:, None] < R) & (o_c[None, :] < C)
     b_x = tl.load(x + i_0 * stride_x0 + i_1 * stride_x1 + i_2 * stride_x2 + o_r[:, None] * stride_xr
                   + o_c[None, :] * stride_xc, mask=m_x, other=0).to(tl.int32)
-    b_min = tl.min(tl.where(m_x, b_x, 127), axis=AXIS)
-    b_max = tl.max(tl.where(m_x, b_x, -127), axis=AXIS)
-    b_scale = tl.maximum((b_max - b_min + QMAX - 1) // QMAX, 1)
-    if AXIS == 0:
-        b_n = b_x - b_min[None, :]
-        b_sc = b_scale[None, :]
-    else:
-        b_n = b_x - b_min[:, None]
-        b_sc = b_scale[:, None]
-    # round half up of b_n / b_sc (b_n >= 0), in integers; never past 127 when restored (no clamp needed)
-    if AXIS == 0:
-        b_top = ((127 - b_min) // b_scale)[None, :]
-    else:
-        b_top = ((127 - b_min) // b_scale)[:, None]
-    b_c = tl.minimum(tl.minimum((2 * b_n + b_sc) // (2 * b_sc), QMAX), b_top)
-    if BITS == 4:
-        b_c0, b_c1 = tl.split(tl.reshape(b_c, (BR, BCB, 2)))
-        b_p = b_c0 | (b_c1 << 4)
-    else:
-        b_a, b_b = tl.split(tl.reshape(b_c, (BR, BCB, 2, 2)))
-        b_c0, b_c2 = tl.split(b_a)
-        b_c1, b_c3 = tl.split(b_b)
-        b_p = b_c0 | (b_c1 << 2) | (b_c2 << 4) | (b_c3 << 6)
+    b_p, b_scale, b_min = _pack_tile(b_x, m_x, BR, BC, BITS, AXIS)
     o_cb = tl.arange(0, BCB)
     tl.store(p + i_0 * stride_p0 + i_1 * stride_p1 + i_2 * stride_p2 + o_r[:, None] * stride_pr + o_cb[None, :],
              b_p.to(tl.uint8), mask=(o_r[:, None] < R) & (o_cb[None, :] < CB))
@@ -176,14 +186,16 @@ def _quantize_universal(b_x, b_scale, b_mean, HAS_MEAN: tl.constexpr):
     """INT8 codes of a tile ``b_x [R, D]`` (any float dtype) with the universal per-channel ``b_scale`` (and
     ``b_mean``) ``[D]`` fp32: ``clamp(round_half_away((x - mean) / scale), ±127)``, the division correctly
     rounded (``div_rn``, as torch divides): the bits of ``reference.quantize_int8_universal_ref``. The
-    quotient is clamped to ±128 first (the same codes) and a NaN made 0 (torch's code for it), so that the
-    float -> int32 conversion never goes out of range (the GPU's saturates, the interpreter's wraps). Shared by
+    quotient is clamped to ±128 first (the same codes) and a NaN made 0, so that the float -> int32 conversion
+    never goes out of range (the GPU's saturates, the interpreter's wraps); a non-finite input (inf, NaN) gives
+    code 0 (one bad element must not become ±127 in every later dot product). Shared by
     ``_quantize_int8_kernel`` and the decode-step store (``store._store_tokens_kernel``)."""
     b_x = b_x.to(tl.float32)
+    b_fin = tl.abs(b_x) < float("inf")  # a non-finite input is stored as code 0 (and counted by the store)
     if HAS_MEAN:
         b_x = b_x - b_mean[None, :]
     b_q = tl.math.div_rn(b_x, b_scale[None, :])
-    b_q = tl.clamp(tl.where(b_q == b_q, b_q, 0.0), -128.0, 128.0)
+    b_q = tl.clamp(tl.where(b_fin & (b_q == b_q), b_q, 0.0), -128.0, 128.0)
     return _to_int8_half_away(b_q, 1.0)  # inv 1.0: x * 1.0 is exact
 
 

@@ -462,25 +462,44 @@ def attention_fp64(q, k, v, *, scale=None, causal=True, window=None, softcap=Non
 # twins of the packed-cache math. Format, rounding and layout are documented in kernels/pack.py.
 
 
+def kv_finite_mean_ref(k: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+    """The K mean with non-finite keys left out, where ``mean`` (``k_smooth_mean``) is not finite:
+    ``sum(finite k) / count(finite k)`` per channel (0 for a channel with none). Finite inputs keep ``mean``
+    bit for bit; the fused store (``store._stats_finish_kernel``) sums in its own order (same value to fp32
+    rounding)."""
+    fin = torch.isfinite(k)
+    s = torch.where(fin, k.float(), torch.zeros((), device=k.device)).sum(dim=2)
+    n = fin.sum(dim=2).float()
+    alt = torch.where(n > 0, s / n.clamp_min(1.0), torch.zeros_like(s))
+    return torch.where(torch.isfinite(mean), mean, alt)
+
+
 def kv_universal_scales_ref(k: torch.Tensor, v: torch.Tensor, smooth_k: bool = True, headroom: float = 1.0):
     """FlashQ step 1 scales, fixed at the first prefill: ``k, v [b, H, L, d]`` ->
     ``(k_mean [b, H, d] or None, k_scale [b, H, d], v_scale [b, H, d])`` fp32, scale = amax * headroom / 127
-    (K after subtracting its channel mean). A zero channel gets scale 1 (codes 0)."""
+    (K after subtracting its channel mean). A zero channel gets scale 1 (codes 0). Non-finite elements are
+    left out of the mean and the amax (``kv_finite_mean_ref``; a channel with none finite gets scale 1): one
+    bad token must not set every token's scale."""
     kf, vf = k.float(), v.float()
     mean = k_smooth_mean(k) if smooth_k else None
     if mean is not None:
+        mean = kv_finite_mean_ref(k, mean)
         kf = kf - mean[:, :, None, :]
-    ks = kf.abs().amax(dim=2) * (headroom / 127.0)
-    vs = vf.abs().amax(dim=2) * (headroom / 127.0)
+    zero = torch.zeros((), device=k.device)
+    ks = torch.where(torch.isfinite(k), kf.abs(), zero).amax(dim=2) * (headroom / 127.0)
+    vs = torch.where(torch.isfinite(v), vf.abs(), zero).amax(dim=2) * (headroom / 127.0)
     return mean, torch.where(ks > 0, ks, torch.ones_like(ks)), torch.where(vs > 0, vs, torch.ones_like(vs))
 
 
 def quantize_int8_universal_ref(x: torch.Tensor, scale: torch.Tensor, mean: Optional[torch.Tensor] = None):
-    """``x [b, H, T, d]`` -> int8 ``clamp(round_half_away((x - mean) / scale), -127, 127)`` (outliers clamp)."""
+    """``x [b, H, T, d]`` -> int8 ``clamp(round_half_away((x - mean) / scale), -127, 127)`` (outliers clamp);
+    a non-finite element gives code 0."""
     xf = x.float()
+    fin = torch.isfinite(xf)
     if mean is not None:
         xf = xf - mean[:, :, None, :]
-    return _round_half_away(xf / scale[:, :, None, :]).clamp_(-127, 127).to(torch.int8)
+    q = _round_half_away(xf / scale[:, :, None, :]).clamp_(-127, 127)
+    return torch.where(fin, q, torch.zeros((), device=q.device)).to(torch.int8)
 
 
 def pack_blocks_ref(x8: torch.Tensor, bits: int, axis: int):

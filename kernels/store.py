@@ -8,6 +8,22 @@ and the two writes in one launch:
 
     k8 = clamp(round_half_away((k - mean) / s_k), ±127)  -> k_tail[b, h, slot + t, :]
     v8 = clamp(round_half_away(v / s_v), ±127)           -> v_tail[b, h, :, slot + t]   (V transposed)
+
+The first prefill's store and every store that packs a block (issue 19: it was ~60-110 small PyTorch launches
+per layer with host syncs for mixed's head choice) are three more kernels here, none with a host sync:
+
+* ``_stats_kernel`` (grid: chunks of blocks x (b, h)): per chunk and channel the min/max of K and V over the
+  finite elements, the calibration's per-block gaps (``calibrate.prompt_head_priority``), the finite K sum and
+  count (a fallback mean where K holds inf/NaN) and the number of token vectors with a non-finite element;
+* ``_finish_kernel`` (grid: b*H + 1): per (b, h) the chunks' partials -> universal scales (the fp32 formula of
+  ``TurboLayer._fix_scales``, bit for bit); the last program writes the non-finite count and, for
+  ``head_select: prompt``, ranks the heads (gap x std) and writes each bit group's ``heads`` map on the device;
+* ``_store_kv_kernel`` (grid: blocks to pack + 1, b*H): quantizes the tokens with the universal scales, packs
+  each full block straight into its group's storage (INT8/INT4/INT2 by the group's constexpr bits) and writes
+  sink / recent / tail tokens into the INT8 buffer (``reference.int8_buffer_layout``).
+
+With K smoothing the mean stays the torch reduction ``reference.k_smooth_mean`` (bit for bit the prefill's and
+the reference's; one launch): first prefill = mean + stats + finish + store = 4 launches per layer.
 """
 
 from __future__ import annotations
@@ -19,18 +35,33 @@ import triton
 import triton.language as tl
 
 from .decode import _pow2
+from .interpreter import interpreting
 from .launch import LeanLaunch
-from .pack import _quantize_universal
+from .pack import _pack_tile, _quantize_universal
 
-__all__ = ["store_int8_tokens"]
+__all__ = ["store_int8_tokens", "kv_stats", "store_kv", "STATS_CHUNK_BLOCKS"]
+
+
+@triton.jit
+def _finite(b_x):
+    """Elements that are neither inf nor NaN (NaN compares false)."""
+    return tl.abs(b_x.to(tl.float32)) < float("inf")
+
+
+@triton.jit
+def _bad_rows(b_k, b_v, m):
+    """Number of rows (token vectors) of the [R, D] tiles ``b_k``, ``b_v`` (``m``: the real entries) with a
+    non-finite element in K or V (int32 scalar)."""
+    b_bad = m & ((_finite(b_k) == 0) | (_finite(b_v) == 0))
+    return tl.sum(tl.max(b_bad.to(tl.int32), 1), 0)
 
 
 @triton.jit(do_not_specialize=["slot", "T"])
 def _store_tokens_kernel(
-    k, v, sk, mk, sv, kt, vt, slot, T,
+    k, v, sk, mk, sv, kt, vt, flag, slot, T,
     stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     H, C,
-    D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, HAS_MEAN: tl.constexpr,
+    D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, HAS_MEAN: tl.constexpr, COUNT: tl.constexpr,
 ):
     """grid = (b * H,): tokens ``[0, T)`` of k/v ``[b, H, T, D]`` -> buffer slots ``slot + t``;
     sk/mk/sv ``[b, H, D]`` fp32; kt ``[b, H, C, D]``, vt ``[b, H, D, C]`` int8."""
@@ -52,6 +83,8 @@ def _store_tokens_kernel(
     # pack.quantize_int8's tile math (one helper: the same bits)
     b_k8 = _quantize_universal(b_k, b_sk, b_mk, HAS_MEAN=HAS_MEAN)
     b_v8 = _quantize_universal(b_v, b_sv, b_sv, HAS_MEAN=False)
+    if COUNT:
+        tl.atomic_add(flag, _bad_rows(b_k, b_v, m))
     o_buf = i_bh.to(tl.int64) * C * D  # the same for [C, D] and [D, C]
     tl.store(kt + o_buf + (slot + o_t[:, None]) * D + o_d[None, :], b_k8, mask=m)
     tl.store(vt + o_buf + o_d[None, :] * C + (slot + o_t[:, None]), b_v8, mask=m)
@@ -61,10 +94,12 @@ _STORE = LeanLaunch(_store_tokens_kernel)  # one launch per layer and decode ste
 
 
 def store_int8_tokens(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, k_mean: Optional[torch.Tensor],
-                      v_scale: torch.Tensor, k_tail: torch.Tensor, v_tail: torch.Tensor, slot: int) -> None:
+                      v_scale: torch.Tensor, k_tail: torch.Tensor, v_tail: torch.Tensor, slot: int,
+                      nonfinite: Optional[torch.Tensor] = None) -> None:
     """Quantize ``k, v [b, H, T, D]`` (last dim contiguous) with the universal scales and write them to
     ``k_tail[:, :, slot:slot+T]`` / ``v_tail[:, :, :, slot:slot+T]`` (contiguous ``[b, H, C, D]`` /
-    ``[b, H, D, C]`` int8, ``slot + T <= C``). Scales/mean: contiguous ``[b, H, D]`` fp32."""
+    ``[b, H, D, C]`` int8, ``slot + T <= C``). Scales/mean: contiguous ``[b, H, D]`` fp32. ``nonfinite``: an
+    int32 counter that gets the number of stored (row, head, token) vectors with an inf/NaN in K or V."""
     b, H, T, D = k.shape
     C = k_tail.shape[2]
     if slot + T > C:
@@ -74,8 +109,405 @@ def store_int8_tokens(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, k
     if v.stride(-1) != 1:
         v = v.contiguous()
     _STORE[(b * H,)](
-        k, v, k_scale, k_mean if k_mean is not None else k_scale, v_scale, k_tail, v_tail, int(slot), T,
+        k, v, k_scale, k_mean if k_mean is not None else k_scale, v_scale, k_tail, v_tail,
+        nonfinite if nonfinite is not None else k_tail, int(slot), T,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), H, C,
-        D=D, BD=_pow2(D), BT=_pow2(T), HAS_MEAN=k_mean is not None,
+        D=D, BD=_pow2(D), BT=_pow2(T), HAS_MEAN=k_mean is not None, COUNT=nonfinite is not None,
         num_warps=4,
     )
+
+
+# ============================================================================ first prefill: stats -> scales
+#: blocks per program of ``_stats_kernel`` on the GPU (a chunk of 8 x 64 tokens: 512 programs at 32k, 8 heads);
+#: the interpreter takes whole sequences per program (its cost is per operation, not per element)
+STATS_CHUNK_BLOCKS = 8
+N_PART = 8  # rows of a stats partial: K min, K max, V min, V max, K gap sum, V gap sum, finite K sum, finite K count
+
+
+@triton.jit(do_not_specialize=["T", "NC", "stride_kb", "stride_kh", "stride_kt", "stride_vb", "stride_vh",
+                               "stride_vt"])
+def _stats_kernel(
+    k, v, part, cnt, T, NC, H,
+    stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+    D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, NSUB: tl.constexpr,
+):
+    """grid (NC, b*H): tokens ``[i_c*NSUB*BS, (i_c+1)*NSUB*BS)`` of (b, h) of k, v ``[b, H, T, D]`` (last dim
+    contiguous) -> ``part[b*H, NC, N_PART, BD]`` fp32, ``cnt[b*H, NC]`` int32 (non-finite token vectors).
+    Non-finite elements are left out of every statistic. Gaps follow ``calibrate._block_gaps``: per block of BS
+    tokens max - min per channel, full blocks only; a sequence shorter than one block is one block."""
+    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
+    o_d = tl.arange(0, BD)
+    o_r = tl.arange(0, BS)
+    m_d = o_d < D
+    inf = float("inf")
+    b_kmin = tl.full([BD], inf, tl.float32)
+    b_kmax = tl.full([BD], -inf, tl.float32)
+    b_vmin = tl.full([BD], inf, tl.float32)
+    b_vmax = tl.full([BD], -inf, tl.float32)
+    b_kgap = tl.zeros([BD], tl.float32)
+    b_vgap = tl.zeros([BD], tl.float32)
+    b_ksum = tl.zeros([BD], tl.float32)
+    b_kn = tl.zeros([BD], tl.float32)
+    n_bad = tl.sum(tl.zeros([BS], tl.int32), 0)
+    p_k = k + i_b * stride_kb + i_h * stride_kh
+    p_v = v + i_b * stride_vb + i_h * stride_vh
+    n_full = T // BS
+    for j in range(NSUB):
+        t0 = (i_c * NSUB + j) * BS
+        o_t = (t0 + o_r).to(tl.int64)
+        m = (o_t < T)[:, None] & m_d[None, :]
+        b_k = tl.load(p_k + o_t[:, None] * stride_kt + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+        b_v = tl.load(p_v + o_t[:, None] * stride_vt + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+        f_k = m & _finite(b_k)
+        f_v = m & _finite(b_v)
+        k_lo = tl.min(tl.where(f_k, b_k, inf), 0)
+        k_hi = tl.max(tl.where(f_k, b_k, -inf), 0)
+        v_lo = tl.min(tl.where(f_v, b_v, inf), 0)
+        v_hi = tl.max(tl.where(f_v, b_v, -inf), 0)
+        b_kmin, b_kmax = tl.minimum(b_kmin, k_lo), tl.maximum(b_kmax, k_hi)
+        b_vmin, b_vmax = tl.minimum(b_vmin, v_lo), tl.maximum(b_vmax, v_hi)
+        counted = (t0 + BS <= T) | ((n_full == 0) & (t0 == 0))
+        b_kgap += tl.where(counted & (k_hi >= k_lo), k_hi - k_lo, 0.0)  # a channel with no finite value: 0
+        b_vgap += tl.where(counted & (v_hi >= v_lo), v_hi - v_lo, 0.0)
+        b_ksum += tl.sum(tl.where(f_k, b_k, 0.0), 0)
+        b_kn += tl.sum(f_k.to(tl.float32), 0)
+        n_bad += tl.sum(tl.max((m & ((f_k == 0) | (f_v == 0))).to(tl.int32), 1), 0)
+    p_p = part + (i_bh.to(tl.int64) * NC + i_c) * (8 * BD) + o_d
+    tl.store(p_p, b_kmin)
+    tl.store(p_p + BD, b_kmax)
+    tl.store(p_p + 2 * BD, b_vmin)
+    tl.store(p_p + 3 * BD, b_vmax)
+    tl.store(p_p + 4 * BD, b_kgap)
+    tl.store(p_p + 5 * BD, b_vgap)
+    tl.store(p_p + 6 * BD, b_ksum)
+    tl.store(p_p + 7 * BD, b_kn)
+    tl.store(cnt + i_bh.to(tl.int64) * NC + i_c, n_bad)
+
+
+@triton.jit
+def _head_prio(b_g, m_d, D: tl.constexpr):
+    """``calibrate.head_priority`` of channel gaps ``b_g [HP, BD]``: mean_c x std_c (population) per row."""
+    b_mu = tl.sum(tl.where(m_d[None, :], b_g, 0.0), 1) / D
+    b_dev = tl.where(m_d[None, :], b_g - b_mu[:, None], 0.0)
+    return b_mu * tl.sqrt_rn(tl.sum(b_dev * b_dev, 1) / D)
+
+
+@triton.jit(do_not_specialize=["NC", "B"])
+def _finish_kernel(
+    part, cnt, mean, ks, vs, flag, heads_hi, heads_lo, NC, B, H, hs, n_gap,
+    D: tl.constexpr, BD: tl.constexpr, BC: tl.constexpr, HP: tl.constexpr, N2: tl.constexpr,
+    HAS_MEAN: tl.constexpr, SELECT: tl.constexpr,
+):
+    """grid (B*H + 1,). Program ``bh < B*H``: the NC chunk partials of (b, h) -> k_scale, v_scale ``[B*H, D]``
+    = amax * hs (K: max(k_max - mean, mean - k_min)), 1 where not > 0; a non-finite ``mean`` channel is replaced
+    by the finite K's mean. The last program: ``flag`` = non-finite token vectors; with SELECT the ``N2``
+    lowest-priority heads (gap x std of K and V, each over its mean over the heads; stable ties) -> ``heads_lo``
+    (ascending), the others -> ``heads_hi``."""
+    pid = tl.program_id(0)
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    inf = float("inf")
+    if pid < B * H:
+        o_c = tl.arange(0, BC)
+        b_kmin = tl.full([BD], inf, tl.float32)
+        b_kmax = tl.full([BD], -inf, tl.float32)
+        b_vmin = tl.full([BD], inf, tl.float32)
+        b_vmax = tl.full([BD], -inf, tl.float32)
+        b_ksum = tl.zeros([BD], tl.float32)
+        b_kn = tl.zeros([BD], tl.float32)
+        for c0 in range(0, NC, BC):
+            m = ((c0 + o_c) < NC)[:, None] & (o_d < BD)[None, :]
+            p_p = part + (pid.to(tl.int64) * NC + c0 + o_c[:, None]) * (8 * BD) + o_d[None, :]
+            b_kmin = tl.minimum(b_kmin, tl.min(tl.load(p_p, mask=m, other=inf), 0))
+            b_kmax = tl.maximum(b_kmax, tl.max(tl.load(p_p + BD, mask=m, other=-inf), 0))
+            b_vmin = tl.minimum(b_vmin, tl.min(tl.load(p_p + 2 * BD, mask=m, other=inf), 0))
+            b_vmax = tl.maximum(b_vmax, tl.max(tl.load(p_p + 3 * BD, mask=m, other=-inf), 0))
+            b_ksum += tl.sum(tl.load(p_p + 6 * BD, mask=m, other=0.0), 0)
+            b_kn += tl.sum(tl.load(p_p + 7 * BD, mask=m, other=0.0), 0)
+        o_s = pid.to(tl.int64) * D + o_d
+        if HAS_MEAN:
+            b_mu = tl.load(mean + o_s, mask=m_d, other=0.0)
+            b_alt = tl.where(b_kn > 0, tl.math.div_rn(b_ksum, tl.maximum(b_kn, 1.0)), 0.0)
+            b_mu = tl.where(_finite(b_mu), b_mu, b_alt)
+            tl.store(mean + o_s, b_mu, mask=m_d)
+            b_ka = tl.maximum(b_kmax - b_mu, b_mu - b_kmin)
+        else:
+            b_ka = tl.maximum(b_kmax, -b_kmin)
+        b_ks = b_ka * hs
+        b_vs = tl.maximum(b_vmax, -b_vmin) * hs
+        tl.store(ks + o_s, tl.where(b_ks > 0, b_ks, 1.0), mask=m_d)
+        tl.store(vs + o_s, tl.where(b_vs > 0, b_vs, 1.0), mask=m_d)
+    else:
+        o_n = tl.arange(0, 1024)
+        n_bad = tl.sum(tl.zeros([1024], tl.int32), 0)
+        for i0 in range(0, B * H * NC, 1024):
+            n_bad += tl.sum(tl.load(cnt + i0 + o_n, mask=(i0 + o_n) < B * H * NC, other=0), 0)
+        tl.store(flag, n_bad)
+        if SELECT:
+            o_h = tl.arange(0, HP)
+            m_h = o_h < H
+            b_gk = tl.zeros([HP, BD], tl.float32)
+            b_gv = tl.zeros([HP, BD], tl.float32)
+            for i_b in range(0, B):
+                for i_c in range(0, NC):
+                    p_p = part + ((i_b * H + o_h[:, None]).to(tl.int64) * NC + i_c) * (8 * BD) + o_d[None, :]
+                    b_gk += tl.load(p_p + 4 * BD, mask=m_h[:, None], other=0.0)
+                    b_gv += tl.load(p_p + 5 * BD, mask=m_h[:, None], other=0.0)
+            b_n = tl.zeros([HP, BD], tl.float32) + n_gap
+            b_pk = _head_prio(tl.math.div_rn(b_gk, b_n), m_d, D)
+            b_pv = _head_prio(tl.math.div_rn(b_gv, b_n), m_d, D)
+            b_pk = b_pk / tl.maximum(tl.sum(tl.where(m_h, b_pk, 0.0), 0) / H, 1e-30)
+            b_pv = b_pv / tl.maximum(tl.sum(tl.where(m_h, b_pv, 0.0), 0) / H, 1e-30)
+            b_pr = tl.where(m_h, b_pk + b_pv, inf)
+            # stable ascending rank: heads before h in argsort(prio, stable=True)
+            p_a, p_b = b_pr[:, None], b_pr[None, :]
+            before = (p_b < p_a) | ((p_b == p_a) & (o_h[None, :] < o_h[:, None]))
+            rank = tl.sum((before & m_h[None, :]).to(tl.int32), 1)
+            lo = rank < N2
+            same = (lo[:, None] == lo[None, :]) & (o_h[None, :] < o_h[:, None]) & m_h[None, :]
+            slot = tl.sum(same.to(tl.int32), 1)
+            tl.store(heads_lo + slot, o_h, mask=m_h & lo)
+            tl.store(heads_hi + slot, o_h, mask=m_h & (lo == 0))
+
+
+_STATS = LeanLaunch(_stats_kernel)
+_FINISH = LeanLaunch(_finish_kernel)
+
+
+def kv_stats(k: torch.Tensor, v: torch.Tensor, k_mean: Optional[torch.Tensor], block_size: int, headroom: float,
+             nonfinite: torch.Tensor, select: Optional[tuple] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Universal scales of a first prefill ``k, v [b, H, T, D]`` in two launches, no host sync.
+
+    Args:
+        k_mean: ``[b, H, D]`` fp32 ``k_smooth_mean(k)`` or None; a channel where it is not finite is replaced
+            in place by the mean of the finite keys.
+        headroom: ``h`` of ``scale = h * amax / 127``.
+        nonfinite: int32 ``[1]``; set to the number of (row, head, token) vectors with an inf/NaN in K or V.
+        select: ``(heads_hi, heads_lo, n_lo)`` for ``head_select: prompt``: int32 ``[H - n_lo]`` / ``[n_lo]``
+            filled (ascending) with the heads kept at the layer's bits / stored in 2 bits.
+    Returns ``(k_scale, v_scale)`` fp32 ``[b, H, D]``.
+    """
+    b, H, T, D = k.shape
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    bs, BD = int(block_size), _pow2(D)
+    nsub = _pow2(triton.cdiv(T, bs)) if interpreting() else STATS_CHUNK_BLOCKS
+    nsub = max(1, min(nsub, _pow2(triton.cdiv(T, bs))))
+    nc = triton.cdiv(T, nsub * bs)
+    dev = k.device
+    part = torch.empty(b * H, nc, N_PART, BD, dtype=torch.float32, device=dev)
+    cnt = torch.empty(b * H, nc, dtype=torch.int32, device=dev)
+    ks = torch.empty(b, H, D, dtype=torch.float32, device=dev)
+    vs = torch.empty(b, H, D, dtype=torch.float32, device=dev)
+    _STATS[(nc, b * H)](k, v, part, cnt, T, nc, H, k.stride(0), k.stride(1), k.stride(2), v.stride(0),
+                        v.stride(1), v.stride(2), D=D, BD=BD, BS=bs, NSUB=nsub, num_warps=4)
+    hi, lo, n_lo = select if select is not None else (ks, ks, 0)
+    n_gap = float(b * max(T // bs, 1))
+    _FINISH[(b * H + 1,)](part, cnt, k_mean if k_mean is not None else ks, ks, vs, nonfinite, hi, lo, nc, b, H,
+                          float(headroom / 127.0), n_gap, D=D, BD=BD, BC=min(_pow2(nc), 64), HP=max(2, _pow2(H)),
+                          N2=int(n_lo), HAS_MEAN=k_mean is not None, SELECT=select is not None, num_warps=4)
+    return ks, vs
+
+
+
+# ================================================================================ store: INT8 buffer + blocks
+@triton.jit
+def _stream_rows(p_k, p_v, sk_t, sv_t, p_kt, p_vt, b_sk, b_mk, b_sv, i, n, c, take, s0, C,
+                 o_d, m_d, D: tl.constexpr, HAS_MEAN: tl.constexpr):
+    """Rows ``i`` (< n) of one head's store stream: the INT8 buffer's waiting slots ``s0 + i`` for i < c, then
+    the new tokens ``take + i - c`` quantized with the universal scales (``pack._quantize_universal``).
+    ``p_kt`` ``[C, D]`` / ``p_vt`` ``[D, C]``: the head's buffers. Returns (K, V codes ``[R, BD]`` int32, the
+    number of new rows with a non-finite element)."""
+    m_i = i < n
+    m_buf = (m_i & (i < c))[:, None] & m_d[None, :]
+    m_new = (m_i & (i >= c))[:, None] & m_d[None, :]
+    t = (take + i - c).to(tl.int64)
+    b_k = tl.load(p_k + t[:, None] * sk_t + o_d[None, :], mask=m_new, other=0.0)
+    b_v = tl.load(p_v + t[:, None] * sv_t + o_d[None, :], mask=m_new, other=0.0)
+    b_k8 = _quantize_universal(b_k, b_sk, b_mk, HAS_MEAN=HAS_MEAN).to(tl.int32)
+    b_v8 = _quantize_universal(b_v, b_sv, b_sv, HAS_MEAN=False).to(tl.int32)
+    slot = (s0 + i).to(tl.int64)
+    b_kb = tl.load(p_kt + slot[:, None] * D + o_d[None, :], mask=m_buf, other=0).to(tl.int32)
+    b_vb = tl.load(p_vt + o_d[None, :].to(tl.int64) * C + slot[:, None], mask=m_buf, other=0).to(tl.int32)
+    b_k8 = tl.where(m_buf, b_kb, b_k8)
+    b_v8 = tl.where(m_buf, b_vb, b_v8)
+    return b_k8, b_v8, _bad_rows(b_k, b_v, m_new)
+
+
+@triton.jit
+def _write_block(b_k8, b_v8, gk, gv, gks, gkz, gvsz, i_gb, o_r, o_d, m_d,
+                 D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, BITS: tl.constexpr):
+    """One block of codes ``b_k8, b_v8 [BS, BD]`` -> block ``i_gb`` (= (b*H_g + slot)*CAP + block, int64) of a
+    group's storage (format in ``pack.py``): INT8 as is (V transposed), INT4/INT2 through ``pack._pack_tile``
+    (K per channel, V per token)."""
+    if BITS == 8:
+        tl.store(gk + i_gb * (BS * D) + o_r[:, None] * D + o_d[None, :], b_k8.to(tl.int8), mask=m_d[None, :])
+        tl.store(gv + i_gb * (BS * D) + o_d[:, None] * BS + o_r[None, :], tl.trans(b_v8).to(tl.int8),
+                 mask=m_d[:, None])
+    else:
+        PB: tl.constexpr = 8 // BITS
+        o_kb = tl.arange(0, BD // PB)
+        o_vb = tl.arange(0, BS // PB)
+        b_kp, b_ksc, b_kz = _pack_tile(b_k8, m_d[None, :] & (o_r[:, None] < BS), BS, BD, BITS, 0)
+        tl.store(gk + i_gb * (BS * D // PB) + o_r[:, None] * (D // PB) + o_kb[None, :], b_kp.to(tl.uint8),
+                 mask=(o_kb < D // PB)[None, :])
+        tl.store(gks + i_gb * D + o_d, b_ksc.to(tl.int8), mask=m_d)
+        tl.store(gkz + i_gb * D + o_d, b_kz.to(tl.int8), mask=m_d)
+        b_vp, b_vsc, b_vz = _pack_tile(tl.trans(b_v8), m_d[:, None] & (o_r[None, :] < BS), BD, BS, BITS, 0)
+        tl.store(gv + i_gb * (D * BS // PB) + o_d[:, None] * (BS // PB) + o_vb[None, :], b_vp.to(tl.uint8),
+                 mask=m_d[:, None])
+        tl.store(gvsz + i_gb * (2 * BS) + o_r, b_vsc.to(tl.int8))
+        tl.store(gvsz + i_gb * (2 * BS) + BS + o_r, b_vz.to(tl.int8))
+
+
+@triton.jit(do_not_specialize=["T", "take", "slot_sink", "c", "n", "NPP", "n_pack", "s0", "nb0", "CAP",
+                               "stride_kb", "stride_kh", "stride_kt", "stride_vb", "stride_vh", "stride_vt"])
+def _store_kv_kernel(
+    k, v, sk, mk, sv, kt, vt, flag,
+    h0, gk0, gv0, gks0, gkz0, gvsz0,
+    h1, gk1, gv1, gks1, gkz1, gvsz1,
+    h2, gk2, gv2, gks2, gkz2, gvsz2,
+    T, take, slot_sink, c, n, NPP, n_pack, s0, nb0, CAP,
+    stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+    H, C,
+    D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, HAS_SINK: tl.constexpr, BSINK: tl.constexpr,
+    BREC: tl.constexpr, H0: tl.constexpr, H1: tl.constexpr, BITS0: tl.constexpr, BITS1: tl.constexpr, BITS2: tl.constexpr,
+    HAS_MEAN: tl.constexpr, PACK: tl.constexpr, TAIL: tl.constexpr, COUNT: tl.constexpr,
+):
+    """grid (NPP + TAIL, b*H). The store stream of one (b, h) is the INT8 buffer's ``c`` waiting slots
+    ``s0..`` followed by the new tokens ``take..T`` of k, v ``[b, H, T, D]`` (``n`` rows in all).
+    PACK: program ``j < NPP`` packs stream rows ``[j*BS, (j+1)*BS)`` into block ``nb0 + j`` of the bit group of
+    row ``pid1 % H`` of the (group 0, 1, 2) slot order: slot s of group g holds head ``h_g[s]`` (a device map).
+    TAIL: program ``NPP`` writes the new tokens ``[0, take)`` to buffer slots ``slot_sink..`` (attention sinks)
+    and stream rows ``[n_pack, n)`` to slots ``s0..`` (NPP = 0 in a launch without PACK). The buffer rows it moves are all read before any is
+    written (a barrier); a launch with both PACK and TAIL must have ``c == 0`` (the packers would read slots
+    the tail program overwrites). COUNT: non-finite new rows are added to ``flag``."""
+    pid, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, r = i_bh // H, i_bh % H
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    i_h = r
+    if pid < NPP:  # a packer: row r is a slot of a bit group, its head comes from the group's map
+        if r < H0:
+            i_h = tl.load(h0 + r)
+        elif r < H0 + H1:
+            i_h = tl.load(h1 + r - H0)
+        else:
+            i_h = tl.load(h2 + r - H0 - H1)
+    i_hb = i_b.to(tl.int64) * H + i_h  # (b, head) row of the scales and buffers
+    o_s = i_hb * D + o_d
+    b_sk = tl.load(sk + o_s, mask=m_d, other=1.0)
+    b_sv = tl.load(sv + o_s, mask=m_d, other=1.0)
+    b_mk = b_sk
+    if HAS_MEAN:
+        b_mk = tl.load(mk + o_s, mask=m_d, other=0.0)
+    p_k = k + i_b.to(tl.int64) * stride_kb + i_h.to(tl.int64) * stride_kh
+    p_v = v + i_b.to(tl.int64) * stride_vb + i_h.to(tl.int64) * stride_vh
+    p_kt = kt + i_hb * C * D
+    p_vt = vt + i_hb * C * D
+    n_bad = 0 * take
+    if PACK:
+        if pid < NPP:
+            o_r = tl.arange(0, BS)
+            b_k8, b_v8, n_bad = _stream_rows(p_k, p_v, stride_kt, stride_vt, p_kt, p_vt, b_sk, b_mk, b_sv,
+                                             pid * BS + o_r, n, c, take, s0, C, o_d, m_d, D, HAS_MEAN)
+            if r < H0:
+                i_gb = (i_b.to(tl.int64) * H0 + r) * CAP + nb0 + pid
+                _write_block(b_k8, b_v8, gk0, gv0, gks0, gkz0, gvsz0, i_gb, o_r, o_d, m_d, D, BD, BS, BITS0)
+            elif r < H0 + H1:
+                i_gb = (i_b.to(tl.int64) * H1 + r - H0) * CAP + nb0 + pid
+                _write_block(b_k8, b_v8, gk1, gv1, gks1, gkz1, gvsz1, i_gb, o_r, o_d, m_d, D, BD, BS, BITS1)
+            else:
+                i_gb = (i_b.to(tl.int64) * (H - H0 - H1) + r - H0 - H1) * CAP + nb0 + pid
+                _write_block(b_k8, b_v8, gk2, gv2, gks2, gkz2, gvsz2, i_gb, o_r, o_d, m_d, D, BD, BS, BITS2)
+    if TAIL:
+        if pid == NPP:
+            if HAS_SINK:
+                o_q = tl.arange(0, BSINK)
+                m_q = (o_q < take)[:, None] & m_d[None, :]
+                b_k, b_k8 = _new_rows(p_k, stride_kt, b_sk, b_mk, o_q, m_q, o_d, HAS_MEAN)
+                b_v, b_v8 = _new_rows(p_v, stride_vt, b_sv, b_sv, o_q, m_q, o_d, False)
+                n_bad = _bad_rows(b_k, b_v, m_q)
+                slot = (slot_sink + o_q).to(tl.int64)
+                tl.store(p_kt + slot[:, None] * D + o_d[None, :], b_k8, mask=m_q)
+                tl.store(p_vt + o_d[None, :].to(tl.int64) * C + slot[:, None], b_v8, mask=m_q)
+            o_w = tl.arange(0, BREC)
+            i0 = n_pack
+            b_k8, b_v8, n_bad2 = _stream_rows(p_k, p_v, stride_kt, stride_vt, p_kt, p_vt, b_sk, b_mk, b_sv,
+                                              i0 + o_w, n, c, take, s0, C, o_d, m_d, D, HAS_MEAN)
+            n_bad += n_bad2
+            tl.debug_barrier()  # rows move down within the buffer: every read before any write
+            m_w = (i0 + o_w < n)[:, None] & m_d[None, :]
+            slot = (s0 + o_w).to(tl.int64)
+            tl.store(p_kt + slot[:, None] * D + o_d[None, :], b_k8.to(tl.int8), mask=m_w)
+            tl.store(p_vt + o_d[None, :].to(tl.int64) * C + slot[:, None], b_v8.to(tl.int8), mask=m_w)
+    if COUNT:
+        tl.atomic_add(flag, n_bad)
+
+
+@triton.jit
+def _new_rows(p_x, sx, b_s, b_m, o_t, m, o_d, HAS_MEAN: tl.constexpr):
+    """Rows ``o_t`` of one head's new tokens (masked by ``m``) -> (raw tile, INT8 codes)."""
+    b_x = tl.load(p_x + o_t[:, None].to(tl.int64) * sx + o_d[None, :], mask=m, other=0.0)
+    return b_x, _quantize_universal(b_x, b_s, b_m, HAS_MEAN=HAS_MEAN)
+
+
+_STORE_KV = LeanLaunch(_store_kv_kernel)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, k_mean: Optional[torch.Tensor],
+             v_scale: torch.Tensor, k_tail: torch.Tensor, v_tail: torch.Tensor, groups: list, *, take: int,
+             slot_sink: int, c: int, s0: int, n_pack: int, nonfinite: Optional[torch.Tensor] = None) -> int:
+    """Store new tokens ``k, v [b, H, T, D]`` into the INT8 buffer and the packed groups (no host sync).
+
+    The stream is the buffer's ``c`` waiting slots ``s0..`` then the new tokens ``take..``; its first
+    ``n_pack`` rows (a multiple of the block size) become blocks ``n_blocks..`` of every group (``groups``: the
+    layer's ``PackedKV`` list, at most three, capacity reserved by the caller, ``heads`` maps on the device); the
+    rest go to slots ``s0..``; new tokens ``[0, take)`` go to sink slots ``slot_sink..``. One launch, or two
+    when ``c > 0`` and blocks are packed (the packers read slots the tail program overwrites). Returns the
+    number of launches."""
+    b, H, T, D = k.shape
+    C = k_tail.shape[2]
+    bs = groups[0].block_size
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    n = c + T - take
+    if n_pack % bs or n_pack > n or n - n_pack > C - s0 or slot_sink + take > max(s0, slot_sink):
+        raise ValueError(f"bad store plan: T={T} take={take} c={c} n_pack={n_pack} s0={s0} C={C} block {bs}")
+    if len(groups) > 3 or sum(g.k.shape[1] for g in groups) != H:
+        raise ValueError(f"{len(groups)} groups of {[g.k.shape[1] for g in groups]} heads for {H} KV heads")
+    nb0, cap = groups[0].n_blocks, groups[0].capacity
+    for g in groups:
+        if g.n_blocks != nb0 or g.capacity != cap or g.capacity < nb0 + n_pack // bs:
+            raise ValueError("the groups' blocks / capacities disagree or the capacity is not reserved")
+    args = []
+    for i in range(3):
+        if i < len(groups):
+            g = groups[i]
+            args += [g.heads, g.k, g.v] + [t if t is not None else g.k for t in (g.k_scale, g.k_zero, g.v_sz)]
+        else:
+            args += [k_scale] * 6
+    hs = [g.k.shape[1] for g in groups] + [0, 0]
+    bits = [g.bits for g in groups] + [8, 8]
+    npp = n_pack // bs
+    common = dict(D=D, BD=_pow2(D), BS=bs, HAS_SINK=s0 > 0, BSINK=_pow2(max(s0, 2)), BREC=_pow2(max(C - s0, 2)),
+                  H0=hs[0], H1=hs[1],
+                  BITS0=bits[0], BITS1=bits[1], BITS2=bits[2], HAS_MEAN=k_mean is not None)
+    head = (k, v, k_scale, k_mean if k_mean is not None else k_scale, v_scale, k_tail, v_tail,
+            nonfinite if nonfinite is not None else k_tail, *args)
+    strides = (k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), H, C)
+    for g in groups:
+        if not all(t.is_contiguous() for _, t in g._tensors()):
+            raise ValueError("the packed groups' buffers must be contiguous")
+    plans = [(True, True)] if c == 0 or npp == 0 else [(True, False), (False, True)]
+    for pack, tail in plans:
+        n_prog = npp if pack else 0
+        _STORE_KV[(n_prog + tail, b * H)](
+            *head, T, take, slot_sink, c, n, n_prog, n_pack, s0, nb0, cap, *strides, **common,
+            PACK=pack and npp > 0, TAIL=tail, COUNT=nonfinite is not None, num_warps=4)
+    return len(plans)

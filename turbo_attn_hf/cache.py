@@ -37,7 +37,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, Dynam
 from .config import TurboConfig, TurboConfigError
 from .kernels.interpreter import use_triton
 from .kernels.pack import PackedKV, kv_bytes_per_token, quantize_int8
-from .kernels.reference import k_smooth_mean
+from .kernels.reference import k_smooth_mean, kv_finite_mean_ref
 
 __all__ = ["TurboCache", "TurboLayer", "TurboSlidingWindowLayer"]
 
@@ -54,10 +54,50 @@ _BITS_ORDER = (8, 4, 2)
 AUTO_HEADROOM_CONTEXT = 32768
 AUTO_HEADROOM_RANGE = (1.25, 2.0)
 DEFAULT_SCALE_HEADROOM = "auto"
-#: stores that pack no block (every decode step but one in block_size) quantize + write their tokens in one
-#: Triton launch (kernels/store.py) instead of ~22 PyTorch launches; False = the PyTorch path (kept to
-#: measure against: eval/bench_layer_step.py).
+#: True: every store runs the Triton kernels of kernels/store.py: a decode step that packs no block is one
+#: launch (instead of ~22 PyTorch launches), the first prefill 3-4 (K mean, stats, scales + head choice, store;
+#: was ~60-110 with host syncs for mixed's head choice), a store that packs blocks 1-2. False = the PyTorch path
+#: (kept to measure against: eval/bench_layer_step.py, eval/bench_store.py; CPU tensors without
+#: TRITON_INTERPRET=1 always take it). Both store the same codes, scales and head choice (tests).
 FUSED_STORE = True
+
+
+def _finite_aminmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 min and max over dim 2 of the finite elements of ``x`` (+inf / -inf where none is finite)."""
+    fin = torch.isfinite(x)
+    inf = torch.tensor(float("inf"), dtype=x.dtype, device=x.device)
+    return torch.where(fin, x, inf).amin(dim=2).float(), torch.where(fin, x, -inf).amax(dim=2).float()
+
+
+_HEAD_MAPS: dict = {}
+
+
+def _head_map(heads: tuple, device) -> torch.Tensor:
+    """A read-only int32 device tensor of ``heads``, made once per (heads, device): a layer's fixed head map
+    then costs no host-to-device copy per layer and prefill."""
+    key = (heads, str(device))
+    t = _HEAD_MAPS.get(key)
+    if t is None:
+        t = _HEAD_MAPS[key] = torch.tensor(heads, dtype=torch.int32, device=device)
+    return t
+
+
+_K_MEAN_ARG: dict = {}
+
+
+def _takes_k_mean(fn) -> bool:
+    """Whether a prefill ``turbo_attention`` takes a precomputed ``k_mean=`` (then the store's mean is shared and
+    K is reduced once, not twice)."""
+    r = _K_MEAN_ARG.get(fn)
+    if r is None:
+        import inspect
+
+        try:
+            r = "k_mean" in inspect.signature(fn).parameters
+        except (TypeError, ValueError):
+            r = False
+        _K_MEAN_ARG[fn] = r
+    return r
 
 
 def auto_headroom(n_tokens: int) -> float:
@@ -112,8 +152,9 @@ class TurboLayer(CacheLayerMixin):
         self.keys = self.values = None  # HF code that probes .keys finds no bf16 copy
         self.is_initialized = False
         self.groups: list[PackedKV] = []
-        self.head_bits: list[int] = []
+        self._plan_bits: list[int] = []  # the config's per-head bits (provisional with head_select "prompt")
         self.k_tail = self.v_tail = None
+        self.nonfinite: Optional[torch.Tensor] = None  # int32 [1]: stored token vectors with an inf/NaN
         self.n_tail = 0
         self.k_mean = self.k_scale = self.v_scale = None
         self.headroom: Optional[float] = None  # the universal scales' headroom, fixed at the first prefill
@@ -139,48 +180,77 @@ class TurboLayer(CacheLayerMixin):
         self.dtype, self.device = key_states.dtype, key_states.device
         self.batch, self.n_kv_heads, self.head_dim = b, hk, d
         bs = self.turbo_config.block_size
-        self.head_bits = self._layer_head_bits(hk)  # provisional with head_select "prompt" (first prefill decides)
-        self._make_groups()
+        self._plan_bits = self._layer_head_bits(hk)  # provisional with head_select "prompt" (first prefill decides)
+        self._make_groups(self._plan_bits)
         cap = (self.turbo_config.sink_blocks + self.turbo_config.recent_blocks + 1) * bs
-        self.k_tail = torch.zeros(b, hk, cap, d, dtype=torch.int8, device=self.device)
-        self.v_tail = torch.zeros(b, hk, d, cap, dtype=torch.int8, device=self.device)
+        # no fill: slots at or past n_tail are never read (the decode kernel masks them; any int8 is finite)
+        self.k_tail = torch.empty(b, hk, cap, d, dtype=torch.int8, device=self.device)
+        self.v_tail = torch.empty(b, hk, d, cap, dtype=torch.int8, device=self.device)
         self.n_tail = 0
         self.is_initialized = True
 
-    def _make_groups(self) -> None:
-        """One empty PackedKV per bit width present in ``head_bits``."""
+    def _make_groups(self, head_bits: list[int], capacity: int = 1, maps: Optional[dict] = None) -> None:
+        """One empty PackedKV per bit width present in ``head_bits``; ``maps``: bits -> a device head map to use
+        (written by the first prefill's head choice) instead of the list's."""
         self.groups = []
         for bits in _BITS_ORDER:
-            heads = self._group_heads(bits)
+            heads = [h for h, hb in enumerate(head_bits) if hb == bits]
             if heads:
-                self.groups.append(PackedKV.empty(bits, torch.tensor(heads, dtype=torch.int32), self.batch,
-                                                  self.head_dim, self.turbo_config.block_size, self.device))
+                hm = maps[bits] if maps and bits in maps else _head_map(tuple(heads), self.device)
+                self.groups.append(PackedKV.empty(bits, hm, self.batch, self.head_dim, self.turbo_config.block_size,
+                                                  self.device, capacity=capacity))
+
+    def _prompt_select(self) -> bool:
+        """Whether the first prefill chooses this layer's 2-bit heads (``head_select: prompt``)."""
+        cfg = self.turbo_config
+        n2 = self._plan_bits.count(2)
+        return cfg.head_bits is None and cfg.head_select == "prompt" and 0 < n2 < len(self._plan_bits)
 
     def _select_heads(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """``head_select: prompt``: the 2-bit heads of this layer are the lowest-priority ones (gap × std,
-        ``calibrate.prompt_head_priority``) of the first prefill; the number of 2-bit heads is the config's."""
-        cfg = self.turbo_config
-        n2 = self.head_bits.count(2)
-        if cfg.head_bits is not None or cfg.head_select != "prompt" or not 0 < n2 < len(self.head_bits):
+        """``head_select: prompt`` (PyTorch path): the 2-bit heads of this layer are the lowest-priority ones
+        (gap × std, ``calibrate.prompt_head_priority``) of the first prefill; the number of 2-bit heads is the
+        config's. The fused path makes the same choice on the device (``store._finish_kernel``)."""
+        if not self._prompt_select():
             return
         from .calibrate import assign_head_bits, prompt_head_priority
 
+        cfg = self.turbo_config
         prio = prompt_head_priority(key_states, value_states, cfg.block_size)
-        self.head_bits = assign_head_bits(prio[None].cpu(), n2, cfg.bits)[0]
-        self._make_groups()
+        self._make_groups(assign_head_bits(prio[None].cpu(), self._plan_bits.count(2), cfg.bits)[0])
+
+    @property
+    def head_bits(self) -> list[int]:
+        """Bits of each KV head: a host view of the groups' device head maps (one sync when asked; the store
+        path never reads it)."""
+        if not self.groups:
+            return list(self._plan_bits)
+        out = [0] * self.n_kv_heads
+        for grp in self.groups:
+            for h in grp.heads.tolist():
+                out[h] = grp.bits
+        return out
+
+    # ------------------------------------------------------------------ non-finite K/V
+    def nonfinite_tokens(self) -> int:
+        """Stored (batch row, KV head, token) vectors whose K or V held an inf/NaN (stored as code 0 and left out
+        of the universal scales). One host sync."""
+        return 0 if self.nonfinite is None or self.k_scale is None else int(self.nonfinite.item())
+
+    def _count_nonfinite(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """PyTorch path: add the new vectors with an inf/NaN to the counter."""
+        bad = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))
+        self.nonfinite += bad.sum().to(torch.int32)
 
     # ------------------------------------------------------------------ storing
     @property
     def n_blocks(self) -> int:
         return self.groups[0].n_blocks if self.groups else 0
 
-    def _group_heads(self, bits: int) -> list[int]:
-        """The layer's KV heads stored with ``bits`` (ascending): one group's ``heads``."""
-        return [h for h, hb in enumerate(self.head_bits) if hb == bits]
-
     def _append_blocks(self, k8: torch.Tensor, v8: torch.Tensor) -> None:
+        """PyTorch path: full blocks of INT8 codes into each group."""
+        head_bits = self.head_bits
         for grp in self.groups:
-            heads = self._group_heads(grp.bits)
+            heads = [h for h, hb in enumerate(head_bits) if hb == grp.bits]
             if heads == list(range(heads[0], heads[-1] + 1)):  # a range of heads (all of them, in int4/int8): a view
                 sel = slice(heads[0], heads[-1] + 1)
                 grp.append(k8[:, sel], v8[:, sel])
@@ -198,30 +268,43 @@ class TurboLayer(CacheLayerMixin):
         self.k_tail[:, :, slot:slot + n] = k8
         self.v_tail[:, :, :, slot:slot + n] = v8.transpose(-1, -2)
 
-    def _write_tokens(self, slot: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Quantize ``[b, Hk, T, d]`` K/V to INT8 and write them to buffer slots ``slot ..``."""
-        if FUSED_STORE and use_triton(key_states.device):
+    def _fused(self, x: torch.Tensor) -> bool:
+        return FUSED_STORE and use_triton(x.device)
+
+    def _write_tokens(self, slot: int, key_states: torch.Tensor, value_states: torch.Tensor, count: bool = True
+                      ) -> None:
+        """Quantize ``[b, Hk, T, d]`` K/V to INT8 and write them to buffer slots ``slot ..``; ``count``: add their
+        non-finite vectors to the counter (the first prefill's stats counted them already)."""
+        if self._fused(key_states):
             from .kernels.store import store_int8_tokens
 
             store_int8_tokens(key_states, value_states, self.k_scale, self.k_mean, self.v_scale, self.k_tail,
-                              self.v_tail, slot)
+                              self.v_tail, slot, nonfinite=self.nonfinite if count else None)
         else:
+            if count:
+                self._count_nonfinite(key_states, value_states)
             self._write_tail(slot, quantize_int8(key_states, self.k_scale, self.k_mean),
                              quantize_int8(value_states, self.v_scale))
 
-    def _store(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    def _store(self, key_states: torch.Tensor, value_states: torch.Tensor, first: bool = False) -> None:
         """Append tokens ``[b, Hk, T, d]`` (layout: ``reference.int8_buffer_layout``): the first ``n_sink``
         tokens of the sequence fill the sink slots, later ones the recent part of the INT8 buffer; whenever
-        ``recent_blocks + 1`` full blocks wait there the oldest are packed."""
+        ``recent_blocks + 1`` full blocks wait there the oldest are packed. ``first``: the first prefill (its
+        non-finite vectors were counted by the stats already)."""
         bs = self.turbo_config.block_size
         T = key_states.shape[2]
         keep = self.turbo_config.recent_blocks * bs
         if T == 0:
             return
         if self.n_tail + T < self.n_sink + keep + bs:  # no block to pack (the decode step's common case)
-            self._write_tokens(self.n_tail, key_states, value_states)
+            self._write_tokens(self.n_tail, key_states, value_states, count=not first)
             self.n_tail += T
             return
+        if self._fused(key_states):
+            self._store_fused(key_states, value_states, first)
+            return
+        if not first:
+            self._count_nonfinite(key_states, value_states)
         k8 = quantize_int8(key_states, self.k_scale, self.k_mean)
         v8 = quantize_int8(value_states, self.v_scale)
         take = max(min(self.n_sink - self.n_tail, T), 0)  # free sink slots
@@ -240,14 +323,67 @@ class TurboLayer(CacheLayerMixin):
         self._write_tail(s0, k8[:, :, n_pack:], v8[:, :, n_pack:])
         self.n_tail = s0 + n - n_pack
 
+    def _store_fused(self, key_states: torch.Tensor, value_states: torch.Tensor, first: bool) -> None:
+        """A store that packs blocks, in one Triton launch (two when recent tokens wait in the buffer):
+        ``kernels.store.store_kv``. The plan (how many tokens go to the sinks, how many blocks) is host
+        arithmetic on host ints: no sync."""
+        from .kernels.store import store_kv
+
+        bs = self.turbo_config.block_size
+        T = key_states.shape[2]
+        keep = self.turbo_config.recent_blocks * bs
+        take = max(min(self.n_sink - self.n_tail, T), 0)  # free sink slots
+        c = self.n_tail + take - self.n_sink  # recent tokens waiting in the buffer (>= 0: sinks are full)
+        n = c + T - take
+        n_pack = (n - keep) // bs * bs
+        for grp in self.groups:
+            grp.reserve(grp.n_blocks + n_pack // bs)
+        store_kv(key_states, value_states, self.k_scale, self.k_mean, self.v_scale, self.k_tail, self.v_tail,
+                 self.groups, take=take, slot_sink=self.n_tail, c=c, s0=self.n_sink, n_pack=n_pack,
+                 nonfinite=None if first else self.nonfinite)
+        for grp in self.groups:
+            grp.n_blocks += n_pack // bs
+        self.n_tail = self.n_sink + n - n_pack
+
+    def _first_store_fused(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """The first prefill in 3-4 launches, no host sync: K mean (torch, with smoothing), stats, scales + head
+        choice (``kernels.store.kv_stats``), store (``_store``). Bit for bit the PyTorch path's codes, scales and
+        mean; the same head choice (priorities equal to fp32 rounding)."""
+        from .kernels.store import kv_stats
+
+        cfg = self.turbo_config
+        b, hk, T, d = key_states.shape
+        h = self.scale_headroom
+        self.headroom = h = auto_headroom(T) if h == "auto" else float(h)
+        self.k_mean = k_smooth_mean(key_states) if cfg.smooth_k else None
+        self.nonfinite = torch.empty(1, dtype=torch.int32, device=self.device)
+        select = None
+        bs = cfg.block_size
+        n = T - min(self.n_sink, T)  # tokens after the sinks; the first prefill's blocks are reserved at once
+        nb = (n - cfg.recent_blocks * bs) // bs if n >= (cfg.recent_blocks + 1) * bs else 0
+        if self._prompt_select():
+            n2 = self._plan_bits.count(2)
+            maps = {cfg.bits: torch.empty(hk - n2, dtype=torch.int32, device=self.device),
+                    2: torch.empty(n2, dtype=torch.int32, device=self.device)}
+            self._make_groups(self._plan_bits, capacity=max(nb, 1), maps=maps)
+            select = (maps[cfg.bits], maps[2], n2)
+        else:
+            self._make_groups(self._plan_bits, capacity=max(nb, 1))
+        self.k_scale, self.v_scale = kv_stats(key_states, value_states, self.k_mean, bs, h, self.nonfinite, select)
+        self._store(key_states, value_states, first=True)
+
     def _fix_scales(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """The universal scales (module doc) from the first prefill ``[b, Hk, T, d]``: three reads of K/V in
         their own dtype (K's mean and min/max, V's min/max), no fp32 copy of either; bit for bit the fp32
-        formula ``reference.kv_universal_scales_ref`` (tests/turbo_attn_hf/test_cache.py)."""
+        formula ``reference.kv_universal_scales_ref`` (tests/turbo_attn_hf/test_cache.py). Non-finite elements
+        are left out (``_finite_aminmax``, ``reference.kv_finite_mean_ref``) and counted. The PyTorch path; the
+        fused one is ``_first_store_fused``."""
         h = self.scale_headroom
         h = auto_headroom(key_states.shape[2]) if h == "auto" else float(h)
         self.headroom = h
-        k_min, k_max = (t.float() for t in torch.aminmax(key_states, dim=2))
+        self.nonfinite = torch.zeros(1, dtype=torch.int32, device=key_states.device)
+        self._count_nonfinite(key_states, value_states)
+        k_min, k_max = _finite_aminmax(key_states)
         if self.turbo_config.smooth_k:
             # k.mean(dim=2, dtype=fp32) == k.float().mean(dim=2) bit for bit, without the fp32 copy. CPU: both are
             # sum(dtype=fp32) / T, the 16-bit values widened as they are added, in the same order (the test). CUDA:
@@ -256,16 +392,16 @@ class TurboLayer(CacheLayerMixin):
             # the element strides and the element alignment: the fp32 copy's, while K's pointer and strides are
             # multiples of 4 elements (HF's layouts) and the copy stays under 2^31 bytes (32-bit indexing).
             # k_smooth_mean is also the reference's and the prefill's mean.
-            self.k_mean = k_smooth_mean(key_states)
+            self.k_mean = kv_finite_mean_ref(key_states, k_smooth_mean(key_states))
             # max_i |fl(k_i - mu)| = max(fl(k_max - mu), fl(mu - k_min)) exactly: fl(x - mu) is monotone in x
             # and round-to-nearest is symmetric (fl(-y) = -fl(y)), so the extreme differences come from the
-            # extreme keys; a NaN propagates through aminmax/maximum as through amax
+            # extreme keys (a channel without a finite key: -inf, scale 1)
             k_amax = torch.maximum(k_max - self.k_mean, self.k_mean - k_min)
         else:
             self.k_mean = None
             k_amax = torch.maximum(k_max, -k_min)  # |k| max, exact in any dtype
-        v_min, v_max = torch.aminmax(value_states, dim=2)
-        v_amax = torch.maximum(v_max, -v_min).float()
+        v_min, v_max = _finite_aminmax(value_states)
+        v_amax = torch.maximum(v_max, -v_min)
         ks = k_amax * (h / 127.0)
         vs = v_amax * (h / 127.0)
         self.k_scale = torch.where(ks > 0, ks, torch.ones_like(ks))
@@ -287,9 +423,14 @@ class TurboLayer(CacheLayerMixin):
         if first:
             if T == 0:
                 return self._placeholders(0)
-            self._fix_scales(key_states, value_states)
-            self._select_heads(key_states, value_states)
-        self._store(key_states, value_states)
+            if self._fused(key_states):
+                self._first_store_fused(key_states, value_states)
+            else:
+                self._fix_scales(key_states, value_states)
+                self._select_heads(key_states, value_states)
+                self._store(key_states, value_states, first=True)
+        else:
+            self._store(key_states, value_states)
         self._first_prefill = first
         if first:
             k, v = key_states, value_states
@@ -327,8 +468,11 @@ class TurboLayer(CacheLayerMixin):
             q, k, v = query, key, value
             if q.dtype not in (torch.bfloat16, torch.float16) and fn is not reference.turbo_attention:
                 q, k, v = q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16)
+            kw = {}
+            if cfg.smooth_k and softcap is None and self.k_mean is not None and _takes_k_mean(fn):
+                kw["k_mean"] = self.k_mean  # the store's K mean: k_smooth_mean of the same keys, computed once
             out = fn(q, k, v, scale=scale, causal=causal, window=window, softcap=softcap, key_valid=key_valid,
-                     softmax=cfg.softmax, sas_threshold=cfg.sas_threshold, smooth_k=cfg.smooth_k)
+                     softmax=cfg.softmax, sas_threshold=cfg.sas_threshold, smooth_k=cfg.smooth_k, **kw)
             return out.to(query.dtype)
         args, kw = self.decode_inputs()
         kw.update(scale=scale, causal=causal, window=window, softcap=softcap, key_valid=key_valid)
@@ -444,6 +588,8 @@ class TurboLayer(CacheLayerMixin):
             for name, t in grp._tensors():
                 setattr(grp, name, t.to(device, non_blocking=True))
             grp.heads = grp.heads.to(device)
+        if self.nonfinite is not None:
+            self.nonfinite = self.nonfinite.to(device, non_blocking=True)
 
     # ------------------------------------------------------------------ memory
     def bytes_per_token(self) -> float:
@@ -451,7 +597,10 @@ class TurboLayer(CacheLayerMixin):
         per-block scale/zero bytes amortised): Σ_h 2·d·bits_h/8 (+ 4·d/block_size for 2/4-bit heads)."""
         if not self.is_initialized:
             return 0.0
-        return sum(kv_bytes_per_token(self.head_dim, hb, self.turbo_config.block_size) for hb in self.head_bits)
+        bs = self.turbo_config.block_size
+        if not self.groups:
+            return sum(kv_bytes_per_token(self.head_dim, hb, bs) for hb in self._plan_bits)
+        return sum(len(g.heads) * kv_bytes_per_token(self.head_dim, g.bits, bs) for g in self.groups)
 
     def memory_bytes(self, allocated: bool = False) -> int:
         """Bytes of this layer's cache: the valid packed blocks (data + scale/zero), the INT8 tail buffers
