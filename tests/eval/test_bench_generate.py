@@ -71,6 +71,16 @@ def test_resolve_quick_and_limits():
         bg._resolve(bg.build_parser().parse_args(["--reps", "1"]))
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the message shown on a machine without CUDA")
+def test_refuses_cpu_with_a_clear_message(capsys):
+    with pytest.raises(SystemExit) as e:
+        bg.main(["--quick"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "needs a CUDA GPU" in err and "--dry-run" in err
+    assert "python -m eval.bench_generate" in bg.__doc__
+
+
 def test_static_turbo_is_reported_not_implemented():
     """generate(cache_implementation="static") of a turbo model: until it returns a compileable TurboCache the
     row must say so (nothing else is timed under that name)."""
