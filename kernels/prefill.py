@@ -24,6 +24,11 @@ What it implements:
   results and fp32 -> int8 of P use the magic number C = 1.5 * 2^23: bits(x + bits(C)) is the float C + x,
   so ``float(x) * s = fma(C + x, s, -C s)`` (``_i32_scaled``: the K and V scales ride in the same FMA), and
   p8 = round(127 p) is the low byte of bits(fma(p, 127, C)) (exact while |x| < 2^22: ``tl.static_assert``).
+- Non-finite inputs (``reference.nonfinite_rows``): the quantizers code a token holding a NaN/Inf as zeros,
+  outside every scale statistic, and flag it by a NaN scale (sq for a query; sk for a key, also when only its
+  V is bad; a non-finite channel of K's mean is not subtracted). The loop's masks are ``where`` selects (a
+  masked NaN score becomes -inf) and its row max keeps NaN, so a NaN score reaches m, c, r and makes l and acc
+  NaN in exactly the rows that see the key; a NaN sq starts l at NaN. No extra work per element.
 - The epilogue per KV block is one FMA per accumulator element: acc and l are kept relative to a per-row
   reference point c (the running max for "static", max(block max, running max - 32) for "block"), so the
   block-P weight and the online-softmax rescale are one factor r = exp2(c_old - c_new)
@@ -140,6 +145,13 @@ def _i32_scaled(x, s, s_magic):
 
 
 @triton.jit
+def _max_nan(a, b):
+    """max that keeps NaN (maximumf; tl.max's maxnumf drops it on the GPU, the interpreter keeps it): a NaN
+    score, from a poisoned key or query, must reach the row's running max. Same instruction cost."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _load_k(p_kbase, p_skbase, start_n, o_n0, o_d, m_d, stride_kn, Lk, MASKED: tl.constexpr,
             EVEN_D: tl.constexpr):
     """K tile [BD, BN] (a K-major view of k8 [BN, d]) and its scales sk [BN] at key offset start_n."""
@@ -192,12 +204,13 @@ def _attn_update(
     elif HAS_KEY_VALID:
         b_kv = tl.load(p_kvbase + o_n)
         b_t = tl.where((b_kv != 0)[None, :], b_t, float("-inf"))
-    # online softmax, base 2, relative to c (-inf -> 0 so that exp2 gives 0, not NaN)
+    # online softmax, base 2, relative to c (-inf -> 0 so that exp2 gives 0, not NaN). A NaN score (a key
+    # with a NaN scale, not masked: where() above made masked ones -inf) makes m, c, r, hence l and acc, NaN.
     if HAS_SOFTCAP:
-        b_bmax = tl.max(b_t, 1)
+        b_bmax = tl.reduce(b_t, 1, _max_nan)
     else:
-        b_bmax = tl.max(b_t, 1) * b_sq  # sq > 0: rowmax(t sq) = rowmax(t) sq, exactly
-    m_new = tl.maximum(m_i, b_bmax)
+        b_bmax = tl.reduce(b_t, 1, _max_nan) * b_sq  # sq > 0: rowmax(t sq) = rowmax(t) sq, exactly
+    m_new = _max_nan(m_i, b_bmax)
     if BLOCK_P_SCALE:
         c_new = tl.maximum(b_bmax, m_new - _P_BLOCK_GAP)
     else:
@@ -299,7 +312,7 @@ def _int8_attn_fwd_kernel(
     p_q = Q8 + i_b64 * stride_qb + i_hq64 * stride_qh + o_m[:, None] * stride_qm + o_d[None, :]
     b_q = tl.load(p_q, mask=m_m[:, None] & m_d[None, :], other=0)
     b_sq = tl.load(SQ + i_b64 * stride_sqb + i_hq64 * stride_sqh + o_m, mask=m_m, other=0.0)
-    b_sq = tl.maximum(b_sq, _SQ_MIN)  # an all-zero query row has sq = 0: keep -inf * sq = -inf
+    b_sq = _max_nan(b_sq, _SQ_MIN)  # an all-zero query row has sq = 0: keep -inf * sq = -inf
     p_kbase = K8 + i_b64 * stride_kb + i_hk64 * stride_kh
     p_skbase = SK + i_b64 * stride_skb + i_hk64 * stride_skh
     p_vbase = VT + i_b64 * stride_vb + i_hk64 * stride_vh
@@ -325,7 +338,7 @@ def _int8_attn_fwd_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     c_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    l_i = tl.where(b_sq == b_sq, 0.0, b_sq)  # a NaN query scale (poisoned row) starts l at NaN: row stays NaN
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if HAS_WINDOW:
         acc, l_i, m_i, c_i = _attn_fwd_inner(
@@ -344,8 +357,8 @@ def _int8_attn_fwd_kernel(
         True, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_VALID, USE_SAS, BLOCK_P_SCALE, BLOCK_N, EVEN_D,
         PSUM_BIAS)
 
-    # epilogue: o = acc / l, 0 for rows without any valid key
-    has_key = l_i > 0
+    # epilogue: o = acc / l, 0 for rows without any valid key (l == 0 exactly); l NaN gives a NaN row
+    has_key = l_i != 0
     b_o = acc / tl.where(has_key, l_i, 1.0)[:, None]
     b_o = tl.where(has_key[:, None], b_o, 0.0)
     p_o = O + i_b64 * stride_ob + i_hq64 * stride_oh + o_m[:, None].to(tl.int64) * stride_om + o_d[None, :]
@@ -533,6 +546,9 @@ def turbo_attention(q, k, v, *, scale=None, causal=True, window=None, softcap=No
         ``default_block_n(d)`` = 128.
       v_scale: "block" (V scale per block_n tokens and channel, default) or "channel" (one scale per
         channel over the sequence, INT-FlashAttention's choice).
+    Non-finite inputs: a query row holding a NaN/Inf gives a NaN output row; a key token whose K or V holds
+    one gives NaN in exactly the rows that attend it (``reference.nonfinite_rows``); every other row stays
+    finite and as accurate as without it.
     The plain-PyTorch twin is ``turbo_attn_hf.kernels.reference.turbo_attention`` (same arguments).
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -574,7 +590,7 @@ def turbo_attention(q, k, v, *, scale=None, causal=True, window=None, softcap=No
     q8, sq = quantize_per_token(q, scale=scale * LOG2E)
     mean = k_smooth_mean(k) if (smooth_k and softcap is None) else None
     k8, sk = quantize_per_token(k, smooth=mean)
-    v8t, sv = (quantize_v_blocks if v_scale == "block" else quantize_v_channels)(v, block_n)
+    v8t, sv = (quantize_v_blocks if v_scale == "block" else quantize_v_channels)(v, block_n, poison=sk)
     return _launch(q8, sq, k8, sk, v8t, sv, out, causal=causal, window=window, softcap=softcap,
                    key_valid=key_valid, use_sas=softmax == "sas", thr2=float(sas_threshold) * LOG2E,
                    block_p=p_scale == "block", Lk=lk, block_n=block_n)

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .interpreter import interpreting
-from .reference import DEFAULT_BLOCK_N, k_smooth_mean  # noqa: F401  (k_smooth_mean re-exported)
+from .reference import DEFAULT_BLOCK_N, _finite_token_amax, k_smooth_mean  # noqa: F401  (k_smooth_mean re-exported)
 
 __all__ = ["quantize_per_token", "quantize_v_blocks", "quantize_v_channels", "k_smooth_mean", "interpreting"]
 
@@ -56,6 +56,21 @@ def _to_int8_half_away(x, inv):
 
 
 @triton.jit
+def _poisoned_rows(x, axis: tl.constexpr):
+    """True for each token (slice along ``axis``) of ``x`` holding a NaN or an Inf. Such a token is quantized
+    as zeros, out of every scale statistic, and flagged by a NaN scale: NaN-dropping max reductions and the
+    float -> int cast would otherwise turn it into finite numbers (GPU) or spread it (per-block scales)."""
+    return tl.min((tl.abs(x) < float("inf")).to(tl.int32), axis) == 0
+
+
+@triton.jit
+def _finite_or_zero(x):
+    """``x`` where finite, else 0: K's channel mean over the prompt is not finite when one key is not; that
+    channel is then left unsmoothed (softmax-invariant either way) rather than poisoning every key."""
+    return tl.where(tl.abs(x) < float("inf"), x, 0.0)
+
+
+@triton.jit
 def _multiple(x, VEC: tl.constexpr):
     """``x`` (a stride the launcher found to be a multiple of VEC) written so that the compiler knows it: strides
     kept out of the specialization key carry no divisibility, and loads through them stay 2-byte scalar."""
@@ -74,28 +89,36 @@ def _quant_token_rows(p_x, p_x8, p_s, b_mean, scale, o_t, L, stride_xl, stride_x
                   mask=m_x, other=0.0).to(tl.float32)
     if HAS_SMOOTH:
         b_x = tl.where(m_x, b_x - b_mean[None, :], 0.0)
+    b_bad = _poisoned_rows(b_x, 1)
+    b_x = tl.where(b_bad[:, None], 0.0, b_x)
     b_amax = tl.max(tl.abs(b_x), 1)
     b_safe = tl.where(b_amax > 0, b_amax, 1.0)
     b_inv = tl.where(b_amax > 0, tl.math.div_rn(tl.full([BT], 127.0, tl.float32), b_safe), 0.0)
     b_x8 = _to_int8_half_away(b_x, b_inv[:, None])
     tl.store(p_x8 + o_t[:, None].to(tl.int64) * D + o_d[None, :], b_x8, mask=m_x)
     b_s = tl.math.div_rn(b_amax, tl.full([BT], 127.0, tl.float32)) * scale
-    tl.store(p_s + o_t, b_s, mask=m_t)
+    tl.store(p_s + o_t, tl.where(b_bad, float("nan"), b_s), mask=m_t)
 
 
 @triton.jit
-def _quant_v_block(p_x, p_amax, p_v8t, p_sv, i_n, L, stride_xl, stride_xd, stride_vd,
-                   HAS_AMAX: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr):
+def _quant_v_block(p_x, p_amax, p_v8t, p_sv, p_poison, i_n, L, stride_xl, stride_xd, stride_vd,
+                   HAS_AMAX: tl.constexpr, POISON: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                   BN: tl.constexpr):
     """INT8 of V block ``i_n`` (BN tokens) of one head, per channel, written transposed: ``p_x`` its rows
     (any strides), ``p_v8t`` its ``[D, Lpad]`` codes (row stride ``stride_vd``; tokens >= L written as 0),
     ``p_sv`` its ``[Lpad // BN, D]`` scales; with HAS_AMAX the channel amax ``p_amax`` [D] over the whole
-    sequence is used instead and block 0 writes the one row of scales."""
+    sequence is used instead and block 0 writes the one row of scales. A token with a NaN/Inf is coded 0,
+    kept out of the block's scales, and (POISON) flagged as NaN in the key scales ``p_poison`` [L]."""
     o_t = i_n * BN + tl.arange(0, BN)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
     m_x = (o_t < L)[:, None] & m_d[None, :]
     b_x = tl.load(p_x + o_t[:, None].to(tl.int64) * stride_xl + o_d[None, :] * stride_xd,
                   mask=m_x, other=0.0).to(tl.float32)
+    b_bad = _poisoned_rows(b_x, 1)
+    b_x = tl.where(b_bad[:, None], 0.0, b_x)
+    if POISON:  # the key's scale carries the flag: exactly the score columns the kernel does not mask
+        tl.store(p_poison + o_t, tl.full([BN], float("nan"), tl.float32), mask=b_bad)
     if HAS_AMAX:
         b_amax = tl.load(p_amax + o_d, mask=m_d, other=0.0)
     else:
@@ -129,31 +152,35 @@ def _quant_tokens_kernel(
     b_mean = tl.zeros([BD], dtype=tl.float32)
     if HAS_SMOOTH:
         o_d = tl.arange(0, BD)
-        b_mean = tl.load(MEAN + i_b * stride_mb + i_h * stride_mh + o_d, mask=o_d < D, other=0.0)
+        b_mean = _finite_or_zero(tl.load(MEAN + i_b * stride_mb + i_h * stride_mh + o_d, mask=o_d < D, other=0.0))
     _quant_token_rows(X + i_b * stride_xb + i_h * stride_xh, X8 + i_b * stride_ob + i_h * stride_oh,
                       S + i_b * stride_sb + i_h * stride_sh, b_mean, scale, i_t * BT + tl.arange(0, BT), L,
                       stride_xl, stride_xd, HAS_SMOOTH=HAS_SMOOTH, D=D, BD=BD, BT=BT)
 
 
-@triton.jit(do_not_specialize=["L", "stride_xb", "stride_xh", "stride_xl"])
+@triton.jit(do_not_specialize=["L", "stride_xb", "stride_xh", "stride_xl", "stride_pb", "stride_ph"])
 def _quant_v_kernel(
-    X, AMAX, V8T, SV, L, H,
+    X, AMAX, V8T, SV, POISON_S, L, H,
     stride_xb, stride_xh, stride_xl, stride_xd,
     stride_vb, stride_vh, stride_vd,
     stride_sb, stride_sh,
-    HAS_AMAX: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, VEC: tl.constexpr,
+    stride_pb, stride_ph,
+    HAS_AMAX: tl.constexpr, POISON: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
+    VEC: tl.constexpr,
 ):
     """grid (Lpad // BN * b * H,). X [b, H, L, D] (b, H, L strides multiples of VEC) -> V8T [b, H, D, Lpad]
     (tokens contiguous; tokens >= L are 0), SV [b, H, Lpad // BN, D] = amax over the block's tokens / 127 per
     channel; with HAS_AMAX the per-channel AMAX [b, H, D] (contiguous) over the whole sequence is used instead
-    and the first block writes SV [b, H, 1, D]."""
+    and the first block writes SV [b, H, 1, D]. POISON: POISON_S [b, H, L] (last stride 1) is set to NaN at
+    tokens holding a NaN/Inf."""
     n_blk = tl.maximum(tl.cdiv(L, BN), 1)
     i_n, i_bh = tl.program_id(0) % n_blk, tl.program_id(0) // n_blk
     i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
     stride_xb, stride_xh, stride_xl = _multiple(stride_xb, VEC), _multiple(stride_xh, VEC), _multiple(stride_xl, VEC)
     _quant_v_block(X + i_b * stride_xb + i_h * stride_xh, AMAX + i_bh.to(tl.int64) * D,
-                   V8T + i_b * stride_vb + i_h * stride_vh, SV + i_b * stride_sb + i_h * stride_sh, i_n, L,
-                   stride_xl, stride_xd, stride_vd, HAS_AMAX=HAS_AMAX, D=D, BD=BD, BN=BN)
+                   V8T + i_b * stride_vb + i_h * stride_vh, SV + i_b * stride_sb + i_h * stride_sh,
+                   POISON_S + i_b * stride_pb + i_h * stride_ph, i_n, L, stride_xl, stride_xd, stride_vd,
+                   HAS_AMAX=HAS_AMAX, POISON=POISON, D=D, BD=BD, BN=BN)
 
 
 # ---------------------------------------------------------------------------------------- launchers
@@ -191,12 +218,25 @@ def _mean_arg(smooth: Optional[torch.Tensor], unused: torch.Tensor, b: int, h: i
     return m, m.stride(0), m.stride(1)
 
 
+def _poison_arg(poison: Optional[torch.Tensor], unused: torch.Tensor, b: int, h: int, L: int):
+    """(tensor, batch stride, head stride) of the fp32 ``[b, h, >= L]`` key scales that V marks, or of ``unused``."""
+    if poison is None:
+        return unused, 0, 0
+    if (poison.dtype != torch.float32 or poison.dim() != 3 or tuple(poison.shape[:2]) != (b, h)
+            or poison.shape[2] < L or poison.device != unused.device or (L > 1 and poison.stride(2) != 1)):
+        raise ValueError(f"poison must be fp32 [b, H, >= L] = [{b}, {h}, >= {L}] on {unused.device} with a "
+                         f"contiguous last dimension (the key scales sk); got {tuple(poison.shape)} "
+                         f"{poison.dtype} on {poison.device}")
+    return poison, poison.stride(0), poison.stride(1)
+
+
 def quantize_per_token(x: torch.Tensor, *, scale: float = 1.0, smooth: Optional[torch.Tensor] = None):
     """Per-token symmetric INT8 (one fused Triton pass).
 
     x: ``[..., L, d]`` fp16/bf16/fp32, any strides. smooth: optional fp32 ``[..., d]`` subtracted first
-    (K's channel mean, ``k_smooth_mean``). Returns ``x8 int8 [..., L, d]`` (contiguous) and
-    ``s fp32 [..., L]`` with ``s = amax / 127 * scale`` (0 for an all-zero row, whose codes are 0).
+    (K's channel mean, ``k_smooth_mean``; a non-finite channel of it counts as 0). Returns
+    ``x8 int8 [..., L, d]`` (contiguous) and ``s fp32 [..., L]`` with ``s = amax / 127 * scale`` (0 for an
+    all-zero row, whose codes are 0). A row holding a NaN/Inf gets codes 0 and ``s = NaN``.
     """
     _check_device(x, "x")
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -220,11 +260,14 @@ def quantize_per_token(x: torch.Tensor, *, scale: float = 1.0, smooth: Optional[
     return x8.reshape(*lead, L, d), s.reshape(*lead, L)
 
 
-def quantize_v_blocks(v: torch.Tensor, block: int = DEFAULT_BLOCK_N):
+def quantize_v_blocks(v: torch.Tensor, block: int = DEFAULT_BLOCK_N, *, poison: Optional[torch.Tensor] = None):
     """Per-block (``block`` tokens), per-channel symmetric INT8 of V, written transposed (one Triton pass).
 
     v: ``[b, H, L, d]`` fp16/bf16/fp32, any strides. Returns ``v8t int8 [b, H, d, Lpad]`` (tokens
     contiguous, Lpad = L rounded up to ``block``, padded tokens 0) and ``sv fp32 [b, H, Lpad // block, d]``.
+    A token holding a NaN/Inf is coded 0 and left out of the scales; ``poison`` (the key scales ``sk``,
+    fp32 ``[b, H, >= L]``) is set to NaN at those tokens, in place, so that the attention rows which see
+    them come out NaN (without ``poison`` the flag is dropped).
     """
     _check_device(v, "v")
     if v.dim() != 4:
@@ -236,23 +279,25 @@ def quantize_v_blocks(v: torch.Tensor, block: int = DEFAULT_BLOCK_N):
     lpad = nblk * block
     v8t = torch.empty(b, h, d, lpad, dtype=torch.int8, device=v.device)
     sv = torch.empty(b, h, nblk, d, dtype=torch.float32, device=v.device)
+    ps, spb, sph = _poison_arg(poison, sv, b, h, L)
     if b * h > 0:
         _quant_v_kernel[(nblk * b * h,)](
-            v, sv, v8t, sv, L, h,
+            v, sv, v8t, sv, ps, L, h,
             v.stride(0), v.stride(1), v.stride(2), v.stride(3),
-            v8t.stride(0), v8t.stride(1), v8t.stride(2), sv.stride(0), sv.stride(1),
-            HAS_AMAX=False, D=d, BD=triton.next_power_of_2(d), BN=block, VEC=_vec(v), num_warps=4,
-            enable_fp_fusion=False,
+            v8t.stride(0), v8t.stride(1), v8t.stride(2), sv.stride(0), sv.stride(1), spb, sph,
+            HAS_AMAX=False, POISON=poison is not None, D=d, BD=triton.next_power_of_2(d), BN=block,
+            VEC=_vec(v), num_warps=4, enable_fp_fusion=False,
         )
     return v8t, sv
 
 
-def quantize_v_channels(v: torch.Tensor, block: int = DEFAULT_BLOCK_N):
+def quantize_v_channels(v: torch.Tensor, block: int = DEFAULT_BLOCK_N, *, poison: Optional[torch.Tensor] = None):
     """Per-channel symmetric INT8 of V over the whole sequence (INT-FlashAttention's V scale), transposed.
 
     v: ``[b, H, L, d]`` fp16/bf16/fp32, any strides. Returns ``v8t int8 [b, H, d, Lpad]`` (Lpad = L rounded
     up to ``block``, the kernel's KV tile; padded tokens 0) and ``sv fp32 [b, H, 1, d]`` = amax / 127.
-    Two reads of V: the channel amax (a torch reduction), then the Triton pass of ``quantize_v_blocks``.
+    The channel amax (torch reductions) skips tokens holding a NaN/Inf, then the Triton pass of
+    ``quantize_v_blocks`` (non-finite tokens and ``poison`` as there).
     """
     _check_device(v, "v")
     if v.dim() != 4:
@@ -263,14 +308,15 @@ def quantize_v_channels(v: torch.Tensor, block: int = DEFAULT_BLOCK_N):
     nblk = max(1, triton.cdiv(L, block))
     v8t = torch.empty(b, h, d, nblk * block, dtype=torch.int8, device=v.device)
     sv = torch.empty(b, h, 1, d, dtype=torch.float32, device=v.device)
+    ps, spb, sph = _poison_arg(poison, sv, b, h, L)
     if b * h > 0:
-        amax = (v.abs().amax(dim=2).float() if L > 0 else
+        amax = (_finite_token_amax(v) if L > 0 else
                 torch.zeros(b, h, d, dtype=torch.float32, device=v.device)).contiguous()
         _quant_v_kernel[(nblk * b * h,)](
-            v, amax, v8t, sv, L, h,
+            v, amax, v8t, sv, ps, L, h,
             v.stride(0), v.stride(1), v.stride(2), v.stride(3),
-            v8t.stride(0), v8t.stride(1), v8t.stride(2), sv.stride(0), sv.stride(1),
-            HAS_AMAX=True, D=d, BD=triton.next_power_of_2(d), BN=block, VEC=_vec(v), num_warps=4,
-            enable_fp_fusion=False,
+            v8t.stride(0), v8t.stride(1), v8t.stride(2), sv.stride(0), sv.stride(1), spb, sph,
+            HAS_AMAX=True, POISON=poison is not None, D=d, BD=triton.next_power_of_2(d), BN=block,
+            VEC=_vec(v), num_warps=4, enable_fp_fusion=False,
         )
     return v8t, sv
