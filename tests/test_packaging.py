@@ -10,8 +10,10 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import json
+import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -36,6 +38,29 @@ def test_readme_starts_with_the_two_commands():
     assert "\n" not in main_cmd and "\n" not in test_cmd, "each command is one copy-pasteable line"
     assert main_cmd.startswith("bash .ci/setup && ") and "turbo-attn chat" in main_cmd
     assert test_cmd.startswith("bash .ci/setup && ") and "pytest" in test_cmd
+
+
+def _readme_python() -> str:
+    return re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), flags=re.S)[0]
+
+
+def test_readme_first_python_block_needs_no_hub():
+    code = _readme_python()
+    assert "embedded_model()" in code and '"cuda" if torch.cuda.is_available() else "cpu"' in code
+
+
+@pytest.mark.slow
+def test_readme_first_python_block_runs_offline(tmp_path):
+    """The README's first Python block, copied into a file, runs on a CPU with the Hub unreachable."""
+    pytest.importorskip("gguf")
+    script = tmp_path / "getting_started.py"
+    script.write_text(_readme_python())
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # what a CPU user has
+    env.update(HF_HUB_OFFLINE="1", HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=str(tmp_path / "hf"))
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=900, env=env,
+                         cwd=tmp_path)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert res.stdout.startswith("The capital of France is"), res.stdout[-2000:]
 
 
 def test_ci_runs_exactly_the_readme_test_command():

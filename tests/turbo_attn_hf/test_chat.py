@@ -30,7 +30,14 @@ def _env_reference_path() -> dict:
 @pytest.fixture
 def reference_path(monkeypatch):
     """In-process: route turbo_int8 to the plain-PyTorch reference (what a CPU user without the
-    interpreter gets); the attention and cache modules read TRITON_INTERPRET at call time."""
+    interpreter gets); the attention and cache modules read TRITON_INTERPRET at call time.
+
+    The kernel modules are imported first: Triton decides interpreter or not when a @triton.jit is
+    created, so a first import under "0" would break the interpreter tests that follow in this process."""
+    import importlib
+
+    for name in ("prefill", "decode", "quant", "store", "pack", "softmax"):
+        importlib.import_module(f"turbo_attn_hf.kernels.{name}")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
 
 
