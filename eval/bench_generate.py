@@ -35,6 +35,9 @@ says ``error: "OOM"``) and the run goes on; memory and compiled graphs are freed
 shape (``--profile-shape``); the difference / P gives one decode step: kernel launches (per layer), CUDA graph
 launches, GPU kernels, host ms (wall - time blocked in CUDA syncs) — the ``profile`` key. The generate(1)
 trace alone gives the same for the prefill (time to first token).
+``--quick``: 8 layers, 1x1k / 1x4k / 4x8k, N 32, 2 reps, sdpa_dynamic, sdpa_compiled and the three turbo eager
+configs, time budget 330 s. The full sweep (32 layers, 6 shapes, 9 configs) does not fit one 10-minute command:
+run it shape group by shape group with ``--merge`` (same file; every shape's configs share one process).
 Output: eval/results/bench_generate_<gpu>.json (+ .png), a table on stdout.
 """
 
@@ -359,6 +362,18 @@ def add_ratios(rows: list[dict]) -> None:
                 r[key] = r[val] / base[val]
 
 
+def merge_rows(old_rows: list[dict], rows: list[dict]) -> list[dict]:
+    """This run's rows, and (--merge) the earlier file's rows this run has not measured; a row this run skipped
+    for time does not replace an earlier one."""
+    def key(r: dict) -> tuple:
+        return r["config"], r["batch"], r["context"]
+
+    old = {key(r) for r in old_rows}
+    new = [r for r in rows if not (r.get("error") == SKIPPED and key(r) in old)]
+    new_keys = {key(r) for r in new}
+    return [r for r in old_rows if key(r) not in new_keys] + new
+
+
 def estimate_s(spec: dict, b: int, T: int, done: dict, layers: int) -> float:
     """Rough seconds a row will take: the config's last row scaled by batch x context (a compiled row's
     warm-up, mostly compilation, unscaled), or a guess for a first compile."""
@@ -457,7 +472,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     out_dir = Path(args.out) if args.out else RESULTS_DIR
     config = {"model": "LlamaConfig, Llama-3-8B shape" if not args.dry_run else "toy", "layers": layers, **shape,
               "params": n_params, "dtype": "bfloat16", "weights": "random N(0, 0.02)", "new_tokens": n, "reps": reps,
-              "warmup": "one generate(1+N) per row (*_compiled: two, the second = warmup2_s)", "input": "random ids, attention_mask ones",
+              "warmup": "one generate(1+N) per row (*_compiled: two, the second = warmup2_s)",
+              "input": "random ids, attention_mask ones",
               "shapes": [shape_name(b, T) for b, T in shapes], "configs": [s["name"] for s in specs],
               "compile_config": {k: str(v) for k, v in CompileConfig().to_dict().items()},
               "compile_scope": "fresh per shape: torch._dynamo.reset() before each *_compiled row",
@@ -468,15 +484,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     runs = runs + [this_run]
     rows: list[dict] = []
     profiles: list[dict] = []
-    mine = {(s["name"], b, T) for s in specs for b, T in shapes}
 
     def payload() -> dict:
-        keep = [r for r in old_rows if (r["config"], r["batch"], r["context"]) not in mine]
-        keep_p = [p for p in old_prof if (p["config"], p["batch"], p["context"]) not in mine]
-        all_rows = keep + rows
+        all_rows, all_prof = merge_rows(old_rows, rows), merge_rows(old_prof, profiles)
         add_ratios(all_rows)
         return {"benchmark": "generate", "machine": info, "dry_run": args.dry_run, "quick": args.quick,
-                "config": config, "formulas": FORMULAS, "runs": runs, "rows": all_rows, "profile": keep_p + profiles}
+                "config": config, "formulas": FORMULAS, "runs": runs, "rows": all_rows, "profile": all_prof}
 
     static_turbo: dict[str, Optional[str]] = {}
     done: dict[str, tuple[float, int]] = {}

@@ -130,13 +130,26 @@ def test_ratios_and_budget_estimate():
     ]
     bg.add_ratios(rows)
     t = rows[2]
-    assert t["decode_vs_sdpa_compiled"] == 2.0 and t["decode_vs_sdpa_dynamic"] == 0.5 and t["ttft_vs_sdpa_dynamic"] == 2.0
+    assert t["decode_vs_sdpa_compiled"] == 2.0 and t["decode_vs_sdpa_dynamic"] == 0.5
+    assert t["ttft_vs_sdpa_dynamic"] == 2.0
     assert "decode_vs_sdpa_dynamic" not in rows[0] and "decode_vs_sdpa_compiled" not in rows[3]
     eager, comp = bg.parse_config("sdpa_dynamic"), bg.parse_config("sdpa_compiled")
     assert bg.estimate_s(eager, 1, 1024, {}, 32) == 0.0 and bg.estimate_s(comp, 1, 1024, {}, 32) > 60
     done = {"sdpa_dynamic": (10.0, 2.0, 1024), "sdpa_compiled": (50.0, 45.0, 1024)}
     assert bg.estimate_s(eager, 4, 1024, done, 32) == 40.0
     assert bg.estimate_s(comp, 4, 1024, done, 32) == 45.0 + 5.0 * 4
+
+
+def test_merge_rows():
+    def r(cfg, b, err=None, v=1.0):
+        return {"config": cfg, "batch": b, "context": 1024, "error": err, "ttft_ms": v}
+
+    old = [r("sdpa_dynamic", 1, v=5.0), r("sdpa_dynamic", 4, v=6.0), r("sdpa_compiled", 1, "OOM")]
+    new = [r("sdpa_dynamic", 1, v=7.0), r("sdpa_dynamic", 4, bg.SKIPPED), r("sdpa_compiled", 1, v=8.0),
+           r("sdpa_static", 1, bg.SKIPPED)]
+    got = {(x["config"], x["batch"]): (x["error"], x["ttft_ms"]) for x in bg.merge_rows(old, new)}
+    assert got == {("sdpa_dynamic", 1): (None, 7.0), ("sdpa_dynamic", 4): (None, 6.0),
+                   ("sdpa_compiled", 1): (None, 8.0), ("sdpa_static", 1): (bg.SKIPPED, 1.0)}
 
 
 def test_plot_generate(tmp_path):
