@@ -38,7 +38,7 @@ trace alone gives the same for the prefill (time to first token).
 ``--quick``: 8 layers, 1x1k / 1x4k / 4x8k, N 32, 2 reps, sdpa_dynamic, sdpa_compiled and the three turbo eager
 configs, time budget 330 s. The full sweep (32 layers, 6 shapes, 9 configs) does not fit one 10-minute command:
 run it shape group by shape group with ``--merge`` (same file; every shape's configs share one process).
-Output: eval/results/bench_generate_<gpu>.json (+ .png), a table on stdout.
+Output: eval/results/bench_generate_<gpu>.json (+ .png; --quick: ..._<gpu>_quick.json), a table on stdout.
 """
 
 from __future__ import annotations
@@ -468,7 +468,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     from transformers import CompileConfig
 
-    name = f"bench_generate_{gpu_slug(info)}" + ("_dryrun" if args.dry_run else "")
+    # the headline file is the full model's; --quick (8 layers) and --dry-run write beside it, never over it
+    name = f"bench_generate_{gpu_slug(info)}" + ("_dryrun" if args.dry_run else "_quick" if args.quick else "")
     out_dir = Path(args.out) if args.out else RESULTS_DIR
     config = {"model": "LlamaConfig, Llama-3-8B shape" if not args.dry_run else "toy", "layers": layers, **shape,
               "params": n_params, "dtype": "bfloat16", "weights": "random N(0, 0.02)", "new_tokens": n, "reps": reps,
