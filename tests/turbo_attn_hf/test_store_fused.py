@@ -1,0 +1,155 @@
+"""The fused store (kernels/store.py: stats, finish, store_kv) == the PyTorch path (cache.FUSED_STORE = False),
+bit for bit: INT8 buffer, packed codes, integer scales/zeros, universal scales, K mean and head choice.
+
+CPU: the Triton interpreter (tests/conftest.py), d 32, block 16, so that block boundaries, sinks and recent
+blocks come at small T. The PyTorch path is the oracle the earlier tests tie to the reference twins.
+"""
+import pytest
+import torch
+
+from turbo_attn_hf import cache as C
+from turbo_attn_hf.cache import TurboCache
+from turbo_attn_hf.config import TurboConfig
+from turbo_attn_hf.kernels import reference as R
+
+BS, D = 16, 32
+
+
+def _cfg(preset, **kw):
+    base = dict(block_size=BS, softmax="exact")
+    if preset == "int8":
+        base.update(bits=8)
+    elif preset == "int4":
+        base.update(bits=4)
+    else:  # mixed: half the heads in 2 bits, chosen from the prompt
+        base.update(bits=4, frac_2bit_heads=0.5, head_select="prompt")
+    base.update(kw)
+    return TurboConfig(**base)
+
+
+def _kv(b, hk, L, seed=0, device="cpu", dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(b, L, hk, D, generator=g) * 2 + torch.randn(1, 1, hk, D, generator=g) * 3
+    v = torch.randn(b, L, hk, D, generator=g)
+    scale = torch.arange(1, hk + 1, dtype=torch.float32).view(1, 1, hk, 1)  # distinct head priorities
+    k, v = k * scale, v * scale.flip(2)
+    return k.transpose(1, 2).to(device, dtype), v.transpose(1, 2).to(device, dtype)  # HF's transposed layout
+
+
+def _run(cfg, k, v, steps, fused):
+    old = C.FUSED_STORE
+    C.FUSED_STORE = fused
+    try:
+        cache = TurboCache(cfg)
+        pos = 0
+        for T in steps:
+            cache.update(k[:, :, pos:pos + T], v[:, :, pos:pos + T], 0)
+            pos += T
+        return cache.layers[0]
+    finally:
+        C.FUSED_STORE = old
+
+
+def _assert_same(a, b):
+    bits = lambda t: t.view(torch.int32)  # noqa: E731
+    assert (a.n_blocks, a.n_tail, a.head_bits, a.headroom) == (b.n_blocks, b.n_tail, b.head_bits, b.headroom)
+    assert torch.equal(bits(a.k_scale), bits(b.k_scale)) and torch.equal(bits(a.v_scale), bits(b.v_scale))
+    assert (a.k_mean is None) == (b.k_mean is None)
+    if a.k_mean is not None:
+        assert torch.equal(bits(a.k_mean), bits(b.k_mean))
+    n = a.n_tail
+    assert torch.equal(a.k_tail[:, :, :n].cpu(), b.k_tail[:, :, :n].cpu())
+    assert torch.equal(a.v_tail[:, :, :, :n].cpu(), b.v_tail[:, :, :, :n].cpu())
+    assert len(a.groups) == len(b.groups)
+    for ga, gb in zip(a.groups, b.groups):
+        assert ga.bits == gb.bits and ga.heads.tolist() == gb.heads.tolist()
+        nb = ga.n_blocks
+        for (name, ta), (_, tb) in zip(ga._tensors(), gb._tensors()):
+            assert torch.equal(ta[:, :, :nb].cpu(), tb[:, :, :nb].cpu()), name
+    assert a.nonfinite_tokens() == b.nonfinite_tokens()
+
+
+@pytest.mark.parametrize("preset", ["int8", "int4", "mixed"])
+@pytest.mark.parametrize("T", [1, BS - 1, BS, BS + 1, 5 * BS + 3])
+@pytest.mark.parametrize("sink,recent", [(0, 0), (1, 2)])
+def test_first_prefill_equals_pytorch_path(preset, T, sink, recent, device):
+    b, hk = 2, 4
+    k, v = _kv(b, hk, T, seed=T, device=device)
+    cfg = _cfg(preset, sink_blocks=sink, recent_blocks=recent)
+    _assert_same(_run(cfg, k, v, [T], True), _run(cfg, k, v, [T], False))
+
+
+@pytest.mark.parametrize("preset", ["int4", "mixed"])
+@pytest.mark.parametrize("steps", [[40, 1, 1, 30, 1], [20, 70], [7] * 14, [3, 1, 1, 100]],
+                         ids=["decode-steps", "second-prefill", "chunks", "short-first"])
+@pytest.mark.parametrize("sink,recent", [(0, 0), (1, 2)])
+def test_later_stores_equal_pytorch_path(preset, steps, sink, recent, device):
+    """Multi-turn (a second prefill on a filled cache), chunked prefill and decode steps that fill a block."""
+    b, hk = 2, 4
+    L = sum(steps)
+    k, v = _kv(b, hk, L, seed=L, device=device)
+    cfg = _cfg(preset, sink_blocks=sink, recent_blocks=recent)
+    a, c = _run(cfg, k, v, steps, True), _run(cfg, k, v, steps, False)
+    _assert_same(a, c)
+    nb, ranges = R.int8_buffer_layout(L, BS, sink, recent)
+    assert (a.n_blocks, a.n_tail) == (nb, sum(t1 - t0 for t0, t1 in ranges))
+
+
+def test_mixed_head_choice_on_device_equals_prompt_priority(device):
+    """The device ranking (store._finish_kernel) picks calibrate.prompt_head_priority's lowest heads, batch rows
+    pooled, for several head orders; no host list is read on the way."""
+    from turbo_attn_hf.calibrate import assign_head_bits, prompt_head_priority
+
+    b, hk, T = 3, 8, 4 * BS + 5
+    for seed in range(3):
+        k, v = _kv(b, hk, T, seed=seed, device=device)
+        perm = torch.randperm(hk, generator=torch.Generator().manual_seed(seed))
+        k, v = k[:, perm], v[:, perm]
+        layer = _run(_cfg("mixed"), k, v, [T], True)
+        prio = prompt_head_priority(k.cpu(), v.cpu(), BS)
+        assert layer.head_bits == assign_head_bits(prio[None], hk // 2, 4)[0]
+        assert [g.heads.tolist() for g in layer.groups] == [sorted(g.heads.tolist()) for g in layer.groups]
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "pytorch"])
+def test_nonfinite_tokens_are_counted_stored_as_zero_and_kept_out_of_the_scales(fused, device):
+    b, hk, T = 2, 2, 3 * BS + 2
+    k, v = _kv(b, hk, T + 4, seed=7, device=device, dtype=torch.float32)
+    k[0, 1, 5, 3] = float("inf")
+    v[1, 0, 9, :] = float("nan")
+    k[1, 1, T + 1, 0] = float("-inf")  # a later decode step
+    cfg = _cfg("int4", sink_blocks=1, recent_blocks=1)
+    layer = _run(cfg, k, v, [T, 1, 1, 1, 1], fused)
+    assert layer.nonfinite_tokens() == 3
+    clean_k, clean_v = k[:, :, :T].clone(), v[:, :, :T].clone()
+    clean_k[0, 1, 5, 3] = 0.0
+    clean_v[1, 0, 9, :] = 0.0
+    mean, ks, vs = R.kv_universal_scales_ref(k[:, :, :T].cpu(), v[:, :, :T].cpu(), True, layer.headroom)
+    assert torch.isfinite(layer.k_scale).all() and torch.isfinite(layer.v_scale).all()
+    assert torch.isfinite(layer.k_mean).all()
+    torch.testing.assert_close(layer.k_mean.cpu(), mean, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(layer.k_scale.cpu(), ks, rtol=1e-6, atol=1e-7)
+    assert torch.equal(layer.v_scale.cpu(), vs)
+    # the bad elements are stored as code 0 (token 5 and 9 sit in the sink block: INT8 buffer slots 5 and 9)
+    assert int(layer.k_tail[0, 1, 5, 3]) == 0 and int(layer.v_tail[1, 0, :, 9].abs().sum()) == 0
+    # one bad token did not widen its channel's scale: V row 1, head 0 has the scales of the clean values
+    ref = R.kv_universal_scales_ref(clean_k.cpu(), clean_v.cpu(), True, layer.headroom)[2]
+    assert torch.equal(layer.v_scale[1, 0].cpu(), ref[1, 0])
+
+
+def test_first_prefill_kernel_launches(device):
+    """The first prefill's store issues at most 4 launches (3 Triton kernels + the torch K mean) for every
+    preset; a store packing blocks behind waiting tokens 2 Triton launches (+ the copies of a capacity
+    doubling, amortised); a decode step 1."""
+    from eval.bench_store import count_launches
+
+    for preset in ("int8", "int4", "mixed"):
+        k, v = _kv(1, 4, 6 * BS, seed=1, device=device)
+        cfg = _cfg(preset, sink_blocks=1, recent_blocks=2)
+        n = count_launches(lambda: TurboCache(cfg).update(k, v, 0))
+        assert n["triton"] == 3 and n["total"] <= 4, (preset, n)
+        cache = TurboCache(cfg)
+        cache.update(k, v, 0)
+        assert count_launches(lambda: cache.update(k[:, :, :1], v[:, :, :1], 0))["total"] == 1
+        n = count_launches(lambda: cache.update(k[:, :, :2 * BS], v[:, :, :2 * BS], 0))
+        assert n["triton"] == 2 and n["syncs"] == 0, (preset, n)
