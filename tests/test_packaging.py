@@ -21,7 +21,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 HAS_CUDA = torch.cuda.is_available()
-SCRIPTS = ("bench_prefill", "bench_decode", "bench_e2e", "kernel_accuracy", "bench_quant")
+SCRIPTS = ("bench_prefill", "bench_decode", "bench_e2e", "bench_generate", "kernel_accuracy", "bench_quant")
 
 
 # ---------------------------------------------------------------------------------------------- README / CI

@@ -8,6 +8,7 @@
     turbo-attn bench-prefill [...]  prefill kernel benchmark (GPU; eval/bench_prefill.py)
     turbo-attn bench-decode [...]   decode kernel benchmark (GPU; eval/bench_decode.py)
     turbo-attn bench-e2e [...]      end-to-end Llama-3-8B-shaped benchmark (GPU; eval/bench_e2e.py)
+    turbo-attn bench-generate [...] headline generate() benchmark: TTFT, decode ms/step (GPU; eval/bench_generate.py)
     turbo-attn accuracy [...]       kernel accuracy vs fp64: MRE tables, FA3 outlier RMSE (eval/kernel_accuracy.py)
     turbo-attn plots [...]          PNG plots from the result JSON files (eval/plots.py)
 
@@ -32,6 +33,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench-prefill": ("turbo_attn_hf.eval.bench_prefill", "prefill attention benchmark (GPU)"),
     "bench-decode": ("turbo_attn_hf.eval.bench_decode", "decode attention benchmark over a packed cache (GPU)"),
     "bench-e2e": ("turbo_attn_hf.eval.bench_e2e", "end-to-end benchmark of a Llama-3-8B-shaped model (GPU)"),
+    "bench-generate": ("turbo_attn_hf.eval.bench_generate",
+                       "headline generate() benchmark: TTFT, decode ms/step, sdpa vs turbo (GPU)"),
     "accuracy": ("turbo_attn_hf.eval.kernel_accuracy", "kernel accuracy vs fp64 (MRE, FA3 outlier RMSE)"),
     "plots": ("turbo_attn_hf.eval.plots", "PNG plots from eval/results/*.json"),
 }
