@@ -703,6 +703,19 @@ class TurboCache(Cache):
             self.layers.append(TurboLayer(self.turbo_config, len(self.layers), self.n_layers))
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
+    def nonfinite_tokens(self) -> int:
+        """Stored (layer, batch row, KV head, token) vectors whose K or V held an inf/NaN: they were stored as
+        code 0 and left out of the universal scales. One host sync (the counters live on the device)."""
+        cs = [l.nonfinite for l in self.layers
+              if isinstance(l, TurboLayer) and l.nonfinite is not None and l.k_scale is not None]
+        if not cs:
+            return 0
+        return int(torch.stack([c.to(cs[0].device).reshape(()) for c in cs]).sum().item())
+
+    def has_nonfinite(self) -> bool:
+        """Whether any stored K/V vector held an inf/NaN (see :meth:`nonfinite_tokens`; one host sync)."""
+        return self.nonfinite_tokens() > 0
+
     def memory_bytes(self, allocated: bool = False) -> int:
         """Bytes held by all turbo layers (see :meth:`TurboLayer.memory_bytes`)."""
         return sum(l.memory_bytes(allocated) for l in self.layers if isinstance(l, TurboLayer))

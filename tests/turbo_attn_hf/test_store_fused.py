@@ -121,6 +121,8 @@ def test_nonfinite_tokens_are_counted_stored_as_zero_and_kept_out_of_the_scales(
     cfg = _cfg("int4", sink_blocks=1, recent_blocks=1)
     layer = _run(cfg, k, v, [T, 1, 1, 1, 1], fused)
     assert layer.nonfinite_tokens() == 3
+    cache = TurboCache(cfg, layers=[layer])
+    assert cache.nonfinite_tokens() == 3 and cache.has_nonfinite()
     clean_k, clean_v = k[:, :, :T].clone(), v[:, :, :T].clone()
     clean_k[0, 1, 5, 3] = 0.0
     clean_v[1, 0, 9, :] = 0.0
