@@ -58,6 +58,7 @@ __all__ = [
     "quantize_v_channels",
     "int8_flash_attention",
     "turbo_attention",
+    "nonfinite_rows",
     "attention_fp64",
 ]
 
@@ -201,32 +202,61 @@ def k_smooth_mean(k: torch.Tensor) -> torch.Tensor:
     return k.mean(dim=-2, dtype=torch.float32)
 
 
+def _finite_or_zero(x: torch.Tensor) -> torch.Tensor:
+    """``x`` where finite, else 0 (quant.py ``_finite_or_zero``: an unsmoothed channel of K's mean)."""
+    return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
+
+
+def _finite_token_amax(v: torch.Tensor) -> torch.Tensor:
+    """Per-channel max of |v| over the tokens, ``[b, H, L, d] -> fp32 [b, H, d]``, skipping every token that
+    holds a NaN/Inf (quant.py's V channel scale; exact in v's dtype, then widened)."""
+    va = v.abs()
+    bad = ~torch.isfinite(va.amax(dim=-1, keepdim=True))  # amax propagates NaN
+    return va.masked_fill_(bad, 0).amax(dim=2).float()
+
+
 def quantize_per_token(x: torch.Tensor, *, scale: float = 1.0, smooth: Optional[torch.Tensor] = None):
     """Per-token symmetric INT8: ``x [..., L, d] -> (x8 int8 [..., L, d], s fp32 [..., L])``.
 
-    ``smooth`` (fp32 ``[..., d]``, e.g. ``k_smooth_mean(k)``) is subtracted first. ``s = amax/127 * scale``
-    (fold the softmax scale and log2(e) into Q's scale here); rows of zeros give codes 0 and s = 0.
+    ``smooth`` (fp32 ``[..., d]``, e.g. ``k_smooth_mean(k)``; a non-finite channel counts as 0) is subtracted
+    first. ``s = amax/127 * scale`` (fold the softmax scale and log2(e) into Q's scale here); rows of zeros
+    give codes 0 and s = 0. A row holding a NaN/Inf ("poisoned") gives codes 0 and s = NaN: the attention
+    loop turns exactly the rows that see it into NaN.
     """
     xf = x.float()
     if smooth is not None:
-        xf = xf - smooth.float().reshape(*xf.shape[:-2], 1, xf.shape[-1])
+        xf = xf - _finite_or_zero(smooth.float()).reshape(*xf.shape[:-2], 1, xf.shape[-1])
+    bad = ~torch.isfinite(xf).all(dim=-1)
+    xf = xf.masked_fill(bad[..., None], 0.0)
     amax = xf.abs().amax(dim=-1)
     x8 = _symmetric_int8(xf, amax, -1)
-    s = _div127(amax) * scale
+    s = (_div127(amax) * scale).masked_fill(bad, math.nan)
     return x8.contiguous(), s.contiguous()
 
 
-def quantize_v_blocks(v: torch.Tensor, block: int = DEFAULT_BLOCK_N):
+def _poison_tokens(poison: Optional[torch.Tensor], bad: torch.Tensor) -> None:
+    """Set the key scales ``poison [b, H, >= L]`` to NaN in place where ``bad [b, H, L]`` (a non-finite V token)."""
+    if poison is not None:
+        L = bad.shape[-1]
+        poison[..., :L] = poison[..., :L].masked_fill(bad, math.nan)
+
+
+def quantize_v_blocks(v: torch.Tensor, block: int = DEFAULT_BLOCK_N, *, poison: Optional[torch.Tensor] = None):
     """Per-block, per-channel symmetric INT8 of V, stored transposed.
 
     v: ``[b, H, L, d]`` -> ``v8t int8 [b, H, d, Lpad]`` (tokens contiguous; Lpad = L rounded up to
     ``block``; padded tokens are 0) and ``sv fp32 [b, H, Lpad // block, d]`` (amax over the block / 127).
+    A token holding a NaN/Inf is coded 0, left out of the scales, and marked NaN in ``poison`` (the key
+    scales sk ``[b, H, >= L]``, in place) if given.
     """
     b, h, L, d = v.shape
     nblk = max(1, -(-L // block))
     lpad = nblk * block
     vf = torch.zeros(b, h, lpad, d, dtype=torch.float32, device=v.device)
     vf[:, :, :L] = v.float()
+    bad = ~torch.isfinite(vf).all(dim=-1)
+    vf = vf.masked_fill(bad[..., None], 0.0)
+    _poison_tokens(poison, bad[..., :L])
     vb = vf.view(b, h, nblk, block, d)
     amax = vb.abs().amax(dim=3)  # [b, h, nblk, d]
     v8 = _symmetric_int8(vb, amax, 3)
@@ -235,17 +265,21 @@ def quantize_v_blocks(v: torch.Tensor, block: int = DEFAULT_BLOCK_N):
     return v8t, sv
 
 
-def quantize_v_channels(v: torch.Tensor, block: int = DEFAULT_BLOCK_N):
+def quantize_v_channels(v: torch.Tensor, block: int = DEFAULT_BLOCK_N, *, poison: Optional[torch.Tensor] = None):
     """Per-channel symmetric INT8 of V over the whole sequence (one scale per b, head, channel), transposed.
 
     v: ``[b, H, L, d]`` -> ``v8t int8 [b, H, d, Lpad]`` (Lpad = L rounded up to ``block``, the kernel's
-    KV tile; padded tokens 0) and ``sv fp32 [b, H, 1, d]`` (amax over all tokens / 127).
+    KV tile; padded tokens 0) and ``sv fp32 [b, H, 1, d]`` (amax over all tokens / 127). Non-finite
+    tokens and ``poison`` as in ``quantize_v_blocks``.
     """
     b, h, L, d = v.shape
     nblk = max(1, -(-L // block))
     lpad = nblk * block
     vf = torch.zeros(b, h, lpad, d, dtype=torch.float32, device=v.device)
     vf[:, :, :L] = v.float()
+    bad = ~torch.isfinite(vf).all(dim=-1)
+    vf = vf.masked_fill(bad[..., None], 0.0)
+    _poison_tokens(poison, bad[..., :L])
     amax = vf.abs().amax(dim=2)  # [b, h, d]
     v8 = _symmetric_int8(vf, amax, 2)
     return v8.transpose(-1, -2).contiguous(), _div127(amax).unsqueeze(2).contiguous()
@@ -273,7 +307,9 @@ def int8_flash_attention(q8, sq, k8, sk, v8t, sv, *, causal=True, window=None, s
         where m_new - S2 > threshold);  p8 = quantize_p(p)
         l = l r + sum(p8);  acc = fma(acc, r, i32_scaled((p8 . v8)_int32, sv_block))
 
-    and ``o = acc / l`` (0 where l == 0). "static" is INT-FlashAttention's P scale 1/127 relative to the
+    and ``o = acc / l`` (0 where l == 0). A NaN scale (a non-finite token, see ``quantize_per_token``) keeps
+    NaN through every max here: a NaN sk makes the rows that do not mask that key NaN, a NaN sq (l starts at
+    NaN) its row. "static" is INT-FlashAttention's P scale 1/127 relative to the
     running max (c = m: r is the usual alpha); "block" quantizes each block relative to its own max (all 127
     codes used by every block), and since acc is kept relative to c no per-block weight is needed: the
     kernel's update is one FMA per accumulator element. l sums exactly the p8 that multiply V (summing the
@@ -308,13 +344,13 @@ def int8_flash_attention(q8, sq, k8, sk, v8t, sv, *, causal=True, window=None, s
     kf = k8[:, :, :Lk].to(idt).repeat_interleave(g, dim=1)  # [b, hq, Lk, d]
     vf = v8t.to(idt).transpose(-1, -2).repeat_interleave(g, dim=1)  # [b, hq, Lpad, d]
     skr = sk[:, :, :Lk].float().repeat_interleave(g, dim=1)  # [b, hq, Lk]
-    sqf = sq.float().clamp_min(SQ_MIN)
+    sqf = sq.float().clamp_min(SQ_MIN)  # keeps NaN (a poisoned query row)
     pos = torch.arange(lq, device=dev) + (Lk - lq)  # absolute position of each query row
     kv = None if key_valid is None else key_valid.to(device=dev, dtype=torch.bool)
 
     m = torch.full((b, hq, lq), -math.inf, dtype=torch.float32, device=dev)
     c = torch.full((b, hq, lq), -math.inf, dtype=torch.float32, device=dev)
-    l = torch.zeros((b, hq, lq), dtype=torch.float32, device=dev)
+    l = torch.where(torch.isnan(sqf), sqf, torch.zeros_like(sqf))  # a NaN query row stays NaN, keys or not
     acc = torch.zeros((b, hq, lq, d), dtype=torch.float32, device=dev)
     ninf = torch.tensor(-math.inf, dtype=torch.float32, device=dev)
     zero = torch.zeros((), dtype=torch.float32, device=dev)
@@ -355,7 +391,7 @@ def int8_flash_attention(q8, sq, k8, sk, v8t, sv, *, causal=True, window=None, s
         l = l * r + p8.sum(dim=-1)
         acc = fma(acc, r[..., None], i32_scaled(pv, svr[:, :, start // block][:, :, None, :]))
         m, c = m_new, c_new
-    o = torch.where(l[..., None] > 0, acc / torch.where(l > 0, l, torch.ones_like(l))[..., None],
+    o = torch.where(l[..., None] != 0, acc / torch.where(l != 0, l, torch.ones_like(l))[..., None],
                     torch.zeros_like(acc))
     o = o.transpose(1, 2).to(out_dtype)
     if out is not None:
@@ -381,6 +417,8 @@ def turbo_attention(q, k, v, *, scale=None, causal=True, window=None, softcap=No
       p_scale: "static" or "block" (see ``int8_flash_attention``). block_n: KV block (tokens), None:
         ``default_block_n(d)``.
       v_scale: "block" (per block_n tokens and channel) or "channel" (per channel over the sequence).
+    Non-finite inputs: NaN rows exactly where ``nonfinite_rows`` says (a bad token is quantized as zeros with a
+    NaN scale, kept out of every statistic; K's mean is not finite in a channel -> that channel unsmoothed).
     """
     _check_inputs_ref(q, k, v, key_valid)
     if v_scale not in V_SCALE_MODES:
@@ -392,7 +430,7 @@ def turbo_attention(q, k, v, *, scale=None, causal=True, window=None, softcap=No
     k8, sk = quantize_per_token(k, smooth=k_smooth_mean(k) if use_smooth else None)
     if block_n is None:
         block_n = default_block_n(d)
-    v8t, sv = (quantize_v_blocks if v_scale == "block" else quantize_v_channels)(v, block_n)
+    v8t, sv = (quantize_v_blocks if v_scale == "block" else quantize_v_channels)(v, block_n, poison=sk)
     return int8_flash_attention(q8, sq, k8, sk, v8t, sv, causal=causal, window=window, softcap=softcap,
                                 key_valid=key_valid, softmax=softmax, sas_threshold=sas_threshold,
                                 Lk=k.shape[2], out_dtype=q.dtype, p_scale=p_scale, out=out, block_n=block_n)
@@ -415,6 +453,36 @@ def _check_inputs_ref(q, k, v, key_valid) -> None:
         raise ValueError(f"q_len {lq} > kv_len {lk}: queries must be the last Lq of the Lk positions")
     if key_valid is not None and tuple(key_valid.shape) != (b, lk):
         raise ValueError(f"key_valid must be bool [b, Lk] = {(b, lk)}; got {tuple(key_valid.shape)}")
+
+
+def nonfinite_rows(q, k, v, *, causal=True, window=None, key_valid=None) -> torch.Tensor:
+    """Which output rows ``[b, Lq, Hq]`` (bool) the prefill returns non-finite: those whose query holds a
+    NaN/Inf, and those that attend (by the causal / window / key_valid mask) a key whose K or V holds one.
+
+    SDPA's math backend (and the GPU backends) give a NaN/Inf query row a NaN row. For a bad key they give
+    NaN at least in these rows, but differ beyond them: with an additive or boolean mask, NaN + (-inf) = NaN
+    spreads a NaN key to masked rows too, and a NaN V token reaches masked rows through 0 * NaN in P.V
+    (tests/kernels/test_reference.py measures it); an Inf key whose score is -inf drops out of a row there
+    and leaves it finite, where this rule (the quantized key cannot tell the sign) makes it NaN.
+    """
+    b, hq, lq, _ = q.shape
+    hk, lk = k.shape[1], k.shape[2]
+    dev = q.device
+    bad_q = ~torch.isfinite(q).all(-1)  # [b, Hq, Lq]
+    bad_kv = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))  # [b, Hk, Lk]
+    pos = torch.arange(lq, device=dev) + (lk - lq)
+    j = torch.arange(lk, device=dev)
+    mask = torch.ones(lq, lk, dtype=torch.bool, device=dev)
+    if causal:
+        mask &= j[None, :] <= pos[:, None]
+    if window is not None:
+        mask &= (pos[:, None] - j[None, :]) < window
+    mask = mask.expand(b, lq, lk)
+    if key_valid is not None:
+        mask = mask & key_valid.to(device=dev, dtype=torch.bool)[:, None, :]
+    sees = (mask[:, None].float() @ bad_kv[:, :, :, None].float())[..., 0] > 0  # [b, Hk, Lq]
+    bad = bad_q | sees.repeat_interleave(hq // hk, dim=1)
+    return bad.transpose(1, 2).contiguous()
 
 
 # ------------------------------------------------------------------------------------- fp64 attention
