@@ -144,6 +144,55 @@ def test_large_batch_offsets_int64():
         assert rms <= KERNEL_RMS and mx <= KERNEL_MAX, (i, rms, mx)
 
 
+# (what, batch, head, token, value, whole token): one run per option set with all of them (different heads / rows)
+NONFINITE_POISONS = [("q", 0, 3, 1000, float("nan"), False), ("q", 1, 9, 5, float("inf"), False),
+                     ("k", 0, 1, 2000, float("nan"), False), ("k", 1, 2, 3000, float("-inf"), True),
+                     ("v", 0, 2, 777, float("nan"), False), ("v", 1, 3, 4000, float("inf"), True),
+                     ("v", 1, 0, 100, float("nan"), False)]  # under key_valid's left padding: no row sees it
+
+
+@pytest.mark.parametrize("opts", [dict(causal=True), dict(causal=False), dict(causal=True, key_valid=True),
+                                  dict(causal=True, window=1000, softmax="sas", v_scale="channel")],
+                         ids=["causal", "full", "causal-key_valid", "window-sas-channel"])
+def test_nonfinite_inputs_real_size(opts):
+    """Compiled kernel (where tl.max's default drops NaN): the non-finite rows are exactly R.nonfinite_rows,
+    the finite rows match the reference within the bounds above; a bad query leaves every other row bit-equal."""
+    b, hq, hk, L, d = 2, 16, 4, 4096, 128
+    opts = dict(opts)
+    q, k, v = _inputs(b, hq, hk, L, L, d)
+    if opts.pop("key_valid", False):
+        kv = torch.ones(b, L, dtype=torch.bool, device="cuda")
+        kv[1, :300] = False
+        opts["key_valid"] = kv
+    clean = prefill.turbo_attention(q, k, v, **opts)
+    for what, ib, h, j, val, whole in NONFINITE_POISONS:
+        t = {"q": q, "k": k, "v": v}[what]
+        t[ib, h % t.shape[1], j, slice(None) if whole else 7] = val
+    out = prefill.turbo_attention(q, k, v, **opts)
+    want = R.nonfinite_rows(q, k, v, causal=opts["causal"], window=opts.get("window"),
+                            key_valid=opts.get("key_valid"))
+    got = ~torch.isfinite(out).all(-1)
+    diff = (got != want).nonzero()
+    assert torch.equal(got, want), f"{len(diff)} rows differ, e.g. {diff[:5].tolist()}"
+    assert torch.isnan(out[want]).all()
+    ref = R.turbo_attention(q.float(), k.float(), v.float(), **opts)
+    assert torch.equal(~torch.isfinite(ref).all(-1), want)
+    rms, mx, idx = _metrics(out[~want], ref[~want])
+    tags = {key: val for key, val in opts.items() if not isinstance(val, torch.Tensor)}
+    print(f"\n[prefill-gpu nonfinite] {tags}: {int(want.sum())} NaN rows; finite rows kernel-ref rms-rel {rms:.2e} "
+          f"max {mx:.2e}")
+    assert rms <= KERNEL_RMS and mx <= KERNEL_MAX
+    # the bad query alone: nothing else moves (per-token Q scales)
+    q1 = _inputs(b, hq, hk, L, L, d)[0]
+    q1[0, 3, 1000, 7] = float("nan")
+    _, k0, v0 = _inputs(b, hq, hk, L, L, d)
+    out1 = prefill.turbo_attention(q1, k0, v0, **opts)
+    rows = torch.zeros_like(want)
+    rows[0, 1000, 3] = True
+    assert torch.equal(~torch.isfinite(out1).all(-1), rows)
+    assert torch.equal(out1[~rows], clean[~rows])
+
+
 @pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="compute-sanitizer not installed")
 def test_memcheck_one_prefill_call(tmp_path):
     """compute-sanitizer --tool memcheck on a small prefill call with every mask (tails, window, padding)."""

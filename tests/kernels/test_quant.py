@@ -172,6 +172,45 @@ def test_quant_empty_sequence(device, poisoned_empty):
     assert v8t.shape == (1, 2, 64, 32) and torch.all(v8t == 0) and torch.all(sv == 0)
 
 
+def _equal_nan(a, r):
+    return torch.equal(torch.isnan(a), torch.isnan(r)) and torch.equal(a.nan_to_num(0.0), r.nan_to_num(0.0))
+
+
+# (shape, dtype, layout): a NaN element, a token of -Inf, an fp16 overflow (a value past 65504 -> Inf)
+NONFINITE_CASES = [((2, 3, 37, 80), torch.bfloat16, "hf"), ((1, 2, 65, 64), torch.float16, "contig"),
+                   ((1, 2, 40, 128), torch.float32, "odd")]
+
+
+@pytest.mark.parametrize("shape,dtype,layout", NONFINITE_CASES,
+                         ids=[f"{'x'.join(map(str, s))}-{str(d)[6:]}-{lay}" for s, d, lay in NONFINITE_CASES])
+def test_nonfinite_tokens_bit_exact(shape, dtype, layout, device, poisoned_empty):
+    """Tokens holding a NaN/Inf: codes 0, scale NaN (Q/K) or key scale marked NaN (V, ``poison``), left out of the
+    statistics (K mean channel -> 0, V block and channel scales), as the reference, bit for bit."""
+    x = _rand(shape, torch.float32, device, seed=3)
+    x[0, 0, 5, 7] = float("nan")
+    x[-1, -1, 30] = float("-inf")
+    x[0, -1, 17, 2] = 1e5 if dtype == torch.float16 else float("inf")
+    x = _layout(x.to(dtype), layout)
+    rows = ~torch.isfinite(x.cpu()).all(-1)
+    assert int(rows.sum()) == 3
+    mean = R.k_smooth_mean(x)
+    for smooth in (None, mean):
+        x8, s = quant.quantize_per_token(x, scale=0.3, smooth=smooth)
+        r8, rs = R.quantize_per_token(x.cpu(), scale=0.3, smooth=None if smooth is None else smooth.cpu())
+        assert torch.equal(x8.cpu(), r8) and _equal_nan(s.cpu(), rs)
+        assert torch.equal(torch.isnan(rs), rows) and torch.all(r8[rows] == 0)
+    for fn, ref_fn in ((quant.quantize_v_blocks, R.quantize_v_blocks),
+                       (quant.quantize_v_channels, R.quantize_v_channels)):
+        sk = torch.ones(*shape[:2], shape[2] + 3, device=device)
+        rsk = torch.ones(*shape[:2], shape[2] + 3)
+        v8t, sv = fn(x, 16, poison=sk)
+        r8t, rsv = ref_fn(x.cpu(), 16, poison=rsk)
+        assert torch.equal(v8t.cpu(), r8t) and torch.equal(sv.cpu(), rsv) and torch.isfinite(rsv).all()
+        assert _equal_nan(sk.cpu(), rsk) and torch.equal(torch.isnan(rsk[..., :shape[2]]), rows)
+    with pytest.raises(ValueError, match="poison"):
+        quant.quantize_v_blocks(x, 16, poison=torch.ones(*shape[:2], shape[2] - 1, device=device))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("d,block", [(128, 128), (64, 128), (256, 64)], ids=["D128-BN128", "D64-BN128", "D256-BN64"])
 def test_quant_real_size_gpu(d, block):
@@ -199,7 +238,8 @@ COMPILE_CASES = [(128, 128, "bfloat16", "hf", True), (80, 64, "float16", "contig
 # kernel -> its launcher's call on a [b, H, L, d] tensor
 COMPILE_KERNELS = {
     "_quant_tokens_kernel": lambda x, block, mean: quant.quantize_per_token(x, smooth=mean),
-    "_quant_v_kernel": lambda x, block, mean: quant.quantize_v_blocks(x, block),
+    "_quant_v_kernel": lambda x, block, mean: quant.quantize_v_blocks(
+        x, block, poison=torch.empty(x.shape[:3], device="meta")),  # as the prefill launches it
 }
 
 

@@ -182,3 +182,112 @@ def test_reference_errors():
         R.turbo_attention(q, k, v, softmax="fast")
     with pytest.raises(ValueError, match="p_scale"):
         R.turbo_attention(q, k, v, p_scale="dynamic")
+
+
+# --------------------------------------------------------------------------- non-finite inputs (issue 17)
+def _bad_rows(o):
+    """bool [b, L, H] of rows holding a non-finite value; o [b, L, H, d]."""
+    return ~torch.isfinite(o.float()).all(-1)
+
+
+def _sdpa(q, k, v, causal, mask=None, math_backend=False):
+    """torch SDPA (GQA) as [b, L, H, d]; ``math_backend`` forces the math backend (the CPU flash backend returns
+    a finite row for a NaN query, unlike math and the GPU backends)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = [SDPBackend.MATH] if math_backend else [SDPBackend.MATH, SDPBackend.FLASH_ATTENTION]
+    with sdpa_kernel(backends):
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+                                           enable_gqa=True)
+    return o.transpose(1, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_nonfinite_rows_vs_sdpa(dtype, causal):
+    """The rule ``R.nonfinite_rows`` against torch SDPA on the CPU (GQA 4/2), and the reference twin on it:
+    - a NaN / Inf query element: SDPA (math backend) gives exactly that row NaN; so do we;
+    - a NaN key element: SDPA with is_causal gives exactly the rows that attend it (the rule); with a mask
+      tensor SDPA also spreads it to masked rows (NaN + -inf = NaN), we do not;
+    - a NaN / Inf value element: SDPA gives NaN in every row that attends it, and also in masked rows
+      (0 * NaN in P.V); we give the rows that attend it;
+    - an Inf key element: SDPA gives NaN where the score is +inf or NaN and drops the key (finite row) where it
+      is -inf (in bf16 on the CPU no row came out NaN); the rule (and we) NaN every row that attends it, a
+      superset of SDPA's rows.
+    Finite rows of the reference stay within test_reference_vs_fp64's bound of exact attention (bad entries
+    zeroed: no finite row sees them)."""
+    b, hq, hk, L, d = 2, 4, 2, 24, 64
+    q0, k0, v0 = (t.to(dtype) for t in make_qkv(b, hq, hk, L, L, d))
+    cases = [("q", float("nan"), "equal"), ("q", float("inf"), "equal"), ("k", float("nan"), "equal"),
+             ("v", float("nan"), "subset"), ("v", float("inf"), "subset"), ("k", float("inf"), "superset")]
+    for what, val, relation in cases:
+        q, k, v = q0.clone(), k0.clone(), v0.clone()
+        t = {"q": q, "k": k, "v": v}[what]
+        t[1, 1, 9, 3] = val
+        want = R.nonfinite_rows(q, k, v, causal=causal)
+        assert want[1, :, 1 if what == "q" else 2].any() and not want[0].any()
+        sdpa = _bad_rows(_sdpa(q, k, v, causal, math_backend=what == "q"))
+        if relation == "equal":
+            assert torch.equal(sdpa, want), f"{what}={val}: sdpa rows {sdpa.nonzero().tolist()}"
+        elif relation == "subset":  # sdpa spreads further (masked rows)
+            assert torch.equal(sdpa & want, want) and (causal or torch.equal(sdpa, want))
+        else:
+            assert torch.equal(sdpa & want, sdpa)
+        if what == "k" and val != val:  # a mask tensor: SDPA's NaN key reaches the rows it masks as well
+            allowed = torch.ones(L, L, dtype=torch.bool).tril() if causal else torch.ones(L, L, dtype=torch.bool)
+            masked = _bad_rows(_sdpa(q, k, v, causal, mask=allowed))
+            assert torch.equal(masked & want, want)
+        out = R.turbo_attention(q.float(), k.float(), v.float(), causal=causal, block_n=16)
+        assert torch.equal(_bad_rows(out), want), f"{what}={val}: reference rows {_bad_rows(out).nonzero().tolist()}"
+        assert torch.isnan(out[want]).all()
+        z = [torch.nan_to_num(x.float(), nan=0.0, posinf=0.0, neginf=0.0) for x in (q, k, v)]
+        exact = R.attention_fp64(*z, causal=causal)[~want]
+        assert rel_l2(out[~want], exact) <= 3e-2
+
+
+def test_nonfinite_rows_masks():
+    """The rule under key_valid (left padding), a sliding window and GQA: a bad key reaches only the rows whose
+    mask includes it; a bad padded key reaches none; a bad query row is NaN even when it has no valid key."""
+    b, hq, hk, L, d = 2, 4, 2, 30, 64
+    q, k, v = make_qkv(b, hq, hk, L, L, d)
+    kv = torch.ones(b, L, dtype=torch.bool)
+    kv[1, :6] = False
+    k[1, 0, 12, 0] = float("nan")  # window 5: rows 12..16 of heads 0, 1 see it
+    v[1, 1, 3, 0] = float("inf")  # padded: nobody
+    q[1, 3, 2, 0] = float("nan")  # a padded query row (no valid key): NaN
+    want = torch.zeros(b, L, hq, dtype=torch.bool)
+    want[1, 12:17, 0:2] = True
+    want[1, 2, 3] = True
+    got = R.nonfinite_rows(q, k, v, causal=True, window=5, key_valid=kv)
+    assert torch.equal(got, want), got.nonzero().tolist()
+    out = R.turbo_attention(q, k, v, causal=True, window=5, key_valid=kv, block_n=16)
+    assert torch.equal(_bad_rows(out), want)
+    assert torch.all(out[0] == R.turbo_attention(q[:1], k[:1], v[:1], causal=True, window=5, key_valid=kv[:1],
+                                                 block_n=16)[0])
+
+
+def test_quantizers_nonfinite_tokens():
+    """A token holding a NaN/Inf: codes 0 and a NaN scale (Q/K), or codes 0 and the key scale marked (V); it is
+    out of every statistic: every other token's codes and scales equal those with the bad token zeroed. A
+    non-finite channel of K's mean is not subtracted."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 37, 64, generator=g) * 3
+    bad = x.clone()
+    bad[0, 1, 5, 7] = float("nan")
+    bad[1, 2, 30] = float("-inf")
+    bad[1, 0, 0, 63] = float("inf")
+    rows = ~torch.isfinite(bad).all(-1)
+    clean = bad.masked_fill(rows[..., None], 0.0)
+    mean = R.k_smooth_mean(bad)
+    assert not torch.isfinite(mean).all()
+    x8, s = R.quantize_per_token(bad, scale=0.5, smooth=mean)
+    c8, cs = R.quantize_per_token(clean, scale=0.5, smooth=torch.nan_to_num(mean, nan=0.0, posinf=0.0, neginf=0.0))
+    assert torch.equal(torch.isnan(s), rows) and torch.all(x8[rows] == 0)
+    assert torch.equal(x8[~rows], c8[~rows]) and torch.equal(s[~rows], cs[~rows])
+    for fn in (R.quantize_v_blocks, R.quantize_v_channels):
+        sk = torch.ones(2, 3, 40)
+        v8t, sv = fn(bad, 16, poison=sk)
+        c8t, csv = fn(clean, 16)
+        assert torch.equal(v8t, c8t) and torch.equal(sv, csv) and torch.isfinite(sv).all()
+        assert torch.equal(torch.isnan(sk[..., :37]), rows) and torch.all(sk[..., 37:] == 1)
+        assert torch.equal(fn(bad, 16)[1], csv)  # no poison target: the same codes, the flag is dropped
