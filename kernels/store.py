@@ -485,15 +485,14 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, k_mean: Op
     for g in groups:
         if g.n_blocks != nb0 or g.capacity != cap or g.capacity < nb0 + n_pack // bs:
             raise ValueError("the groups' blocks / capacities disagree or the capacity is not reserved")
+    # an absent group (0 heads) repeats group 0's tensors and bits: never used, but every branch must compile
+    # with the real pointer types (the head map is loaded as int32 on each branch)
+    slots = groups + [groups[0]] * (3 - len(groups))
     args = []
-    for i in range(3):
-        if i < len(groups):
-            g = groups[i]
-            args += [g.heads, g.k, g.v] + [t if t is not None else g.k for t in (g.k_scale, g.k_zero, g.v_sz)]
-        else:
-            args += [k_scale] * 6
+    for g in slots:
+        args += [g.heads, g.k, g.v] + [t if t is not None else g.k for t in (g.k_scale, g.k_zero, g.v_sz)]
     hs = [g.k.shape[1] for g in groups] + [0, 0]
-    bits = [g.bits for g in groups] + [8, 8]
+    bits = [g.bits for g in slots]
     npp = n_pack // bs
     common = dict(D=D, BD=_pow2(D), BS=bs, HAS_SINK=s0 > 0, BSINK=_pow2(max(s0, 2)), BREC=_pow2(max(C - s0, 2)),
                   H0=hs[0], H1=hs[1],
