@@ -526,7 +526,7 @@ def int8_flash_attention(q8, sq, k8, sk, v8t, sv, *, causal=True, window=None, s
 
 def turbo_attention(q, k, v, *, scale=None, causal=True, window=None, softcap=None, key_valid=None,
                     softmax="exact", sas_threshold=6.0, smooth_k=True, out=None, p_scale=DEFAULT_P_SCALE,
-                    block_n=None, v_scale=DEFAULT_V_SCALE):
+                    block_n=None, v_scale=DEFAULT_V_SCALE, k_mean=None):
     """INT8 flash attention from bf16/fp16 Q, K, V: fused quantization + the INT8 kernel.
 
     q: ``[b, Hq, Lq, d]``, k, v: ``[b, Hk, Lk, d]``, fp16 or bf16 (any strides), Hq % Hk == 0, Lq <= Lk,
@@ -541,6 +541,8 @@ def turbo_attention(q, k, v, *, scale=None, causal=True, window=None, softcap=No
         ``sas_threshold`` natural-log units below the row max are dropped, the rest use FMA-only exp).
       smooth_k: subtract K's per-channel mean before quantizing (SageAttention); forced off with softcap
         (the mean only commutes with softmax, not with tanh).
+      k_mean: that mean (fp32 ``[b, Hk, d]``) when the caller has it already (TurboCache computes it for its
+        scales): K is then reduced once per prefill, not twice. Any finite vector leaves softmax unchanged.
       p_scale: "block" (default) or "static" quantization of P, see the module docstring.
       block_n: KV tile (tokens), also the V quantization block with v_scale="block"; None (default):
         ``default_block_n(d)`` = 128.
@@ -588,7 +590,9 @@ def turbo_attention(q, k, v, *, scale=None, causal=True, window=None, softcap=No
         return out
     scale = d ** -0.5 if scale is None else float(scale)
     q8, sq = quantize_per_token(q, scale=scale * LOG2E)
-    mean = k_smooth_mean(k) if (smooth_k and softcap is None) else None
+    mean = None
+    if smooth_k and softcap is None:
+        mean = k_smooth_mean(k) if k_mean is None else k_mean
     k8, sk = quantize_per_token(k, smooth=mean)
     v8t, sv = (quantize_v_blocks if v_scale == "block" else quantize_v_channels)(v, block_n, poison=sk)
     return _launch(q8, sq, k8, sk, v8t, sv, out, causal=causal, window=window, softcap=softcap,

@@ -402,7 +402,7 @@ def int8_flash_attention(q8, sq, k8, sk, v8t, sv, *, causal=True, window=None, s
 
 def turbo_attention(q, k, v, *, scale=None, causal=True, window=None, softcap=None, key_valid=None,
                     softmax="exact", sas_threshold=6.0, smooth_k=True, out=None, p_scale=DEFAULT_P_SCALE,
-                    block_n=None, v_scale=DEFAULT_V_SCALE):
+                    block_n=None, v_scale=DEFAULT_V_SCALE, k_mean=None):
     """INT8 attention, plain PyTorch: the same math as ``turbo_attn_hf.kernels.prefill.turbo_attention``.
 
     q ``[b, Hq, Lq, d]``, k, v ``[b, Hk, Lk, d]`` (bf16/fp16/fp32), Hq % Hk == 0, Lq <= Lk.
@@ -413,7 +413,8 @@ def turbo_attention(q, k, v, *, scale=None, causal=True, window=None, softcap=No
       softcap: Gemma-2 logit softcap, s = softcap * tanh(s / softcap), before masking.
       key_valid: bool ``[b, Lk]``, False = padded key. Rows with no valid key return zeros.
       softmax: "exact" (exp2) or "sas" (TurboAttention sparse activated softmax, ``sas_threshold`` in
-        natural-log units below the row max). smooth_k: subtract K's channel mean (forced off with softcap).
+        natural-log units below the row max). smooth_k: subtract K's channel mean (forced off with softcap);
+        k_mean: that mean if the caller has it (default: ``k_smooth_mean(k)``).
       p_scale: "static" or "block" (see ``int8_flash_attention``). block_n: KV block (tokens), None:
         ``default_block_n(d)``.
       v_scale: "block" (per block_n tokens and channel) or "channel" (per channel over the sequence).
@@ -427,7 +428,8 @@ def turbo_attention(q, k, v, *, scale=None, causal=True, window=None, softcap=No
     scale = d ** -0.5 if scale is None else float(scale)
     use_smooth = smooth_k and softcap is None
     q8, sq = quantize_per_token(q, scale=scale * LOG2E)
-    k8, sk = quantize_per_token(k, smooth=k_smooth_mean(k) if use_smooth else None)
+    mean = (k_smooth_mean(k) if k_mean is None else k_mean) if use_smooth else None
+    k8, sk = quantize_per_token(k, smooth=mean)
     if block_n is None:
         block_n = default_block_n(d)
     v8t, sv = (quantize_v_blocks if v_scale == "block" else quantize_v_channels)(v, block_n, poison=sk)

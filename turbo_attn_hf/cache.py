@@ -82,24 +82,6 @@ def _head_map(heads: tuple, device) -> torch.Tensor:
     return t
 
 
-_K_MEAN_ARG: dict = {}
-
-
-def _takes_k_mean(fn) -> bool:
-    """Whether a prefill ``turbo_attention`` takes a precomputed ``k_mean=`` (then the store's mean is shared and
-    K is reduced once, not twice)."""
-    r = _K_MEAN_ARG.get(fn)
-    if r is None:
-        import inspect
-
-        try:
-            r = "k_mean" in inspect.signature(fn).parameters
-        except (TypeError, ValueError):
-            r = False
-        _K_MEAN_ARG[fn] = r
-    return r
-
-
 def auto_headroom(n_tokens: int) -> float:
     """Headroom of the universal INT8 scale fixed from a first prefill of ``n_tokens`` tokens."""
     lo, hi = AUTO_HEADROOM_RANGE
@@ -468,11 +450,9 @@ class TurboLayer(CacheLayerMixin):
             q, k, v = query, key, value
             if q.dtype not in (torch.bfloat16, torch.float16) and fn is not reference.turbo_attention:
                 q, k, v = q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16)
-            kw = {}
-            if cfg.smooth_k and softcap is None and self.k_mean is not None and _takes_k_mean(fn):
-                kw["k_mean"] = self.k_mean  # the store's K mean: k_smooth_mean of the same keys, computed once
+            # k_mean: the store's mean of these keys (same reduction), so K is reduced once per prefill
             out = fn(q, k, v, scale=scale, causal=causal, window=window, softcap=softcap, key_valid=key_valid,
-                     softmax=cfg.softmax, sas_threshold=cfg.sas_threshold, smooth_k=cfg.smooth_k, **kw)
+                     softmax=cfg.softmax, sas_threshold=cfg.sas_threshold, smooth_k=cfg.smooth_k, k_mean=self.k_mean)
             return out.to(query.dtype)
         args, kw = self.decode_inputs()
         kw.update(scale=scale, causal=causal, window=window, softcap=softcap, key_valid=key_valid)
