@@ -39,6 +39,7 @@ from .capabilities import (
     unsupported,
 )
 from .config import TurboConfig
+from .kernels.device import on_device
 
 try:  # transformers >= 5.x records attentions through hooks; the attention fn never sees the flag
     from transformers.utils.output_capturing import _active_collector as _hf_collector
@@ -193,27 +194,6 @@ def _prefill_fn(device: torch.device, model: str) -> Callable[..., torch.Tensor]
     )
 
 
-class _on_device:
-    """Make ``device`` current while Triton launches (it launches on the current CUDA device, which is not
-    the tensors' device for layers placed on another GPU by ``device_map``). No-op when already current."""
-
-    __slots__ = ("ctx",)
-
-    def __init__(self, device: torch.device):
-        self.ctx = None
-        if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
-            self.ctx = torch.cuda.device(device)
-
-    def __enter__(self):
-        if self.ctx is not None:
-            self.ctx.__enter__()
-
-    def __exit__(self, *exc):
-        if self.ctx is not None:
-            self.ctx.__exit__(*exc)
-        return False
-
-
 # ---------------------------------------------------------------------------------------------- entry point
 def turbo_attention_forward(
     module: torch.nn.Module,
@@ -254,7 +234,7 @@ def turbo_attention_forward(
     # 1. A TurboCache layer returned these keys: it reads its own packed storage.
     layer = getattr(key, "turbo_cache_layer", None)
     if layer is not None:
-        with _on_device(query.device):
+        with on_device(query.device):
             out = layer.attention(
                 query, key, value, scale=scaling, causal=is_causal, window=sliding_window, softcap=softcap,
                 key_valid=key_valid,
@@ -309,7 +289,7 @@ def turbo_attention_forward(
 
     fn = _prefill_fn(query.device, st.model)
     cfg = st.turbo
-    with _on_device(query.device):
+    with on_device(query.device):
         out = fn(
             query, key, value, scale=scaling, causal=is_causal, window=sliding_window, softcap=softcap,
             key_valid=key_valid, softmax=cfg.softmax, sas_threshold=cfg.sas_threshold, smooth_k=cfg.smooth_k,

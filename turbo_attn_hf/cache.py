@@ -35,6 +35,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
 from .config import TurboConfig, TurboConfigError
+from .kernels.device import on_device
 from .kernels.interpreter import use_triton
 from .kernels.pack import PackedKV, kv_bytes_per_token, quantize_int8
 from .kernels.reference import k_smooth_mean, kv_finite_mean_ref
@@ -681,7 +682,8 @@ class TurboCache(Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         while len(self.layers) <= layer_idx:  # no model config given: full-attention layers on first use
             self.layers.append(TurboLayer(self.turbo_config, len(self.layers), self.n_layers))
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        with on_device(key_states.device):  # the store kernels launch on the layer's GPU (device_map="auto")
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def nonfinite_tokens(self) -> int:
         """Stored (layer, batch row, KV head, token) vectors whose K or V held an inf/NaN: they were stored as

@@ -472,3 +472,23 @@ def test_fix_scales_equal_the_fp32_formula(dtype, smooth_k, case, b, hk, T, d, d
     if case == "adversarial":  # the zero / constant channels took scale 1
         assert bool((ks[..., :2] == 1).all() and (vs[..., :2] == 1).all())
         assert bool((ks[..., 2] == 1).all()) == smooth_k
+
+
+def test_update_launches_on_the_layers_device(monkeypatch):
+    """The store kernels run in update(), outside attention: update() makes the keys' device current."""
+    import contextlib
+
+    from turbo_attn_hf import cache as C
+
+    seen = []
+
+    @contextlib.contextmanager
+    def record(dev):
+        seen.append(dev)
+        yield
+
+    monkeypatch.setattr(C, "on_device", record)
+    cache = C.TurboCache("int8")
+    k = torch.randn(1, 2, 5, 64, dtype=torch.bfloat16)
+    cache.update(k, k.clone(), 0)
+    assert seen == [k.device]

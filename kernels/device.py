@@ -1,0 +1,28 @@
+"""Which CUDA device a Triton launch goes to: Triton launches on the *current* device, not the tensors'."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["on_device"]
+
+
+class on_device:
+    """Make ``device`` current while Triton launches (it launches on the current CUDA device, which is not
+    the tensors' device for layers placed on another GPU by ``device_map``). No-op when already current."""
+
+    __slots__ = ("ctx",)
+
+    def __init__(self, device: torch.device):
+        self.ctx = None
+        if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+            self.ctx = torch.cuda.device(device)
+
+    def __enter__(self):
+        if self.ctx is not None:
+            self.ctx.__enter__()
+
+    def __exit__(self, *exc):
+        if self.ctx is not None:
+            self.ctx.__exit__(*exc)
+        return False
