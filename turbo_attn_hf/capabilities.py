@@ -55,6 +55,8 @@ FEATURES: dict[str, tuple[bool, str]] = {
     "output_attentions": (False, "the fused kernels never form the attention matrix; use 'eager'"),
     "training (gradients / dropout)": (True, "no backward kernel: falls back to PyTorch attention, one warning"),
     "float32 inputs": (True, "cast to bfloat16 before INT8 quantization, output cast back, one warning"),
+    "NaN / Inf in Q, K, V": (True, "NaN output rows exactly where sdpa's would be; the cache counts bad tokens"),
+    "several GPUs (device_map)": (True, "kernels launch on each layer's GPU (not yet run on 2 GPUs)"),
 }
 
 
