@@ -38,6 +38,7 @@ from .decode import _pow2
 from .interpreter import interpreting
 from .launch import LeanLaunch
 from .pack import _pack_tile, _quantize_universal
+from .quant import _multiple, _vec
 
 __all__ = ["store_int8_tokens", "kv_stats", "store_kv", "STATS_CHUNK_BLOCKS"]
 
@@ -129,7 +130,7 @@ N_PART = 8  # rows of a stats partial: K min, K max, V min, V max, K gap sum, V 
 def _stats_kernel(
     k, v, part, cnt, T, NC, H,
     stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
-    D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, NSUB: tl.constexpr,
+    D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, NSUB: tl.constexpr, VEC: tl.constexpr,
 ):
     """grid (NC, b*H): tokens ``[i_c*NSUB*BS, (i_c+1)*NSUB*BS)`` of (b, h) of k, v ``[b, H, T, D]`` (last dim
     contiguous) -> ``part[b*H, NC, N_PART, BD]`` fp32, ``cnt[b*H, NC]`` int32 (non-finite token vectors).
@@ -137,6 +138,9 @@ def _stats_kernel(
     tokens max - min per channel, full blocks only; a sequence shorter than one block is one block."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
+    # strides out of the specialization key, multiples of VEC (the launcher checks): 16-byte loads of K/V rows
+    stride_kb, stride_kh, stride_kt = _multiple(stride_kb, VEC), _multiple(stride_kh, VEC), _multiple(stride_kt, VEC)
+    stride_vb, stride_vh, stride_vt = _multiple(stride_vb, VEC), _multiple(stride_vh, VEC), _multiple(stride_vt, VEC)
     o_d = tl.arange(0, BD)
     o_r = tl.arange(0, BS)
     m_d = o_d < D
@@ -303,7 +307,7 @@ def kv_stats(k: torch.Tensor, v: torch.Tensor, k_mean: Optional[torch.Tensor], b
     ks = torch.empty(b, H, D, dtype=torch.float32, device=dev)
     vs = torch.empty(b, H, D, dtype=torch.float32, device=dev)
     _STATS[(nc, b * H)](k, v, part, cnt, T, nc, H, k.stride(0), k.stride(1), k.stride(2), v.stride(0),
-                        v.stride(1), v.stride(2), D=D, BD=BD, BS=bs, NSUB=nsub, num_warps=4)
+                        v.stride(1), v.stride(2), D=D, BD=BD, BS=bs, NSUB=nsub, VEC=_vec(k, v), num_warps=4)
     hi, lo, n_lo = select if select is not None else (ks, ks, 0)
     n_gap = float(b * max(T // bs, 1))
     _FINISH[(b * H + 1,)](part, cnt, k_mean if k_mean is not None else ks, ks, vs, nonfinite, hi, lo, nc, b, H,
@@ -375,7 +379,7 @@ def _store_kv_kernel(
     H, C,
     D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, HAS_SINK: tl.constexpr, BSINK: tl.constexpr,
     BREC: tl.constexpr, H0: tl.constexpr, H1: tl.constexpr, BITS0: tl.constexpr, BITS1: tl.constexpr, BITS2: tl.constexpr,
-    HAS_MEAN: tl.constexpr, PACK: tl.constexpr, TAIL: tl.constexpr, COUNT: tl.constexpr,
+    HAS_MEAN: tl.constexpr, PACK: tl.constexpr, TAIL: tl.constexpr, COUNT: tl.constexpr, VEC: tl.constexpr,
 ):
     """grid (NPP + TAIL, b*H). The store stream of one (b, h) is the INT8 buffer's ``c`` waiting slots
     ``s0..`` followed by the new tokens ``take..T`` of k, v ``[b, H, T, D]`` (``n`` rows in all).
@@ -387,6 +391,9 @@ def _store_kv_kernel(
     the tail program overwrites). COUNT: non-finite new rows are added to ``flag``."""
     pid, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, r = i_bh // H, i_bh % H
+    # strides out of the specialization key, multiples of VEC (the launcher checks): 16-byte loads of K/V rows
+    stride_kb, stride_kh, stride_kt = _multiple(stride_kb, VEC), _multiple(stride_kh, VEC), _multiple(stride_kt, VEC)
+    stride_vb, stride_vh, stride_vt = _multiple(stride_vb, VEC), _multiple(stride_vh, VEC), _multiple(stride_vt, VEC)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
     i_h = r
@@ -425,25 +432,31 @@ def _store_kv_kernel(
                 _write_block(b_k8, b_v8, gk2, gv2, gks2, gkz2, gvsz2, i_gb, o_r, o_d, m_d, D, BD, BS, BITS2)
     if TAIL:
         if pid == NPP:
+            # tiles of at most BS rows (BSINK, BREC), in a loop: one [256, D] tile of the recent rows made the
+            # whole kernel (packers included) compile to 32 registers + a 10 KB stack of spills on sm_90
             if HAS_SINK:
                 o_q = tl.arange(0, BSINK)
-                m_q = (o_q < take)[:, None] & m_d[None, :]
-                b_k, b_k8 = _new_rows(p_k, stride_kt, b_sk, b_mk, o_q, m_q, o_d, HAS_MEAN)
-                b_v, b_v8 = _new_rows(p_v, stride_vt, b_sv, b_sv, o_q, m_q, o_d, False)
-                n_bad = _bad_rows(b_k, b_v, m_q)
-                slot = (slot_sink + o_q).to(tl.int64)
-                tl.store(p_kt + slot[:, None] * D + o_d[None, :], b_k8, mask=m_q)
-                tl.store(p_vt + o_d[None, :].to(tl.int64) * C + slot[:, None], b_v8, mask=m_q)
+                for q0 in range(0, take, BSINK):
+                    m_q = (q0 + o_q < take)[:, None] & m_d[None, :]
+                    b_k, b_k8 = _new_rows(p_k, stride_kt, b_sk, b_mk, q0 + o_q, m_q, o_d, HAS_MEAN)
+                    b_v, b_v8 = _new_rows(p_v, stride_vt, b_sv, b_sv, q0 + o_q, m_q, o_d, False)
+                    n_bad += _bad_rows(b_k, b_v, m_q)
+                    slot = (slot_sink + q0 + o_q).to(tl.int64)
+                    tl.store(p_kt + slot[:, None] * D + o_d[None, :], b_k8, mask=m_q)
+                    tl.store(p_vt + o_d[None, :].to(tl.int64) * C + slot[:, None], b_v8, mask=m_q)
             o_w = tl.arange(0, BREC)
-            i0 = n_pack
-            b_k8, b_v8, n_bad2 = _stream_rows(p_k, p_v, stride_kt, stride_vt, p_kt, p_vt, b_sk, b_mk, b_sv,
-                                              i0 + o_w, n, c, take, s0, C, o_d, m_d, D, HAS_MEAN)
-            n_bad += n_bad2
-            tl.debug_barrier()  # rows move down within the buffer: every read before any write
-            m_w = (i0 + o_w < n)[:, None] & m_d[None, :]
-            slot = (s0 + o_w).to(tl.int64)
-            tl.store(p_kt + slot[:, None] * D + o_d[None, :], b_k8.to(tl.int8), mask=m_w)
-            tl.store(p_vt + o_d[None, :].to(tl.int64) * C + slot[:, None], b_v8.to(tl.int8), mask=m_w)
+            # rows move down within the buffer (stream row i -> slot s0 + i - n_pack): each chunk reads all its
+            # rows before any is written (a barrier); a later chunk reads higher slots than any earlier chunk
+            # wrote, and writes only after the barrier that follows every earlier chunk's reads
+            for i0 in range(n_pack, n, BREC):
+                b_k8, b_v8, n_bad2 = _stream_rows(p_k, p_v, stride_kt, stride_vt, p_kt, p_vt, b_sk, b_mk, b_sv,
+                                                  i0 + o_w, n, c, take, s0, C, o_d, m_d, D, HAS_MEAN)
+                n_bad += n_bad2
+                tl.debug_barrier()  # every read of this chunk before any write
+                m_w = (i0 + o_w < n)[:, None] & m_d[None, :]
+                slot = (s0 + i0 - n_pack + o_w).to(tl.int64)
+                tl.store(p_kt + slot[:, None] * D + o_d[None, :], b_k8.to(tl.int8), mask=m_w)
+                tl.store(p_vt + o_d[None, :].to(tl.int64) * C + slot[:, None], b_v8.to(tl.int8), mask=m_w)
     if COUNT:
         tl.atomic_add(flag, n_bad)
 
@@ -494,7 +507,9 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, k_mean: Op
     hs = [g.k.shape[1] for g in groups] + [0, 0]
     bits = [g.bits for g in slots]
     npp = n_pack // bs
-    common = dict(D=D, BD=_pow2(D), BS=bs, HAS_SINK=s0 > 0, BSINK=_pow2(max(s0, 2)), BREC=_pow2(max(C - s0, 2)),
+    # sink / recent rows in tiles of at most a block (a bigger tile spills the whole kernel: see the kernel)
+    common = dict(D=D, BD=_pow2(D), BS=bs, HAS_SINK=s0 > 0, BSINK=min(_pow2(max(s0, 2)), _pow2(bs)),
+                  BREC=min(_pow2(max(C - s0, 2)), _pow2(bs)),
                   H0=hs[0], H1=hs[1],
                   BITS0=bits[0], BITS1=bits[1], BITS2=bits[2], HAS_MEAN=k_mean is not None)
     head = (k, v, k_scale, k_mean if k_mean is not None else k_scale, v_scale, k_tail, v_tail,
@@ -508,5 +523,5 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, k_mean: Op
         n_prog = npp if pack else 0
         _STORE_KV[(n_prog + tail, b * H)](
             *head, T, take, slot_sink, c, n, n_prog, n_pack, s0, nb0, cap, *strides, **common,
-            PACK=pack and npp > 0, TAIL=tail, COUNT=nonfinite is not None, num_warps=4)
+            PACK=pack and npp > 0, TAIL=tail, COUNT=nonfinite is not None, VEC=_vec(k, v), num_warps=4)
     return len(plans)
