@@ -319,47 +319,73 @@ def kv_stats(k: torch.Tensor, v: torch.Tensor, k_mean: Optional[torch.Tensor], b
 
 # ================================================================================ store: INT8 buffer + blocks
 @triton.jit
-def _stream_rows(p_k, p_v, sk_t, sv_t, p_kt, p_vt, b_sk, b_mk, b_sv, i, n, c, take, s0, C,
-                 o_d, m_d, D: tl.constexpr, HAS_MEAN: tl.constexpr):
-    """Rows ``i`` (< n) of one head's store stream: the INT8 buffer's waiting slots ``s0 + i`` for i < c, then
-    the new tokens ``take + i - c`` quantized with the universal scales (``pack._quantize_universal``).
-    ``p_kt`` ``[C, D]`` / ``p_vt`` ``[D, C]``: the head's buffers. Returns (K, V codes ``[R, BD]`` int32, the
-    number of new rows with a non-finite element)."""
-    m_i = i < n
-    m_buf = (m_i & (i < c))[:, None] & m_d[None, :]
-    m_new = (m_i & (i >= c))[:, None] & m_d[None, :]
+def _load_rows(p_k, p_v, sk_t, sv_t, i, n, c, take, o_d, m_d):
+    """The new tokens among rows ``i`` (< n) of one head's store stream (row i >= c is token ``take + i - c``):
+    ``(K, V [R, BD]`` raw tiles, 0 elsewhere, the mask of the new entries)."""
+    m_new = ((i < n) & (i >= c))[:, None] & m_d[None, :]
     t = (take + i - c).to(tl.int64)
     b_k = tl.load(p_k + t[:, None] * sk_t + o_d[None, :], mask=m_new, other=0.0)
     b_v = tl.load(p_v + t[:, None] * sv_t + o_d[None, :], mask=m_new, other=0.0)
-    b_k8 = _quantize_universal(b_k, b_sk, b_mk, HAS_MEAN=HAS_MEAN).to(tl.int32)
-    b_v8 = _quantize_universal(b_v, b_sv, b_sv, HAS_MEAN=False).to(tl.int32)
-    slot = (s0 + i).to(tl.int64)
-    b_kb = tl.load(p_kt + slot[:, None] * D + o_d[None, :], mask=m_buf, other=0).to(tl.int32)
-    b_vb = tl.load(p_vt + o_d[None, :].to(tl.int64) * C + slot[:, None], mask=m_buf, other=0).to(tl.int32)
-    b_k8 = tl.where(m_buf, b_kb, b_k8)
-    b_v8 = tl.where(m_buf, b_vb, b_v8)
+    return b_k, b_v, m_new
+
+
+@triton.jit
+def _codes(b_x, p_xb, b_s, b_m, i0, o_r, n, c, s0, C, o_d, m_d,
+           D: tl.constexpr, HAS_MEAN: tl.constexpr, TRANS: tl.constexpr):
+    """INT8 codes ``[R, BD]`` int32 of stream rows ``i0 + o_r`` of one tensor: the INT8 buffer's waiting slots
+    ``s0 + i`` for i < c (``p_xb``: the head's buffer, ``[C, D]``, or ``[D, C]`` with TRANS), then the new
+    tokens ``b_x`` quantized with the universal scales (``pack._quantize_universal``). A tile past the waiting
+    rows (every first-prefill tile: c = 0) skips the buffer load."""
+    b_x8 = _quantize_universal(b_x, b_s, b_m, HAS_MEAN=HAS_MEAN).to(tl.int32)
+    if i0 < c:
+        i = i0 + o_r
+        m_buf = ((i < n) & (i < c))[:, None] & m_d[None, :]
+        slot = (s0 + i).to(tl.int64)
+        if TRANS:
+            p_b = p_xb + o_d[None, :].to(tl.int64) * C + slot[:, None]
+        else:
+            p_b = p_xb + slot[:, None] * D + o_d[None, :]
+        b_x8 = tl.where(m_buf, tl.load(p_b, mask=m_buf, other=0).to(tl.int32), b_x8)
+    return b_x8
+
+
+@triton.jit
+def _stream_rows(p_k, p_v, sk_t, sv_t, p_kt, p_vt, b_sk, b_mk, b_sv, i0, o_r, n, c, take, s0, C,
+                 o_d, m_d, D: tl.constexpr, HAS_MEAN: tl.constexpr):
+    """Rows ``i0 + o_r`` (< n) of one head's store stream: the INT8 buffer's waiting slots ``s0 + i`` for i < c,
+    then the new tokens ``take + i - c`` quantized with the universal scales. ``p_kt`` ``[C, D]`` / ``p_vt``
+    ``[D, C]``: the head's buffers. Returns (K, V codes ``[R, BD]`` int32, the number of new rows with a
+    non-finite element)."""
+    b_k, b_v, m_new = _load_rows(p_k, p_v, sk_t, sv_t, i0 + o_r, n, c, take, o_d, m_d)
+    b_k8 = _codes(b_k, p_kt, b_sk, b_mk, i0, o_r, n, c, s0, C, o_d, m_d, D, HAS_MEAN, False)
+    b_v8 = _codes(b_v, p_vt, b_sv, b_sv, i0, o_r, n, c, s0, C, o_d, m_d, D, False, True)
     return b_k8, b_v8, _bad_rows(b_k, b_v, m_new)
 
 
 @triton.jit
-def _write_block(b_k8, b_v8, gk, gv, gks, gkz, gvsz, i_gb, o_r, o_d, m_d,
-                 D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, BITS: tl.constexpr):
-    """One block of codes ``b_k8, b_v8 [BS, BD]`` -> block ``i_gb`` (= (b*H_g + slot)*CAP + block, int64) of a
-    group's storage (format in ``pack.py``): INT8 as is (V transposed), INT4/INT2 through ``pack._pack_tile``
-    (K per channel, V per token)."""
+def _pack_rows(b_k, b_v, p_kt, p_vt, b_sk, b_mk, b_sv, i0, o_r, n, c, s0, C, gk, gv, gks, gkz, gvsz, i_gb, o_d, m_d,
+               D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, BITS: tl.constexpr, HAS_MEAN: tl.constexpr):
+    """Stream rows ``i0 + o_r`` (new tokens: the raw tiles ``b_k, b_v [BS, BD]``) -> block ``i_gb``
+    (= (b*H_g + slot)*CAP + block, int64) of a group's storage (format in ``pack.py``): INT8 as is (V
+    transposed), INT4/INT2 through ``pack._pack_tile`` (K per channel, V per token). K is coded, packed and
+    stored before V is coded: the two [BS, BD] int32 code tiles are never live together."""
+    PB: tl.constexpr = 8 // BITS
+    b_k8 = _codes(b_k, p_kt, b_sk, b_mk, i0, o_r, n, c, s0, C, o_d, m_d, D, HAS_MEAN, False)
     if BITS == 8:
         tl.store(gk + i_gb * (BS * D) + o_r[:, None] * D + o_d[None, :], b_k8.to(tl.int8), mask=m_d[None, :])
-        tl.store(gv + i_gb * (BS * D) + o_d[:, None] * BS + o_r[None, :], tl.trans(b_v8).to(tl.int8),
-                 mask=m_d[:, None])
     else:
-        PB: tl.constexpr = 8 // BITS
         o_kb = tl.arange(0, BD // PB)
-        o_vb = tl.arange(0, BS // PB)
         b_kp, b_ksc, b_kz = _pack_tile(b_k8, m_d[None, :] & (o_r[:, None] < BS), BS, BD, BITS, 0)
         tl.store(gk + i_gb * (BS * D // PB) + o_r[:, None] * (D // PB) + o_kb[None, :], b_kp.to(tl.uint8),
                  mask=(o_kb < D // PB)[None, :])
         tl.store(gks + i_gb * D + o_d, b_ksc.to(tl.int8), mask=m_d)
         tl.store(gkz + i_gb * D + o_d, b_kz.to(tl.int8), mask=m_d)
+    b_v8 = _codes(b_v, p_vt, b_sv, b_sv, i0, o_r, n, c, s0, C, o_d, m_d, D, False, True)
+    if BITS == 8:
+        tl.store(gv + i_gb * (BS * D) + o_d[:, None] * BS + o_r[None, :], tl.trans(b_v8).to(tl.int8),
+                 mask=m_d[:, None])
+    else:
+        o_vb = tl.arange(0, BS // PB)
         b_vp, b_vsc, b_vz = _pack_tile(tl.trans(b_v8), m_d[:, None] & (o_r[None, :] < BS), BD, BS, BITS, 0)
         tl.store(gv + i_gb * (D * BS // PB) + o_d[:, None] * (BS // PB) + o_vb[None, :], b_vp.to(tl.uint8),
                  mask=m_d[:, None])
@@ -419,17 +445,21 @@ def _store_kv_kernel(
     if PACK:
         if pid < NPP:
             o_r = tl.arange(0, BS)
-            b_k8, b_v8, n_bad = _stream_rows(p_k, p_v, stride_kt, stride_vt, p_kt, p_vt, b_sk, b_mk, b_sv,
-                                             pid * BS + o_r, n, c, take, s0, C, o_d, m_d, D, HAS_MEAN)
+            i0 = pid * BS
+            b_k, b_v, m_new = _load_rows(p_k, p_v, stride_kt, stride_vt, i0 + o_r, n, c, take, o_d, m_d)
             if r < H0:
                 i_gb = (i_b.to(tl.int64) * H0 + r) * CAP + nb0 + pid
-                _write_block(b_k8, b_v8, gk0, gv0, gks0, gkz0, gvsz0, i_gb, o_r, o_d, m_d, D, BD, BS, BITS0)
+                _pack_rows(b_k, b_v, p_kt, p_vt, b_sk, b_mk, b_sv, i0, o_r, n, c, s0, C, gk0, gv0, gks0, gkz0,
+                           gvsz0, i_gb, o_d, m_d, D, BD, BS, BITS0, HAS_MEAN)
             elif r < H0 + H1:
                 i_gb = (i_b.to(tl.int64) * H1 + r - H0) * CAP + nb0 + pid
-                _write_block(b_k8, b_v8, gk1, gv1, gks1, gkz1, gvsz1, i_gb, o_r, o_d, m_d, D, BD, BS, BITS1)
+                _pack_rows(b_k, b_v, p_kt, p_vt, b_sk, b_mk, b_sv, i0, o_r, n, c, s0, C, gk1, gv1, gks1, gkz1,
+                           gvsz1, i_gb, o_d, m_d, D, BD, BS, BITS1, HAS_MEAN)
             else:
                 i_gb = (i_b.to(tl.int64) * (H - H0 - H1) + r - H0 - H1) * CAP + nb0 + pid
-                _write_block(b_k8, b_v8, gk2, gv2, gks2, gkz2, gvsz2, i_gb, o_r, o_d, m_d, D, BD, BS, BITS2)
+                _pack_rows(b_k, b_v, p_kt, p_vt, b_sk, b_mk, b_sv, i0, o_r, n, c, s0, C, gk2, gv2, gks2, gkz2,
+                           gvsz2, i_gb, o_d, m_d, D, BD, BS, BITS2, HAS_MEAN)
+            n_bad = _bad_rows(b_k, b_v, m_new)
     if TAIL:
         if pid == NPP:
             # tiles of at most BS rows (BSINK, BREC), in a loop: one [256, D] tile of the recent rows made the
@@ -450,7 +480,7 @@ def _store_kv_kernel(
             # wrote, and writes only after the barrier that follows every earlier chunk's reads
             for i0 in range(n_pack, n, BREC):
                 b_k8, b_v8, n_bad2 = _stream_rows(p_k, p_v, stride_kt, stride_vt, p_kt, p_vt, b_sk, b_mk, b_sv,
-                                                  i0 + o_w, n, c, take, s0, C, o_d, m_d, D, HAS_MEAN)
+                                                  i0, o_w, n, c, take, s0, C, o_d, m_d, D, HAS_MEAN)
                 n_bad += n_bad2
                 tl.debug_barrier()  # every read of this chunk before any write
                 m_w = (i0 + o_w < n)[:, None] & m_d[None, :]
@@ -469,6 +499,12 @@ def _new_rows(p_x, sx, b_s, b_m, o_t, m, o_d, HAS_MEAN: tl.constexpr):
 
 
 _STORE_KV = LeanLaunch(_store_kv_kernel)
+#: rows per tile of the tail program's sink / recent loops. sm_90, d 128, 4 warps (int4): one [256, 128] tile
+#: -> the whole kernel at 32 registers + 10.5 KB stack; 64 -> 255 registers, ~560 LDL/STL in the tail; 32 ->
+#: 255, ~90 LDL/STL in the tail only (the packers alone: 183-190 registers, no spill)
+TAIL_ROWS = 32
+#: warps of ``_store_kv_kernel`` (4: two packer programs per SM at <= 255 registers; 8: one, no spill anywhere)
+STORE_NUM_WARPS = 4
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, k_mean: Optional[torch.Tensor],
@@ -507,9 +543,9 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, k_mean: Op
     hs = [g.k.shape[1] for g in groups] + [0, 0]
     bits = [g.bits for g in slots]
     npp = n_pack // bs
-    # sink / recent rows in tiles of at most a block (a bigger tile spills the whole kernel: see the kernel)
-    common = dict(D=D, BD=_pow2(D), BS=bs, HAS_SINK=s0 > 0, BSINK=min(_pow2(max(s0, 2)), _pow2(bs)),
-                  BREC=min(_pow2(max(C - s0, 2)), _pow2(bs)),
+    # sink / recent rows in tiles of at most TAIL_ROWS (a bigger tile spills the whole kernel: see the kernel)
+    common = dict(D=D, BD=_pow2(D), BS=bs, HAS_SINK=s0 > 0, BSINK=min(_pow2(max(s0, 2)), TAIL_ROWS),
+                  BREC=min(_pow2(max(C - s0, 2)), TAIL_ROWS),
                   H0=hs[0], H1=hs[1],
                   BITS0=bits[0], BITS1=bits[1], BITS2=bits[2], HAS_MEAN=k_mean is not None)
     head = (k, v, k_scale, k_mean if k_mean is not None else k_scale, v_scale, k_tail, v_tail,
@@ -523,5 +559,5 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, k_mean: Op
         n_prog = npp if pack else 0
         _STORE_KV[(n_prog + tail, b * H)](
             *head, T, take, slot_sink, c, n, n_prog, n_pack, s0, nb0, cap, *strides, **common,
-            PACK=pack and npp > 0, TAIL=tail, COUNT=nonfinite is not None, VEC=_vec(k, v), num_warps=4)
+            PACK=pack and npp > 0, TAIL=tail, COUNT=nonfinite is not None, VEC=_vec(k, v), num_warps=STORE_NUM_WARPS)
     return len(plans)
