@@ -15,6 +15,14 @@ gives q. Reported per implementation:
 ``sdpa-bf16`` against eager-fp32 is the floor (DESIGN §6 measured KL 1.25e-3, top-1 97.9 % on
 SmolLM2-135M-Instruct); presets are reported next to it and as a multiple of it.
 
+Per-layer diagnostic (``layer_diagnostic``, ``--layer-diag N``; issue 23): one prefill forward per text in which
+every attention layer computes the turbo output and fp32 exact attention on the same Q/K/V and passes the exact
+one on (errors do not compound): relative RMS error per layer of turbo and of bf16 sdpa vs fp32, and Q/K
+channel-outlier statistics (per-token max/mean of |x| over the head dim, unrotated and Hadamard-rotated).
+
+``--rotate-qk both`` adds a ``rotate_qk=hadamard`` twin of every preset (same as ``int8:rotate_qk=hadamard``);
+``--max-tokens N`` keeps the last N tokens of each text (answer intact, the few-shot prefix cut from the left).
+
 Greedy answer agreement (``greedy_generate`` + ``answer_agreement``): free greedy CoT generation
 compared by extracted final answer; its floor is eager-fp32 vs sdpa-bf16 (~50 % on a 135M model).
 
@@ -71,6 +79,16 @@ def gsm8k_examples(tokenizer, rows: Sequence[dict], shots: int = 8, data_dir=Non
     return out
 
 
+def truncate_examples(examples: Sequence[Example], max_tokens: int) -> list[Example]:
+    """Keep the last ``max_tokens`` tokens of each text (CPU-sized runs); the answer stays whole, so texts whose
+    answer alone is longer keep just one prompt token."""
+    out = []
+    for ex in examples:
+        cut = max(0, min(len(ex.ids) - max_tokens, ex.prompt_len - 1))
+        out.append(Example(ex.ids[cut:], ex.prompt_len - cut))
+    return out
+
+
 # ================================================================================ implementations
 @dataclass
 class Impl:
@@ -102,6 +120,18 @@ def split_presets(text: str) -> list[str]:
             out[-1] += "," + item
         else:
             out.append(item)
+    return out
+
+
+def with_rotation(presets: Iterable[str], rotate_qk: str) -> list[str]:
+    """``rotate_qk`` = ``none`` (presets as given), ``hadamard`` (each preset rotated) or ``both`` (each preset,
+    then its ``rotate_qk=hadamard`` twin)."""
+    if rotate_qk not in ("none", "hadamard", "both"):
+        raise ValueError(f"rotate_qk={rotate_qk!r} must be none, hadamard or both")
+    out = []
+    for p in presets:
+        rot = p + ("," if ":" in p else ":") + "rotate_qk=hadamard"
+        out += {"none": [p], "hadamard": [rot], "both": [p, rot]}[rotate_qk]
     return out
 
 
@@ -239,6 +269,91 @@ def teacher_forced(
     return {name: {m: s.summary() for m, s in per.items()} for name, per in stats.items()}
 
 
+# ================================================================================ per-layer diagnostic
+def outlier_ratio(x: torch.Tensor) -> tuple[float, float]:
+    """Per-token max/mean of |x| over the head dim (``x [b, H, L, d]``): (mean over heads and tokens, max)."""
+    a = x.float().abs()
+    r = a.amax(-1) / a.mean(-1).clamp_min(1e-30)
+    return float(r.mean()), float(r.max())
+
+
+@torch.no_grad()
+def layer_diagnostic(model, examples: Sequence[Example], impls: Sequence[Impl]) -> dict:
+    """Per attention layer, for each turbo impl (prefill path, one forward per text, the model as ``prepare``
+    leaves it): ``err`` = rel. RMS of turbo's output vs fp32 exact attention on the same Q/K/V, ``err_bf16`` =
+    the same for bf16 unquantized attention (the floor), ``q_ratio``/``k_ratio`` = (mean, max) per-token
+    max/mean |x| (``outlier_ratio``), ``*_rot`` after the Hadamard rotation. Each layer passes the exact
+    output on, so a layer's error is its own. Returns ``{impl: [per-layer dict, text-averaged]}``."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from turbo_attn_hf.attention import torch_attention, turbo_attention_forward
+    from turbo_attn_hf.kernels.rotation import rotate
+
+    def rel(a, b):
+        a, b = a.double(), b.double()
+        return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30))
+
+    out: dict = {}
+    dev = next(model.parameters()).device
+    for impl in impls:
+        if impl.attn != "turbo_int8":
+            continue
+        prepare(model, impl)
+        rows: dict[int, list[dict]] = {}
+
+        def capture(module, q, k, v, mask, scaling=None, dropout=0.0, sliding_window=None, softcap=None, **kw):
+            o, _ = turbo_attention_forward(module, q, k, v, mask, scaling=scaling, dropout=dropout,
+                                           sliding_window=sliding_window, softcap=softcap, **kw)
+            causal = kw.get("is_causal")
+            causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
+            kv = mask if mask is not None and mask.dim() == 2 else None
+            w = sliding_window if sliding_window and sliding_window > 0 else None
+            akw = dict(scale=scaling, causal=causal, window=w, softcap=softcap, key_valid=kv)
+            exact = torch_attention(q.float(), k.float(), v.float(), **akw)
+            bf = torch_attention(q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16), **akw)
+            qr, kr = outlier_ratio(q), outlier_ratio(k)
+            qrr, krr = outlier_ratio(rotate(q)), outlier_ratio(rotate(k))
+            rows.setdefault(int(getattr(module, "layer_idx", len(rows))), []).append(dict(
+                sliding=w is not None, err=rel(o, exact), err_bf16=rel(bf, exact), q_ratio=qr, k_ratio=kr,
+                q_ratio_rot=qrr, k_ratio_rot=krr))
+            return exact.to(q.dtype), None
+
+        ALL_ATTENTION_FUNCTIONS["turbo_int8"] = capture  # local override of the shared mapping, removed below
+        try:
+            for ex in examples:
+                model(ex.ids.to(dev)[None], use_cache=False)
+        finally:
+            del ALL_ATTENTION_FUNCTIONS["turbo_int8"]
+
+        def avg(vals):
+            if isinstance(vals[0], (tuple, list)):
+                return [sum(v[0] for v in vals) / len(vals), max(v[1] for v in vals)]
+            if isinstance(vals[0], bool):
+                return vals[0]
+            return sum(vals) / len(vals)
+
+        out[impl.name] = [
+            {"layer": i, **{key: avg([r[key] for r in rs]) for key in rs[0]}} for i, rs in sorted(rows.items())
+        ]
+    return out
+
+
+def diag_markdown(diag: dict) -> str:
+    lines = []
+    for name, layers in diag.items():
+        errs = [l["err"] for l in layers]
+        lines += ["", f"Per-layer attention error, {name} (prefill; rel. RMS vs fp32 exact on the same Q/K/V; "
+                  f"mean {100 * sum(errs) / len(errs):.2f} %, max {100 * max(errs):.2f} %):", "",
+                  "| layer | sliding | turbo err % | bf16 err % | Q max/mean (mean, max) | K max/mean | "
+                  "Q rotated | K rotated |", "|---|---|---|---|---|---|---|---|"]
+        for l in layers:
+            f = lambda t: f"{t[0]:.1f}, {t[1]:.1f}"  # noqa: E731
+            lines.append(f"| {l['layer']} | {'y' if l['sliding'] else 'n'} | {100 * l['err']:.2f} | "
+                         f"{100 * l['err_bf16']:.3f} | {f(l['q_ratio'])} | {f(l['k_ratio'])} | "
+                         f"{f(l['q_ratio_rot'])} | {f(l['k_ratio_rot'])} |")
+    return "\n".join(lines) + "\n"
+
+
 # ================================================================================ greedy answers
 @torch.no_grad()
 def greedy_generate(
@@ -294,7 +409,10 @@ def _meta(device: torch.device) -> dict:
     except Exception:  # noqa: BLE001
         v["triton"] = None
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
-    return {"device": name, "versions": v,
+    from .bench_common import _git_commit
+
+    return {"device": name, "versions": v, "threads": torch.get_num_threads(),
+            "git_commit": os.environ.get("TURBO_GIT_COMMIT") or _git_commit(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
@@ -338,7 +456,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
     ap.add_argument("--presets", default="int8,int4,mixed",
                     help="comma list of preset names / YAML paths, each with optional overrides, "
                          "e.g. int4:sink_blocks=0,recent_blocks=0")
+    ap.add_argument("--rotate-qk", default="none", choices=("none", "hadamard", "both"),
+                    help="Hadamard-rotate Q/K in every preset, or 'both': each preset and its rotated twin")
     ap.add_argument("--limit", type=int, default=100, help="GSM8K test texts for the teacher-forced metrics")
+    ap.add_argument("--max-tokens", type=int, default=0, help="keep the last N tokens of each text (0: all)")
+    ap.add_argument("--layer-diag", type=int, default=0,
+                    help="per-layer attention error + Q/K outlier stats on the first N texts (prefill path)")
     ap.add_argument("--shots", type=int, default=8, choices=(0, 8))
     ap.add_argument("--chunk", type=int, default=1, help="answer tokens per decode step")
     ap.add_argument("--modes", default="prefill,decode")
@@ -362,10 +485,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
     ref = ref.to(device).eval()
     model = copy.deepcopy(ref).to(getattr(torch, args.dtype))
     model.set_attn_implementation("sdpa")
-    impls = impls_for(split_presets(args.presets))
+    impls = impls_for(with_rotation(split_presets(args.presets), args.rotate_qk))
 
     rows = edata.load_gsm8k(args.data_dir)
     examples = gsm8k_examples(tok, rows[: args.limit], shots=args.shots, data_dir=args.data_dir)
+    if args.max_tokens:
+        examples = truncate_examples(examples, args.max_tokens)
     res = {
         "what": "teacher-forced next-token KL(eager-fp32 || impl), top-1 agreement, perplexity; greedy answer agreement",
         **_meta(device),
@@ -378,6 +503,11 @@ def main(argv: Optional[list[str]] = None) -> dict:
     res["teacher_forced"] = teacher_forced(
         ref, model, examples, impls, modes=[m for m in args.modes.split(",") if m], chunk=args.chunk
     )
+    md_extra = ""
+    if args.layer_diag:
+        res["layer_diag"] = layer_diagnostic(model, examples[: args.layer_diag], impls)
+        res["layer_diag_texts"] = min(args.layer_diag, len(examples))
+        md_extra = diag_markdown(res["layer_diag"])
     if args.answers:
         prefix = edata.read_prompt("gsm8k", args.data_dir)
         prompts = [edata.gsm8k_prompt(r["question"], prefix) for r in rows[: args.answers]]
@@ -400,7 +530,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
                 for k, v in gens.items() if k != REF
             },
         }
-    write_report(args.out, "fidelity", res, to_markdown(res))
+    write_report(args.out, "fidelity", res, to_markdown(res) + md_extra)
     return res
 
 

@@ -8,13 +8,15 @@ the cache, not repeated for GQA) and ``attention_mask`` as produced by :func:`tu
 
 It only chooses among public functions (STYLE: the HF layer picks an op, like FLA's layers):
   * keys that carry ``turbo_cache_layer`` (returned by a TurboCache layer's ``update``): that layer's
-    ``attention`` reads its packed INT4/INT2 blocks + INT8 tail directly;
+    ``attention`` reads its packed INT4/INT2 blocks + INT8 tail directly (a ``rotate_qk`` layer holds rotated K
+    and rotates the query itself);
   * otherwise the INT8 flash-attention prefill on the given K/V: the Triton kernel on CUDA, or on CPU
     under ``TRITON_INTERPRET=1``; on CPU without the interpreter the plain-PyTorch reference of the same
     INT8 math (one warning: it is slow);
   * calls that need gradients (training, attention dropout) fall back to PyTorch attention with one
     warning: the INT8 kernels have no backward, and running them would silently cut the gradient.
 float32 inputs are cast to bfloat16 before INT8 quantization (one warning) and the output cast back.
+``TurboConfig.rotate_qk="hadamard"``: the INT8 path over given K/V rotates Q and K here (kernels/rotation.py).
 Refused with an error naming model, value and fix: head_dim outside (64, 80, 96, 128, 256),
 ``output_attentions``, q_len > kv_len, 4D masks that are not a per-key padding mask.
 Checks that depend only on the module (head_dim, GQA ratio, TurboConfig) run once per module.
@@ -40,6 +42,7 @@ from .capabilities import (
 )
 from .config import TurboConfig
 from .kernels.device import on_device
+from .kernels.rotation import rotate
 
 try:  # transformers >= 5.x records attentions through hooks; the attention fn never sees the flag
     from transformers.utils.output_capturing import _active_collector as _hf_collector
@@ -289,6 +292,8 @@ def turbo_attention_forward(
 
     fn = _prefill_fn(query.device, st.model)
     cfg = st.turbo
+    if cfg.rotate_qk == "hadamard":  # no TurboCache here: K arrives unrotated (DynamicCache / no cache), rotate both
+        query, key = rotate(query), rotate(key)
     with on_device(query.device):
         out = fn(
             query, key, value, scale=scaling, causal=is_causal, window=sliding_window, softcap=softcap,

@@ -21,6 +21,11 @@ new K/V at the first prefill (the INT8 prefill kernel runs on them), zero-memory
 shape afterwards. The attention function then calls ``layer.attention(...)``, which runs the decode kernel
 (``kernels.decode.turbo_decode_attention``) over the packed blocks + tail. No bf16 copy of the cache exists.
 
+``rotate_qk: hadamard`` (issue 23): ``update()`` rotates K (``kernels.rotation.rotate``) before anything is
+computed from it, so the universal scales, the INT8 buffer and the packed blocks all hold rotated K, and
+``attention()`` rotates every query that reads the layer (``TurboLayer.rotated``; returned keys carry
+``turbo_rotated``). Q·Kᵀ is unchanged; V is never rotated.
+
 Left padding: the universal scales of a row include its padded prompt positions (update() does not see the
 mask); the padded keys are masked in attention. Sliding-window layers keep all tokens (the window is applied
 in attention), so their ``get_mask_sizes`` offset is 0.
@@ -39,6 +44,7 @@ from .kernels.device import on_device
 from .kernels.interpreter import use_triton
 from .kernels.pack import PackedKV, kv_bytes_per_token, quantize_int8
 from .kernels.reference import k_smooth_mean, kv_finite_mean_ref
+from .kernels.rotation import rotate
 
 __all__ = ["TurboCache", "TurboLayer", "TurboSlidingWindowLayer"]
 
@@ -129,6 +135,8 @@ class TurboLayer(CacheLayerMixin):
         self.layer_idx = layer_idx
         self.n_layers = n_layers
         self.scale_headroom = getattr(turbo_config, "scale_headroom", DEFAULT_SCALE_HEADROOM)
+        # fixed for the layer's life: stored K is in the rotated basis, so every query that reads it is rotated
+        self.rotated = getattr(turbo_config, "rotate_qk", "none") == "hadamard"
         self._clear()
 
     def _clear(self) -> None:
@@ -402,6 +410,8 @@ class TurboLayer(CacheLayerMixin):
                 f"TurboCache layer {self.layer_idx} holds [batch {self.batch}, {self.n_kv_heads} KV heads, "
                 f"head_dim {self.head_dim}] but got key states {tuple(key_states.shape)}"
             )
+        if self.rotated:  # before the scales/mean/store: everything stored holds rotated K (never the caller's K)
+            key_states = rotate(key_states)
         first = self.k_scale is None
         if first:
             if T == 0:
@@ -419,6 +429,7 @@ class TurboLayer(CacheLayerMixin):
             k, v = key_states, value_states
             k.turbo_cache_layer = self
             v.turbo_cache_layer = self
+            k.turbo_rotated = self.rotated
             return k, v
         return self._placeholders(self.get_seq_length())
 
@@ -428,6 +439,7 @@ class TurboLayer(CacheLayerMixin):
         v = base.expand(self.batch, self.n_kv_heads, n, self.head_dim)
         k.turbo_cache_layer = self
         v.turbo_cache_layer = self
+        k.turbo_rotated = self.rotated
         return k, v
 
     # ------------------------------------------------------------------ attention
@@ -437,8 +449,17 @@ class TurboLayer(CacheLayerMixin):
 
         The first prefill runs the INT8 flash-attention prefill on the given ``key``/``value``; every later
         call runs the decode kernel over the packed blocks + tail (causal within a multi-token chunk).
+        A rotated layer (``rotate_qk: hadamard``) rotates ``query`` here, once: pass the unrotated query and the
+        keys ``update()`` returned (they carry ``turbo_rotated``).
         """
         cfg = self.turbo_config
+        if self.rotated:
+            if not getattr(key, "turbo_rotated", False):  # a caller's own (unrotated) K would be read as rotated
+                raise ValueError(
+                    f"TurboCache layer {self.layer_idx} stores Hadamard-rotated K (rotate_qk='hadamard'); pass the "
+                    "keys its update() returned, not other key tensors"
+                )
+            query = rotate(query)
         if self._first_prefill and key.shape[2] == query.shape[2] and key.stride(-1) == 1:
             from .kernels import reference
 

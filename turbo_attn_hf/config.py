@@ -24,6 +24,7 @@ import yaml
 SUPPORTED_BITS = (2, 4, 8)
 SOFTMAX_MODES = ("exact", "sas")
 HEAD_SELECT_MODES = ("prompt", "last")
+ROTATE_QK_MODES = ("none", "hadamard")  # kernels/rotation.py ROTATIONS
 
 
 class TurboConfigError(ValueError):
@@ -59,6 +60,10 @@ class TurboConfig:
             tokens beyond the prefill's range clamp. ``"auto"`` (default) sets it from the first prefill's
             length n (``cache.auto_headroom``: sqrt(ln 32768 / ln n) clamped to [1.25, 2]): a short prompt
             under-estimates the range of later tokens, a long one does not. A number fixes it.
+        rotate_qk: ``"none"`` or ``"hadamard"``: rotate Q and K of every head by an orthonormal Hadamard
+            matrix before INT8 (``kernels/rotation.py``; block-diagonal 16/32 for head_dim 80/96). Q·Kᵀ is
+            unchanged, channel outliers are spread before per-token quantization (issue 23). The cache
+            stores rotated K and rotates each query that reads it.
         name: preset name, for logs and result tables.
     """
 
@@ -74,6 +79,7 @@ class TurboConfig:
     sas_threshold: float = 6.0
     smooth_k: bool = True
     scale_headroom: float | str = "auto"
+    rotate_qk: str = "none"
     name: str = "custom"
 
     def __post_init__(self) -> None:
@@ -92,6 +98,8 @@ class TurboConfig:
             isinstance(self.scale_headroom, (int, float)) and self.scale_headroom >= 1.0
         ):
             raise TurboConfigError(f"scale_headroom={self.scale_headroom!r} must be 'auto' or a number >= 1.0")
+        if self.rotate_qk not in ROTATE_QK_MODES:
+            raise TurboConfigError(f"rotate_qk={self.rotate_qk!r} must be one of {ROTATE_QK_MODES}")
         if self.head_select not in HEAD_SELECT_MODES:
             raise TurboConfigError(f"head_select={self.head_select!r} must be one of {HEAD_SELECT_MODES}")
         for name in ("sink_blocks", "recent_blocks"):
