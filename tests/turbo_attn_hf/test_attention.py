@@ -78,17 +78,37 @@ def test_generate_hook_warns_when_transformers_lacks_the_method(monkeypatch):
         assert generation.install() is False
 
 
+def _run_python(code: str) -> None:
+    """Run ``code`` in a fresh interpreter (import-time behaviour); it prints 'ok' when its asserts held."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=180)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
+
+
 def test_kernels_import_without_transformers():
     """turbo_attn_hf.kernels must import (and nothing register) when transformers is absent."""
-    code = (
+    _run_python(
         "import sys; sys.modules['transformers'] = None\n"
         "import turbo_attn_hf, turbo_attn_hf.kernels, turbo_attn_hf.kernels.reference\n"
         "assert turbo_attn_hf.REGISTERED is False\n"
         "print('ok')\n"
     )
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
+
+
+def test_import_is_light_and_registers_when_transformers_loads():
+    """`import turbo_attn_hf` imports neither torch nor transformers (fast CLI start); loading transformers'
+    modeling code afterwards registers turbo_int8 and the generate() hook."""
+    _run_python(
+        "import sys, turbo_attn_hf\n"
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, sorted(sys.modules)\n"
+        "from transformers import AutoModelForCausalLM\n"
+        "from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS\n"
+        "from transformers.generation.utils import GenerationMixin\n"
+        "assert 'turbo_int8' in ALL_ATTENTION_FUNCTIONS\n"
+        "assert getattr(GenerationMixin._prepare_cache_for_generation, '_turbo_attn_wrapped', False)\n"
+        "assert turbo_attn_hf.REGISTERED is True\n"
+        "print('ok')\n"
+    )
 
 
 # ------------------------------------------------------------------------------------------ settings
