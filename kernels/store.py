@@ -200,7 +200,7 @@ def _head_prio(b_g, m_d, D: tl.constexpr):
 @triton.jit(do_not_specialize=["NC", "B"])
 def _finish_kernel(
     part, cnt, mean, ks, vs, flag, heads_hi, heads_lo, NC, B, H, hs, n_gap,
-    D: tl.constexpr, BD: tl.constexpr, BC: tl.constexpr, HP: tl.constexpr, N2: tl.constexpr,
+    D: tl.constexpr, BD: tl.constexpr, BC: tl.constexpr, HP: tl.constexpr, HC: tl.constexpr, N2: tl.constexpr,
     HAS_MEAN: tl.constexpr, SELECT: tl.constexpr,
 ):
     """grid (B*H + 1,). Program ``bh < B*H``: the NC chunk partials of (b, h) -> k_scale, v_scale ``[B*H, D]``
@@ -253,11 +253,17 @@ def _finish_kernel(
             m_h = o_h < H
             b_gk = tl.zeros([HP, BD], tl.float32)
             b_gv = tl.zeros([HP, BD], tl.float32)
+            # [HP * HC, BD] tiles: HC chunks of every head per load (a load per (row, chunk) was B * NC serial
+            # round trips: 256 at 4 x 32k)
+            o_hc = tl.arange(0, HP * HC)
+            r_h, r_c = o_hc // HC, o_hc % HC
             for i_b in range(0, B):
-                for i_c in range(0, NC):
-                    p_p = part + ((i_b * H + o_h[:, None]).to(tl.int64) * NC + i_c) * (8 * BD) + o_d[None, :]
-                    b_gk += tl.load(p_p + 4 * BD, mask=m_h[:, None], other=0.0)
-                    b_gv += tl.load(p_p + 5 * BD, mask=m_h[:, None], other=0.0)
+                for c0 in range(0, NC, HC):
+                    m = ((r_h < H) & (c0 + r_c < NC))[:, None]
+                    p_p = part + ((i_b * H + r_h[:, None]).to(tl.int64) * NC + c0 + r_c[:, None]) * (8 * BD) \
+                        + o_d[None, :]
+                    b_gk += tl.sum(tl.reshape(tl.load(p_p + 4 * BD, mask=m, other=0.0), (HP, HC, BD)), 1)
+                    b_gv += tl.sum(tl.reshape(tl.load(p_p + 5 * BD, mask=m, other=0.0), (HP, HC, BD)), 1)
             b_n = tl.zeros([HP, BD], tl.float32) + n_gap
             b_pk = _head_prio(tl.math.div_rn(b_gk, b_n), m_d, D)
             b_pv = _head_prio(tl.math.div_rn(b_gv, b_n), m_d, D)
@@ -312,6 +318,7 @@ def kv_stats(k: torch.Tensor, v: torch.Tensor, k_mean: Optional[torch.Tensor], b
     n_gap = float(b * max(T // bs, 1))
     _FINISH[(b * H + 1,)](part, cnt, k_mean if k_mean is not None else ks, ks, vs, nonfinite, hi, lo, nc, b, H,
                           float(headroom / 127.0), n_gap, D=D, BD=BD, BC=min(_pow2(nc), 64), HP=max(2, _pow2(H)),
+                          HC=max(1, min(_pow2(nc), 64 // max(2, _pow2(H)))),
                           N2=int(n_lo), HAS_MEAN=k_mean is not None, SELECT=select is not None, num_warps=4)
     return ks, vs
 
