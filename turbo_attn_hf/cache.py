@@ -116,6 +116,22 @@ def _resolve_config(turbo_config: TurboConfig | str | None, model_config: Any = 
     )
 
 
+def tp_shard(n_kv_heads: int, total: Optional[int]) -> tuple[int, int]:
+    """``(rank, world)`` of a layer whose KV heads are split over tensor-parallel ranks (it sees ``n_kv_heads`` of
+    the model's ``total``); ``(0, 1)`` when it sees them all or the total is unknown."""
+    import torch.distributed as dist
+
+    if total is None or n_kv_heads == total or not (dist.is_available() and dist.is_initialized()):
+        return 0, 1  # without a process group the layer's own head count is the model's (as before TP)
+    if total % n_kv_heads:
+        raise TurboConfigError(
+            f"a TurboCache layer got {n_kv_heads} of the model's {total} KV heads: tensor parallelism must split "
+            "the KV heads evenly over the ranks"
+        )
+    world = total // n_kv_heads
+    return dist.get_rank() % world, world
+
+
 class TurboLayer(CacheLayerMixin):
     """One full-attention layer's quantized KV (INT8 tail + packed blocks per bit width).
 
@@ -127,6 +143,9 @@ class TurboLayer(CacheLayerMixin):
 
     is_sliding = False
     is_croppable = True
+    #: the model's KV heads per layer (set by TurboCache from the model config): a layer that sees fewer is a
+    #: tensor-parallel shard and takes its slice of the head map
+    n_kv_heads_total: Optional[int] = None
     is_compileable = False
 
     def __init__(self, turbo_config: TurboConfig, layer_idx: int = 0, n_layers: Optional[int] = None, **kwargs):
@@ -154,6 +173,7 @@ class TurboLayer(CacheLayerMixin):
     # ------------------------------------------------------------------ set-up
     def _layer_head_bits(self, n_kv_heads: int) -> list[int]:
         cfg = self.turbo_config
+        shard = tp_shard(n_kv_heads, self.n_kv_heads_total)
         if cfg.head_bits is not None:
             n_layers = self.n_layers if self.n_layers is not None else len(cfg.head_bits)
             if self.layer_idx >= len(cfg.head_bits):
@@ -161,8 +181,8 @@ class TurboLayer(CacheLayerMixin):
                     f"head_bits has {len(cfg.head_bits)} layers but layer {self.layer_idx} was updated; "
                     "re-run turbo_attn_hf.calibrate for this model"
                 )
-            return cfg.layer_head_bits(self.layer_idx, n_layers, n_kv_heads)
-        return cfg.layer_head_bits(self.layer_idx, self.n_layers or self.layer_idx + 1, n_kv_heads)
+            return cfg.layer_head_bits(self.layer_idx, n_layers, n_kv_heads, shard)
+        return cfg.layer_head_bits(self.layer_idx, self.n_layers or self.layer_idx + 1, n_kv_heads, shard)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, hk, _, d = key_states.shape
@@ -631,6 +651,14 @@ class TurboSlidingWindowLayer(TurboLayer):
         self.record_past = True
 
 
+def _kv_heads(config: Any) -> Optional[int]:
+    """The model's KV heads per layer, or None without a config."""
+    if config is None:
+        return None
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    return getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", None)
+
+
 def _layer_types(text_config) -> list[str]:
     n = text_config.num_hidden_layers
     types = getattr(text_config, "layer_types", None)
@@ -674,6 +702,10 @@ class TurboCache(Cache):
                     layers.append(DYNAMIC_LAYER_TYPE_MAPPING.get(t, DynamicLayer)())
         elif layers is not None:
             self.n_layers = len(layers)
+        if config is not None:
+            for layer in layers or []:
+                if isinstance(layer, TurboLayer):
+                    layer.n_kv_heads_total = _kv_heads(config)
         super().__init__(layers=layers if layers is not None else [])
 
     @classmethod
@@ -695,6 +727,7 @@ class TurboCache(Cache):
             else:
                 layers.append(layer)
                 continue
+            new.n_kv_heads_total = _kv_heads(model_config)
             if layer.is_initialized and layer.keys is not None and layer.keys.numel() and layer.get_seq_length():
                 new.update(layer.keys, layer.values)
             layers.append(new)

@@ -124,26 +124,33 @@ class TurboConfig:
                         f"head_bits[{i}] contains {bad}; every entry must be one of {SUPPORTED_BITS}"
                     )
 
-    def layer_head_bits(self, layer_idx: int, n_layers: int, n_kv_heads: int) -> list[int]:
-        """Bits of each KV head of one layer; checks an explicit map against the model's shape."""
+    def layer_head_bits(self, layer_idx: int, n_layers: int, n_kv_heads: int,
+                        shard: tuple[int, int] = (0, 1)) -> list[int]:
+        """Bits of each KV head of one layer; checks an explicit map against the model's shape.
+
+        ``shard = (rank, world)``: the layer's KV heads are split over ``world`` tensor-parallel ranks and this
+        one holds ``n_kv_heads`` of the ``n_kv_heads * world`` (a contiguous slice, as transformers shards
+        them): an explicit map is sliced; a computed one spreads the layer's 2-bit heads over the ranks."""
+        rank, world = shard
+        total = n_kv_heads * world
         if self.head_bits is not None:
             if len(self.head_bits) != n_layers:
                 raise TurboConfigError(
                     f"head_bits has {len(self.head_bits)} layers but the model has {n_layers}"
                 )
             row = list(self.head_bits[layer_idx])
-            if len(row) != n_kv_heads:
+            if len(row) != total:
                 raise TurboConfigError(
-                    f"head_bits[{layer_idx}] has {len(row)} heads but the model has {n_kv_heads} KV heads"
+                    f"head_bits[{layer_idx}] has {len(row)} heads but the model has {total} KV heads"
                 )
-            return row
-        n_2 = self.n_2bit_heads or int(self.frac_2bit_heads * n_kv_heads)
-        if n_2 > n_kv_heads:
+            return row[rank * n_kv_heads:(rank + 1) * n_kv_heads]
+        n_2 = self.n_2bit_heads or int(self.frac_2bit_heads * total)
+        if n_2 > total:
             raise TurboConfigError(
-                f"n_2bit_heads={n_2} exceeds the model's {n_kv_heads} KV heads per layer"
+                f"n_2bit_heads={n_2} exceeds the model's {total} KV heads per layer"
             )
-        n_hi = n_kv_heads - n_2
-        return [self.bits] * n_hi + [2] * n_2
+        n_2 = n_2 // world + (rank < n_2 % world)  # this rank's share, the shares summing to the layer's
+        return [self.bits] * (n_kv_heads - n_2) + [2] * n_2
 
     # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> dict:

@@ -492,3 +492,31 @@ def test_update_launches_on_the_layers_device(monkeypatch):
     k = torch.randn(1, 2, 5, 64, dtype=torch.bfloat16)
     cache.update(k, k.clone(), 0)
     assert seen == [k.device]
+
+
+def test_tensor_parallel_ranks_take_their_slice_of_the_head_map(monkeypatch):
+    """Under tensor parallelism a layer sees its rank's KV heads: an explicit (calibrated) map is sliced, a
+    computed one spreads the layer's 2-bit heads over the ranks (the shares add up to the model's)."""
+    import torch.distributed as dist
+
+    from turbo_attn_hf import cache as C
+    from turbo_attn_hf.config import TurboConfig
+
+    explicit = TurboConfig(bits=4, head_bits=[[4, 2, 4, 4, 2, 2, 4, 4]], name="map")
+    assert explicit.layer_head_bits(0, 1, 4, shard=(1, 2)) == [2, 2, 4, 4]
+    mixed = TurboConfig(bits=4, frac_2bit_heads=0.5, name="half")
+    shares = [mixed.layer_head_bits(0, 1, 2, shard=(r, 4)).count(2) for r in range(4)]
+    assert shares == [1, 1, 1, 1]
+    three = TurboConfig(bits=4, n_2bit_heads=3, name="three")
+    assert [three.layer_head_bits(0, 1, 4, shard=(r, 2)).count(2) for r in range(2)] == [2, 1]
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    layer = C.TurboLayer(explicit, 0, 1)
+    layer.n_kv_heads_total = 8
+    k = torch.randn(1, 4, 5, 64, dtype=torch.bfloat16)
+    layer.update(k, k.clone())
+    assert layer.head_bits == [2, 2, 4, 4]
+    assert C.tp_shard(4, 8) == (1, 2)
+    with pytest.raises(TurboConfigError, match="evenly"):
+        C.tp_shard(3, 8)
