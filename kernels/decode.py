@@ -987,6 +987,25 @@ def _none_ref():
     return None
 
 
+_KVALID: list = [None, -1, None]  # (weakref to the last key_valid, its version, its int8 copy)
+
+
+def _kvalid_int8(key_valid: torch.Tensor) -> torch.Tensor:
+    """``key_valid`` as contiguous int8 for the kernel. Every layer of a forward passes the same mask tensor (the
+    model builds it once per forward): it is converted once, reused while it is the same object at the same
+    version (an in-place change bumps ``_version``; a new mask is a new object)."""
+    try:
+        version = key_valid._version
+    except RuntimeError:  # an inference-mode tensor has no version counter: convert every call
+        return key_valid.to(torch.int8).contiguous()
+    ref, ver, out = _KVALID
+    if ref is not None and ref() is key_valid and ver == version:
+        return out
+    out = key_valid.to(torch.int8).contiguous()
+    _KVALID[:] = [weakref.ref(key_valid), version, out]
+    return out
+
+
 _STATIC: dict = {}
 _STATIC_MAX = 512  # layers x (bit layouts, options) of a process; cleared when full (rebuilt on demand)
 
@@ -1080,20 +1099,51 @@ class _DecodeStatic:
             self.pairs.append((n_work, operator.itemgetter(*ga), tuple(gs) + (H0, H1, HK), const, opts, dict(
                 num_warps=num_warps, num_stages=num_stages or _stages(g0.bits, g1.bits), **reg_cap),
                 (ga[0], ga[6], H0, H1, HK, G, D)))
-        # (pair, has kvalid, split, fused, sc, alignments, device) -> (the launch's keyword arguments, the
-        # compiled kernel that ran with them or None, the storage tensors' addresses)
+        # (pair, split, fused, sc, has kvalid, alignments, device) -> (the launch's keyword arguments, the
+        # compiled kernel that ran with them or None, (the storage tensors' addresses, the trailing scalars))
         self.launches = {}
+        self.plans = {}  # (pair, visible tiles) -> _step_plan
 
     def alive(self, stor) -> bool:
         """The entry's storage tensors are the objects passed now (ids of dead objects can be reused)."""
         return len(stor) == len(self.refs) and all(map(operator.is_, map(operator.call, self.refs), stor))
 
+    def _step_plan(self, i_p, n_tiles):
+        """What a launch of pair ``i_p`` over ``n_tiles`` visible tiles needs from the plan (host ints only):
+        ``(S0, tps0, S1, tps1, S, split, fused, sc, workspace sizes or None, grid size)``, memoised per entry
+        (the same value changes once per block of decode steps)."""
+        memo = self.plans.get((i_p, n_tiles))
+        if memo is not None:
+            return memo
+        n_work, _, gs, const = self.pairs[i_p][:4]
+        n0 = self.b * gs[-3] * self.n_m  # group 0's work items (gs ends with H0, H1, HK)
+        waves, n_splits, min_tiles = self.plan_opts
+        (S0, tps0), (S1, tps1) = _pair_plan(n_tiles, n0, n_work - n0, const["BITS0"], const["BITS1"],
+                                            self.sms, waves, n_splits, min_tiles, self.merge == "fused")
+        S = max(S0, S1)
+        split = S > 1
+        fused = split and self.merge == "fused"
+        if S0 != S1 and not fused:
+            raise ValueError(f"share counts per bit group {S0} != {S1} need merge='fused' (the merge kernel takes "
+                             f"one count for all)")
+        sc = _merge_chunk(S, self.BM, self.BD, self.num_warps)
+        sizes = None
+        if split:
+            # partials of the S shares (+ one per group of SC shares for the fused two-level merge), counters
+            n_grp = -(-S // sc)
+            slots = S + (n_grp if fused and n_grp > 1 else 0)
+            sizes = (slots * n_work * self.BM * self.BD, slots * n_work * self.BM * 2, n_work * (n_grp + 1))
+        memo = self.plans[(i_p, n_tiles)] = (S0, tps0, S1, tps1, S, split, fused, sc, sizes,
+                                             n0 * S0 + (n_work - n0) * S1)
+        return memo
+
     def run(self, q, groups, stor, n_tail, key_valid):
         if self.conv is not None:
             stor = self.conv + stor[5:]
         n_blocks = groups[0].n_blocks
-        if any(g_.n_blocks != n_blocks for g_ in groups):
-            raise ValueError(f"bit groups hold different block counts {[g_.n_blocks for g_ in groups]}")
+        for g_ in groups:
+            if g_.n_blocks != n_blocks:
+                raise ValueError(f"bit groups hold different block counts {[g_.n_blocks for g_ in groups]}")
         BS, C, n_sink, Lq = self.BS, self.C, self.n_sink, self.Lq
         if not 0 <= n_tail <= C:
             raise ValueError(f"n_tail={n_tail} must lie in [0, {C}] (the INT8 buffer's slots)")
@@ -1106,7 +1156,7 @@ class _DecodeStatic:
         if key_valid is not None:
             if tuple(key_valid.shape) != (self.b, kv_len):
                 raise ValueError(f"key_valid must be [b, kv_len] = {(self.b, kv_len)}, got {tuple(key_valid.shape)}")
-            kvalid = key_valid.to(torch.int8).contiguous()
+            kvalid = _kvalid_int8(key_valid)
         if self.q_copy:
             q = q.contiguous()
         o = torch.empty(self.o_shape, dtype=q.dtype, device=self.device)
@@ -1114,57 +1164,44 @@ class _DecodeStatic:
         t0 = 0
         if self.window:
             t0 = min(max(first_visible_tile(kv_len, Lq, self.window, BS) - n_sink // BS, 0), n_blocks)
-        BM, BD, n_m = self.BM, self.BD, self.n_m
         head = self.head(stor)
         sv = head[4]
         cur = torch.cuda.current_device() if self.device.type == "cuda" else -1
-        waves, n_splits, min_tiles = self.plan_opts
-        for i_p, (n_work, ga, gs, const, opts, launch, merge_args) in enumerate(self.pairs):
-            n0 = self.b * gs[-3] * n_m  # group 0's work items (gs ends with H0, H1, HK)
-            (S0, tps0), (S1, tps1) = _pair_plan(n_tiles - t0, n0, n_work - n0, const["BITS0"], const["BITS1"],
-                                                self.sms, waves, n_splits, min_tiles, self.merge == "fused")
-            S = max(S0, S1)
-            split = S > 1
-            fused = split and self.merge == "fused"
-            if S0 != S1 and not fused:
-                raise ValueError(f"share counts per bit group {S0} != {S1} need merge='fused' (the merge kernel takes "
-                                 f"one count for all)")
-            sc = _merge_chunk(S, BM, BD, self.num_warps)
+        kv = kvalid if kvalid is not None else head[2]
+        # the launch's specialisation facts beyond the entry's: the query's and key_valid's 16-byte alignment
+        # (o and the workspace are fresh allocations; the integers that change are not specialised)
+        q_ptr, kv_ptr = q.data_ptr(), kv.data_ptr()
+        facts = (kvalid is not None, q_ptr & 15 == 0, kv_ptr & 15 == 0, cur)
+        lean = isinstance(_DECODE, LeanLaunch) and not LeanLaunch.hooks_active()
+        for i_p, pair in enumerate(self.pairs):
+            S0, tps0, S1, tps1, S, split, fused, sc, sizes, grid = self._step_plan(i_p, n_tiles - t0)
             if split:
-                # partials of the S shares (+ one per group of SC shares for the fused two-level merge), counters
-                n_grp = -(-S // sc)
-                slots = S + (n_grp if fused and n_grp > 1 else 0)
-                po, pml, cnt = _workspace(self.device, slots * n_work * BM * BD, slots * n_work * BM * 2,
-                                          n_work * (n_grp + 1))
+                po, pml, cnt = _workspace(self.device, *sizes)
             else:
                 po = pml = cnt = sv
-            grid = (n0 * S0 + (n_work - n0) * S1,)
-            kv = kvalid if kvalid is not None else head[2]
-            # the launch's specialisation facts beyond the entry's: the query's and key_valid's 16-byte alignment
-            # (o and the workspace are fresh allocations; the integers that change are not specialised)
-            kk = (i_p, kvalid is not None, split, fused, sc, q.data_ptr() & 15 == 0, kv.data_ptr() & 15 == 0,
-                  cur)  # a compiled kernel is loaded per device; Triton launches on the current one
+            # a compiled kernel is loaded per device; Triton launches on the current one
+            kk = (i_p, split, fused, sc) + facts
             hit = self.launches.get(kk)
-            lean = isinstance(_DECODE, LeanLaunch)
-            if hit is not None and hit[1] is not None and lean and not LeanLaunch.hooks_active():
+            if hit is not None and hit[1] is not None and lean:
                 _, compiled, ptrs = hit  # the entry's storage tensors' addresses (same objects: ``alive``)
-                LeanLaunch.relaunch(compiled, grid, (
-                    q.data_ptr(), *ptrs[0], kv.data_ptr(), o.data_ptr(), po.data_ptr(), pml.data_ptr(),
-                    cnt.data_ptr(), *ptrs[1], n_blocks, n_tail, n_sink, C, Lq, kv_len, t0, tps0, tps1, S0, S1, n_m,
-                    self.b, *self.scalars, *gs))
+                LeanLaunch.relaunch(compiled, (grid,), (
+                    q_ptr, *ptrs[0], kv_ptr, o.data_ptr(), po.data_ptr(), pml.data_ptr(), cnt.data_ptr(), *ptrs[1],
+                    n_blocks, n_tail, n_sink, C, Lq, kv_len, t0, tps0, tps1, S0, S1, self.n_m, self.b) + ptrs[2])
             else:
+                n_work, ga, gs, const, opts, launch, merge_args = pair
                 kw = hit[0] if hit is not None else dict(
                     const, HAS_KVALID=kvalid is not None, **opts, SPLIT=split, FUSED_MERGE=fused, SC=sc, **launch)
                 ga_t = ga(stor)
-                ran = _DECODE[grid](q, *head, kv, o, po, pml, cnt, *ga_t, n_blocks, n_tail, n_sink, C, Lq, kv_len,
-                                    t0, tps0, tps1, S0, S1, n_m, self.b, *self.scalars, *gs, **kw)
-                if self.cacheable and lean and ran is not None:  # relaunch it directly from now on
-                    ptrs = (tuple(t.data_ptr() for t in head), tuple(t.data_ptr() for t in ga_t))
+                ran = _DECODE[(grid,)](q, *head, kv, o, po, pml, cnt, *ga_t, n_blocks, n_tail, n_sink, C, Lq, kv_len,
+                                       t0, tps0, tps1, S0, S1, self.n_m, self.b, *self.scalars, *gs, **kw)
+                if self.cacheable and isinstance(_DECODE, LeanLaunch) and ran is not None:  # relaunch from now on
+                    ptrs = (tuple(t.data_ptr() for t in head), tuple(t.data_ptr() for t in ga_t), self.scalars + gs)
                     self.launches[kk] = (kw, ran, ptrs)
                 elif hit is None:
                     self.launches[kk] = (kw, None, None)
             if split and not fused:
-                h0, h1, H0, H1, HK, G, D = merge_args
-                _merge_kernel[(n_m, n_work // n_m)](po, pml, stor[h0], stor[h1], sv, o, Lq, S, H0, H1, HK,
-                                                    G=G, D=D, BD=BD, BM=BM, SC=_merge_chunk(S, BM, BD, 4), num_warps=4)
+                h0, h1, H0, H1, HK, G, D = pair[6]
+                _merge_kernel[(self.n_m, pair[0] // self.n_m)](
+                    po, pml, stor[h0], stor[h1], sv, o, Lq, S, H0, H1, HK, G=G, D=D, BD=self.BD, BM=self.BM,
+                    SC=_merge_chunk(S, self.BM, self.BD, 4), num_warps=4)
         return o
