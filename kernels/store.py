@@ -506,12 +506,12 @@ def _new_rows(p_x, sx, b_s, b_m, o_t, m, o_d, HAS_MEAN: tl.constexpr):
 
 
 _STORE_KV = LeanLaunch(_store_kv_kernel)
-#: rows per tile of the tail program's sink / recent loops. sm_90, d 128, 4 warps (int4): one [256, 128] tile
-#: -> the whole kernel at 32 registers + 10.5 KB stack; 64 -> 255 registers, ~560 LDL/STL in the tail; 32 ->
-#: 255, ~90 LDL/STL in the tail only (the packers alone: 183-190 registers, no spill)
+#: rows per tile of the tail program's sink / recent loops: a wider tile spilled the whole kernel to local
+#: memory (one kernel, one register count; PERF_NOTES: "why the fused store was slow")
 TAIL_ROWS = 32
-#: warps of ``_store_kv_kernel`` (4: two packer programs per SM at <= 255 registers; 8: one, no spill anywhere)
-STORE_NUM_WARPS = 4
+#: warps of ``_store_kv_kernel``: 8 leaves no spill anywhere; measured 0.93 vs 1.69 ms (int4, 1 x 32k, H100,
+#: eval/results/bench_store_h100.json vs bench_store_w4_h100.json), equal elsewhere within noise
+STORE_NUM_WARPS = 8
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, k_mean: Optional[torch.Tensor],
