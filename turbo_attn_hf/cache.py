@@ -77,6 +77,18 @@ def _finite_aminmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 _HEAD_MAPS: dict = {}
+_KERNEL_MODULES: dict = {}
+
+
+def _kernels(name: str):
+    """``turbo_attn_hf.kernels.<name>``, imported on first use (the per-step paths skip the import machinery of a
+    function-level import; attributes are still looked up on the module, so patches of it apply)."""
+    mod = _KERNEL_MODULES.get(name)
+    if mod is None:
+        import importlib
+
+        mod = _KERNEL_MODULES[name] = importlib.import_module(f"{__package__}.kernels.{name}")
+    return mod
 
 
 def _head_map(heads: tuple, device) -> torch.Tensor:
@@ -164,6 +176,7 @@ class TurboLayer(CacheLayerMixin):
         self.groups: list[PackedKV] = []
         self._plan_bits: list[int] = []  # the config's per-head bits (provisional with head_select "prompt")
         self.k_tail = self.v_tail = None
+        self._base: Optional[torch.Tensor] = None  # the placeholders' one element (update() returns views of it)
         self.nonfinite: Optional[torch.Tensor] = None  # int32 [1]: stored token vectors with an inf/NaN
         self.n_tail = 0
         self.k_mean = self.k_scale = self.v_scale = None
@@ -287,10 +300,9 @@ class TurboLayer(CacheLayerMixin):
         """Quantize ``[b, Hk, T, d]`` K/V to INT8 and write them to buffer slots ``slot ..``; ``count``: add their
         non-finite vectors to the counter (the first prefill's stats counted them already)."""
         if self._fused(key_states):
-            from .kernels.store import store_int8_tokens
-
-            store_int8_tokens(key_states, value_states, self.k_scale, self.k_mean, self.v_scale, self.k_tail,
-                              self.v_tail, slot, nonfinite=self.nonfinite if count else None)
+            _kernels("store").store_int8_tokens(key_states, value_states, self.k_scale, self.k_mean, self.v_scale,
+                                                self.k_tail, self.v_tail, slot,
+                                                nonfinite=self.nonfinite if count else None)
         else:
             if count:
                 self._count_nonfinite(key_states, value_states)
@@ -454,7 +466,9 @@ class TurboLayer(CacheLayerMixin):
         return self._placeholders(self.get_seq_length())
 
     def _placeholders(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        base = torch.empty(1, dtype=self.dtype, device=self.device)
+        base = self._base
+        if base is None or base.dtype != self.dtype or base.device != self.device:  # one element, kept per layer
+            base = self._base = torch.empty(1, dtype=self.dtype, device=self.device)
         k = base.expand(self.batch, self.n_kv_heads, n, self.head_dim)
         v = base.expand(self.batch, self.n_kv_heads, n, self.head_dim)
         k.turbo_cache_layer = self
@@ -496,12 +510,13 @@ class TurboLayer(CacheLayerMixin):
             out = fn(q, k, v, scale=scale, causal=causal, window=window, softcap=softcap, key_valid=key_valid,
                      softmax=cfg.softmax, sas_threshold=cfg.sas_threshold, smooth_k=cfg.smooth_k, k_mean=self.k_mean)
             return out.to(query.dtype)
+        if use_triton(query.device):  # decode_inputs() spelled out: this runs per layer and decode step
+            return _kernels("decode").turbo_decode_attention(
+                query, self.groups, self.k_tail, self.v_tail, self.n_tail, self.k_scale, self.v_scale, self.k_mean,
+                scale=scale, causal=causal, window=window, softcap=softcap, key_valid=key_valid,
+                n_sink=cfg.sink_blocks * cfg.block_size, softmax=cfg.softmax, sas_threshold=cfg.sas_threshold)
         args, kw = self.decode_inputs()
         kw.update(scale=scale, causal=causal, window=window, softcap=softcap, key_valid=key_valid)
-        if use_triton(query.device):
-            from .kernels.decode import turbo_decode_attention
-
-            return turbo_decode_attention(query, *args, **kw)
         from .kernels.reference import turbo_decode_ref
 
         return turbo_decode_ref(query, *args, **kw)
