@@ -338,3 +338,22 @@ def test_static_part_not_cached_for_converted_inputs(device):
     ref = R.turbo_decode_ref(q, groups, kt, vt, nt, (ks64 / 1).cpu().float(), vs, mu, n_splits=1)
     assert_close(b_, ref, ATOL_KERNEL)
     assert not torch.equal(a, b_)
+
+
+def test_key_valid_converted_once_per_mask_object_and_version():
+    """The launcher converts ``key_valid`` to int8 once per mask tensor (every layer of a forward passes the same
+    one) and again after an in-place change (version) or for a new mask object."""
+    from turbo_attn_hf.kernels.decode import _kvalid_int8
+
+    kv = torch.tensor([[True, False, True, True]])
+    a = _kvalid_int8(kv)
+    assert a.dtype == torch.int8 and a.tolist() == [[1, 0, 1, 1]]
+    assert _kvalid_int8(kv) is a  # same object, same version: reused
+    kv[0, 0] = False  # in place: the version changes
+    b = _kvalid_int8(kv)
+    assert b is not a and b.tolist() == [[0, 0, 1, 1]]
+    other = kv.clone()
+    assert _kvalid_int8(other) is not b and _kvalid_int8(other).tolist() == [[0, 0, 1, 1]]
+    with torch.inference_mode():  # inference tensors have no version counter: converted every call
+        inf = torch.tensor([[True, True]])
+        assert _kvalid_int8(inf).tolist() == [[1, 1]]
