@@ -27,8 +27,10 @@ What it implements:
 - Non-finite inputs (``reference.nonfinite_rows``): the quantizers code a token holding a NaN/Inf as zeros,
   outside every scale statistic, and flag it by a NaN scale (sq for a query; sk for a key, also when only its
   V is bad; a non-finite channel of K's mean is not subtracted). The loop's masks are ``where`` selects (a
-  masked NaN score becomes -inf) and its row max keeps NaN, so a NaN score reaches m, c, r and makes l and acc
-  NaN in exactly the rows that see the key; a NaN sq starts l at NaN. No extra work per element.
+  masked NaN score becomes -inf) and, in masked blocks (and with key_valid), its row max keeps NaN, so a NaN
+  score reaches m, c, r and makes l and acc NaN in exactly the rows that see the key; a NaN sq starts l at NaN.
+  Unmasked blocks are seen by every row of the program: they keep the plain max, and one scan of their sk
+  after the loop (``_keys_nan``) adds NaN to l when one is poisoned. No extra work per element.
 - The epilogue per KV block is one FMA per accumulator element: acc and l are kept relative to a per-row
   reference point c (the running max for "static", max(block max, running max - 32) for "block"), so the
   block-P weight and the online-softmax rescale are one factor r = exp2(c_old - c_new)
@@ -152,6 +154,57 @@ def _max_nan(a, b):
 
 
 @triton.jit
+def _block_mask(o_n, o_pos, p_kvbase, Lk, window, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                HAS_KEY_VALID: tl.constexpr):
+    """[BM, BN] True where query row ``o_pos`` may see key ``o_n`` (a masked block)."""
+    m_n = o_n < Lk
+    m_s = m_n[None, :]
+    if IS_CAUSAL:
+        m_s = m_s & (o_n[None, :] <= o_pos[:, None])
+    if HAS_WINDOW:
+        m_s = m_s & ((o_pos[:, None] - o_n[None, :]) < window)
+    if HAS_KEY_VALID:
+        b_kv = tl.load(p_kvbase + o_n, mask=m_n, other=0)
+        m_s = m_s & (b_kv != 0)[None, :]
+    return m_s
+
+
+@triton.jit
+def _masked_keys_nan(p_skbase, p_kvbase, lo, hi, o_pos, Lk, window, IS_CAUSAL: tl.constexpr,
+                     HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Per row: 0.0, or NaN when the row sees a key with a NaN scale among the masked blocks [lo, hi)."""
+    b_f = tl.zeros(o_pos.shape, dtype=tl.float32)
+    for start_n in range(lo, hi, BLOCK_N):
+        o_n = start_n + tl.arange(0, BLOCK_N)
+        b_z = tl.load(p_skbase + o_n, mask=o_n < Lk, other=0.0) * 0.0  # sk finite -> 0, NaN -> NaN
+        m_s = _block_mask(o_n, o_pos, p_kvbase, Lk, window, IS_CAUSAL, HAS_WINDOW, False)
+        b_f += tl.sum(tl.where(m_s, b_z[None, :], 0.0), 1)
+    return b_f
+
+
+@triton.jit
+def _keys_nan(p_skbase, lo, hi, SCAN: tl.constexpr):
+    """0.0, or NaN when a key scale sk in [lo, hi) is NaN (a poisoned key): one read of sk, 4 bytes a key."""
+    b_z = tl.zeros([SCAN], dtype=tl.float32)
+    for s in range(lo, hi, SCAN):
+        o_s = s + tl.arange(0, SCAN)
+        b_z += tl.load(p_skbase + o_s, mask=o_s < hi, other=0.0) * 0.0  # sk finite -> 0, NaN -> NaN
+    return tl.sum(b_z, 0)
+
+
+@triton.jit
+def _first_nan_key(p_skbase, lo, hi, SCAN: tl.constexpr):
+    """Smallest key index in [lo, hi) whose scale sk is NaN (a poisoned key), else hi: one read of sk,
+    4 bytes a key, outside the loop."""
+    b_first = tl.zeros([SCAN], dtype=tl.int32) + hi
+    for s in range(lo, hi, SCAN):
+        o_s = s + tl.arange(0, SCAN)
+        b_sk = tl.load(p_skbase + o_s, mask=o_s < hi, other=0.0)
+        b_first = tl.minimum(b_first, tl.where(b_sk != b_sk, o_s, hi))
+    return tl.min(b_first, 0)
+
+
+@triton.jit
 def _load_k(p_kbase, p_skbase, start_n, o_n0, o_d, m_d, stride_kn, Lk, MASKED: tl.constexpr,
             EVEN_D: tl.constexpr):
     """K tile [BD, BN] (a K-major view of k8 [BN, d]) and its scales sk [BN] at key offset start_n."""
@@ -191,26 +244,24 @@ def _attn_update(
         b_t = b_t * b_sq[:, None]
         b_t = (1.0 - 2.0 / (tl.exp2(b_t * softcap_in) + 1.0)) * softcap_out
     if MASKED:
-        m_n = o_n < Lk
-        m_s = m_n[None, :]
-        if IS_CAUSAL:
-            m_s = m_s & (o_n[None, :] <= o_pos[:, None])
-        if HAS_WINDOW:
-            m_s = m_s & ((o_pos[:, None] - o_n[None, :]) < window)
-        if HAS_KEY_VALID:
-            b_kv = tl.load(p_kvbase + o_n, mask=m_n, other=0)
-            m_s = m_s & (b_kv != 0)[None, :]
-        b_t = tl.where(m_s, b_t, float("-inf"))
+        b_t = tl.where(_block_mask(o_n, o_pos, p_kvbase, Lk, window, IS_CAUSAL, HAS_WINDOW, HAS_KEY_VALID),
+                       b_t, float("-inf"))
     elif HAS_KEY_VALID:
         b_kv = tl.load(p_kvbase + o_n)
         b_t = tl.where((b_kv != 0)[None, :], b_t, float("-inf"))
     # online softmax, base 2, relative to c (-inf -> 0 so that exp2 gives 0, not NaN). A NaN score (a key
     # with a NaN scale, not masked: where() above made masked ones -inf) makes m, c, r, hence l and acc, NaN.
+    # Unmasked blocks without key_valid keep the plain (NaN-dropping) max: every row sees every key there, so
+    # the kernel flags those rows after the loop from sk alone (_keys_nan); a NaN-keeping max in that loop
+    # perturbs its register allocation (d256: +10% instructions).
     if HAS_SOFTCAP:
-        b_bmax = tl.reduce(b_t, 1, _max_nan)
+        b_bmax = tl.max(b_t, 1)
     else:
-        b_bmax = tl.reduce(b_t, 1, _max_nan) * b_sq  # sq > 0: rowmax(t sq) = rowmax(t) sq, exactly
-    m_new = _max_nan(m_i, b_bmax)
+        b_bmax = tl.max(b_t, 1) * b_sq  # sq > 0: rowmax(t sq) = rowmax(t) sq, exactly
+    if MASKED or HAS_KEY_VALID:
+        m_new = _max_nan(m_i, b_bmax)
+    else:
+        m_new = tl.maximum(m_i, b_bmax)
     if BLOCK_P_SCALE:
         c_new = tl.maximum(b_bmax, m_new - _P_BLOCK_GAP)
     else:
@@ -234,6 +285,11 @@ def _attn_update(
     b_pbits = tl.math.fma(b_p, 127.0, _MAGIC).to(tl.int32, bitcast=True)
     b_pi = b_pbits.to(tl.int8)
     l_i = l_i * b_r + (tl.sum(b_pbits, 1) - PSUM_BIAS).to(tl.float32)
+    if HAS_KEY_VALID:  # x is -inf where masked, NaN at an unmasked poisoned key: its row sum is NaN
+        b_xsum = tl.sum(b_x, 1)
+        l_i = tl.where(b_xsum == b_xsum, l_i, b_xsum)
+    elif MASKED and not IS_CAUSAL and not HAS_WINDOW:  # the tail block: every row sees its keys < Lk (sk 0 past)
+        l_i = l_i + tl.sum(b_sk * 0.0, 0)
     p_v = p_vbase + o_d[:, None] * stride_vd + o_n[None, :]  # [BD, BN] of v8t: tokens contiguous
     if EVEN_D:
         b_vt = tl.load(p_v)
@@ -312,6 +368,7 @@ def _int8_attn_fwd_kernel(
     p_q = Q8 + i_b64 * stride_qb + i_hq64 * stride_qh + o_m[:, None] * stride_qm + o_d[None, :]
     b_q = tl.load(p_q, mask=m_m[:, None] & m_d[None, :], other=0)
     b_sq = tl.load(SQ + i_b64 * stride_sqb + i_hq64 * stride_sqh + o_m, mask=m_m, other=0.0)
+    l_i = tl.where(b_sq == b_sq, 0.0, b_sq)  # a NaN query scale (poisoned row) starts l at NaN: row stays NaN
     b_sq = _max_nan(b_sq, _SQ_MIN)  # an all-zero query row has sq = 0: keep -inf * sq = -inf
     p_kbase = K8 + i_b64 * stride_kb + i_hk64 * stride_kh
     p_skbase = SK + i_b64 * stride_skb + i_hk64 * stride_skh
@@ -338,7 +395,21 @@ def _int8_attn_fwd_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     c_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.where(b_sq == b_sq, 0.0, b_sq)  # a NaN query scale (poisoned row) starts l at NaN: row stays NaN
+    # Rows that will see a poisoned key start l at NaN (the loop's max drops NaN); with key_valid the loop
+    # flags them itself. Without a window a row sees every key < min(its position + 1, Lk) of [lo, hi).
+    if not HAS_KEY_VALID:
+        if HAS_WINDOW:  # unmasked blocks: every row; masked ones: per row and key
+            bad = _first_nan_key(p_skbase, full_lo, full_hi, 1024) < full_hi
+            b_f = tl.where(bad, float("nan"), 0.0) + _masked_keys_nan(
+                p_skbase, p_kvbase, lo, full_lo, o_pos, Lk, window, IS_CAUSAL, HAS_WINDOW, BLOCK_N)
+            b_f += _masked_keys_nan(p_skbase, p_kvbase, full_hi, hi, o_pos, Lk, window, IS_CAUSAL, HAS_WINDOW,
+                                    BLOCK_N)
+        elif IS_CAUSAL:
+            first = _first_nan_key(p_skbase, lo, tl.minimum(hi, Lk), 1024)
+            b_f = tl.where(first <= o_pos, float("nan"), 0.0)  # first <= o_pos < min(hi, Lk) for real rows
+        else:  # every row sees every key; the masked tail block [full_hi, Lk) flags itself in the loop
+            b_f = _keys_nan(p_skbase, full_lo, full_hi, 1024)
+        l_i = l_i + b_f
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if HAS_WINDOW:
         acc, l_i, m_i, c_i = _attn_fwd_inner(

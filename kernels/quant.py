@@ -56,6 +56,22 @@ def _to_int8_half_away(x, inv):
 
 
 @triton.jit
+def _to_int8_half_away_lim(x, inv, lim):
+    """``_to_int8_half_away`` clamped to [-lim, lim] (broadcast): lim 0 codes a poisoned token 0 whatever
+    x * inv is (NaN: 0 on the GPU, INT_MIN in the interpreter), at no cost per element."""
+    xs = x * inv
+    r = tl.where(xs >= 0, xs + 0.5, xs - 0.5)
+    return tl.minimum(tl.maximum(r.to(tl.int32), -lim), lim).to(tl.int8)
+
+
+@triton.jit
+def _max_nan(a, b):
+    """max that keeps NaN (maximumf; tl.max's maxnumf drops it on the GPU): an amax that is not finite flags a
+    token (or block) holding a NaN/Inf, at the cost of the plain amax."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _poisoned_rows(x, axis: tl.constexpr):
     """True for each token (slice along ``axis``) of ``x`` holding a NaN or an Inf. Such a token is quantized
     as zeros, out of every scale statistic, and flagged by a NaN scale: NaN-dropping max reductions and the
@@ -89,12 +105,14 @@ def _quant_token_rows(p_x, p_x8, p_s, b_mean, scale, o_t, L, stride_xl, stride_x
                   mask=m_x, other=0.0).to(tl.float32)
     if HAS_SMOOTH:
         b_x = tl.where(m_x, b_x - b_mean[None, :], 0.0)
-    b_bad = _poisoned_rows(b_x, 1)
-    b_x = tl.where(b_bad[:, None], 0.0, b_x)
-    b_amax = tl.max(tl.abs(b_x), 1)
+    # a NaN-keeping amax is NaN/Inf exactly for a poisoned token: its scale is NaN and its codes are clamped
+    # to [0, 0] (per-row work only; the finite path costs what it did before the non-finite handling)
+    b_amax = tl.reduce(tl.abs(b_x), 1, _max_nan)
+    b_bad = ~(b_amax < float("inf"))
+    b_amax = tl.where(b_bad, 0.0, b_amax)
     b_safe = tl.where(b_amax > 0, b_amax, 1.0)
     b_inv = tl.where(b_amax > 0, tl.math.div_rn(tl.full([BT], 127.0, tl.float32), b_safe), 0.0)
-    b_x8 = _to_int8_half_away(b_x, b_inv[:, None])
+    b_x8 = _to_int8_half_away_lim(b_x, b_inv[:, None], tl.where(b_bad, 0, 127)[:, None])
     tl.store(p_x8 + o_t[:, None].to(tl.int64) * D + o_d[None, :], b_x8, mask=m_x)
     b_s = tl.math.div_rn(b_amax, tl.full([BT], 127.0, tl.float32)) * scale
     tl.store(p_s + o_t, tl.where(b_bad, float("nan"), b_s), mask=m_t)
@@ -115,17 +133,19 @@ def _quant_v_block(p_x, p_amax, p_v8t, p_sv, p_poison, i_n, L, stride_xl, stride
     m_x = (o_t < L)[:, None] & m_d[None, :]
     b_x = tl.load(p_x + o_t[:, None].to(tl.int64) * stride_xl + o_d[None, :] * stride_xd,
                   mask=m_x, other=0.0).to(tl.float32)
-    b_bad = _poisoned_rows(b_x, 1)
-    b_x = tl.where(b_bad[:, None], 0.0, b_x)
+    # a NaN-keeping amax over the token is NaN/Inf exactly for a poisoned token: it stays out of the channel
+    # amax (one select), its codes are clamped to [0, 0] (free) and (POISON) its key scale is set to NaN
+    b_ax = tl.abs(b_x)
+    b_bad = ~(tl.reduce(b_ax, 1, _max_nan) < float("inf"))  # [BN]
     if POISON:  # the key's scale carries the flag: exactly the score columns the kernel does not mask
         tl.store(p_poison + o_t, tl.full([BN], float("nan"), tl.float32), mask=b_bad)
     if HAS_AMAX:
         b_amax = tl.load(p_amax + o_d, mask=m_d, other=0.0)
     else:
-        b_amax = tl.max(tl.abs(b_x), 0)  # [BD]
+        b_amax = tl.max(tl.where(b_bad[:, None], 0.0, b_ax), 0)  # [BD]
     b_safe = tl.where(b_amax > 0, b_amax, 1.0)
     b_inv = tl.where(b_amax > 0, tl.math.div_rn(tl.full([BD], 127.0, tl.float32), b_safe), 0.0)
-    b_v8t = tl.trans(_to_int8_half_away(b_x, b_inv[None, :]))  # [BD, BN]
+    b_v8t = tl.trans(_to_int8_half_away_lim(b_x, b_inv[None, :], tl.where(b_bad, 0, 127)[:, None]))  # [BD, BN]
     tl.store(p_v8t + o_d[:, None].to(tl.int64) * stride_vd + o_t[None, :], b_v8t, mask=m_d[:, None])
     b_sv = tl.math.div_rn(b_amax, tl.full([BD], 127.0, tl.float32))
     if HAS_AMAX:
