@@ -362,12 +362,7 @@ def int8_flash_attention(q8, sq, k8, sk, v8t, sv, *, causal=True, window=None, s
         s2 = t * sqf[..., None]
         if softcap is not None:
             s2 = t = _tanh_softcap_base2(s2, float(softcap))
-        mask = torch.ones(lq, end - start, dtype=torch.bool, device=dev)
-        if causal:
-            mask &= j[None, :] <= pos[:, None]
-        if window is not None:
-            mask &= (pos[:, None] - j[None, :]) < window
-        mask = mask.expand(b, hq, lq, end - start)
+        mask = _position_mask(pos, j, causal, window).expand(b, hq, lq, end - start)
         if kv is not None:
             mask = mask & kv[:, None, None, start:end]
         s2 = torch.where(mask, s2, ninf)
@@ -457,6 +452,17 @@ def _check_inputs_ref(q, k, v, key_valid) -> None:
         raise ValueError(f"key_valid must be bool [b, Lk] = {(b, lk)}; got {tuple(key_valid.shape)}")
 
 
+def _position_mask(pos: torch.Tensor, j: torch.Tensor, causal: bool, window) -> torch.Tensor:
+    """``[len(pos), len(j)]`` bool: the query at absolute position ``pos[i]`` attends key ``j[c]`` (causal,
+    HF sliding window ``pos - j < window``)."""
+    mask = torch.ones(pos.numel(), j.numel(), dtype=torch.bool, device=pos.device)
+    if causal:
+        mask &= j[None, :] <= pos[:, None]
+    if window is not None:
+        mask &= (pos[:, None] - j[None, :]) < window
+    return mask
+
+
 def nonfinite_rows(q, k, v, *, causal=True, window=None, key_valid=None) -> torch.Tensor:
     """Which output rows ``[b, Lq, Hq]`` (bool) the prefill returns non-finite: those whose query holds a
     NaN/Inf, and those that attend (by the causal / window / key_valid mask) a key whose K or V holds one.
@@ -472,13 +478,7 @@ def nonfinite_rows(q, k, v, *, causal=True, window=None, key_valid=None) -> torc
     dev = q.device
     bad_q = ~torch.isfinite(q).all(-1)  # [b, Hq, Lq]
     bad_kv = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))  # [b, Hk, Lk]
-    pos = torch.arange(lq, device=dev) + (lk - lq)
-    j = torch.arange(lk, device=dev)
-    mask = torch.ones(lq, lk, dtype=torch.bool, device=dev)
-    if causal:
-        mask &= j[None, :] <= pos[:, None]
-    if window is not None:
-        mask &= (pos[:, None] - j[None, :]) < window
+    mask = _position_mask(torch.arange(lq, device=dev) + (lk - lq), torch.arange(lk, device=dev), causal, window)
     mask = mask.expand(b, lq, lk)
     if key_valid is not None:
         mask = mask & key_valid.to(device=dev, dtype=torch.bool)[:, None, :]
@@ -498,13 +498,7 @@ def attention_fp64(q, k, v, *, scale=None, causal=True, window=None, softcap=Non
     g = hq // hk
     scale = d ** -0.5 if scale is None else float(scale)
     dev = q.device
-    pos = torch.arange(lq, device=dev) + (lk - lq)
-    j = torch.arange(lk, device=dev)
-    mask = torch.ones(lq, lk, dtype=torch.bool, device=dev)
-    if causal:
-        mask &= j[None, :] <= pos[:, None]
-    if window is not None:
-        mask &= (pos[:, None] - j[None, :]) < window
+    mask = _position_mask(torch.arange(lq, device=dev) + (lk - lq), torch.arange(lk, device=dev), causal, window)
     out = torch.empty(b, lq, hq, d, dtype=torch.float64, device=dev)
     chunk = max(1, min(hq, (1 << 27) // max(1, lq * lk)))
     for ib in range(b):
