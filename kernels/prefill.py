@@ -99,19 +99,8 @@ _P_BLOCK_GAP = tl.constexpr(P_BLOCK_GAP)
 _SQ_MIN = tl.constexpr(SQ_MIN)
 
 # Tiles per (BLOCK_D, causal, BLOCK_N): (BLOCK_M, num_warps, num_stages); no autotuning at call time, sequence
-# lengths stay out of the key. BLOCK_N = block_n is the KV tile (and the V quantization block); its default
-# is reference.default_block_n(head_dim). From eval/prefill_sweep.py on an H200 (2026-11-22, FA3 protocol:
-# 16k tokens, hidden 2048, bf16), kernel alone, TFLOP/s at L 4k / 8k / 16k, full | causal
-# (eval/results/prefill_sweep_h200.json, eval/PERF_NOTES.md):
-#   d128 BN128: (64, 4, 3) 500 513 520 | 442 487 536   (64, 4, 2) 472 494 514 | 403 440 458
-#               (128, 8, 3) 403 423 431 | 334 371 409  (128, 8, 2) 383 403 421 | 311 341 354
-#   d128 BN64 : (64, 4, 3) 378 383 390 | 335 349 388   (64, 4, 4) 379 388 392 | 328 357 386
-#               (128, 8, 3) 342 352 359 | 284 313 338
-#   d64  BN128: (128, 4, 3) 341 344 349 | 277 (4k)     (64, 4, 3) 334 340 349 | 301 (4k)   (128, 8, 3) 258 | 228
-#   d64  BN64 : (128, 4, 3) 292 294 300 | 254 (4k)     (64, 4, 3) 264 268 270 | 233 (4k)
-#   d256 (H100, 2026-11-24, eval/results/prefill_sweep_d256_h100.json, mean over L): BN128 (64, 8, 2) 355 | 312;
-#               BN64: (64, 8, 2) 250 | 234, (64, 4, 2) 186 (causal), (128, 8, 2) 169 (causal). 4 warps spill at d 256.
-# BLOCK_M 64 with 4 warps (one warpgroup, two programs per SM) wins at d <= 128.
+# lengths stay out of the key. BLOCK_M 64 with 4 warps (one warpgroup, two programs per SM) won at d <= 128;
+# 8 warps at d 256 (4 spill). The sweeps: PERF_NOTES "Prefill tile table".
 _GPU_CONFIGS = {
     (64, False, 128): (128, 4, 3),
     (64, True, 128): (64, 4, 3),

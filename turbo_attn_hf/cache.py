@@ -49,15 +49,9 @@ from .kernels.rotation import rotate
 __all__ = ["TurboCache", "TurboLayer", "TurboSlidingWindowLayer"]
 
 _BITS_ORDER = (8, 4, 2)
-#: universal scale = headroom * amax / 127 of the first prefill. 1.0 is the plain FlashQ scale. Measured on a
-#: tiny random llama (tests/turbo_attn_hf/conftest.py, 100 decode steps vs unquantized sdpa, per-step max
-#: |logit diff| mean): int8 preset, 20-token prompt 0.60 (h=1) / 0.19 (1.5) / 0.105 (2) / 0.103 (3);
-#: 100-token prompt 0.163 / 0.091 / 0.098 / 0.122. On SmolLM2-135M with real weights and ~900-token 8-shot
-#: prompts (int8 preset, decode-path KL vs fp32, 8 GSM8K texts, CPU reference): 2.99x the bf16 floor at h=2,
-#: 2.39x at 1.5, 2.36x at 1.25. Short prompts under-estimate the range of later tokens (which then clamp),
-#: long ones do not: the expected maximum of n samples of a light-tailed channel grows like sqrt(2 ln n), so
-#: the range seen in n tokens covers a context of N tokens when scaled by sqrt(ln N / ln n). With N = 32768:
-#: n = 20 -> 1.86, 100 -> 1.51, 900 -> 1.24 — the best measured values above. Clamped to [1.25, 2].
+#: universal scale = headroom * amax / 127 of the first prefill: n prompt tokens under-estimate the range of a
+#: context of N (the expected max grows like sqrt(2 ln n)), so h = sqrt(ln N / ln n), clamped; measurements in
+#: PERF_NOTES "Universal-scale headroom".
 AUTO_HEADROOM_CONTEXT = 32768
 AUTO_HEADROOM_RANGE = (1.25, 2.0)
 DEFAULT_SCALE_HEADROOM = "auto"
