@@ -381,8 +381,8 @@ def _fold_step(
 def _decode_program(
     i_s, i_m, i_bh, i_b, i_h,
     q, sk, mk, heads, kp, ks, kz, vp, vsz, kt, vt, sv, kvalid, o, po, pml, cnt,
-    n_blocks, n_tail, n_sink, tail_cap, Lq, kv_len, T0, TPS, S, S_MAX, N_M, N_BH, window, softcap, sas_thr, qscale,
-    stride_qb, stride_qh, stride_ql,
+    n_blocks, n_tail, n_sink, tail_cap, Lq, kv_len, kv_row, T0, TPS, S, S_MAX, N_M, N_BH, window, softcap, sas_thr,
+    qscale, stride_qb, stride_qh, stride_ql,
     stride_kb, stride_kh, stride_sb, stride_sh, stride_vb, stride_vh, stride_vsb, stride_vsh,
     HK,
     G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr,
@@ -398,7 +398,8 @@ def _decode_program(
     (C = tail_cap slots, n_tail valid): slots < n_sink hold positions 0.. (attention sinks), the others
     positions from n_sink + n_blocks·BS on (the recent window + tail); packed block t holds positions
     n_sink + t·BS ..;
-    kvalid [b, kv_len] int8; o [b, Lq, HQ, D]; po [S, items, n_m*BM, BD] and pml [S, items, n_m*BM, 2] fp32
+    kvalid [b, kv_row] int8 (``kv_row >= kv_len``: a static cache's mask spans its capacity); o [b, Lq, HQ, D];
+    po [S, items, n_m*BM, BD] and pml [S, items, n_m*BM, 2] fp32
     partials over the launch's (batch, head) items (SPLIT only; rows >= M are not written); cnt [items*n_m]
     int32 arrival counters, zero between
     calls (FUSED_MERGE: the last share of a tile to finish merges it and resets its counter).
@@ -507,7 +508,7 @@ def _decode_program(
         # without per-score masks (reference.fold_unmasked_blocks), the rest, if any, in a second loop with them.
         # (Two blocks per step with one running max for both measured 13 % slower for `mixed` at batch 8 and no
         # faster for int4: eval/PERF_NOTES.md, decode round 7.)
-        o_kvrow = i_b64 * kv_len
+        o_kvrow = i_b64 * kv_row
         if HAS_WINDOW or HAS_KVALID or HAS_SOFTCAP:
             t_u = t_lo
         elif IS_CAUSAL:
@@ -532,7 +533,7 @@ def _decode_program(
             o_key = n_sink + t * BS + o_n
             m_key = o_n < BS
             if HAS_KVALID:
-                m_key = tl.load(kvalid + i_b64 * kv_len + o_key) != 0
+                m_key = tl.load(kvalid + i_b64 * kv_row + o_key) != 0
             if BITS == 8:
                 b_k = tl.load(p_kb + t * (BS * D) + o_n[:, None] * D + o_d[None, :], mask=m_d[None, :], other=0)
                 b_v = tl.load(p_vb + t * (D * BS) + o_d[:, None] * BS + o_n[None, :], mask=m_d[:, None], other=0)
@@ -564,7 +565,7 @@ def _decode_program(
         o_key = tl.where(o_slot < n_sink, o_slot, o_slot + n_blocks * BS)
         m_key = o_slot < n_tail
         if HAS_KVALID:
-            m_key = m_key & (tl.load(kvalid + i_b64 * kv_len + o_key, mask=m_key, other=0) != 0)
+            m_key = m_key & (tl.load(kvalid + i_b64 * kv_row + o_key, mask=m_key, other=0) != 0)
         b_acc, b_m, b_l = _int8_tile(b_acc, b_m, b_l, b_qt, b_sq, b_qb, b_k, b_v, b_sq, b_sq, o_key, m_key, o_pos,
                                      window, softcap, sas_thr, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, USE_SAS, False)
 
@@ -624,12 +625,12 @@ def _work_item(i_bh, n_items, H0, H1):
     return in_g1, j // h, j % h
 
 
-@triton.jit(do_not_specialize=["n_blocks", "n_tail", "n_sink", "Lq", "kv_len", "T0", "TPS0", "TPS1", "S0", "S1",
-                              "window"])
+@triton.jit(do_not_specialize=["n_blocks", "n_tail", "n_sink", "Lq", "kv_len", "kv_row", "T0", "TPS0", "TPS1", "S0",
+                              "S1", "window"])
 def _decode_kernel(
-    q, sk, mk, kt, vt, sv, kvalid, o, po, pml, cnt,
+    q, sk, mk, kt, vt, sv, kvalid, o, po, pml, cnt, lens,
     heads0, kp0, ks0, kz0, vp0, vsz0, heads1, kp1, ks1, kz1, vp1, vsz1,
-    n_blocks, n_tail, n_sink, tail_cap, Lq, kv_len, T0, TPS0, TPS1, S0, S1, N_M, B, window, softcap, sas_thr,
+    n_blocks, n_tail, n_sink, tail_cap, Lq, kv_len, kv_row, T0, TPS0, TPS1, S0, S1, N_M, B, window, softcap, sas_thr,
     qscale,
     stride_qb, stride_qh, stride_ql,
     stride_kb0, stride_kh0, stride_sb0, stride_sh0, stride_vb0, stride_vh0, stride_vsb0, stride_vsh0,
@@ -639,7 +640,7 @@ def _decode_kernel(
     BITS0: tl.constexpr, BITS1: tl.constexpr, TWO_GROUPS: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_MEAN: tl.constexpr, HAS_KVALID: tl.constexpr, USE_SAS: tl.constexpr, SPLIT: tl.constexpr,
-    FUSED_MERGE: tl.constexpr, FOLD: tl.constexpr, USE_ASM: tl.constexpr, SC: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, FOLD: tl.constexpr, USE_ASM: tl.constexpr, SC: tl.constexpr, LENS: tl.constexpr,
 ):
     """grid = (n_items0 * S0 + n_items1 * S1,): one launch for up to two bit groups (e.g. the INT4 and the INT2
     heads of ``mixed``), so a step pays one launch and the split plan fills the GPU once for all heads. Work items
@@ -647,7 +648,22 @@ def _decode_kernel(
     of its items into S_g shares of TPS_g tiles, and the grid holds exactly the programs of both (a grid with
     idle programs ran 18-33 % slower: eval/PERF_NOTES.md, decode #25). Each group has its packed tensors, strides
     and ``BITS`` (both branches are compiled into the one kernel: registers are the larger of the two). The
-    program itself is ``_decode_program``."""
+    program itself is ``_decode_program``.
+
+    LENS (a static cache decoded inside a CUDA graph): ``n_blocks``, ``n_tail`` are read from ``lens`` [2] int32
+    on the device and the launch's host values of them, ``kv_len``, ``T0`` and ``TPS*`` are ignored: each item's
+    visible tiles are cut into the launch's fixed S0 / S1 shares here (Lean Attention's stream-K shares computed
+    on the device); shares past the last tile are empty and still write their (m = -inf, l = 0) partial."""
+    if LENS:
+        n_blocks = tl.load(lens)
+        n_tail = tl.load(lens + 1)
+        kv_len = n_blocks * BS + n_tail
+        T0 = 0
+        if HAS_WINDOW:  # first_visible_tile, in packed-block units (the sink tiles are always visited)
+            T0 = tl.minimum(tl.maximum((kv_len - Lq - window + 1) // BS - n_sink // BS, 0), n_blocks)
+        n_vis = n_blocks + tl.cdiv(n_tail, BS) - T0
+        TPS0 = tl.maximum(tl.cdiv(n_vis, S0), 1)
+        TPS1 = tl.maximum(tl.cdiv(n_vis, S1), 1)
     pid = tl.program_id(0)
     NB0 = B * H0  # group 0's (batch, head) items
     NBH = B * (H0 + H1)
@@ -668,7 +684,7 @@ def _decode_kernel(
         _decode_program(
             i_s, i_m, i_bh, i_b, i_h,
             q, sk, mk, heads1, kp1, ks1, kz1, vp1, vsz1, kt, vt, sv, kvalid, o, po, pml, cnt,
-            n_blocks, n_tail, n_sink, tail_cap, Lq, kv_len, T0, TPS1, S1, tl.maximum(S0, S1), N_M, NBH, window,
+            n_blocks, n_tail, n_sink, tail_cap, Lq, kv_len, kv_row, T0, TPS1, S1, tl.maximum(S0, S1), N_M, NBH, window,
             softcap, sas_thr, qscale,
             stride_qb, stride_qh, stride_ql,
             stride_kb1, stride_kh1, stride_sb1, stride_sh1, stride_vb1, stride_vh1, stride_vsb1, stride_vsh1, HK,
@@ -678,7 +694,7 @@ def _decode_kernel(
         _decode_program(
             i_s, i_m, i_bh, i_b, i_h,
             q, sk, mk, heads0, kp0, ks0, kz0, vp0, vsz0, kt, vt, sv, kvalid, o, po, pml, cnt,
-            n_blocks, n_tail, n_sink, tail_cap, Lq, kv_len, T0, TPS0, S0, tl.maximum(S0, S1), N_M, NBH, window,
+            n_blocks, n_tail, n_sink, tail_cap, Lq, kv_len, kv_row, T0, TPS0, S0, tl.maximum(S0, S1), N_M, NBH, window,
             softcap, sas_thr, qscale,
             stride_qb, stride_qh, stride_ql,
             stride_kb0, stride_kh0, stride_sb0, stride_sh0, stride_vb0, stride_vh0, stride_vsb0, stride_vsh0, HK,
@@ -921,6 +937,7 @@ def turbo_decode_attention(
     max_registers: Optional[int] = None,
     merge: str = "fused",
     fold: bool = True,
+    lens: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention of a query chunk over a packed KV cache (all of ``groups``' blocks, then the tail).
 
@@ -954,6 +971,10 @@ def turbo_decode_attention(
             INT8 tiles (same integers; ``False`` = the restoring variant, kept for measurements). Where a folded
             8-bit dot would reduce over fewer than 32 (packed K bytes < 32, e.g. head_dim 64 at 2 bits, or
             block < 64) the restoring loop runs regardless (Triton's NVIDIA backend rejects K < 32).
+        lens: ``[2]`` int32 on the device, ``(n_blocks, n_tail)``: the lengths are read by the kernel, not from
+            ``groups``/``n_tail`` (a static cache inside a CUDA graph: no host int changes between steps). The
+            split plan is made for the groups' capacity, so the launch is the same every step; ``key_valid``
+            may then be wider than ``kv_len`` (``[b, >= kv_len]``, e.g. a static cache's capacity).
     Returns:
         ``[b, Lq, HQ, D]`` in ``q.dtype``.
     """
@@ -969,7 +990,7 @@ def turbo_decode_attention(
         stor += (g_.heads, g_.k, g_.v, g_.k_scale, g_.k_zero, g_.v_sz)
     key = (tuple(map(id, stor)), tuple(g_.bits for g_ in groups), q.shape, q.dtype, q.stride(), q.device,
            scale, causal, window, softcap, key_valid is None, n_sink, softmax, sas_threshold, n_splits, waves,
-           min_tiles, block_m, num_warps, num_stages, max_registers, merge, fold)
+           min_tiles, block_m, num_warps, num_stages, max_registers, merge, fold, lens is None)
     st = _STATIC.get(key)
     if st is None or not st.alive(stor):
         st = _DecodeStatic(q, groups, stor, scale=scale, causal=causal, window=window, softcap=softcap,
@@ -980,6 +1001,8 @@ def turbo_decode_attention(
             if len(_STATIC) >= _STATIC_MAX:
                 _STATIC.clear()
             _STATIC[key] = st
+    if lens is not None:
+        return st.run_lens(q, groups, stor, lens, key_valid)
     return st.run(q, groups, stor, n_tail, key_valid)
 
 
@@ -1138,8 +1161,6 @@ class _DecodeStatic:
         return memo
 
     def run(self, q, groups, stor, n_tail, key_valid):
-        if self.conv is not None:
-            stor = self.conv + stor[5:]
         n_blocks = groups[0].n_blocks
         for g_ in groups:
             if g_.n_blocks != n_blocks:
@@ -1152,29 +1173,51 @@ class _DecodeStatic:
         kv_len = n_blocks * BS + n_tail
         if Lq > kv_len:
             raise ValueError(f"query chunk of {Lq} tokens exceeds the {kv_len} stored tokens (store first)")
-        kvalid = None
-        if key_valid is not None:
-            if tuple(key_valid.shape) != (self.b, kv_len):
-                raise ValueError(f"key_valid must be [b, kv_len] = {(self.b, kv_len)}, got {tuple(key_valid.shape)}")
-            kvalid = _kvalid_int8(key_valid)
-        if self.q_copy:
-            q = q.contiguous()
-        o = torch.empty(self.o_shape, dtype=q.dtype, device=self.device)
+        if key_valid is not None and tuple(key_valid.shape) != (self.b, kv_len):
+            raise ValueError(f"key_valid must be [b, kv_len] = {(self.b, kv_len)}, got {tuple(key_valid.shape)}")
         n_tiles = n_blocks + -(-n_tail // BS)
         t0 = 0
         if self.window:
             t0 = min(max(first_visible_tile(kv_len, Lq, self.window, BS) - n_sink // BS, 0), n_blocks)
+        return self._launch(q, stor, key_valid, None, (n_blocks, n_tail, kv_len, kv_len, t0), n_tiles - t0)
+
+    def run_lens(self, q, groups, stor, lens, key_valid):
+        """``run`` with the lengths on the device (``lens``): the same launches every step, planned for the groups'
+        capacity; nothing here reads a length (CUDA-graph safe)."""
+        if lens.dtype != torch.int32 or lens.numel() < 2 or lens.device != self.device:
+            raise ValueError(f"lens must be int32 [2] (n_blocks, n_tail) on {self.device}, got {lens.dtype} "
+                             f"{tuple(lens.shape)} on {lens.device}")
+        kv_row = 0
+        if key_valid is not None:
+            if key_valid.dim() != 2 or key_valid.shape[0] != self.b:
+                raise ValueError(f"key_valid must be [b={self.b}, >= kv_len], got {tuple(key_valid.shape)}")
+            kv_row = key_valid.shape[1]
+        cap_tiles = groups[0].capacity + self.C // self.BS
+        return self._launch(q, stor, key_valid, lens, (0, 0, 0, kv_row, 0), cap_tiles)
+
+    def _launch(self, q, stor, key_valid, lens, lengths, n_plan):
+        """The launches of one call: ``lengths`` = (n_blocks, n_tail, kv_len, kvalid row length, t0) (host values;
+        ignored by a LENS launch), ``n_plan`` the visible tiles the split plan is made for."""
+        if self.conv is not None:
+            stor = self.conv + stor[5:]
+        n_blocks, n_tail, kv_len, kv_row, t0 = lengths
+        C, n_sink, Lq = self.C, self.n_sink, self.Lq
+        kvalid = _kvalid_int8(key_valid) if key_valid is not None else None
+        if self.q_copy:
+            q = q.contiguous()
+        o = torch.empty(self.o_shape, dtype=q.dtype, device=self.device)
         head = self.head(stor)
         sv = head[4]
+        ln = lens if lens is not None else sv
         cur = torch.cuda.current_device() if self.device.type == "cuda" else -1
         kv = kvalid if kvalid is not None else head[2]
         # the launch's specialisation facts beyond the entry's: the query's and key_valid's 16-byte alignment
         # (o and the workspace are fresh allocations; the integers that change are not specialised)
         q_ptr, kv_ptr = q.data_ptr(), kv.data_ptr()
-        facts = (kvalid is not None, q_ptr & 15 == 0, kv_ptr & 15 == 0, cur)
+        facts = (kvalid is not None, q_ptr & 15 == 0, kv_ptr & 15 == 0, cur, lens is not None)
         lean = isinstance(_DECODE, LeanLaunch) and not LeanLaunch.hooks_active()
         for i_p, pair in enumerate(self.pairs):
-            S0, tps0, S1, tps1, S, split, fused, sc, sizes, grid = self._step_plan(i_p, n_tiles - t0)
+            S0, tps0, S1, tps1, S, split, fused, sc, sizes, grid = self._step_plan(i_p, n_plan)
             if split:
                 po, pml, cnt = _workspace(self.device, *sizes)
             else:
@@ -1185,21 +1228,26 @@ class _DecodeStatic:
             if hit is not None and hit[1] is not None and lean:
                 _, compiled, ptrs = hit  # the entry's storage tensors' addresses (same objects: ``alive``)
                 LeanLaunch.relaunch(compiled, (grid,), (
-                    q_ptr, *ptrs[0], kv_ptr, o.data_ptr(), po.data_ptr(), pml.data_ptr(), cnt.data_ptr(), *ptrs[1],
-                    n_blocks, n_tail, n_sink, C, Lq, kv_len, t0, tps0, tps1, S0, S1, self.n_m, self.b) + ptrs[2])
+                    q_ptr, *ptrs[0], kv_ptr, o.data_ptr(), po.data_ptr(), pml.data_ptr(), cnt.data_ptr(),
+                    ln.data_ptr(), *ptrs[1], n_blocks, n_tail, n_sink, C, Lq, kv_len, kv_row, t0, tps0, tps1, S0, S1,
+                    self.n_m, self.b) + ptrs[2])
             else:
                 n_work, ga, gs, const, opts, launch, merge_args = pair
                 kw = hit[0] if hit is not None else dict(
-                    const, HAS_KVALID=kvalid is not None, **opts, SPLIT=split, FUSED_MERGE=fused, SC=sc, **launch)
+                    const, HAS_KVALID=kvalid is not None, **opts, SPLIT=split, FUSED_MERGE=fused, SC=sc,
+                    LENS=lens is not None, **launch)
                 ga_t = ga(stor)
-                ran = _DECODE[(grid,)](q, *head, kv, o, po, pml, cnt, *ga_t, n_blocks, n_tail, n_sink, C, Lq, kv_len,
-                                       t0, tps0, tps1, S0, S1, self.n_m, self.b, *self.scalars, *gs, **kw)
+                ran = _DECODE[(grid,)](q, *head, kv, o, po, pml, cnt, ln, *ga_t, n_blocks, n_tail, n_sink, C, Lq,
+                                       kv_len, kv_row, t0, tps0, tps1, S0, S1, self.n_m, self.b, *self.scalars, *gs,
+                                       **kw)
                 if self.cacheable and isinstance(_DECODE, LeanLaunch) and ran is not None:  # relaunch from now on
                     ptrs = (tuple(t.data_ptr() for t in head), tuple(t.data_ptr() for t in ga_t), self.scalars + gs)
                     self.launches[kk] = (kw, ran, ptrs)
                 elif hit is None:
                     self.launches[kk] = (kw, None, None)
             if split and not fused:
+                if lens is not None:
+                    raise ValueError("merge='kernel' takes host lengths; a launch with lens needs merge='fused'")
                 h0, h1, H0, H1, HK, G, D = pair[6]
                 _merge_kernel[(self.n_m, pair[0] // self.n_m)](
                     po, pml, stor[h0], stor[h1], sv, o, Lq, S, H0, H1, HK, G=G, D=D, BD=self.BD, BM=self.BM,

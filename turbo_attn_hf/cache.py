@@ -46,7 +46,8 @@ from .kernels.pack import PackedKV, kv_bytes_per_token, quantize_int8
 from .kernels.reference import k_smooth_mean, kv_finite_mean_ref
 from .kernels.rotation import rotate
 
-__all__ = ["TurboCache", "TurboLayer", "TurboSlidingWindowLayer"]
+__all__ = ["TurboCache", "TurboCacheFullError", "TurboLayer", "TurboSlidingWindowLayer", "TurboStaticLayer",
+           "TurboStaticSlidingWindowLayer"]
 
 _BITS_ORDER = (8, 4, 2)
 #: universal scale = headroom * amax / 127 of the first prefill: n prompt tokens under-estimate the range of a
@@ -660,6 +661,211 @@ class TurboSlidingWindowLayer(TurboLayer):
         self.record_past = True
 
 
+class TurboCacheFullError(RuntimeError):
+    """A static TurboCache got more tokens than its ``max_cache_len``."""
+
+
+class TurboStaticLayer(TurboLayer):
+    """A full-attention layer with storage for ``max_cache_len`` tokens, allocated at the first prefill and never
+    reallocated, and its lengths ``lens = [n_blocks, n_tail]`` (int32) on the device: a decode step (one token per
+    row) is a fixed sequence of launches with fixed arguments — ``turbo_attn::store_step`` (store the token, pack
+    a block when the INT8 buffer fills) and ``turbo_attn::decode_step`` (attention; the kernel reads ``lens``) —
+    so torch.compile traces it without a graph break and CUDA graphs replay it (``is_compileable``).
+
+    Prefills (more than one token) run eagerly through :class:`TurboLayer`'s store on host lengths; eager decode
+    steps keep the host lengths in step for free (the same rule as the kernel), compiled ones mark them stale
+    and the next host-side call reads ``lens`` once. More than ``max_cache_len`` tokens raise
+    :class:`TurboCacheFullError` before anything is stored (eager); inside a CUDA graph a step that finds the
+    packed storage full stores nothing and counts itself, and the next host-side call raises.
+    """
+
+    is_compileable = True
+
+    def __init__(self, turbo_config: TurboConfig, layer_idx: int = 0, n_layers: Optional[int] = None,
+                 max_cache_len: Optional[int] = None, **kwargs):
+        if max_cache_len is None or int(max_cache_len) <= 0:
+            raise TurboConfigError(f"a static TurboCache needs max_cache_len > 0, got {max_cache_len!r}")
+        self.max_cache_len = int(max_cache_len)
+        super().__init__(turbo_config, layer_idx, n_layers)
+
+    def _clear(self) -> None:
+        super()._clear()
+        self.lens = self.counters = None
+        self._host_stale = False
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        cfg = self.turbo_config
+        from .kernels.reference import int8_buffer_layout
+
+        # the most blocks max_cache_len tokens ever pack (reference.int8_buffer_layout)
+        self._cap_blocks = max(1, int8_buffer_layout(self.max_cache_len, cfg.block_size, cfg.sink_blocks,
+                                                     cfg.recent_blocks)[0])
+        super().lazy_initialization(key_states, value_states)
+        self.lens = torch.zeros(2, dtype=torch.int32, device=self.device)
+        self.counters = torch.zeros(2, dtype=torch.int32, device=self.device)  # arrival (0 between steps), overflow
+        self._base = torch.empty(1, dtype=self.dtype, device=self.device)  # made here: not inside a compiled step
+
+    def _make_groups(self, head_bits: list[int], capacity: int = 1, maps: Optional[dict] = None) -> None:
+        super()._make_groups(head_bits, max(capacity, self._cap_blocks), maps)
+
+    # ------------------------------------------------------------------ host view of the lengths
+    def _sync_host(self) -> None:
+        """Bring the host lengths up to date after compiled steps (one host sync), and raise if a step overflowed."""
+        if not self._host_stale or self.lens is None:
+            return
+        nb, nt, _, over = torch.cat([self.lens, self.counters]).tolist()
+        for grp in self.groups:
+            grp.n_blocks = nb
+        self.n_tail = nt
+        self._host_stale = False
+        if over:
+            raise TurboCacheFullError(
+                f"TurboCache layer {self.layer_idx}: {over} decode step(s) found the static cache full "
+                f"(max_cache_len={self.max_cache_len}); those tokens were not stored. Create the cache with a larger "
+                "max_cache_len (generate(): max_cache_len / max_new_tokens)")
+
+    def _push_lens(self) -> None:
+        if self.lens is not None and self.k_scale is not None:
+            self.lens.copy_(torch.tensor([self.n_blocks, self.n_tail], dtype=torch.int32))
+
+    def _check_room(self, n_new: int) -> None:
+        n = self.get_seq_length() if self.is_initialized else 0
+        if n + n_new > self.max_cache_len:
+            raise TurboCacheFullError(
+                f"TurboCache layer {self.layer_idx} holds {n} tokens; {n_new} more exceed max_cache_len="
+                f"{self.max_cache_len}. Nothing was stored; create the cache with a larger max_cache_len")
+
+    def _mark_static(self) -> None:
+        """Fixed addresses for torch.compile / CUDA graphs (as HF's StaticLayer does)."""
+        if torch.compiler.is_compiling():
+            return
+        ts = [t for _, t in self._tensors()] + [self.lens, self.counters, self.nonfinite]
+        for grp in self.groups:
+            ts += [grp.heads] + [t for _, t in grp._tensors()]
+        for t in ts:
+            if t is not None:
+                torch._dynamo.mark_static_address(t)
+
+    # ------------------------------------------------------------------ storing
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, cache_kwargs: Optional[dict] = None,
+               *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized or self.k_scale is None or key_states.shape[2] != 1:
+            if torch.compiler.is_compiling():
+                raise TurboConfigError(
+                    f"TurboCache layer {self.layer_idx}: a static TurboCache compiles decode steps (one token per "
+                    "row) only; run prefills eagerly (HF generate() does)")
+            self._sync_host()
+            self._check_room(key_states.shape[2])
+            out = super().update(key_states, value_states, cache_kwargs, *args, **kwargs)
+            self._push_lens()
+            self._mark_static()
+            return out
+        b, hk, _, d = key_states.shape
+        if (b, hk, d) != (self.batch, self.n_kv_heads, self.head_dim):
+            raise ValueError(
+                f"TurboCache layer {self.layer_idx} holds [batch {self.batch}, {self.n_kv_heads} KV heads, "
+                f"head_dim {self.head_dim}] but got key states {tuple(key_states.shape)}"
+            )
+        if self.rotated:
+            key_states = rotate(key_states)
+        if not torch.compiler.is_compiling():
+            self._sync_host()
+            self._check_room(1)
+        from .ops import flatten_groups
+
+        ts, bits = flatten_groups(self.groups)
+        torch.ops.turbo_attn.store_step(key_states, value_states, self.k_scale, self.k_mean, self.v_scale,
+                                        self.k_tail, self.v_tail, ts, bits, self.n_sink, self.lens, self.counters,
+                                        self.nonfinite)
+        if torch.compiler.is_compiling():
+            self._host_stale = True
+        else:  # the kernel's rule on the host lengths: no sync in an eager step
+            C, bs = self.k_tail.shape[2], self.turbo_config.block_size
+            if self.n_tail + 1 == C:
+                for grp in self.groups:
+                    grp.n_blocks += 1
+                self.n_tail = C - bs
+            else:
+                self.n_tail += 1
+        self._first_prefill = False
+        return self._placeholders(self.max_cache_len)
+
+    # ------------------------------------------------------------------ attention
+    def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, scale=None,
+                  causal: bool = True, window=None, softcap=None, key_valid=None) -> torch.Tensor:
+        """A decode step (one query token per row over the placeholders of ``update``): ``turbo_attn::decode_step``
+        over the storage with the device lengths; anything else as :meth:`TurboLayer.attention`."""
+        if self._first_prefill or query.shape[2] != 1 or key.shape[2] != self.max_cache_len:
+            return super().attention(query, key, value, scale=scale, causal=causal, window=window, softcap=softcap,
+                                     key_valid=key_valid)
+        if self.rotated:
+            if not getattr(key, "turbo_rotated", False):
+                raise ValueError(
+                    f"TurboCache layer {self.layer_idx} stores Hadamard-rotated K (rotate_qk='hadamard'); pass the "
+                    "keys its update() returned, not other key tensors"
+                )
+            query = rotate(query)
+        from .ops import flatten_groups
+
+        cfg = self.turbo_config
+        ts, bits = flatten_groups(self.groups)
+        q = query if query.dtype in (torch.bfloat16, torch.float16) or not use_triton(query.device) else \
+            query.to(torch.bfloat16)
+        out = torch.ops.turbo_attn.decode_step(
+            q, self.k_tail, self.v_tail, self.k_scale, self.v_scale, self.k_mean, ts, bits, self.n_sink, self.lens,
+            key_valid, float(scale) if scale is not None else float(query.shape[-1] ** -0.5), bool(causal),
+            int(window or 0), float(softcap or 0.0), cfg.softmax, float(cfg.sas_threshold))
+        return out.to(query.dtype)
+
+    # ------------------------------------------------------------------ HF cache API
+    def get_seq_length(self):
+        if torch.compiler.is_compiling() and self.lens is not None:  # no host int inside a compiled step
+            return self.lens[0] * self.turbo_config.block_size + self.lens[1]
+        self._sync_host()
+        return super().get_seq_length()
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if query_length == 1:  # a decode step: the same mask shape every step (the kernel reads the lengths)
+            return self.max_cache_len, 0
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def _index_batch(self, idx: torch.Tensor) -> None:
+        """Beam reorder: gathered in place when the batch size is unchanged (the addresses CUDA graphs hold stay)."""
+        if not self.is_initialized:
+            return
+        idx = idx.to(self.device)
+        if int(idx.numel()) != self.batch:
+            super()._index_batch(idx)
+            return
+        for _, t in self._tensors():
+            t.copy_(t.index_select(0, idx))
+        for grp in self.groups:
+            for _, t in grp._tensors():
+                t.copy_(t.index_select(0, idx))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self._sync_host()
+        super().crop(tokens_to_remove)
+        self._push_lens()
+
+
+class TurboStaticSlidingWindowLayer(TurboStaticLayer):
+    """Sliding-window twin of :class:`TurboStaticLayer` (every token kept; the window is applied in attention)."""
+
+    is_sliding = True
+
+    def __init__(self, turbo_config: TurboConfig, layer_idx: int = 0, n_layers: Optional[int] = None,
+                 max_cache_len: Optional[int] = None, sliding_window: Optional[int] = None, **kwargs):
+        super().__init__(turbo_config, layer_idx, n_layers, max_cache_len=max_cache_len)
+        self.sliding_window = sliding_window
+
+    def activate_past_recording(self):
+        self.record_past = True
+
+
 def _kv_heads(config: Any) -> Optional[int]:
     """The model's KV heads per layer, or None without a config."""
     if config is None:
@@ -691,20 +897,31 @@ class TurboCache(Cache):
     """
 
     def __init__(self, turbo_config: TurboConfig | str | None = None, *, config: Any = None,
-                 layers: Optional[list] = None):
+                 layers: Optional[list] = None, max_cache_len: Optional[int] = None):
         self.turbo_config = _resolve_config(turbo_config, config)
         self.n_layers: Optional[int] = None
+        self.max_cache_len = max_cache_len
+        if max_cache_len is not None and (int(max_cache_len) <= 0 or (layers is None and config is None)):
+            raise TurboConfigError(
+                f"a static TurboCache needs max_cache_len > 0 and the model's config (got max_cache_len="
+                f"{max_cache_len!r}, config={'given' if config is not None else None}): "
+                "TurboCache(preset, config=model.config, max_cache_len=N)")
+        static = max_cache_len is not None
         if layers is None and config is not None:
             text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
             self.n_layers = text.num_hidden_layers
             layers = []
             for i, t in enumerate(_layer_types(text)):
                 if t == "full_attention":
-                    layers.append(TurboLayer(self.turbo_config, i, self.n_layers))
+                    layers.append(TurboStaticLayer(self.turbo_config, i, self.n_layers, max_cache_len=max_cache_len)
+                                  if static else TurboLayer(self.turbo_config, i, self.n_layers))
                 elif t in ("sliding_attention", "chunked_attention"):
                     w = getattr(text, "sliding_window", None) if t == "sliding_attention" else \
                         getattr(text, "attention_chunk_size", None)
-                    layers.append(TurboSlidingWindowLayer(self.turbo_config, i, self.n_layers, sliding_window=w))
+                    layers.append(TurboStaticSlidingWindowLayer(self.turbo_config, i, self.n_layers,
+                                                                max_cache_len=max_cache_len, sliding_window=w)
+                                  if static else
+                                  TurboSlidingWindowLayer(self.turbo_config, i, self.n_layers, sliding_window=w))
                 else:
                     from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING
 

@@ -11,8 +11,11 @@ it built by ``TurboCache.from_template(cache, turbo_config, text_config)`` only 
   * the user passed no cache (looked up *before* calling the original, not through private flags);
   * the model's text config says ``turbo_int8`` now (checked on every call, so
     ``set_attn_implementation("sdpa")`` switches back to the DynamicCache);
-  * ``generation_config.cache_implementation`` is None or ``"dynamic"``;
-  * the built cache is exactly a ``DynamicCache`` (not a subclass, static, offloaded or encoder-decoder).
+  * ``generation_config.cache_implementation`` is None or ``"dynamic"`` and the built cache is exactly a
+    ``DynamicCache`` (not a subclass, offloaded or encoder-decoder) -> the dynamic ``TurboCache``; or
+    ``cache_implementation`` is ``"static"`` and the built cache is exactly a ``StaticCache`` -> a static
+    ``TurboCache`` of the same capacity (``max_cache_len``), which generate() then compiles like HF's own
+    (its layers are ``is_compileable``; the decode step is two custom ops per layer: ``turbo_attn_hf.ops``).
 
 Assistant models (assisted decoding) get ``activate_past_recording()`` on the new cache as the
 original did on the DynamicCache. Nothing sets ``_layer_type`` on any class.
@@ -65,7 +68,8 @@ def maybe_swap_cache(model: Any, generation_config: Any, model_kwargs: dict, bef
 
     if not uses_turbo(model):
         return False
-    if getattr(generation_config, "cache_implementation", None) not in (None, "dynamic"):
+    impl = getattr(generation_config, "cache_implementation", None)
+    if impl not in (None, "dynamic", "static"):
         return False
     built = {k: v for k, v in cache_entries(model_kwargs).items() if before.get(k) is not v}
     if len(built) != 1:
@@ -74,12 +78,24 @@ def maybe_swap_cache(model: Any, generation_config: Any, model_kwargs: dict, bef
                      "none is replaced by a TurboCache. Pass one explicitly to quantize the cache.")
         return False
     (key, cache), = built.items()
-    if type(cache) is not DynamicCache:
-        return False
     from .cache import TurboCache
 
     text_config = model.config.get_text_config(decoder=True)
-    new = TurboCache.from_template(cache, get_turbo_config(model), text_config)
+    if impl == "static":
+        from transformers.cache_utils import StaticCache
+
+        if type(cache) is not StaticCache:
+            return False
+        # every turbo layer keeps all tokens (a sliding window is applied in attention), so the capacity is the
+        # longest of HF's layers and of this call's max_length
+        cap = max([int(getattr(layer, "max_cache_len", 0) or 0) for layer in cache.layers]
+                  + [int(getattr(generation_config, "max_length", 0) or 0),
+                     int(getattr(generation_config, "max_cache_len", 0) or 0)])
+        new = TurboCache(get_turbo_config(model), config=text_config, max_cache_len=cap)
+    elif type(cache) is not DynamicCache:
+        return False
+    else:
+        new = TurboCache.from_template(cache, get_turbo_config(model), text_config)
     if getattr(generation_config, "is_assistant", False):
         new.activate_past_recording()
     model_kwargs[key] = new

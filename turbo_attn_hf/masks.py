@@ -103,13 +103,20 @@ def turbo_mask(
         mask_function: the pattern transformers wants; only causal and causal sliding-window are accepted.
         attention_mask: the user's 2D padding mask ``[b, >= kv_offset + kv_length]`` (bool) or None.
     """
-    classify_mask_function(mask_function, config)
+    # inspect-based, not traceable; a compiled decode step follows an eager prefill whose mask creation built
+    # the same mask functions (and generate() builds this step's mask eagerly first), so it was checked there
+    if not torch.compiler.is_compiling():
+        classify_mask_function(mask_function, config)
 
     # The kernels align the queries with the *last* keys (bottom-right causal). That holds for dynamic
-    # caches (incl. sliding-window layers and TurboCache) and no-cache forwards; a static cache returns
-    # keys padded to its capacity, where it does not.
+    # caches (incl. sliding-window layers and TurboCache) and no-cache forwards. A static cache reports keys
+    # padded to its capacity: for one query token per row that is still exact if every slot past the query is
+    # masked (static_decode_mask; a static TurboCache reads its real length on the device anyway); a chunk of
+    # several queries would be misaligned, which is refused.
+    if int(q_length) == 1 and (isinstance(q_offset, torch.Tensor) or int(kv_offset) + int(kv_length) > int(q_offset) + 1):
+        return static_decode_mask(batch_size, kv_length, q_offset, kv_offset, attention_mask, config)
     if isinstance(q_offset, torch.Tensor):
-        raise unsupported("static cache", config, "the cache reports a tensor query offset")
+        raise unsupported("static cache", config, "the cache reports a tensor query offset for a chunk of queries")
     if int(q_offset) + int(q_length) != int(kv_offset) + int(kv_length):
         raise unsupported(
             "static cache", config,
@@ -135,3 +142,30 @@ def turbo_mask(
     if bool(key_valid.all()):
         return None
     return key_valid.contiguous()
+
+
+def static_decode_mask(batch_size: int, kv_length: int, q_offset: Any, kv_offset: int,
+                       attention_mask: Optional[torch.Tensor], config: Any = None) -> torch.Tensor:
+    """``key_valid: bool [b, kv_length]`` for one query token at position ``q_offset`` over a static cache's
+    ``kv_length`` slots: the user's padding mask, and no slot after the query (empty capacity). No host sync and
+    no data-dependent branch (a compiled decode step traces it); never None: the slots past the query must be
+    masked for a cache that hands over its whole capacity."""
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise TurboUnsupportedError(
+            f"turbo_int8: {model_name(config)} got an attention_mask of shape {tuple(attention_mask.shape)} in "
+            "mask creation; expected the 2D padding mask [batch, seq_len]."
+        )
+    device = attention_mask.device if attention_mask is not None else (
+        q_offset.device if isinstance(q_offset, torch.Tensor) else None)
+    pos = torch.arange(int(kv_offset), int(kv_offset) + int(kv_length), device=device)
+    valid = (pos <= q_offset)[None, :].expand(batch_size, -1)
+    if attention_mask is None:
+        return valid.contiguous()
+    mask = attention_mask.to(torch.bool)
+    end = int(kv_offset) + int(kv_length)
+    if mask.shape[-1] < end:  # as transformers' prepare_padding_mask: missing positions are padding
+        mask = torch.nn.functional.pad(mask, (0, end - mask.shape[-1]), value=False)
+    mask = mask[:, int(kv_offset):end]
+    if mask.shape[0] != batch_size:
+        mask = mask.expand(batch_size, -1)
+    return (mask & valid).contiguous()

@@ -32,6 +32,8 @@ CONFIGS = [
     (256, 2, 2, 1, 64, "fold"),
     (128, (4, 2), 4, 1, 64, "fold"),  # mixed: INT4 + INT2 heads, one launch
     (64, (4, 2), 3, 1, 64, "fold"),  # SmolLM2-135M mixed: the INT2 half takes the restoring loop
+    (128, (4, 2), 4, 1, 64, "lens"),  # a static cache in a CUDA graph: lengths and shares on the device
+    (128, 4, 4, 1, 64, "lens"),
 ]
 
 
@@ -44,12 +46,13 @@ def _compile(D, bits, G, Lq, BS, variant):
 
     bits0, bits1 = (bits, bits) if isinstance(bits, int) else bits  # a pair: one launch for two bit groups
     sig = dict(q="*bf16", sk="*fp32", mk="*fp32", kt="*i8", vt="*i8", sv="*fp32", kvalid="*i8", o="*bf16",
-               po="*fp32", pml="*fp32", cnt="*i32")
+               po="*fp32", pml="*fp32", cnt="*i32", lens="*i32")
     for g, bg in (("0", bits0), ("1", bits1)):
         code = "*i8" if bg == 8 else "*u8"
         sig.update({"heads" + g: "*i32", "kp" + g: code, "ks" + g: "*i8", "kz" + g: "*i8", "vp" + g: code,
                     "vsz" + g: "*i8"})
-    for name in ("n_blocks", "n_tail", "n_sink", "tail_cap", "Lq", "kv_len", "T0", "TPS0", "TPS1", "S0", "S1", "N_M", "B", "window"):
+    for name in ("n_blocks", "n_tail", "n_sink", "tail_cap", "Lq", "kv_len", "kv_row", "T0", "TPS0", "TPS1", "S0", "S1",
+                 "N_M", "B", "window"):
         sig[name] = "i32"
     for name in ("softcap", "sas_thr", "qscale"):
         sig[name] = "fp32"
@@ -63,11 +66,11 @@ def _compile(D, bits, G, Lq, BS, variant):
     BD, M = _pow2(D), G * Lq
     BM = min(64, max(4, _pow2(M)))
     split = variant != "nosplit"
-    masks = variant == "masks"
+    masks = variant in ("masks", "lens")
     cx = dict(G=G, D=D, BD=BD, BS=BS, BM=BM, BITS0=bits0, BITS1=bits1, TWO_GROUPS=not isinstance(bits, int),
               IS_CAUSAL=True, HAS_WINDOW=masks, HAS_SOFTCAP=masks,
               HAS_MEAN=True, HAS_KVALID=masks, USE_SAS=masks, SPLIT=split, FUSED_MERGE=split,
-              FOLD=variant != "restore", USE_ASM=True, SC=_merge_chunk(8, BM, BD, 1))
+              FOLD=variant != "restore", USE_ASM=True, SC=_merge_chunk(8, BM, BD, 1), LENS=variant == "lens")
     sig.update({k: "constexpr" for k in cx})
     src = triton.compiler.ASTSource(fn=_decode_kernel, signature=sig, constexprs=cx)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1, num_stages=2))
