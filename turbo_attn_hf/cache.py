@@ -826,6 +826,10 @@ class TurboStaticLayer(TurboLayer):
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         if query_length == 1:  # a decode step: the same mask shape every step (the kernel reads the lengths)
+            if not torch.compiler.is_compiling() and self.k_scale is not None and not self._host_stale:
+                n = super().get_seq_length()
+                if n + 1 > self.max_cache_len:  # a mask that fits, so that update() raises the named error
+                    return n + 1, 0
             return self.max_cache_len, 0
         return self.get_seq_length() + query_length, 0
 

@@ -110,6 +110,9 @@ def pytorch_reference_kernels(monkeypatch):
     except ImportError:
         return
     monkeypatch.setattr(cache, "use_triton", lambda device: device.type == "cuda")
+    from turbo_attn_hf import ops
+
+    monkeypatch.setattr(ops, "use_triton", lambda device: device.type == "cuda")
 
 
 def turbo_cache_available() -> bool:

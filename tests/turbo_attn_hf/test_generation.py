@@ -207,10 +207,15 @@ def test_assisted_decoding(tm, pytorch_reference_kernels):
     _assert_tracks(tm.make_model("llama"), seq, 16)
 
 
-def test_static_cache_is_refused(tm, pytorch_reference_kernels):
+def test_hf_static_cache_is_refused(tm, pytorch_reference_kernels):
+    """A user's own HF StaticCache hands attention its zero-padded capacity for a prompt chunk: refused.
+    (``cache_implementation="static"`` gets the static TurboCache instead: test_static_cache.py.)"""
+    from transformers.cache_utils import StaticCache
+
     model = tm.make_model("llama", attn="turbo_int8")
+    cache = StaticCache(config=model.config, max_cache_len=32)
     with pytest.raises(TurboUnsupportedError, match="static cache"):
-        model.generate(tm.token_ids(1, 8), max_new_tokens=2, cache_implementation="static")
+        model.generate(tm.token_ids(1, 8), max_new_tokens=2, **{turbo_attn_hf.generation.cache_kwarg(): cache})
 
 
 @pytest.mark.gpu

@@ -1,0 +1,201 @@
+"""The static TurboCache (issue 18): storage for ``max_cache_len`` tokens, lengths on the device, a decode step of
+two custom ops that torch.compile traces whole.
+
+It must store exactly what the dynamic TurboCache stores (bit for bit: the same codes, scales and packed blocks)
+and attend the same way (the decode kernel's device-side shares only regroup fp32 partial sums), so greedy
+tokens are compared for equality against the dynamic cache, and the storage byte for byte.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import turbo_attn_hf
+from turbo_attn_hf import TurboConfig
+from turbo_attn_hf.cache import TurboCache, TurboCacheFullError, TurboLayer, TurboStaticLayer
+
+#: block 16, one sink block, one recent block: a 37-token prompt packs a block, and every 16 decode steps pack
+#: another (the step kernel's pack-and-shift path)
+INT4_B16 = TurboConfig(bits=4, block_size=16, sink_blocks=1, recent_blocks=1, name="int4-b16")
+MIXED_B16 = TurboConfig(bits=4, block_size=16, sink_blocks=1, recent_blocks=1, n_2bit_heads=2, name="mixed-b16")
+
+
+def _greedy(model, ids, mask, cache, n):
+    """Manual greedy loop over ``cache``: the last-position logits of the prefill and of each step."""
+    out = []
+    with torch.no_grad():
+        o = model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        for _ in range(n):
+            tok = o.logits[:, -1:].argmax(-1)
+            out.append(o.logits[:, -1].float())
+            mask = torch.cat([mask, torch.ones_like(tok)], 1)
+            o = model(tok, attention_mask=mask, past_key_values=cache, use_cache=True)
+        out.append(o.logits[:, -1].float())
+    return torch.stack(out, 1)
+
+
+def _padded(tm, b=2, n=37):
+    ids = tm.token_ids(b, n)
+    mask = torch.ones_like(ids)
+    mask[-1, :5] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("cfg", [INT4_B16, MIXED_B16], ids=["int4", "mixed"])
+def test_step_store_matches_the_dynamic_store(cfg, device):
+    """Token by token through ``turbo_attn::store_step`` (the Triton step kernel; interpreter on CPU): the same
+    INT8 buffer, packed blocks and lengths as the dynamic layer's host-planned store, bit for bit, across 3
+    packs."""
+    g = torch.Generator().manual_seed(0)
+    b, hk, d, T0, n = 2, 4, 64, 37, 50
+    k = (torch.randn(b, hk, T0 + n, d, generator=g) + 0.5).to(device, torch.bfloat16)
+    v = torch.randn(b, hk, T0 + n, d, generator=g).to(device, torch.bfloat16)
+    dyn, sta = TurboLayer(cfg, 0, 1), TurboStaticLayer(cfg, 0, 1, max_cache_len=T0 + n)
+    for layer in (dyn, sta):
+        layer.update(k[:, :, :T0], v[:, :, :T0])
+        for t in range(T0, T0 + n):
+            layer.update(k[:, :, t:t + 1], v[:, :, t:t + 1])
+    assert sta.lens.tolist() == [dyn.n_blocks, dyn.n_tail] == [sta.n_blocks, sta.n_tail]
+    assert dyn.n_blocks == 3 and sta.counters.tolist() == [0, 0]  # all three packed by decode steps
+    nt = dyn.n_tail
+    assert torch.equal(sta.k_tail[:, :, :nt], dyn.k_tail[:, :, :nt])
+    assert torch.equal(sta.v_tail[:, :, :, :nt], dyn.v_tail[:, :, :, :nt])
+    for gs, gd in zip(sta.groups, dyn.groups):
+        assert torch.equal(gs.heads, gd.heads)
+        for (name, ts), (_, td) in zip(gs._tensors(), gd._tensors()):
+            assert torch.equal(ts[:, :, :dyn.n_blocks], td[:, :, :dyn.n_blocks]), name
+
+
+@pytest.mark.parametrize("arch,cfg", [("llama", INT4_B16), ("mistral", MIXED_B16), ("gemma2", INT4_B16)],
+                         ids=["llama-int4", "mistral-mixed", "gemma2-int4"])
+def test_static_decode_matches_dynamic(arch, cfg, tm, pytorch_reference_kernels):
+    """Left-padded greedy decoding over the static cache = over the dynamic one (mistral: sliding window;
+    gemma2: softcap, sliding + full layers)."""
+    model = tm.make_model(arch, attn="turbo_int8")
+    ids, mask = _padded(tm)
+    dyn = _greedy(model, ids, mask, TurboCache(cfg, config=model.config), 24)
+    cache = TurboCache(cfg, config=model.config, max_cache_len=64)
+    sta = _greedy(model, ids, mask, cache, 24)
+    assert torch.equal(sta.argmax(-1), dyn.argmax(-1))
+    assert (sta - dyn).abs().max() < 1e-3  # measured 0 (the reference path; same stored codes)
+    assert cache.get_seq_length() == 61 and cache.is_compileable
+
+
+def test_static_decode_through_the_kernels(tm):
+    """The same through the Triton kernels (interpreter on CPU): store_step + the decode kernel's LENS mode."""
+    model = tm.make_model("llama", attn="turbo_int8")
+    ids, mask = _padded(tm)
+    dyn = _greedy(model, ids, mask, TurboCache(INT4_B16, config=model.config), 20)
+    sta = _greedy(model, ids, mask, TurboCache(INT4_B16, config=model.config, max_cache_len=64), 20)
+    assert torch.equal(sta.argmax(-1), dyn.argmax(-1))
+    assert (sta - dyn).abs().max() < 2e-2  # shares differ only in fp32 merge order: measured 0 on CPU
+
+
+def test_compiled_decode_step_has_no_graph_break(tm, pytorch_reference_kernels):
+    """torch.compile(fullgraph=True) traces a decode step over the static cache (a graph break would raise) and
+    computes what the eager step computes; one graph for all steps (no recompile per step)."""
+    import torch._dynamo
+
+    model = tm.make_model("gemma3", attn="turbo_int8")
+    ids, mask = _padded(tm)
+    eager = _greedy(model, ids, mask, TurboCache(INT4_B16, config=model.config, max_cache_len=64), 12)
+    torch._dynamo.reset()
+    counts = torch._dynamo.utils.counters
+    counts.clear()
+    compiled = torch.compile(model.forward, fullgraph=True, backend="eager")
+    cache = TurboCache(INT4_B16, config=model.config, max_cache_len=64)
+    out, m = [], mask
+    with torch.no_grad():
+        o = model(ids, attention_mask=m, past_key_values=cache, use_cache=True)  # prefill: eager
+        for _ in range(12):
+            tok = o.logits[:, -1:].argmax(-1)
+            out.append(o.logits[:, -1].float())
+            m = torch.cat([m, torch.ones_like(tok)], 1)
+            full = torch.nn.functional.pad(m, (0, 64 - m.shape[1]))  # a fixed-shape mask, as generate() makes
+            pos = torch.full((2, 1), m.shape[1] - 1)  # what the eager loop's model derives from the cache
+            o = compiled(input_ids=tok, attention_mask=full, position_ids=pos, past_key_values=cache, use_cache=True)
+        out.append(o.logits[:, -1].float())
+    assert torch.equal(torch.stack(out, 1), eager)
+    assert counts["stats"]["unique_graphs"] == 1, dict(counts["stats"])
+    torch._dynamo.reset()
+
+
+def test_generate_static_builds_and_compiles_the_static_turbocache(tm, pytorch_reference_kernels):
+    """generate(cache_implementation="static") -> a static TurboCache, HF's auto-compile takes it (forced on CPU
+    with a fullgraph eager-backend CompileConfig), and greedy tokens equal the dynamic TurboCache's."""
+    import torch._dynamo
+    from transformers import CompileConfig
+
+    model = tm.make_model("llama", attn="turbo_int8")
+    turbo_attn_hf.set_turbo_config(model, INT4_B16)
+    ids, mask = _padded(tm)
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    cc = CompileConfig(backend="eager", fullgraph=True)
+    cc._compile_all_devices = True  # HF compiles only on accelerators otherwise
+    torch._dynamo.reset()
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, cache_implementation="static",
+                         compile_config=cc, return_dict_in_generate=True)
+    cache = getattr(out, "past_key_values", None) or getattr(out, "cache", None)
+    assert isinstance(cache, TurboCache) and isinstance(cache.layers[0], TurboStaticLayer)
+    assert cache.is_compileable and cache.layers[0].max_cache_len >= 57
+    assert hasattr(model, "_compiled_call")
+    assert torch.equal(out.sequences, ref)
+    torch._dynamo.reset()
+
+
+def test_static_beam_search_matches_dynamic(tm, pytorch_reference_kernels):
+    """Beam search reorders the static storage in place (the addresses a CUDA graph holds stay)."""
+    model = tm.make_model("mistral", attn="turbo_int8")
+    turbo_attn_hf.set_turbo_config(model, INT4_B16)
+    ids, mask = _padded(tm)
+    kw = dict(attention_mask=mask, max_new_tokens=8, num_beams=2, do_sample=False)
+    ref = model.generate(ids, **kw)
+    out = model.generate(ids, cache_implementation="static", disable_compile=True, **kw)
+    assert torch.equal(out, ref)
+
+
+def test_second_prefill_and_crop_match_dynamic(tm, pytorch_reference_kernels):
+    """Multi-turn (a second prefill after decode steps) and crop: host lengths re-read from the device."""
+    model = tm.make_model("llama", attn="turbo_int8")
+    ids, mask = _padded(tm)
+    turn2 = tm.token_ids(2, 9, seed=5)
+    res = []
+    for cache in (TurboCache(INT4_B16, config=model.config), TurboCache(INT4_B16, config=model.config,
+                                                                         max_cache_len=96)):
+        a = _greedy(model, ids, mask, cache, 10)
+        m2 = torch.cat([mask, torch.ones(2, 10 + 9, dtype=mask.dtype)], 1)
+        with torch.no_grad():
+            b = model(turn2, attention_mask=m2, past_key_values=cache, use_cache=True).logits.float()
+        cache.crop(-7)
+        n_after_crop = cache.get_seq_length()
+        with torch.no_grad():
+            c = model(turn2[:, :1], attention_mask=m2[:, :-6], past_key_values=cache, use_cache=True).logits.float()
+        res.append((a, b, n_after_crop, c))
+    (a0, b0, n0, c0), (a1, b1, n1, c1) = res
+    assert torch.equal(a0, a1) and torch.equal(b0, b1) and n0 == n1 == 49 and torch.equal(c0, c1)
+
+
+def test_static_cache_full_raises_and_keeps_the_storage(tm, pytorch_reference_kernels):
+    model = tm.make_model("llama", attn="turbo_int8")
+    ids, mask = _padded(tm)
+    cache = TurboCache(INT4_B16, config=model.config, max_cache_len=40)
+    _greedy(model, ids, mask, cache, 2)  # 37 + 2 stored, the third step's token is the 40th
+    layer = cache.layers[0]
+    with torch.no_grad():
+        model(ids[:, :1], attention_mask=torch.ones(2, 40, dtype=mask.dtype), past_key_values=cache)
+        before = (layer.lens.clone(), layer.k_tail.clone())
+        with pytest.raises(TurboCacheFullError, match="max_cache_len=40"):
+            model(ids[:, :1], attention_mask=torch.ones(2, 41, dtype=mask.dtype), past_key_values=cache)
+    assert torch.equal(layer.lens, before[0]) and torch.equal(layer.k_tail, before[1])
+    with pytest.raises(turbo_attn_hf.TurboConfigError, match="max_cache_len"):
+        TurboCache(INT4_B16, max_cache_len=16)  # no model config: no layers to make static
+
+
+def test_static_decode_mask():
+    from turbo_attn_hf.masks import static_decode_mask
+
+    pad = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)  # the past and this token
+    kv = static_decode_mask(2, 8, torch.tensor(4), 0, pad)
+    want = torch.tensor([[0, 1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 0, 0, 0]], dtype=torch.bool)
+    assert torch.equal(kv, want)
+    assert torch.equal(static_decode_mask(1, 4, 1, 0, None), torch.tensor([[1, 1, 0, 0]], dtype=torch.bool))
