@@ -357,3 +357,43 @@ def test_key_valid_converted_once_per_mask_object_and_version():
     with torch.inference_mode():  # inference tensors have no version counter: converted every call
         inf = torch.tensor([[True, True]])
         assert _kvalid_int8(inf).tolist() == [[1, 1]]
+
+
+@pytest.mark.parametrize("variant", ["plain", "window", "key_valid", "softcap"])
+def test_decode_lengths_on_device(variant, device):
+    """LENS (a static cache in a CUDA graph): the kernel reads (n_blocks, n_tail) from a device tensor and cuts the
+    visible tiles into the launch's fixed shares itself (planned for the groups' capacity: most shares empty at
+    this length); the host lengths passed are ignored. Equals the reference with the same shares, and the host-
+    length launch up to the shares' rounding."""
+    from turbo_attn_hf.kernels.decode import group_splits
+
+    b, hk, G, L, lq, d, bs = 2, 2, 2, 150, 1, 64, 64  # 2 packed blocks + a tail tile
+    q, k, v, (groups, kt, vt, nt, ks, vs, mu) = make_case(b, hk, G, L, lq, d, [4, 2], bs, seed=9)
+    kw = dict(scale=0.2)
+    if variant == "window":
+        kw["window"] = 40  # the first block is skipped
+    elif variant == "softcap":
+        kw["softcap"] = 6.0
+    kvw = None
+    if variant == "key_valid":
+        kvw = torch.ones(b, L + 40, dtype=torch.bool)  # a static cache's mask spans its capacity
+        kvw[0, :75] = False
+        kvw[1, 100:103] = False
+        kvw[:, L:] = False
+    packed = to_packed(groups, device)
+    n_blocks = packed[0].n_blocks
+    for g_ in packed:
+        g_.reserve(n_blocks + 60)  # capacity past the stored blocks, as a static cache holds it
+        g_.n_blocks = 0  # host lengths must not be read
+    lens = torch.tensor([n_blocks, nt], dtype=torch.int32, device=device)
+    dkw = {n: (t.to(device) if torch.is_tensor(t) else t) for n, t in kw.items()}
+    out = turbo_decode_attention(q.to(device), packed, kt.to(device), vt.to(device), 0, ks.to(device),
+                                 vs.to(device), mu.to(device), lens=lens,
+                                 key_valid=None if kvw is None else kvw.to(device), **dkw)
+    cap_tiles = packed[0].capacity + kt.shape[2] // bs
+    S = group_splits(cap_tiles, packed, b, 1, torch.device(device))
+    assert min(S.values()) > n_blocks + 1  # empty shares exist
+    rkw = dict(kw, key_valid=None if kvw is None else kvw[:, :L])
+    ref = R.turbo_decode_ref(q, groups, kt, vt, nt, ks, vs, mu, n_splits=S, **rkw)
+    assert_close(out, ref, ATOL_KERNEL)
+    assert_close(ref, R.turbo_decode_ref(q, groups, kt, vt, nt, ks, vs, mu, n_splits=1, **rkw), 0.05)
