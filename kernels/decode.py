@@ -1202,7 +1202,13 @@ class _DecodeStatic:
             stor = self.conv + stor[5:]
         n_blocks, n_tail, kv_len, kv_row, t0 = lengths
         C, n_sink, Lq = self.C, self.n_sink, self.Lq
-        kvalid = _kvalid_int8(key_valid) if key_valid is not None else None
+        if key_valid is None:
+            kvalid = None
+        elif lens is not None:  # no cached copy: it would outlive a CUDA-graph capture (a bool mask is read as int8)
+            kvalid = key_valid.view(torch.int8) if key_valid.dtype == torch.bool and key_valid.is_contiguous() \
+                else key_valid.to(torch.int8).contiguous()
+        else:
+            kvalid = _kvalid_int8(key_valid)
         if self.q_copy:
             q = q.contiguous()
         o = torch.empty(self.o_shape, dtype=q.dtype, device=self.device)

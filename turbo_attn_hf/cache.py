@@ -724,6 +724,11 @@ class TurboStaticLayer(TurboLayer):
                 f"(max_cache_len={self.max_cache_len}); those tokens were not stored. Create the cache with a larger "
                 "max_cache_len (generate(): max_cache_len / max_new_tokens)")
 
+    @property
+    def n_blocks(self) -> int:
+        self._sync_host()
+        return self.groups[0].n_blocks if self.groups else 0
+
     def _push_lens(self) -> None:
         if self.lens is not None and self.k_scale is not None:
             self.lens.copy_(torch.tensor([self.n_blocks, self.n_tail], dtype=torch.int32))
@@ -904,7 +909,6 @@ class TurboCache(Cache):
                  layers: Optional[list] = None, max_cache_len: Optional[int] = None):
         self.turbo_config = _resolve_config(turbo_config, config)
         self.n_layers: Optional[int] = None
-        self.max_cache_len = max_cache_len
         if max_cache_len is not None and (int(max_cache_len) <= 0 or (layers is None and config is None)):
             raise TurboConfigError(
                 f"a static TurboCache needs max_cache_len > 0 and the model's config (got max_cache_len="
