@@ -25,7 +25,7 @@ from triton.runtime.driver import driver
 
 from .interpreter import interpreting
 
-__all__ = ["LeanLaunch"]
+__all__ = ["LeanLaunch", "lean"]
 
 def _int_type(x: int) -> str:
     """Triton's integer argument types by value range."""
@@ -55,7 +55,9 @@ class LeanLaunch:
 
     def __init__(self, fn: Any):
         self.fn = fn
-        params = getattr(fn, "params", ())  # an InterpretedFunction (TRITON_INTERPRET=1) has none
+        params = getattr(fn, "params", None)  # an InterpretedFunction (TRITON_INTERPRET=1) has none
+        self._plain = params is None  # not a JIT function (a test's recorder): always called as ``fn[grid](...)``
+        params = params or ()
         self._names = [p.name for p in params]
         self._specialise = [not p.do_not_specialize for p in params]
         self._defaults = {p.name: p.default for p in params}
@@ -67,7 +69,7 @@ class LeanLaunch:
     def launch(self, grid: Sequence[int], args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
         """Launch; returns ``(compiled kernel, trailing arguments)`` that ran, or None (interpreter, or the
         first launch of a key): what :meth:`relaunch` takes."""
-        if interpreting():
+        if self._plain or interpreting():
             self.fn[tuple(grid)](*args, **kwargs)
             return None
         device = driver.active.get_current_device()
@@ -104,6 +106,24 @@ class LeanLaunch:
                    knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *call, *tail)
         return hit
 
+    def launch_memo(self, memo: Dict[Any, Any], key: Any, grid: Sequence[int], tensors: Sequence[torch.Tensor],
+                    scalars: Sequence[Any], kwargs: Dict[str, Any], hooks: bool) -> None:
+        """Launch ``fn[grid](*tensors, *scalars, **kwargs)`` for a caller whose own ``key`` fixes every
+        specialisation fact of the call but the tensors' 16-byte alignment: the tensors' dtypes and devices, the
+        integers' Triton facts (``% 16``, ``== 1`` where specialised, int32 range), ``kwargs`` and the current
+        device. ``memo`` (the caller's dict) maps ``key`` to the kernel compiled for 16-byte aligned tensors; a
+        hit with every tensor so aligned is relaunched with the addresses — no per-argument facts, no binder.
+        ``hooks``: :meth:`hooks_active`, read once by the caller. Anything else is an ordinary :meth:`launch`."""
+        ptrs = [t.data_ptr() for t in tensors]
+        aligned = not any(p & 15 for p in ptrs)
+        hit = memo.get(key) if aligned and not hooks else None
+        if hit is not None:
+            self.relaunch(hit, grid, ptrs + list(scalars))
+            return
+        hit = self.launch(grid, (*tensors, *scalars), kwargs)
+        if hit is not None and aligned:
+            memo[key] = hit
+
     @staticmethod
     def hooks_active() -> bool:
         """A profiler's launch hooks are set (they need the tensors, so callers take :meth:`launch` then)."""
@@ -121,3 +141,15 @@ class LeanLaunch:
         stream = driver.active.get_current_stream(driver.active.get_current_device())
         kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, None, None, None, *call, *tail)
 
+
+_LEANS: Dict[int, Tuple[Any, LeanLaunch]] = {}
+
+
+def lean(fn: Any) -> LeanLaunch:
+    """The :class:`LeanLaunch` of ``fn``, made once per function object. Callers look their kernel up by its module
+    name at call time (``lean(_my_kernel)``), so a test that swaps the module's kernel (a recorder) is obeyed.
+    Keyed by ``id`` (a ``JITFunction``'s own hash digests its source: microseconds a call), checked by identity."""
+    hit = _LEANS.get(id(fn))
+    if hit is None or hit[0] is not fn:
+        hit = _LEANS[id(fn)] = (fn, LeanLaunch(fn))
+    return hit[1]

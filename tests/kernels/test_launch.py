@@ -102,6 +102,23 @@ def test_a_new_specialisation_compiles_through_triton(gpu_path, change):
     assert len(fn.compiled) == 2 and fn.compiled[0][3].calls == []
 
 
+def test_launch_memo_relaunches_aligned_calls_of_one_key(gpu_path):
+    """A memo hit (same caller key, every tensor 16-byte aligned) relaunches with the addresses and the scalars as
+    given; a misaligned tensor takes an ordinary launch and never enters the memo; a new key compiles."""
+    fn = _FakeJit()
+    lean, memo = LeanLaunch(fn), {}
+    x = torch.zeros(64)
+    for n in (5, 6, 7):  # first call: Triton's path; second: LeanLaunch's key hit, memoised; third: the memo
+        lean.launch_memo(memo, "key", (2,), (x,), (n,), dict(BLOCK=16, num_warps=1), False)
+    assert len(fn.compiled) == 1 and list(memo) == ["key"]
+    kernel = fn.compiled[0][3]
+    assert kernel.calls[-1] == (2, 1, 1, 7, "fn", "meta", None, None, None, x.data_ptr(), 7, 16, True)
+    lean.launch_memo(memo, "key", (2,), (x[1:],), (8,), dict(BLOCK=16, num_warps=1), False)
+    assert len(fn.compiled) == 2 and memo["key"][0] is kernel  # the misaligned call compiled its own
+    lean.launch_memo(memo, "other", (2,), (x,), (9,), dict(BLOCK=32, num_warps=1), False)
+    assert len(fn.compiled) == 3
+
+
 @triton.jit
 def _add_one(x, n, BLOCK: tl.constexpr):
     o = tl.arange(0, BLOCK)
