@@ -10,7 +10,9 @@ Each kernel reads its bf16/fp16 input once (any strides: HF hands over transpose
 int8 codes and fp32 scales once. The K mean is the torch reduction ``reference.k_smooth_mean`` (one
 read of K, shared with the reference so that both quantize against the same mean, bit for bit). K and V
 stay two passes: a fused K+V pass measured no faster on the H100 once the passes load 16 bytes (0.96-1.00x,
-eval/results/bench_quant_h100.json).
+eval/results/bench_quant_h100.json). The prefill launches Q's and K's passes as one (``_quant_qk_kernel``: Q's
+programs, then K's, each the same row helper; ``quantize_qk``): one launch fewer per layer, the same bits. V stays
+its own launch after K's: it flags poisoned keys in K's scales, which K's pass writes.
 
 Loads: the batch / head / token strides stay out of the specialization key (they change with L), so the
 compiler knows nothing of their divisibility and loads every bf16 element alone (2-byte ``ld.global.b16``
@@ -30,9 +32,11 @@ import triton
 import triton.language as tl
 
 from .interpreter import interpreting
+from .launch import lean
 from .reference import DEFAULT_BLOCK_N, _finite_token_amax, k_smooth_mean  # noqa: F401  (k_smooth_mean re-exported)
 
-__all__ = ["quantize_per_token", "quantize_v_blocks", "quantize_v_channels", "k_smooth_mean", "interpreting"]
+__all__ = ["quantize_per_token", "quantize_qk", "quantize_v_blocks", "quantize_v_channels", "k_smooth_mean",
+           "interpreting"]
 
 
 
@@ -203,6 +207,45 @@ def _quant_v_kernel(
                    HAS_AMAX=HAS_AMAX, POISON=POISON, D=D, BD=BD, BN=BN)
 
 
+@triton.jit(do_not_specialize=["NQ", "LQ", "LK", "stride_qb", "stride_qh", "stride_ql", "stride_kb", "stride_kh",
+                               "stride_kl", "stride_sqb", "stride_sqh", "stride_skb", "stride_skh"])
+def _quant_qk_kernel(
+    Q, K, MEAN, Q8, K8, SQ, SK, q_scale, k_scale, NQ, LQ, LK, HQ, HK,
+    stride_qb, stride_qh, stride_ql, stride_qd,
+    stride_kb, stride_kh, stride_kl, stride_kd,
+    stride_mb, stride_mh,
+    stride_q8b, stride_q8h, stride_k8b, stride_k8h,
+    stride_sqb, stride_sqh, stride_skb, stride_skh,
+    HAS_SMOOTH: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, VEC_Q: tl.constexpr,
+    VEC_K: tl.constexpr,
+):
+    """The prefill's two per-token operands in one launch: grid (NQ + cdiv(LK, BT) * b * HK,), NQ = cdiv(LQ, BT)
+    * b * HQ. Programs < NQ are ``_quant_tokens_kernel``'s for Q (scale ``q_scale``, no mean), the others its
+    programs for K (scale ``k_scale``, MEAN subtracted with HAS_SMOOTH): the same row helper, the same bits."""
+    pid = tl.program_id(0)
+    o_d = tl.arange(0, BD)
+    if pid < NQ:
+        n_t = tl.cdiv(LQ, BT)
+        i_t, i_bh = pid % n_t, pid // n_t
+        i_b, i_h = (i_bh // HQ).to(tl.int64), (i_bh % HQ).to(tl.int64)
+        sb, sh, sl = _multiple(stride_qb, VEC_Q), _multiple(stride_qh, VEC_Q), _multiple(stride_ql, VEC_Q)
+        _quant_token_rows(Q + i_b * sb + i_h * sh, Q8 + i_b * stride_q8b + i_h * stride_q8h,
+                          SQ + i_b * stride_sqb + i_h * stride_sqh, tl.zeros([BD], dtype=tl.float32), q_scale,
+                          i_t * BT + tl.arange(0, BT), LQ, sl, stride_qd, HAS_SMOOTH=False, D=D, BD=BD, BT=BT)
+    else:
+        n_t = tl.cdiv(LK, BT)
+        i_t, i_bh = (pid - NQ) % n_t, (pid - NQ) // n_t
+        i_b, i_h = (i_bh // HK).to(tl.int64), (i_bh % HK).to(tl.int64)
+        sb, sh, sl = _multiple(stride_kb, VEC_K), _multiple(stride_kh, VEC_K), _multiple(stride_kl, VEC_K)
+        b_mean = tl.zeros([BD], dtype=tl.float32)
+        if HAS_SMOOTH:
+            b_mean = _finite_or_zero(tl.load(MEAN + i_b * stride_mb + i_h * stride_mh + o_d, mask=o_d < D,
+                                             other=0.0))
+        _quant_token_rows(K + i_b * sb + i_h * sh, K8 + i_b * stride_k8b + i_h * stride_k8h,
+                          SK + i_b * stride_skb + i_h * stride_skh, b_mean, k_scale,
+                          i_t * BT + tl.arange(0, BT), LK, sl, stride_kd, HAS_SMOOTH=HAS_SMOOTH, D=D, BD=BD, BT=BT)
+
+
 # ---------------------------------------------------------------------------------------- launchers
 def _as_4d(x: torch.Tensor) -> torch.Tensor:
     if x.dim() < 2:
@@ -250,6 +293,57 @@ def _poison_arg(poison: Optional[torch.Tensor], unused: torch.Tensor, b: int, h:
     return poison, poison.stride(0), poison.stride(1)
 
 
+def _pow2(n: int) -> int:
+    """Smallest power of two >= n (n >= 1): plain Python (``triton.next_power_of_2`` / ``triton.cdiv`` are
+    constexpr-function wrappers costing microseconds per host call)."""
+    return 1 << (max(int(n), 1) - 1).bit_length()
+
+
+def _tokens_spec(x4: torch.Tensor, scale: float, smb: int, smh: int, has_smooth: bool):
+    """(grid, scalars, kwargs) of ``_quant_tokens_kernel`` on ``x4 [b, h, L, d]`` into contiguous codes/scales."""
+    b, h, L, d = x4.shape
+    bt = _tile_rows(d)
+    grid = (-(-L // bt) * b * h,)
+    scalars = (float(scale), L, h, *x4.stride(), smb, smh, h * L * d, L * d, h * L, L)
+    kw = dict(HAS_SMOOTH=has_smooth, D=d, BD=_pow2(d), BT=bt, VEC=_vec(x4), num_warps=4, enable_fp_fusion=False)
+    return grid, scalars, kw
+
+
+def _qk_spec(q4: torch.Tensor, k4: torch.Tensor, q_scale: float, k_scale: float, smb: int, smh: int,
+             has_smooth: bool):
+    """(grid, scalars, kwargs) of ``_quant_qk_kernel``: Q ``[b, HQ, LQ, d]`` and K ``[b, HK, LK, d]`` (same b, d)."""
+    b, hq, lq, d = q4.shape
+    hk, lk = k4.shape[1], k4.shape[2]
+    bt = _tile_rows(d)
+    nq = -(-lq // bt) * b * hq
+    grid = (nq + -(-lk // bt) * b * hk,)
+    scalars = (float(q_scale), float(k_scale), nq, lq, lk, hq, hk, *q4.stride(), *k4.stride(), smb, smh,
+               hq * lq * d, lq * d, hk * lk * d, lk * d, hq * lq, lq, hk * lk, lk)
+    kw = dict(HAS_SMOOTH=has_smooth, D=d, BD=_pow2(d), BT=bt, VEC_Q=_vec(q4), VEC_K=_vec(k4), num_warps=4,
+              enable_fp_fusion=False)
+    return grid, scalars, kw
+
+
+def _v_spec(v: torch.Tensor, block: int, spb: int, sph: int, has_amax: bool, poison: bool):
+    """(grid, scalars, kwargs) of ``_quant_v_kernel`` on ``v [b, h, L, d]`` into contiguous ``v8t [b, h, d, Lpad]``
+    and ``sv [b, h, nblk, d]`` (``nblk`` 1 with ``has_amax``)."""
+    b, h, L, d = v.shape
+    nblk = max(1, -(-L // block))
+    lpad = nblk * block
+    ns = 1 if has_amax else nblk
+    grid = (nblk * b * h,)
+    scalars = (L, h, *v.stride(), h * d * lpad, d * lpad, lpad, h * ns * d, ns * d, spb, sph)
+    kw = dict(HAS_AMAX=has_amax, POISON=poison, D=d, BD=_pow2(d), BN=block, VEC=_vec(v), num_warps=4,
+              enable_fp_fusion=False)
+    return grid, scalars, kw
+
+
+def _check_tokens_input(x: torch.Tensor, name: str) -> None:
+    _check_device(x, name)
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"quantize_per_token takes fp16/bf16/fp32, got {x.dtype}")
+
+
 def quantize_per_token(x: torch.Tensor, *, scale: float = 1.0, smooth: Optional[torch.Tensor] = None):
     """Per-token symmetric INT8 (one fused Triton pass).
 
@@ -258,9 +352,7 @@ def quantize_per_token(x: torch.Tensor, *, scale: float = 1.0, smooth: Optional[
     ``x8 int8 [..., L, d]`` (contiguous) and ``s fp32 [..., L]`` with ``s = amax / 127 * scale`` (0 for an
     all-zero row, whose codes are 0). A row holding a NaN/Inf gets codes 0 and ``s = NaN``.
     """
-    _check_device(x, "x")
-    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"quantize_per_token takes fp16/bf16/fp32, got {x.dtype}")
+    _check_tokens_input(x, "x")
     lead, (L, d) = x.shape[:-2], x.shape[-2:]
     x4 = _as_4d(x)
     b, h = x4.shape[0], x4.shape[1]
@@ -268,16 +360,39 @@ def quantize_per_token(x: torch.Tensor, *, scale: float = 1.0, smooth: Optional[
     s = torch.empty(b, h, L, dtype=torch.float32, device=x.device)
     m, smb, smh = _mean_arg(smooth, s, b, h, d)
     if L > 0 and b * h > 0:
-        bt = _tile_rows(d)
-        grid = (triton.cdiv(L, bt) * b * h,)
-        _quant_tokens_kernel[grid](
-            x4, m, x8, s, float(scale), L, h,
-            x4.stride(0), x4.stride(1), x4.stride(2), x4.stride(3),
-            smb, smh, x8.stride(0), x8.stride(1), s.stride(0), s.stride(1),
-            HAS_SMOOTH=smooth is not None, D=d, BD=triton.next_power_of_2(d), BT=bt, VEC=_vec(x4),
-            num_warps=4, enable_fp_fusion=False,
-        )
+        grid, scalars, kw = _tokens_spec(x4, scale, smb, smh, smooth is not None)
+        lean(_quant_tokens_kernel)[grid](x4, m, x8, s, *scalars, **kw)
     return x8.reshape(*lead, L, d), s.reshape(*lead, L)
+
+
+def quantize_qk(q: torch.Tensor, k: torch.Tensor, *, q_scale: float = 1.0, smooth: Optional[torch.Tensor] = None):
+    """``quantize_per_token(q, scale=q_scale)`` and ``quantize_per_token(k, smooth=smooth)`` in one launch, bit for
+    bit: q ``[b, HQ, LQ, d]``, k ``[b, HK, LK, d]`` (same b and d; fp16/bf16/fp32, any strides, on one device).
+    Returns ``(q8, sq, k8, sk)``."""
+    _check_tokens_input(q, "q")
+    _check_tokens_input(k, "k")
+    if q.dim() != 4 or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or q.device != k.device:
+        raise ValueError(f"q {tuple(q.shape)} on {q.device} and k {tuple(k.shape)} on {k.device} must be 4-D with the "
+                         "same batch size and head_dim, on one device")
+    b, hq, lq, d = q.shape
+    hk, lk = k.shape[1], k.shape[2]
+    q8 = torch.empty(b, hq, lq, d, dtype=torch.int8, device=q.device)
+    sq = torch.empty(b, hq, lq, dtype=torch.float32, device=q.device)
+    k8 = torch.empty(b, hk, lk, d, dtype=torch.int8, device=q.device)
+    sk = torch.empty(b, hk, lk, dtype=torch.float32, device=q.device)
+    m, smb, smh = _mean_arg(smooth, sk, b, hk, d)
+    if b * (hq * lq + hk * lk) > 0:
+        grid, scalars, kw = _qk_spec(q, k, q_scale, 1.0, smb, smh, smooth is not None)
+        lean(_quant_qk_kernel)[grid](q, k, m, q8, k8, sq, sk, *scalars, **kw)
+    return q8, sq, k8, sk
+
+
+def _check_v(v: torch.Tensor, block: int) -> None:
+    _check_device(v, "v")
+    if v.dim() != 4:
+        raise ValueError(f"v must be [b, H, L, d]; got shape {tuple(v.shape)}")
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"block={block} must be a power of two >= 16")
 
 
 def quantize_v_blocks(v: torch.Tensor, block: int = DEFAULT_BLOCK_N, *, poison: Optional[torch.Tensor] = None):
@@ -289,25 +404,15 @@ def quantize_v_blocks(v: torch.Tensor, block: int = DEFAULT_BLOCK_N, *, poison: 
     fp32 ``[b, H, >= L]``) is set to NaN at those tokens, in place, so that the attention rows which see
     them come out NaN (without ``poison`` the flag is dropped).
     """
-    _check_device(v, "v")
-    if v.dim() != 4:
-        raise ValueError(f"v must be [b, H, L, d]; got shape {tuple(v.shape)}")
-    if block < 16 or block & (block - 1):
-        raise ValueError(f"block={block} must be a power of two >= 16")
+    _check_v(v, block)
     b, h, L, d = v.shape
-    nblk = max(1, triton.cdiv(L, block))
-    lpad = nblk * block
-    v8t = torch.empty(b, h, d, lpad, dtype=torch.int8, device=v.device)
+    nblk = max(1, -(-L // block))
+    v8t = torch.empty(b, h, d, nblk * block, dtype=torch.int8, device=v.device)
     sv = torch.empty(b, h, nblk, d, dtype=torch.float32, device=v.device)
     ps, spb, sph = _poison_arg(poison, sv, b, h, L)
     if b * h > 0:
-        _quant_v_kernel[(nblk * b * h,)](
-            v, sv, v8t, sv, ps, L, h,
-            v.stride(0), v.stride(1), v.stride(2), v.stride(3),
-            v8t.stride(0), v8t.stride(1), v8t.stride(2), sv.stride(0), sv.stride(1), spb, sph,
-            HAS_AMAX=False, POISON=poison is not None, D=d, BD=triton.next_power_of_2(d), BN=block,
-            VEC=_vec(v), num_warps=4, enable_fp_fusion=False,
-        )
+        grid, scalars, kw = _v_spec(v, block, spb, sph, False, poison is not None)
+        lean(_quant_v_kernel)[grid](v, sv, v8t, sv, ps, *scalars, **kw)
     return v8t, sv
 
 
@@ -319,24 +424,20 @@ def quantize_v_channels(v: torch.Tensor, block: int = DEFAULT_BLOCK_N, *, poison
     The channel amax (torch reductions) skips tokens holding a NaN/Inf, then the Triton pass of
     ``quantize_v_blocks`` (non-finite tokens and ``poison`` as there).
     """
-    _check_device(v, "v")
-    if v.dim() != 4:
-        raise ValueError(f"v must be [b, H, L, d]; got shape {tuple(v.shape)}")
-    if block < 16 or block & (block - 1):
-        raise ValueError(f"block={block} must be a power of two >= 16")
+    _check_v(v, block)
     b, h, L, d = v.shape
-    nblk = max(1, triton.cdiv(L, block))
+    nblk = max(1, -(-L // block))
     v8t = torch.empty(b, h, d, nblk * block, dtype=torch.int8, device=v.device)
     sv = torch.empty(b, h, 1, d, dtype=torch.float32, device=v.device)
     ps, spb, sph = _poison_arg(poison, sv, b, h, L)
     if b * h > 0:
-        amax = (_finite_token_amax(v) if L > 0 else
-                torch.zeros(b, h, d, dtype=torch.float32, device=v.device)).contiguous()
-        _quant_v_kernel[(nblk * b * h,)](
-            v, amax, v8t, sv, ps, L, h,
-            v.stride(0), v.stride(1), v.stride(2), v.stride(3),
-            v8t.stride(0), v8t.stride(1), v8t.stride(2), sv.stride(0), sv.stride(1), spb, sph,
-            HAS_AMAX=True, POISON=poison is not None, D=d, BD=triton.next_power_of_2(d), BN=block,
-            VEC=_vec(v), num_warps=4, enable_fp_fusion=False,
-        )
+        amax = _v_channel_amax(v)
+        grid, scalars, kw = _v_spec(v, block, spb, sph, True, poison is not None)
+        lean(_quant_v_kernel)[grid](v, amax, v8t, sv, ps, *scalars, **kw)
     return v8t, sv
+
+
+def _v_channel_amax(v: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[b, H, d]`` contiguous: the finite tokens' channel amax (zeros for L = 0)."""
+    b, h, L, d = v.shape
+    return (_finite_token_amax(v) if L > 0 else torch.zeros(b, h, d, dtype=torch.float32, device=v.device)).contiguous()

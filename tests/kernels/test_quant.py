@@ -88,6 +88,31 @@ def test_per_token_bit_exact(shape, dtype, layout, smooth, device, poisoned_empt
         assert torch.all(x8[..., 1, :] == 0) and torch.all(s[..., 1] == 0)
 
 
+# (b, HQ, LQ, HK, LK, d), dtype, layout: the prefill's Q and K in one launch (the attention's shapes: LQ <= LK)
+QK_CASES = [((2, 4, 37, 2, 37, 80), torch.bfloat16, "hf"), ((1, 4, 20, 1, 65, 64), torch.float16, "contig"),
+            ((1, 2, 33, 2, 33, 96), torch.bfloat16, "odd"), ((1, 2, 1, 1, 130, 128), torch.bfloat16, "hf"),
+            ((1, 1, 17, 1, 20, 256), torch.bfloat16, "hf")]
+
+
+@pytest.mark.parametrize("shape,dtype,layout", QK_CASES,
+                         ids=[f"{'x'.join(map(str, s))}-{str(d)[6:]}-{lay}" for s, d, lay in QK_CASES])
+@pytest.mark.parametrize("smooth", [False, True], ids=["plain", "smooth"])
+def test_qk_one_launch_equals_two_passes(shape, dtype, layout, smooth, device, poisoned_empty):
+    """``quantize_qk`` (``_quant_qk_kernel``, what turbo_attention launches) == ``quantize_per_token`` of Q and
+    of K, bit for bit, poisoned tokens included."""
+    b, hq, lq, hk, lk, d = shape
+    q = _layout(_rand((b, hq, lq, d), dtype, device, seed=3), layout)
+    k = _layout(_rand((b, hk, lk, d), dtype, device, seed=4), layout)
+    k[..., min(2, lk - 1), 5] = float("nan")
+    q[..., 0, :] = 0
+    mean = R.k_smooth_mean(k) if smooth else None
+    got = quant.quantize_qk(q, k, q_scale=0.0883883 * R.LOG2E, smooth=mean)
+    want = (*quant.quantize_per_token(q, scale=0.0883883 * R.LOG2E), *quant.quantize_per_token(k, smooth=mean))
+    for name, g, w in zip(("q8", "sq", "k8", "sk"), got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype and g.is_contiguous(), name
+        assert torch.equal(g.isnan(), w.isnan()) and torch.equal(g.nan_to_num(), w.nan_to_num()), name
+
+
 def test_per_token_error_bound(device):
     """|dequant - x| <= step / 2 (+ fp32 rounding), step = amax / 127, codes within +-127."""
     x = _rand((2, 2, 50, 128), torch.float32, device)
