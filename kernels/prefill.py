@@ -50,8 +50,15 @@ SDPA-flash (FA2) and 0.60-0.78x SDPA-cuDNN; the kernel alone 500-536. The loop i
 MUFU-bound (SAS's polynomial is 27 % slower than ex2 here); block_n 128 halves the per-token epilogue and
 loop overhead (1.32-1.38x over 64) for N(0,1) MRE 1.6 -> 1.8 % and FA3 outlier RMSE ~5e-3 -> 6-7.6e-3.
 
-Tiers (FLA style): ``_int8_attn_fwd_kernel`` (``@triton.jit``) -> ``_launch`` (grid, strides, tiles) ->
+Tiers (FLA style): ``_int8_attn_fwd_kernel`` (``@triton.jit``) -> ``_attn_spec`` (grid, strides, tiles) ->
 ``int8_flash_attention`` (quantized operands) / ``turbo_attention`` (bf16/fp16 in, bf16/fp16 out).
+
+Host path (time to first token, issue 19): ``turbo_attention`` is three launches — Q+K quantization (one launch,
+``quant._quant_qk_kernel``), V quantization, the INT8 kernel (plus the torch K mean when the caller has none). Its
+checks, tiles, strides and constexprs are worked out once per key (shapes, strides, dtypes, devices, options:
+``_AttnPlan``); a repeated call (every layer of a prefill) allocates the outputs and relaunches the compiled
+kernels without Triton's per-call binder (``LeanLaunch.launch_memo``). CPU, launches stubbed
+(``eval/experiments/host_step.py --components``): ~255 -> ~40 us a call (eval/PERF_NOTES.md).
 """
 
 from __future__ import annotations
@@ -60,8 +67,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .quant import (_check_device, interpreting, k_smooth_mean, quantize_per_token, quantize_v_blocks,
-                    quantize_v_channels)
+from .launch import LeanLaunch, lean
+from .quant import (_check_device, _mean_arg, _pow2, _qk_spec, _quant_qk_kernel, _quant_v_kernel, _v_channel_amax,
+                    _v_spec, interpreting, k_smooth_mean, quantize_per_token, quantize_v_blocks, quantize_v_channels)
 from .reference import (
     DEFAULT_BLOCK_N,
     DEFAULT_P_SCALE,
@@ -435,22 +443,17 @@ def _pick_config(head_dim: int, causal: bool, block_n: int):
     return _GPU_CONFIGS.get((bd, bool(causal), block_n), _GPU_CONFIGS[(bd, bool(causal), 64)])
 
 
-def _launch(q8, sq, k8, sk, v8t, sv, out, *, causal, window, softcap, key_valid, use_sas, thr2, block_p,
-            Lk, block_n, config=None):
+def _attn_spec(q8, sq, k8, sk, v8t, sv, out, stride_kvb, *, causal, window, softcap, has_key_valid, use_sas, thr2,
+               block_p, Lk, block_n, config=None):
+    """(grid, scalars, kwargs) of ``_int8_attn_fwd_kernel`` on these operands (the 8 tensors come first)."""
     b, hq, lq, d = q8.shape
     hk = k8.shape[1]
     stride_svn = sv.stride(2) if sv.shape[2] > 1 else 0  # per-channel V scale: the same row every block
     block_m, num_warps, num_stages = config if config is not None else _pick_config(d, causal, block_n)
-    if key_valid is not None:
-        kv = key_valid.to(torch.bool).contiguous().view(torch.uint8)
-        stride_kvb = kv.stride(0)
-    else:
-        kv, stride_kvb = sq, 0  # unused pointer
     has_window = window is not None
     has_softcap = softcap is not None
-    grid = (triton.cdiv(lq, block_m) * b * hq,)
-    _int8_attn_fwd_kernel[grid](
-        q8, sq, k8, sk, v8t, sv, kv, out,
+    grid = (-(-lq // block_m) * b * hq,)
+    scalars = (
         lq, Lk, hq, hq // hk,
         int(window) if has_window else 0,
         2.0 / float(softcap) if has_softcap else 0.0,
@@ -464,12 +467,32 @@ def _launch(q8, sq, k8, sk, v8t, sv, out, *, causal, window, softcap, key_valid,
         sv.stride(0), sv.stride(1), stride_svn,
         stride_kvb,
         out.stride(0), out.stride(1), out.stride(2),
+    )
+    kw = dict(
         IS_CAUSAL=bool(causal), HAS_WINDOW=has_window, HAS_SOFTCAP=has_softcap,
-        HAS_KEY_VALID=key_valid is not None, USE_SAS=bool(use_sas), BLOCK_P_SCALE=bool(block_p),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(d), HEAD_DIM=d,
+        HAS_KEY_VALID=bool(has_key_valid), USE_SAS=bool(use_sas), BLOCK_P_SCALE=bool(block_p),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_pow2(d), HEAD_DIM=d,
         PSUM_BIAS=(block_n * MAGIC_BITS + 2**31) % 2**32 - 2**31,  # BLOCK_N bits(C) as a wrapped int32
         num_warps=num_warps, num_stages=num_stages,
     )
+    return grid, scalars, kw
+
+
+def _key_valid_arg(key_valid, unused):
+    """(uint8 [b, Lk] view of the padding mask, its batch stride), or (``unused``, 0) without one."""
+    if key_valid is None:
+        return unused, 0  # unused pointer
+    kv = key_valid.to(torch.bool).contiguous().view(torch.uint8)
+    return kv, kv.stride(0)
+
+
+def _launch(q8, sq, k8, sk, v8t, sv, out, *, causal, window, softcap, key_valid, use_sas, thr2, block_p,
+            Lk, block_n, config=None):
+    kv, stride_kvb = _key_valid_arg(key_valid, sq)
+    grid, scalars, kw = _attn_spec(q8, sq, k8, sk, v8t, sv, out, stride_kvb, causal=causal, window=window,
+                                   softcap=softcap, has_key_valid=key_valid is not None, use_sas=use_sas, thr2=thr2,
+                                   block_p=block_p, Lk=Lk, block_n=block_n, config=config)
+    lean(_int8_attn_fwd_kernel)[grid](q8, sq, k8, sk, v8t, sv, kv, out, *scalars, **kw)
     return out
 
 
@@ -613,6 +636,37 @@ def turbo_attention(q, k, v, *, scale=None, causal=True, window=None, softcap=No
     finite and as accurate as without it.
     The plain-PyTorch twin is ``turbo_attn_hf.kernels.reference.turbo_attention`` (same arguments).
     """
+    try:  # everything the checks and the launches read; a repeated call (every layer of a prefill) skips both
+        key = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device, v.shape, v.stride(),
+               v.dtype, v.device, scale, causal, window, softcap, softmax, sas_threshold, smooth_k, p_scale, block_n,
+               v_scale,
+               None if key_valid is None else (key_valid.shape, key_valid.stride(), key_valid.dtype, key_valid.device),
+               None if out is None else (out.shape, out.stride(), out.dtype, out.device),
+               None if k_mean is None else (k_mean.shape, k_mean.stride(), k_mean.dtype, k_mean.device))
+        plan = _PLANS.get(key)
+    except (AttributeError, TypeError):  # not tensors, or an unhashable option: the checks say what is wrong
+        key = plan = None
+    if plan is None:
+        block_n = _check_attention_args(q, k, v, causal, window, softcap, key_valid, softmax, sas_threshold,
+                                        p_scale, block_n, v_scale, out)
+        b, hq, lq, d = q.shape
+        if lq == 0 or b * hq == 0:
+            return _check_out(out, (b, lq, hq, d), q.dtype, q.device)
+        plan = _AttnPlan(q, k, v, key_valid, out, k_mean, scale=scale, causal=causal, window=window, softcap=softcap,
+                         softmax=softmax, sas_threshold=sas_threshold, smooth_k=smooth_k, p_scale=p_scale,
+                         block_n=block_n, v_scale=v_scale)
+        if key is not None:
+            if len(_PLANS) >= _MAX_PLANS:
+                _PLANS.clear()
+            _PLANS[key] = plan
+    elif not plan.cuda:
+        _check_device(q, "q")  # CPU tensors: only under the interpreter (checked each call: it can be switched)
+    return plan.run(q, k, v, key_valid, out, k_mean)
+
+
+def _check_attention_args(q, k, v, causal, window, softcap, key_valid, softmax, sas_threshold, p_scale, block_n,
+                          v_scale, out) -> int:
+    """``turbo_attention``'s input checks (raise ValueError); returns the KV tile ``block_n``."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a 4-D tensor [b, H, L, d]; got "
@@ -645,16 +699,88 @@ def turbo_attention(q, k, v, *, scale=None, causal=True, window=None, softcap=No
     if v_scale not in V_SCALE_MODES:
         raise ValueError(f"v_scale={v_scale!r} must be one of {V_SCALE_MODES}")
     _check_key_valid(key_valid, b, lk, q.device)
-    out = _check_out(out, (b, lq, hq, d), q.dtype, q.device)
-    if lq == 0 or b * hq == 0:
+    if out is not None:
+        _check_out(out, (b, lq, hq, d), q.dtype, q.device)
+    return block_n
+
+
+#: turbo_attention's plans by key (shapes, strides, dtypes, devices, options); cleared when full (a long-running
+#: process with many prompt lengths re-plans, ~100 us a plan)
+_PLANS: dict = {}
+_MAX_PLANS = 256
+
+
+class _AttnPlan:
+    """``turbo_attention`` for one key: output shapes, the three launches (Q+K quantization, V quantization, the
+    INT8 kernel) with their grids, scalar arguments and constexprs, and each launch's compiled kernel per current
+    device, relaunched without Triton's binder while every pointer is 16-byte aligned (``LeanLaunch.launch_memo``)."""
+
+    __slots__ = ("cuda", "device", "dtype", "shapes", "smooth", "mean_stride", "mean_direct", "channel", "block_n",
+                 "kv_arg", "qk", "v", "attn", "memo")
+
+    def __init__(self, q, k, v, key_valid, out, k_mean, *, scale, causal, window, softcap, softmax, sas_threshold,
+                 smooth_k, p_scale, block_n, v_scale):
+        b, hq, lq, d = q.shape
+        hk, lk = k.shape[1], k.shape[2]
+        dev = q.device
+        self.cuda, self.device, self.dtype = dev.type == "cuda", dev, q.dtype
+        self.smooth = smooth_k and softcap is None
+        self.channel = v_scale != "block"
+        self.block_n = block_n
+        nblk = max(1, -(-lk // block_n))
+        self.shapes = ((b, hq, lq, d), (b, hq, lq), (b, hk, lk, d), (b, hk, lk), (b, hk, d, nblk * block_n),
+                       (b, hk, 1 if self.channel else nblk, d), (b, lq, hq, d))
+        meta = [torch.empty(sh, dtype=dt, device="meta") for sh, dt in zip(
+            self.shapes, (torch.int8, torch.float32, torch.int8, torch.float32, torch.int8, torch.float32, q.dtype))]
+        q8, sq, k8, sk, v8t, sv, o = meta
+        # the mean is passed contiguous (plan strides); a given one that already is fp32 [b, hk, d] on this device
+        # and contiguous (TurboCache's) is passed as it is, any other is converted (``_mean_arg``) each call
+        self.mean_stride = (hk * d, d, 1)
+        smb, smh = (hk * d, d) if self.smooth else (0, 0)
+        self.mean_direct = (k_mean is not None and k_mean.dtype == torch.float32 and k_mean.device == dev
+                            and tuple(k_mean.shape) == (b, hk, d) and k_mean.stride() == self.mean_stride)
+        scale = d ** -0.5 if scale is None else float(scale)
+        self.qk = _qk_spec(q, k, scale * LOG2E, 1.0, smb, smh, self.smooth)
+        self.v = _v_spec(v, block_n, hk * lk, lk, self.channel, True)  # poison: sk [b, hk, lk], contiguous
+        kv, stride_kvb = _key_valid_arg(key_valid, q)
+        self.kv_arg = key_valid is not None
+        self.attn = _attn_spec(q8, sq, k8, sk, v8t, sv, out if out is not None else o, stride_kvb, causal=causal,
+                               window=window, softcap=softcap, has_key_valid=key_valid is not None,
+                               use_sas=softmax == "sas", thr2=float(sas_threshold) * LOG2E,
+                               block_p=p_scale == "block", Lk=lk, block_n=block_n)
+        self.memo = ({}, {}, {})
+
+    def run(self, q, k, v, key_valid, out, k_mean):
+        dev = self.device
+        s_q8, s_sq, s_k8, s_sk, s_v8t, s_sv, s_o = self.shapes
+        q8 = torch.empty(s_q8, dtype=torch.int8, device=dev)
+        sq = torch.empty(s_sq, dtype=torch.float32, device=dev)
+        k8 = torch.empty(s_k8, dtype=torch.int8, device=dev)
+        sk = torch.empty(s_sk, dtype=torch.float32, device=dev)
+        v8t = torch.empty(s_v8t, dtype=torch.int8, device=dev)
+        sv = torch.empty(s_sv, dtype=torch.float32, device=dev)
+        if out is None:
+            out = torch.empty(s_o, dtype=self.dtype, device=dev)
+        m = sk  # unused pointer without smoothing
+        if self.smooth:
+            if k_mean is None:
+                m = k_smooth_mean(k)
+                if m.stride() != self.mean_stride:
+                    m = m.contiguous()
+            elif self.mean_direct:
+                m = k_mean
+            else:
+                m = _mean_arg(k_mean, q, s_sk[0], s_sk[1], s_q8[3])[0].contiguous()
+        kv = _key_valid_arg(key_valid, q)[0] if self.kv_arg else sq
+        hooks = LeanLaunch.hooks_active()
+        dev_key = torch.cuda.current_device() if self.cuda else -1  # the rest of the key is the plan's
+        memo_qk, memo_v, memo_attn = self.memo
+        grid, scalars, kw = self.qk
+        lean(_quant_qk_kernel).launch_memo(memo_qk, dev_key, grid, (q, k, m, q8, k8, sq, sk), scalars, kw, hooks)
+        grid, scalars, kw = self.v
+        amax = _v_channel_amax(v) if self.channel else sv  # after K's pass: V marks poisoned keys in sk
+        lean(_quant_v_kernel).launch_memo(memo_v, dev_key, grid, (v, amax, v8t, sv, sk), scalars, kw, hooks)
+        grid, scalars, kw = self.attn
+        lean(_int8_attn_fwd_kernel).launch_memo(memo_attn, dev_key, grid, (q8, sq, k8, sk, v8t, sv, kv, out),
+                                                scalars, kw, hooks)
         return out
-    scale = d ** -0.5 if scale is None else float(scale)
-    q8, sq = quantize_per_token(q, scale=scale * LOG2E)
-    mean = None
-    if smooth_k and softcap is None:
-        mean = k_smooth_mean(k) if k_mean is None else k_mean
-    k8, sk = quantize_per_token(k, smooth=mean)
-    v8t, sv = (quantize_v_blocks if v_scale == "block" else quantize_v_channels)(v, block_n, poison=sk)
-    return _launch(q8, sq, k8, sk, v8t, sv, out, causal=causal, window=window, softcap=softcap,
-                   key_valid=key_valid, use_sas=softmax == "sas", thr2=float(sas_threshold) * LOG2E,
-                   block_p=p_scale == "block", Lk=lk, block_n=block_n)
