@@ -24,6 +24,10 @@ per layer with host syncs for mixed's head choice) are three more kernels here, 
 
 With K smoothing the mean stays the torch reduction ``reference.k_smooth_mean`` (bit for bit the prefill's and
 the reference's; one launch): first prefill = mean + stats + finish + store = 4 launches per layer.
+
+Host path (issue 19): ``kv_stats`` keeps its grids, scalars and constexprs per key (shapes, strides, dtypes, options)
+and ``store_kv`` its constexprs per specialisation; both relaunch the compiled kernels without Triton's binder
+(``LeanLaunch.launch_memo``).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import triton.language as tl
 
 from .decode import _pow2
 from .interpreter import interpreting
-from .launch import LeanLaunch
+from .launch import LeanLaunch, lean
 from .pack import _pack_tile, _quantize_universal
 from .quant import _multiple, _vec
 
@@ -281,8 +285,6 @@ def _finish_kernel(
             tl.store(heads_hi + slot, o_h, mask=m_h & (lo == 0))
 
 
-_STATS = LeanLaunch(_stats_kernel)
-_FINISH = LeanLaunch(_finish_kernel)
 
 
 def kv_stats(k: torch.Tensor, v: torch.Tensor, k_mean: Optional[torch.Tensor], block_size: int, headroom: float,
@@ -298,30 +300,55 @@ def kv_stats(k: torch.Tensor, v: torch.Tensor, k_mean: Optional[torch.Tensor], b
             filled (ascending) with the heads kept at the layer's bits / stored in 2 bits.
     Returns ``(k_scale, v_scale)`` fp32 ``[b, H, D]``.
     """
-    b, H, T, D = k.shape
     if k.stride(-1) != 1:
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
-    bs, BD = int(block_size), _pow2(D)
-    nsub = _pow2(triton.cdiv(T, bs)) if interpreting() else STATS_CHUNK_BLOCKS
-    nsub = max(1, min(nsub, _pow2(triton.cdiv(T, bs))))
-    nc = triton.cdiv(T, nsub * bs)
+    key = (k.shape, k.stride(), v.shape, v.stride(), k.dtype, v.dtype, k.device, k_mean is None, block_size,
+           headroom, None if select is None else select[2])
+    plan = _STATS_PLANS.get(key)
+    if plan is None:
+        if len(_STATS_PLANS) >= 256:
+            _STATS_PLANS.clear()
+        plan = _STATS_PLANS[key] = _stats_plan(k, v, k_mean, block_size, headroom, select)
+    part_shape, cnt_shape, s_shape, stats, finish, memo = plan
     dev = k.device
-    part = torch.empty(b * H, nc, N_PART, BD, dtype=torch.float32, device=dev)
-    cnt = torch.empty(b * H, nc, dtype=torch.int32, device=dev)
-    ks = torch.empty(b, H, D, dtype=torch.float32, device=dev)
-    vs = torch.empty(b, H, D, dtype=torch.float32, device=dev)
-    _STATS[(nc, b * H)](k, v, part, cnt, T, nc, H, k.stride(0), k.stride(1), k.stride(2), v.stride(0),
-                        v.stride(1), v.stride(2), D=D, BD=BD, BS=bs, NSUB=nsub, VEC=_vec(k, v), num_warps=4)
-    hi, lo, n_lo = select if select is not None else (ks, ks, 0)
-    n_gap = float(b * max(T // bs, 1))
-    _FINISH[(b * H + 1,)](part, cnt, k_mean if k_mean is not None else ks, ks, vs, nonfinite, hi, lo, nc, b, H,
-                          float(headroom / 127.0), n_gap, D=D, BD=BD, BC=min(_pow2(nc), 64), HP=max(2, _pow2(H)),
-                          HC=max(1, min(_pow2(nc), 64 // max(2, _pow2(H)))),
-                          N2=int(n_lo), HAS_MEAN=k_mean is not None, SELECT=select is not None, num_warps=4)
+    part = torch.empty(part_shape, dtype=torch.float32, device=dev)
+    cnt = torch.empty(cnt_shape, dtype=torch.int32, device=dev)
+    ks = torch.empty(s_shape, dtype=torch.float32, device=dev)
+    vs = torch.empty(s_shape, dtype=torch.float32, device=dev)
+    hooks = LeanLaunch.hooks_active()
+    dev_key = torch.cuda.current_device() if dev.type == "cuda" else -1
+    grid, scalars, kw = stats
+    lean(_stats_kernel).launch_memo(memo[0], dev_key, grid, (k, v, part, cnt), scalars, kw, hooks)
+    hi, lo, _ = select if select is not None else (ks, ks, 0)
+    grid, scalars, kw = finish
+    lean(_finish_kernel).launch_memo(memo[1], dev_key, grid, (part, cnt, k_mean if k_mean is not None else ks, ks, vs,
+                                                              nonfinite, hi, lo), scalars, kw, hooks)
     return ks, vs
 
+
+#: kv_stats' plans by key (shapes, strides, dtypes, device, options)
+_STATS_PLANS: dict = {}
+
+
+def _stats_plan(k, v, k_mean, block_size, headroom, select):
+    """(partials' shape, counts' shape, scales' shape, stats (grid, scalars, kwargs), finish (...), memos)."""
+    b, H, T, D = k.shape
+    bs, BD = int(block_size), _pow2(D)
+    nblocks = -(-T // bs)
+    nsub = _pow2(nblocks) if interpreting() else STATS_CHUNK_BLOCKS
+    nsub = max(1, min(nsub, _pow2(nblocks)))
+    nc = -(-T // (nsub * bs))
+    stats = ((nc, b * H), (T, nc, H, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2)),
+             dict(D=D, BD=BD, BS=bs, NSUB=nsub, VEC=_vec(k, v), num_warps=4))
+    n_lo = select[2] if select is not None else 0
+    n_gap = float(b * max(T // bs, 1))
+    finish = ((b * H + 1,), (nc, b, H, float(headroom / 127.0), n_gap),
+              dict(D=D, BD=BD, BC=min(_pow2(nc), 64), HP=max(2, _pow2(H)),
+                   HC=max(1, min(_pow2(nc), 64 // max(2, _pow2(H)))), N2=int(n_lo), HAS_MEAN=k_mean is not None,
+                   SELECT=select is not None, num_warps=4))
+    return (b * H, nc, N_PART, BD), (b * H, nc), (b, H, D), stats, finish, ({}, {})
 
 
 # ================================================================================ store: INT8 buffer + blocks
@@ -505,7 +532,8 @@ def _new_rows(p_x, sx, b_s, b_m, o_t, m, o_d, HAS_MEAN: tl.constexpr):
     return b_x, _quantize_universal(b_x, b_s, b_m, HAS_MEAN=HAS_MEAN)
 
 
-_STORE_KV = LeanLaunch(_store_kv_kernel)
+#: store_kv's constexprs and compiled kernels by what Triton specialises on (but the pointers' alignment)
+_STORE_KV_KW: dict = {}
 #: rows per tile of the tail program's sink / recent loops: a wider tile spilled the whole kernel to local
 #: memory (one kernel, one register count; PERF_NOTES: "why the fused store was slow")
 TAIL_ROWS = 32
@@ -544,27 +572,39 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, k_mean: Op
     # an absent group (0 heads) repeats group 0's tensors and bits: never used, but every branch must compile
     # with the real pointer types (the head map is loaded as int32 on each branch)
     slots = groups + [groups[0]] * (3 - len(groups))
-    args = []
+    tensors = [k, v, k_scale, k_mean if k_mean is not None else k_scale, v_scale, k_tail, v_tail,
+               nonfinite if nonfinite is not None else k_tail]
     for g in slots:
-        args += [g.heads, g.k, g.v] + [t if t is not None else g.k for t in (g.k_scale, g.k_zero, g.v_sz)]
-    hs = [g.k.shape[1] for g in groups] + [0, 0]
-    bits = [g.bits for g in slots]
-    npp = n_pack // bs
-    # sink / recent rows in tiles of at most TAIL_ROWS (a bigger tile spills the whole kernel: see the kernel)
-    common = dict(D=D, BD=_pow2(D), BS=bs, HAS_SINK=s0 > 0, BSINK=min(_pow2(max(s0, 2)), TAIL_ROWS),
-                  BREC=min(_pow2(max(C - s0, 2)), TAIL_ROWS),
-                  H0=hs[0], H1=hs[1],
-                  BITS0=bits[0], BITS1=bits[1], BITS2=bits[2], HAS_MEAN=k_mean is not None)
-    head = (k, v, k_scale, k_mean if k_mean is not None else k_scale, v_scale, k_tail, v_tail,
-            nonfinite if nonfinite is not None else k_tail, *args)
-    strides = (k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), H, C)
+        tensors += (g.heads, g.k, g.v, g.k_scale if g.k_scale is not None else g.k,
+                    g.k_zero if g.k_zero is not None else g.k, g.v_sz if g.v_sz is not None else g.k)
     for g in groups:
         if not all(t.is_contiguous() for _, t in g._tensors()):
             raise ValueError("the packed groups' buffers must be contiguous")
+    npp = n_pack // bs
+    strides = (k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2))
+    # everything Triton specialises on, but the pointers' alignment (LeanLaunch.launch_memo): the constexprs (sink
+    # / recent rows in tiles of at most TAIL_ROWS: a bigger tile spills the whole kernel, see the kernel), the
+    # dtypes (K/V's; the groups' follow their bits), H and C (specialised), whether an int leaves int32
+    big = max(T, n, n_pack, cap, *strides) >= 2**31
+    key = (D, bs, s0, C, H, k.dtype, v.dtype, k.device, k_mean is not None, nonfinite is not None,
+           tuple(g.k.shape[1] for g in groups), tuple(g.bits for g in slots), big, _vec(k, v))
+    hit = _STORE_KV_KW.get(key)
+    if hit is None:
+        hs = [g.k.shape[1] for g in groups] + [0, 0]
+        bits = [g.bits for g in slots]
+        hit = _STORE_KV_KW[key] = dict(
+            D=D, BD=_pow2(D), BS=bs, HAS_SINK=s0 > 0, BSINK=min(_pow2(max(s0, 2)), TAIL_ROWS),
+            BREC=min(_pow2(max(C - s0, 2)), TAIL_ROWS), H0=hs[0], H1=hs[1], BITS0=bits[0], BITS1=bits[1],
+            BITS2=bits[2], HAS_MEAN=k_mean is not None), {}
+    common, memo = hit
     plans = [(True, True)] if c == 0 or npp == 0 else [(True, False), (False, True)]
+    hooks = LeanLaunch.hooks_active()
+    dev_key = torch.cuda.current_device() if k.is_cuda else -1
     for pack, tail in plans:
         n_prog = npp if pack else 0
-        _STORE_KV[(n_prog + tail, b * H)](
-            *head, T, take, slot_sink, c, n, n_prog, n_pack, s0, nb0, cap, *strides, **common,
-            PACK=pack and npp > 0, TAIL=tail, COUNT=nonfinite is not None, VEC=_vec(k, v), num_warps=STORE_NUM_WARPS)
+        kw = dict(common, PACK=pack and npp > 0, TAIL=tail, COUNT=nonfinite is not None, VEC=key[-1],
+                  num_warps=STORE_NUM_WARPS)
+        lean(_store_kv_kernel).launch_memo(
+            memo, (dev_key, kw["PACK"], tail), (n_prog + tail, b * H), tensors,
+            (T, take, slot_sink, c, n, n_prog, n_pack, s0, nb0, cap, *strides, H, C), kw, hooks)
     return len(plans)
