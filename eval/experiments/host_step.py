@@ -53,15 +53,16 @@ class _StubKernel:
 _STUB = _StubKernel()
 
 
-def install_stubs() -> None:
-    """No-op every Triton launch; run the GPU host paths on CPU tensors."""
+def install_stubs(binder: bool = True) -> None:
+    """No-op every Triton launch; run the GPU host paths on CPU tensors.
+
+    ``binder`` (default): keep Triton's own per-call path (``JITFunction.run``: the argument binder and its C++
+    specialisation, the cache key, ``launch_metadata``) for a fake sm_90 device, and stub only the compile
+    (each key gets the no-op kernel) and the launcher — so a launch through ``fn[grid](...)`` costs here what
+    it costs on the GPU host minus the CUDA driver. Without it (``--no-binder``, the earlier mode),
+    ``JITFunction.run`` itself returns the no-op kernel: Triton's binder is not timed at all."""
     import triton.runtime.jit as jit
-
-    def run(self, *args, grid=None, warmup=False, **kwargs):
-        return _STUB
-
-    jit.JITFunction.run = run
-    from turbo_attn_hf.kernels import interpreter, launch
+    from triton.backends.compiler import GPUTarget
 
     class _Active:
         @staticmethod
@@ -71,6 +72,25 @@ def install_stubs() -> None:
         @staticmethod
         def get_current_stream(device=None):
             return 0
+
+        @staticmethod
+        def get_current_target():
+            return GPUTarget("cuda", 90, 128)
+
+    if binder:
+        jit.driver = types.SimpleNamespace(active=_Active())
+
+        def _do_compile(self, key, signature, device, constexprs, options, attrs, warmup):
+            self.device_caches[device][0][key] = _STUB
+            return _STUB
+
+        jit.JITFunction._do_compile = _do_compile
+    else:
+        def run(self, *args, grid=None, warmup=False, **kwargs):
+            return _STUB
+
+        jit.JITFunction.run = run
+    from turbo_attn_hf.kernels import interpreter, launch
 
     launch.driver = types.SimpleNamespace(active=_Active())
     always = lambda device: True  # noqa: E731
@@ -85,6 +105,74 @@ def install_stubs() -> None:
             mod.use_triton = always
         if hasattr(mod, "_check_device"):
             mod._check_device = lambda *a, **k: None
+
+
+def _print_per_layer(pr: cProfile.Profile, n: int, what: str, top: int = 30) -> None:
+    """cProfile rows as microseconds and calls per layer call (``n`` layer calls), by own time."""
+    rows = sorted(pstats.Stats(pr).stats.items(), key=lambda kv: -kv[1][2])[:top]
+    print(f"{what}: per layer call (own us, cumulative us, calls)")
+    for (path, line, name), (_, nc, tt, ct, _) in rows:
+        print(f"{tt / n * 1e6:8.1f} {ct / n * 1e6:8.1f} {nc / n:6.1f}  {path.split('/')[-1]}:{line}({name})")
+
+
+def time_components(preset: str, *, batch: int, context: int, layers: int, hq: int, hk: int, d: int,
+                    reps: int, calls: int = 300) -> dict:
+    """Min over ``reps`` of the mean over ``calls`` calls (us) of each host piece of a first prefill's layer:
+    ``prefill`` (``kernels.prefill.turbo_attention`` with the store's K mean: operand quantization + the INT8
+    kernel), ``kv_stats``, ``store_kv`` (the first prefill's plan), and ``layer`` (a fresh cache layer's
+    ``update`` + ``attention``, the K mean's CPU work included)."""
+    from turbo_attn_hf.cache import TurboCache
+    from turbo_attn_hf.kernels.pack import PackedKV
+    from turbo_attn_hf.kernels.prefill import turbo_attention
+    from turbo_attn_hf.kernels.store import kv_stats, store_kv
+
+    cfg = _model_config(layers, hq, hk, d)
+    dt = torch.bfloat16
+    g = torch.Generator().manual_seed(0)
+    kp = torch.randn(batch, hk, context, d, generator=g).to(dt)
+    vp = torch.randn(batch, hk, context, d, generator=g).to(dt)
+    qp = torch.randn(batch, hq, context, d, generator=g).to(dt)
+    # HF hands q/k/v over as transposed views of [b, L, H, d] projections
+    qp, kp, vp = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (qp, kp, vp))
+    c = TurboCache(preset, config=cfg)
+    k, v = c.update(kp, vp, 0)
+    lay = c.layers[0]
+    lay.attention(qp, k, v, scale=d ** -0.5)
+    tc = lay.turbo_config
+    bs, keep = tc.block_size, tc.recent_blocks * tc.block_size
+    take = min(lay.n_sink, context)
+    n = context - take
+    n_pack = (n - keep) // bs * bs
+    groups = [PackedKV.empty(gr.bits, gr.heads, batch, d, bs, kp.device, capacity=max(n_pack // bs, 1))
+              for gr in lay.groups]
+    select = None
+    if len(groups) > 1 and lay._prompt_select():
+        select = (groups[0].heads, groups[1].heads, groups[1].heads.shape[0])
+
+    def one_layer():
+        cc = TurboCache(preset, config=cfg)
+        kk, vv = cc.update(kp, vp, 0)
+        cc.layers[0].attention(qp, kk, vv, scale=d ** -0.5)
+
+    pieces = {
+        "prefill": lambda: turbo_attention(qp, k, v, scale=d ** -0.5, causal=True, k_mean=lay.k_mean),
+        "kv_stats": lambda: kv_stats(kp, vp, lay.k_mean, bs, lay.headroom, lay.nonfinite, select),
+        "store_kv": lambda: store_kv(kp, vp, lay.k_scale, lay.k_mean, lay.v_scale, lay.k_tail, lay.v_tail, groups,
+                                     take=take, slot_sink=0, c=0, s0=lay.n_sink, n_pack=n_pack),
+        "layer": one_layer,
+    }
+    out = {"preset": preset}
+    for name, fn in pieces.items():
+        fn()
+        n_calls = calls if name != "layer" else max(calls // 10, 10)
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for _ in range(n_calls):
+                fn()
+            best = min(best, (time.perf_counter() - t0) / n_calls * 1e6)
+        out[name + "_us"] = round(best, 1)
+    return out
 
 
 def _model_config(layers: int, hq: int, hk: int, d: int):
@@ -163,7 +251,7 @@ def run_config(preset: str, *, batch: int, context: int, steps: int, reps: int, 
     # warm: compile-once caches (LeanLaunch keys, _DecodeStatic entries, plans)
     c = new_cache()
     prefill(c)
-    decode(c, steps)
+    decode(c, steps)  # steps 0: the first prefill alone
     pre, dec = [], []
     for _ in range(reps):
         c = new_cache()
@@ -173,10 +261,26 @@ def run_config(preset: str, *, batch: int, context: int, steps: int, reps: int, 
         decode(c, steps)
         t2 = time.perf_counter()
         pre.append((t1 - t0) / layers * 1e6)
-        dec.append((t2 - t1) / (layers * steps) * 1e6)
+        dec.append((t2 - t1) / (layers * max(steps, 1)) * 1e6)
     out = dict(preset="sdpa" if sdpa else preset, prefill_us_per_layer=round(statistics.median(pre), 1),
                decode_us_per_layer=round(statistics.median(dec), 1), decode_min=round(min(dec), 1))
-    if profile:
+    if not sdpa:
+        # the first prefill's one real CPU computation (the torch K mean over the prompt; on the GPU one launch):
+        # timed alone on the same keys and taken out, leaving the host path (``prefill_host_us``)
+        from turbo_attn_hf.kernels.reference import k_smooth_mean
+
+        means = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for _ in range(layers):
+                k_smooth_mean(kp)
+            means.append((time.perf_counter() - t0) / layers * 1e6)
+        out.update(prefill_k_mean_us=round(statistics.median(means), 1),
+                   prefill_host_us=round(statistics.median(pre) - statistics.median(means), 1),
+                   prefill_min=round(min(pre), 1))
+    if not steps:
+        del out["decode_us_per_layer"], out["decode_min"]
+    if profile and steps:
         c = new_cache()
         prefill(c)
         decode(c, 2)  # this cache's launcher entries exist (as after a generate()'s first steps)
@@ -188,14 +292,14 @@ def run_config(preset: str, *, batch: int, context: int, steps: int, reps: int, 
             s = io.StringIO()
             pstats.Stats(pr, stream=s).sort_stats(order).print_stats(30)
             print(s.getvalue())
-        c = new_cache()
+    if profile:
         pr = cProfile.Profile()
-        pr.enable()
-        prefill(c)
-        pr.disable()
-        s = io.StringIO()
-        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(25)
-        print(s.getvalue())
+        for _ in range(reps):
+            c = new_cache()
+            pr.enable()
+            prefill(c)
+            pr.disable()
+        _print_per_layer(pr, reps * layers, "first prefill")
     return out
 
 
@@ -204,25 +308,35 @@ def main(argv=None) -> None:
     ap.add_argument("--presets", default="int8,int4,mixed")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--steps", type=int, default=33)
+    ap.add_argument("--steps", type=int, default=33, help="decode steps per rep (0: the first prefill alone)")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--heads", default="32,8,128", help="Hq,Hk,head_dim (Llama-3-8B)")
     ap.add_argument("--padded", action="store_true", help="left-pad row 0 (a key_valid mask every step)")
     ap.add_argument("--sdpa", action="store_true", help="also time DynamicCache + sdpa_attention_forward")
     ap.add_argument("--profile", default=None, help="cProfile this preset's decode loop and prefill")
+    ap.add_argument("--components", action="store_true",
+                    help="time the first prefill's host pieces alone (prefill, kv_stats, store_kv, one layer)")
+    ap.add_argument("--no-binder", action="store_true",
+                    help="stub Triton's JITFunction.run itself (its binder untimed; the mode before the binder stub)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
-    install_stubs()
+    install_stubs(binder=not a.no_binder)
     hq, hk, d = map(int, a.heads.split(","))
     kw = dict(batch=a.batch, context=a.context, steps=a.steps, reps=a.reps, layers=a.layers, hq=hq, hk=hk, d=d,
               padded=a.padded)
     rows = []
+    if a.components:
+        for p in a.presets.split(","):
+            rows.append(time_components(p, batch=a.batch, context=a.context, layers=a.layers, hq=hq, hk=hk, d=d,
+                                        reps=a.reps))
+            print(json.dumps(rows[-1]), flush=True)
+        a.presets = ""
     if a.sdpa:
         rows.append(run_config("sdpa", sdpa=True, **kw))
         print(json.dumps(rows[-1]), flush=True)
-    for p in a.presets.split(","):
+    for p in filter(None, a.presets.split(",")):
         rows.append(run_config(p, profile=(p == a.profile), **kw))
         print(json.dumps(rows[-1]), flush=True)
     if a.json:
