@@ -15,6 +15,16 @@ bf16 matrix would scale every logit by 1 - 2.2e-4). A finite token can overflow 
 the dtype's max (``|x·H|_inf <= |x|_2``); a token with an inf/NaN stays non-finite (the quantizers' rule is
 per token). This module is the single place that rotates: the cache, the attention function and the
 reference all call :func:`rotate`. Torch only (no transformers, no triton).
+
+``rotate_qk = "smooth_hadamard"`` first migrates scale per channel from K to Q (SmoothAttention, QServe §4.3;
+K-only here): ``s_c = sqrt(max_t |K_tc - mean_c|)`` over the first store's finite keys, normalised to geometric
+mean 1 per (batch, KV head) (:func:`smooth_scales`), then ``q -> (q·diag(s))·H``, ``k -> (k·diag(1/s))·H``:
+``q'·k'ᵀ = q·kᵀ`` exactly in real arithmetic (one fp32 product, rounded once), V untouched. Why K-only: the
+cache stores K (``update()``) before any query of the layer is seen, and ``s`` must be fixed then; with the
+query's range too (``sqrt(max|K_c| / max|Q_c|)``) Gemma-3's per-layer errors were only 3-5 % lower (PERF_NOTES,
+issue 23). The diagonal before the rotation matters: after ``diag(1/s)`` K's outlier channels no longer dominate
+the rotated vector's energy, so its per-token amax (prefill) and per-channel universal scale (decode) both
+shrink; a diagonal alone changes nothing on the decode path (K's per-channel scale absorbs it).
 """
 
 from __future__ import annotations
@@ -23,9 +33,13 @@ import math
 
 import torch
 
-__all__ = ["ROTATIONS", "RotationError", "rotation_block", "hadamard_matrix", "rotate"]
+__all__ = ["ROTATIONS", "RotationError", "rotation_block", "hadamard_matrix", "rotate", "smooth_scales",
+           "rotate_qk_pair"]
 
-ROTATIONS = ("none", "hadamard")
+ROTATIONS = ("none", "hadamard", "smooth_hadamard")
+#: bounds of the K -> Q smoothing factors (after the geometric-mean normalisation): a dead channel (max 0) or a
+#: huge one must not make q·s overflow or k/s lose all its bits
+SMOOTH_RANGE = (2.0 ** -8, 2.0 ** 8)
 #: smallest Hadamard block accepted: a 2..8-wide block barely spreads an outlier (head dims here are >= 64)
 MIN_BLOCK = 16
 
@@ -63,8 +77,53 @@ def hadamard_matrix(d: int, dtype: torch.dtype = torch.float32, device="cpu") ->
     return h
 
 
-def rotate(x: torch.Tensor) -> torch.Tensor:
+def smooth_scales(k: torch.Tensor) -> torch.Tensor:
+    """K -> Q smoothing factors from keys ``k [b, Hk, L, d]``: ``s [b, Hk, d]`` fp32,
+    ``s_c = sqrt(max_t |k_tc - mean_c|)`` over the finite tokens (a token holding an inf/NaN is left out, as in
+    the cache's scales), divided by its geometric mean over the channels, clamped to ``SMOOTH_RANGE``; a channel
+    that is 0 everywhere gets the smallest factor. Fixed once (the cache's first store) and reused for every later
+    key and query of that layer."""
+    kf = k.float()
+    ok = torch.isfinite(kf).all(dim=-1, keepdim=True)  # [b, H, L, 1]
+    kf = torch.where(ok, kf, torch.zeros((), device=k.device))
+    n = ok.sum(dim=2).clamp_min(1)  # [b, H, 1]
+    mean = kf.sum(dim=2) / n
+    amax = torch.where(ok, (kf - mean[:, :, None]).abs(), torch.zeros((), device=k.device)).amax(dim=2)
+    lo, hi = SMOOTH_RANGE
+    s = amax.sqrt().clamp_min(lo * lo)  # the geometric mean must not see log(0)
+    s = s / s.log().mean(dim=-1, keepdim=True).exp()
+    return s.clamp(lo, hi)
+
+
+def rotate(x: torch.Tensor, smooth: torch.Tensor | None = None, side: str = "k") -> torch.Tensor:
     """``x [..., d] -> x · H`` (fp32 product, rounded once to ``x.dtype``). ``H`` is symmetric and its own
-    inverse, so ``rotate(rotate(x)) == x`` up to rounding and ``rotate(q) · rotate(k)ᵀ == q · kᵀ``."""
+    inverse, so ``rotate(rotate(x)) == x`` up to rounding and ``rotate(q) · rotate(k)ᵀ == q · kᵀ``.
+
+    With ``smooth`` (``s [b, Hk, d]``, :func:`smooth_scales`) and ``x [b, H, L, d]``: keys (``side="k"``,
+    H == Hk) become ``(x·diag(1/s))·H``, queries (``side="q"``, H a multiple of Hk: head h uses KV head h // g)
+    ``(x·diag(s))·H``, so ``rotate(q, s, "q") · rotate(k, s, "k")ᵀ == q · kᵀ``."""
     h = hadamard_matrix(x.shape[-1], torch.float32, x.device)
-    return torch.matmul(x.float(), h).to(x.dtype)
+    xf = x.float()
+    if smooth is not None:
+        if side not in ("q", "k"):
+            raise ValueError(f"side={side!r} must be 'q' or 'k'")
+        s = smooth.to(device=x.device, dtype=torch.float32)
+        g = x.shape[1] // s.shape[1]
+        if (x.dim() != 4 or x.shape[0] != s.shape[0] or g * s.shape[1] != x.shape[1] or s.shape[-1] != x.shape[-1]
+                or (side == "k" and g != 1)):
+            raise ValueError(f"smooth factors {tuple(s.shape)} do not fit {side} {tuple(x.shape)} ([b, Hk, d] for "
+                             "[b, Hk * g, L, d])")
+        s = s.repeat_interleave(g, dim=1) if g > 1 else s
+        xf = xf * (s if side == "q" else s.reciprocal())[:, :, None, :]
+    return torch.matmul(xf, h).to(x.dtype)
+
+
+def rotate_qk_pair(q: torch.Tensor, k: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q and K of one attention call without a TurboCache (the no-cache / DynamicCache path): ``mode`` "none"
+    (unchanged), "hadamard" or "smooth_hadamard" (factors from this call's keys)."""
+    if mode == "none":
+        return q, k
+    if mode not in ROTATIONS:
+        raise ValueError(f"rotate_qk={mode!r} must be one of {ROTATIONS}")
+    s = smooth_scales(k) if mode == "smooth_hadamard" else None
+    return rotate(q, s, "q"), rotate(k, s, "k")
