@@ -61,7 +61,7 @@ def test_resolve_quick_and_limits():
     assert opt["layers"] == 8 and opt["new_tokens"] >= 32 and opt["reps"] >= 2 and 0 < opt["max_seconds"] <= 360
     assert opt["shapes"] == [(1, 1024), (1, 4096), (4, 8192)]
     assert [s["name"] for s in opt["specs"]] == ["sdpa_dynamic", "sdpa_compiled", "turbo_int4_eager",
-                                                 "turbo_mixed_eager", "turbo_int8_eager"]
+                                                 "turbo_int4_compiled", "turbo_mixed_compiled", "turbo_int8_compiled"]
     full = bg._resolve(bg.build_parser().parse_args([]))
     assert full["layers"] == 32 and len(full["shapes"]) == 6 and len(full["specs"]) == 9
     assert 0 < full["max_seconds"] < 600  # one command stays under the device's 10-minute limit
@@ -81,20 +81,16 @@ def test_refuses_cpu_with_a_clear_message(capsys):
     assert "python -m eval.bench_generate" in bg.__doc__
 
 
-def test_static_turbo_is_reported_not_implemented():
-    """generate(cache_implementation="static") of a turbo model: until it returns a compileable TurboCache the
-    row must say so (nothing else is timed under that name)."""
+def test_static_turbo_probe():
+    """generate(cache_implementation="static") of a turbo model builds the static, compileable TurboCache (the probe
+    finds no problem); a row whose generate() used another cache says so."""
     import torch
 
     from turbo_attn_hf.eval.bench_e2e import TOY, build_model
 
     model = build_model(2, TOY, "cpu", torch.bfloat16)
     model.generation_config.eos_token_id = None
-    problem = bg.probe_static_turbo(model, "int4")
-    from turbo_attn_hf.cache import TurboLayer
-
-    if not TurboLayer.is_compileable:  # today (issue 18 open): a StaticCache or an error, not a static TurboCache
-        assert isinstance(problem, str) and problem
+    assert bg.probe_static_turbo(model, "int4") is None
     assert not hasattr(model, "_previous_max_cache_length")
     spec = bg.parse_config("turbo_int4_compiled")
     assert bg.cache_problem(spec, None, model)

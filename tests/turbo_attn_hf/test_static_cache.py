@@ -13,6 +13,7 @@ import torch
 import turbo_attn_hf
 from turbo_attn_hf import TurboConfig
 from turbo_attn_hf.cache import TurboCache, TurboCacheFullError, TurboLayer, TurboStaticLayer
+from turbo_attn_hf.generation import cache_kwarg
 
 #: block 16, one sink block, one recent block: a 37-token prompt packs a block, and every 16 decode steps pack
 #: another (the step kernel's pack-and-shift path)
@@ -24,12 +25,12 @@ def _greedy(model, ids, mask, cache, n):
     """Manual greedy loop over ``cache``: the last-position logits of the prefill and of each step."""
     out = []
     with torch.no_grad():
-        o = model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        o = model(ids, attention_mask=mask, **{cache_kwarg(): cache}, use_cache=True)
         for _ in range(n):
             tok = o.logits[:, -1:].argmax(-1)
             out.append(o.logits[:, -1].float())
             mask = torch.cat([mask, torch.ones_like(tok)], 1)
-            o = model(tok, attention_mask=mask, past_key_values=cache, use_cache=True)
+            o = model(tok, attention_mask=mask, **{cache_kwarg(): cache}, use_cache=True)
         out.append(o.logits[:, -1].float())
     return torch.stack(out, 1)
 
@@ -106,14 +107,14 @@ def test_compiled_decode_step_has_no_graph_break(tm, pytorch_reference_kernels):
     cache = TurboCache(INT4_B16, config=model.config, max_cache_len=64)
     out, m = [], mask
     with torch.no_grad():
-        o = model(ids, attention_mask=m, past_key_values=cache, use_cache=True)  # prefill: eager
+        o = model(ids, attention_mask=m, **{cache_kwarg(): cache}, use_cache=True)  # prefill: eager
         for _ in range(12):
             tok = o.logits[:, -1:].argmax(-1)
             out.append(o.logits[:, -1].float())
             m = torch.cat([m, torch.ones_like(tok)], 1)
             full = torch.nn.functional.pad(m, (0, 64 - m.shape[1]))  # a fixed-shape mask, as generate() makes
             pos = torch.full((2, 1), m.shape[1] - 1)  # what the eager loop's model derives from the cache
-            o = compiled(input_ids=tok, attention_mask=full, position_ids=pos, past_key_values=cache, use_cache=True)
+            o = compiled(input_ids=tok, attention_mask=full, position_ids=pos, **{cache_kwarg(): cache}, use_cache=True)
         out.append(o.logits[:, -1].float())
     assert torch.equal(torch.stack(out, 1), eager)
     assert counts["stats"]["unique_graphs"] == 1, dict(counts["stats"])
@@ -165,11 +166,11 @@ def test_second_prefill_and_crop_match_dynamic(tm, pytorch_reference_kernels):
         a = _greedy(model, ids, mask, cache, 10)
         m2 = torch.cat([mask, torch.ones(2, 10 + 9, dtype=mask.dtype)], 1)
         with torch.no_grad():
-            b = model(turn2, attention_mask=m2, past_key_values=cache, use_cache=True).logits.float()
+            b = model(turn2, attention_mask=m2, **{cache_kwarg(): cache}, use_cache=True).logits.float()
         cache.crop(-7)
         n_after_crop = cache.get_seq_length()
         with torch.no_grad():
-            c = model(turn2[:, :1], attention_mask=m2[:, :-6], past_key_values=cache, use_cache=True).logits.float()
+            c = model(turn2[:, :1], attention_mask=m2[:, :-6], **{cache_kwarg(): cache}, use_cache=True).logits.float()
         res.append((a, b, n_after_crop, c))
     (a0, b0, n0, c0), (a1, b1, n1, c1) = res
     assert torch.equal(a0, a1) and torch.equal(b0, b1) and n0 == n1 == 49 and torch.equal(c0, c1)
@@ -182,10 +183,10 @@ def test_static_cache_full_raises_and_keeps_the_storage(tm, pytorch_reference_ke
     _greedy(model, ids, mask, cache, 2)  # 37 + 2 stored, the third step's token is the 40th
     layer = cache.layers[0]
     with torch.no_grad():
-        model(ids[:, :1], attention_mask=torch.ones(2, 40, dtype=mask.dtype), past_key_values=cache)
+        model(ids[:, :1], attention_mask=torch.ones(2, 40, dtype=mask.dtype), **{cache_kwarg(): cache})
         before = (layer.lens.clone(), layer.k_tail.clone())
         with pytest.raises(TurboCacheFullError, match="max_cache_len=40"):
-            model(ids[:, :1], attention_mask=torch.ones(2, 41, dtype=mask.dtype), past_key_values=cache)
+            model(ids[:, :1], attention_mask=torch.ones(2, 41, dtype=mask.dtype), **{cache_kwarg(): cache})
     assert torch.equal(layer.lens, before[0]) and torch.equal(layer.k_tail, before[1])
     with pytest.raises(turbo_attn_hf.TurboConfigError, match="max_cache_len"):
         TurboCache(INT4_B16, max_cache_len=16)  # no model config: no layers to make static
