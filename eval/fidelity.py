@@ -453,6 +453,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
     ap.add_argument("--gguf-file", default=None)
+    ap.add_argument("--gguf-dense", action="store_true",
+                    help="dequantize the GGUF weights once at load into plain Linear layers (transformers >= 5.23 "
+                         "keeps them packed and unpacks them in every matmul: many times slower on a CPU)")
     ap.add_argument("--presets", default="int8,int4,mixed",
                     help="comma list of preset names / YAML paths, each with optional overrides, "
                          "e.g. int4:sink_blocks=0,recent_blocks=0")
@@ -481,7 +484,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     kw = {"gguf_file": args.gguf_file} if args.gguf_file else {}
     tok = AutoTokenizer.from_pretrained(args.model, **kw)
-    ref = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="eager", **kw)
+    mkw = dict(kw)
+    if args.gguf_file and args.gguf_dense:
+        from transformers import GgufConfig
+
+        mkw["quantization_config"] = GgufConfig(dequantize=True)
+    ref = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="eager", **mkw)
     ref = ref.to(device).eval()
     model = copy.deepcopy(ref).to(getattr(torch, args.dtype))
     model.set_attn_implementation("sdpa")

@@ -251,3 +251,58 @@ def test_smooth_hadamard_beats_none_and_hadamard_on_banded_keys(pytorch_referenc
     for path, margins in SMOOTH_MARGINS.items():
         for old, m in margins.items():
             assert errs["smooth_hadamard"][path] < errs[old][path] / m, (path, old, errs)
+
+
+_SMOOTH_HOOKED = pytest.mark.skipif(
+    "smooth_hadamard" not in __import__("turbo_attn_hf.config", fromlist=["x"]).ROTATE_QK_MODES,
+    reason="rotate_qk='smooth_hadamard' needs its cache.py / attention.py / config.py hooks (issue 23 report)",
+)
+
+
+@_SMOOTH_HOOKED
+def test_cache_smooth_hadamard_fixes_factors_at_the_first_store(pytorch_reference_kernels):
+    """A smooth_hadamard layer == a plain layer fed k·diag(1/s)·H and queried with q·diag(s)·H, s from the first
+    store's keys and kept for every later step, bit for bit; beam reordering gathers the factors too."""
+    from turbo_attn_hf.kernels.rotation import smooth_scales
+
+    q, k, v = banded_qkv(d=128, L=120)
+    q, k, v = (torch.cat([t, t.flip(2)]) for t in (q, k, v))  # batch 2, different rows
+    sm = TurboLayer(TurboConfig(bits=4, block_size=16, rotate_qk="smooth_hadamard"))
+    plain = TurboLayer(TurboConfig(bits=4, block_size=16))
+    s = smooth_scales(k[:, :, :70])
+    for a, e in ((0, 70), (70, 78), (78, 79), (79, 120)):
+        ks, vs = sm.update(k[:, :, a:e], v[:, :, a:e])
+        kp, vp = plain.update(rotate(k[:, :, a:e], s, "k"), v[:, :, a:e])
+        assert ks.turbo_rotated and torch.equal(sm.qk_smooth, s)
+        assert torch.equal(sm.attention(q[:, :, a:e], ks, vs), plain.attention(rotate(q[:, :, a:e], s, "q"), kp, vp))
+    assert sm.n_blocks > 0
+    sm.reorder_cache(torch.tensor([1, 0]))
+    assert torch.equal(sm.qk_smooth, s.flip(0))
+    sm.reset()
+    assert sm.qk_smooth is None
+
+
+@_SMOOTH_HOOKED
+def test_attention_fn_without_turbo_cache_smooths_and_rotates(pytorch_reference_kernels):
+    from turbo_attn_hf.kernels.rotation import rotate_qk_pair
+
+    q, k, v = banded_qkv(d=128, L=48)
+    cfg = TurboConfig(bits=8, rotate_qk="smooth_hadamard")
+    out, _ = turbo_attention_forward(_module(128, cfg), q, k, v, None)
+    assert torch.equal(out, R.turbo_attention(*rotate_qk_pair(q, k, "smooth_hadamard"), v))
+
+
+@_SMOOTH_HOOKED
+@pytest.mark.parametrize("arch_name", ["llama", "gemma3"])
+def test_generate_with_smooth_hadamard_tracks_reference(arch_name, tm, pytorch_reference_kernels):
+    """Same bounds as test_generation.py (mean gap < 0.4, max < 1.6), int4 block 16 so blocks get packed."""
+    from test_generation import _assert_tracks
+
+    cfg = TurboConfig(bits=4, block_size=16, rotate_qk="smooth_hadamard", name="int4-b16-smooth")
+    model = tm.make_model(arch_name, attn="turbo_int8")
+    turbo_attn_hf.set_turbo_config(model, cfg)
+    ids = tm.token_ids(2, 20)
+    out = model.generate(ids, max_new_tokens=13, do_sample=False, return_dict_in_generate=True)
+    layers = [l for l in out.past_key_values.layers if isinstance(l, TurboLayer)]
+    assert layers and all(l.rotated and l.qk_smooth is not None for l in layers)
+    _assert_tracks(tm.make_model(arch_name), out.sequences, 20)
