@@ -104,6 +104,29 @@ def fq_vblock(v, block=128):
     return vd * svr
 
 
+def p_term_error(lay, block=128):
+    """The prefill's 8-bit P alone: exact softmax, ``p8 = round(127 p / blockmax)`` per row and 128-key block (the
+    kernel's "block" P scale without its running-max gap), renormalised; everything else exact (fp64)."""
+    q, k, v = (t.double() for t in (lay["q"], lay["k"], lay["v"]))
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    L = q.shape[2]
+    s = q @ k.transpose(-1, -2) * lay["scale"]
+    i = torch.arange(L)
+    m = i[None, :] <= i[:, None]
+    if lay["window"]:
+        m &= (i[:, None] - i[None, :]) < lay["window"]
+    s = s.masked_fill(~m, -math.inf)
+    e = torch.exp(s - s.amax(-1, keepdim=True))
+    pq = torch.zeros_like(e)
+    for j in range(0, L, block):
+        blk = e[..., j:j + block]
+        bm = blk.amax(-1, keepdim=True).clamp_min(1e-300)
+        pq[..., j:j + block] = torch.round(127 * blk / bm) * bm / 127
+    exact = (e @ v) / e.sum(-1, keepdim=True)
+    return rel((pq @ v) / pq.sum(-1, keepdim=True), exact)
+
+
 def prefill_errors(lay, T, n):
     q, k, v = lay["q"], lay["k"], lay["v"]
     kw = dict(scale=lay["scale"], causal=True, window=lay["window"], softcap=lay["softcap"])
@@ -115,6 +138,7 @@ def prefill_errors(lay, T, n):
     out["pf_K"] = rel(R.attention_fp64(qt.double(), fq_token(kt, mean), v.double(), **kw), exact)
     if T is T_none:
         out["pf_V"] = rel(R.attention_fp64(q.double(), k.double(), fq_vblock(v), **kw), exact)
+        out["pf_P"] = p_term_error(lay)
     return out
 
 
