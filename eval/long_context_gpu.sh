@@ -35,8 +35,7 @@ case "${1:-}" in
       --out "$OUT" 2>&1 | grep -v "GGUF\|Loading weights" | tail -30
     ;;
   full)
-    cp .carry/lc_model/p2/* /tmp/m/
-    cat /tmp/m/smolpart.* > /tmp/m/$GGUF && rm -f /tmp/m/smolpart.*
+    [ -f /tmp/m/$GGUF ] || { cp .carry/lc_model/p2/* /tmp/m/ && cat /tmp/m/smolpart.* > /tmp/m/$GGUF && rm -f /tmp/m/smolpart.*; }
     sha256sum /tmp/m/$GGUF | cut -c1-20   # b179c9523d0e6a0f98a3 (shared/tools/stage-model)
     export PYTHONPATH=/tmp/site
     cd /tmp/src
