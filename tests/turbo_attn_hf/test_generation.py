@@ -218,22 +218,32 @@ def test_hf_static_cache_is_refused(tm, pytorch_reference_kernels):
         model.generate(tm.token_ids(1, 8), max_new_tokens=2, **{turbo_attn_hf.generation.cache_kwarg(): cache})
 
 
+def gpu_padded_case(tm, preset):
+    """The GPU generate() setting of this file: mistral (sliding window) with ``preset`` at block 16 (blocks get
+    packed, the tail refills), its unquantized twin, batch 3 of 20-token prompts, the last row left-padded by 6."""
+    cfg = TurboConfig.preset(preset)
+    cfg.block_size, cfg.name = 16, f"{preset}-b16"
+    model = tm.make_model("mistral", attn="turbo_int8").cuda()
+    turbo_attn_hf.set_turbo_config(model, cfg)
+    ids = tm.token_ids(3, 20).cuda()
+    mask = torch.ones_like(ids)
+    mask[2, :6] = 0
+    ids[2, :6] = 0
+    return model, tm.make_model("mistral").cuda(), ids, mask
+
+
+def assert_padded_case_tracks(ref, sequences):
+    _assert_tracks(ref, sequences[:2], 20)
+    _assert_tracks(ref, sequences[2:, 6:], 14)  # the padded row judged without its padding
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["int8", "int4", "mixed"])
 def test_generate_on_gpu(preset, tm):
     """GPU: the compiled Triton kernels through generate(), in the measured setting of this file (prompt 20,
     block 16 so that blocks are packed and the tail refills, 13 new tokens), batch 3 with left padding."""
-    cfg = TurboConfig.preset(preset)
-    cfg.block_size, cfg.name = 16, f"{preset}-b16"
-    model = tm.make_model("mistral", attn="turbo_int8").cuda()
-    turbo_attn_hf.set_turbo_config(model, cfg)
-    ref = tm.make_model("mistral").cuda()
-    ids = tm.token_ids(3, 20).cuda()
-    mask = torch.ones_like(ids)
-    mask[2, :6] = 0
-    ids[2, :6] = 0
+    model, ref, ids, mask = gpu_padded_case(tm, preset)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=13, do_sample=False, pad_token_id=0,
                          return_dict_in_generate=True)
     assert type(out.past_key_values).__name__ == "TurboCache"
-    _assert_tracks(ref, out.sequences[:2], 20)
-    _assert_tracks(ref, out.sequences[2:, 6:], 14)
+    assert_padded_case_tracks(ref, out.sequences)

@@ -208,25 +208,16 @@ def test_static_generate_compiled_on_gpu(preset, tm):
     """GPU: generate(cache_implementation="static") with HF's default CompileConfig (inductor, reduce-overhead:
     the decode step replayed as a CUDA graph) tracks the unquantized model like the dynamic TurboCache
     (test_generation.py's bounds), batch 3 with left padding, blocks packed inside the graph (block 16)."""
-    from test_generation import _assert_tracks  # same folder: its bounds and helper
+    from test_generation import assert_padded_case_tracks, gpu_padded_case  # same folder: its setting and bounds
 
     import torch._dynamo
 
-    cfg = TurboConfig.preset(preset)
-    cfg.block_size, cfg.name = 16, f"{preset}-b16"
-    model = tm.make_model("mistral", attn="turbo_int8").cuda()
-    turbo_attn_hf.set_turbo_config(model, cfg)
-    ref = tm.make_model("mistral").cuda()
-    ids = tm.token_ids(3, 20).cuda()
-    mask = torch.ones_like(ids)
-    mask[2, :6] = 0
-    ids[2, :6] = 0
+    model, ref, ids, mask = gpu_padded_case(tm, preset)
     torch._dynamo.reset()
     out = model.generate(ids, attention_mask=mask, max_new_tokens=80, do_sample=False, pad_token_id=0,
                          cache_implementation="static", return_dict_in_generate=True)
     cache = getattr(out, "past_key_values", None) or getattr(out, "cache", None)
     assert isinstance(cache.layers[0], TurboStaticLayer) and hasattr(model, "_compiled_call")
     assert cache.layers[0].n_blocks >= 1  # packed inside the replayed graph (100 tokens, block 16)
-    _assert_tracks(ref, out.sequences[:2], 20)
-    _assert_tracks(ref, out.sequences[2:, 6:], 14)
+    assert_padded_case_tracks(ref, out.sequences)
     torch._dynamo.reset()
