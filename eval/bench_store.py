@@ -63,16 +63,17 @@ def _counting():
                 counts["ops"][name] = counts["ops"].get(name, 0) + 1
             return func(*args, **(kwargs or {}))
 
-    patched = [(L.LeanLaunch, "launch"), (triton.runtime.jit.JITFunction, "run")]
+    # LeanLaunch.relaunch too: launch_memo's hits (and the decode launcher's) go straight to it (a staticmethod)
+    patched = [(L.LeanLaunch, "launch"), (L.LeanLaunch, "relaunch"), (triton.runtime.jit.JITFunction, "run")]
     try:
         from triton.runtime.interpreter import InterpretedFunction
 
         patched.append((InterpretedFunction, "run"))
     except ImportError:  # pragma: no cover
         pass
-    saved = [(cls, name, getattr(cls, name)) for cls, name in patched]
+    saved = [(cls, name, cls.__dict__[name]) for cls, name in patched]  # raw: a staticmethod stays one
     for cls, name, fn in saved:
-        setattr(cls, name, wrap(fn))
+        setattr(cls, name, staticmethod(wrap(fn.__func__)) if isinstance(fn, staticmethod) else wrap(fn))
     try:
         with Ops():
             yield counts
