@@ -128,14 +128,19 @@ def method(name: str) -> Method:
     raise ValueError(f"unknown method {name!r}; known: {', '.join(ALL_METHODS)} (turbo-<preset> for any preset)")
 
 
-def quanto_torch_unpack() -> None:
-    """Run optimum-quanto's ``quanto::unpack`` on CUDA through its own PyTorch implementation instead of its CUDA
-    extension, which is JIT-compiled with nvcc (unpack + AWQ + Marlin sources) on first use: minutes of a GPU
-    lease. The unpacked integers are identical; only quanto's dequantize speed can differ (torch ops, no fused
-    kernel)."""
-    from optimum.quanto.library import unpack as qunpack
+def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """optimum-quanto's ``quanto::unpack`` in plain PyTorch (the same loop as its "default" implementation, which
+    cannot be imported: its ``torch.library.impl`` decorator leaves the module attribute None): value i of each
+    byte is ``(byte >> bits*i) & mask``, the i-th values of all bytes concatenated along dim 0."""
+    values_per_item = 8 // bits
+    return torch.cat([(packed & (2 ** (bits * (i + 1)) - 1)) >> (bits * i) for i in range(values_per_item)]).to(torch.uint8)
 
-    torch.library.impl("quanto::unpack", ["CUDA"])(qunpack.unpack)
+
+def quanto_torch_unpack() -> None:
+    """Run optimum-quanto's ``quanto::unpack`` on CUDA in PyTorch (``unpack_bits``) instead of its CUDA extension,
+    which is JIT-compiled with nvcc (unpack + AWQ + Marlin sources) on first use: minutes of a GPU lease. The
+    unpacked integers are identical; only quanto's dequantize speed can differ (torch ops, no fused kernel)."""
+    torch.library.impl("quanto::unpack", ["CUDA"])(unpack_bits)
 
 
 def check_available(m: Method, model) -> Optional[str]:

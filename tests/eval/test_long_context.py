@@ -85,3 +85,22 @@ def test_quick_tiny_end_to_end(tmp_path, monkeypatch):
     assert res["methods"]["turbo-int4"]["kv_bytes_per_token"] < res["methods"]["sdpa-bf16"]["kv_bytes_per_token"]
     assert d["reference_ppl"]["all"]["ppl"] > 1
     assert "passkey 256 %" in md and "KV B/token" in md
+
+
+def test_unpack_bits_matches_quanto_packing():
+    # quanto packs value i of each byte at bits*i (optimum/quanto/tensor/packed.py pack_weights); 2 and 4 bits
+    for bits in (2, 4):
+        per = 8 // bits
+        vals = torch.randint(0, 2**bits, (per * 3, 5), dtype=torch.uint8)
+        rows = vals.shape[0] // per
+        packed = torch.zeros(rows, 5, dtype=torch.uint8)
+        for i in range(per):
+            packed |= vals[i * rows:(i + 1) * rows] << (bits * i)
+        assert torch.equal(lc.unpack_bits(packed, bits), vals)
+
+
+def test_unpack_bits_round_trips_quanto_pack_weights():
+    packed_mod = pytest.importorskip("optimum.quanto.tensor.packed")
+    for bits in (2, 4):
+        vals = torch.randint(0, 2**bits, (64, 7), dtype=torch.uint8)
+        assert torch.equal(lc.unpack_bits(packed_mod.pack_weights(vals, bits), bits), vals)
