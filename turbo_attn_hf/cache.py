@@ -801,8 +801,13 @@ class TurboStaticLayer(TurboLayer):
         """A decode step (one query token per row over the placeholders of ``update``): ``turbo_attn::decode_step``
         over the storage with the device lengths; anything else as :meth:`TurboLayer.attention`."""
         if self._first_prefill or query.shape[2] != 1 or key.shape[2] != self.max_cache_len:
-            return super().attention(query, key, value, scale=scale, causal=causal, window=window, softcap=softcap,
-                                     key_valid=key_valid)
+            out = super().attention(query, key, value, scale=scale, causal=causal, window=window, softcap=softcap,
+                                    key_valid=key_valid)
+            if not torch.compiler.is_compiling() and use_triton(query.device):
+                # one decode launch now, eagerly: it compiles the kernel and allocates the split's partials (a
+                # process-wide workspace) outside any CUDA-graph capture, where they would outlive the graph
+                self._decode_op(query[:, :, -1:], None, scale, causal, window, softcap)
+            return out
         if self.rotated:
             if not getattr(key, "turbo_rotated", False):
                 raise ValueError(
@@ -810,6 +815,9 @@ class TurboStaticLayer(TurboLayer):
                     "keys its update() returned, not other key tensors"
                 )
             query = rotate(query)
+        return self._decode_op(query, key_valid, scale, causal, window, softcap)
+
+    def _decode_op(self, query, key_valid, scale, causal, window, softcap) -> torch.Tensor:
         from .ops import flatten_groups
 
         cfg = self.turbo_config
