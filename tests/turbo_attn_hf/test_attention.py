@@ -193,10 +193,14 @@ def test_mask_padding_becomes_key_valid_vector():
 
 
 def test_mask_refuses_static_cache_alignment():
+    """A chunk of queries against a static cache's padded capacity is misaligned: refused. One query token is exact
+    once every slot after it is masked (the static TurboCache's decode step, or any static cache)."""
     with pytest.raises(TurboUnsupportedError, match="static cache"):
         turbo_mask(1, 3, 16, q_offset=0, kv_offset=0, mask_function=mu.causal_mask_function)
     with pytest.raises(TurboUnsupportedError, match="static cache"):
-        turbo_mask(1, 1, 16, q_offset=torch.tensor(4), mask_function=mu.causal_mask_function)
+        turbo_mask(1, 3, 16, q_offset=torch.tensor(4), mask_function=mu.causal_mask_function)
+    kv = turbo_mask(1, 1, 16, q_offset=torch.tensor(4), mask_function=mu.causal_mask_function)
+    assert torch.equal(kv, (torch.arange(16) <= 4)[None])
 
 
 # ------------------------------------------------------------------------------------------ attention fn
