@@ -200,7 +200,7 @@ class TurboLayer(CacheLayerMixin):
         self.batch, self.n_kv_heads, self.head_dim = b, hk, d
         bs = self.turbo_config.block_size
         self._plan_bits = self._layer_head_bits(hk)  # provisional with head_select "prompt" (first prefill decides)
-        self._make_groups(self._plan_bits)
+        self.groups = []  # made by the first prefill's store, at the capacity it needs (none allocated twice)
         cap = (self.turbo_config.sink_blocks + self.turbo_config.recent_blocks + 1) * bs
         # no fill: slots at or past n_tail are never read (the decode kernel masks them; any int8 is finite)
         self.k_tail = torch.empty(b, hk, cap, d, dtype=torch.int8, device=self.device)
@@ -446,6 +446,7 @@ class TurboLayer(CacheLayerMixin):
             if self._fused(key_states):
                 self._first_store_fused(key_states, value_states)
             else:
+                self._make_groups(self._plan_bits)
                 self._fix_scales(key_states, value_states)
                 self._select_heads(key_states, value_states)
                 self._store(key_states, value_states, first=True)
@@ -494,10 +495,7 @@ class TurboLayer(CacheLayerMixin):
 
             fn = reference.turbo_attention
             if use_triton(query.device):
-                try:
-                    from .kernels.prefill import turbo_attention as fn
-                except ImportError:  # prefill kernel not built yet: same math in PyTorch
-                    pass
+                fn = _kernels("prefill").turbo_attention
             q, k, v = query, key, value
             if q.dtype not in (torch.bfloat16, torch.float16) and fn is not reference.turbo_attention:
                 q, k, v = q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16)
