@@ -61,6 +61,17 @@ def _bad_rows(b_k, b_v, m):
     return tl.sum(tl.max(b_bad.to(tl.int32), 1), 0)
 
 
+@triton.jit
+def _universal_scales(sk, mk, sv, o_s, m_d, HAS_MEAN: tl.constexpr):
+    """A (row, head)'s universal K scale, K mean (the K scale when there is none) and V scale at offsets ``o_s``."""
+    b_sk = tl.load(sk + o_s, mask=m_d, other=1.0)
+    b_sv = tl.load(sv + o_s, mask=m_d, other=1.0)
+    b_mk = b_sk
+    if HAS_MEAN:
+        b_mk = tl.load(mk + o_s, mask=m_d, other=0.0)
+    return b_sk, b_mk, b_sv
+
+
 @triton.jit(do_not_specialize=["slot", "T"])
 def _store_tokens_kernel(
     k, v, sk, mk, sv, kt, vt, flag, slot, T,
@@ -75,12 +86,7 @@ def _store_tokens_kernel(
     o_t = tl.arange(0, BT)
     o_d = tl.arange(0, BD)
     m = (o_t[:, None] < T) & (o_d[None, :] < D)
-    o_s = i_bh.to(tl.int64) * D + o_d
-    b_sk = tl.load(sk + o_s, mask=o_d < D, other=1.0)
-    b_sv = tl.load(sv + o_s, mask=o_d < D, other=1.0)
-    b_mk = b_sk
-    if HAS_MEAN:
-        b_mk = tl.load(mk + o_s, mask=o_d < D, other=0.0)
+    b_sk, b_mk, b_sv = _universal_scales(sk, mk, sv, i_bh.to(tl.int64) * D + o_d, o_d < D, HAS_MEAN)
     b_k = tl.load(k + i_b.to(tl.int64) * stride_kb + i_h * stride_kh + o_t[:, None] * stride_kt + o_d[None, :],
                   mask=m, other=0.0)
     b_v = tl.load(v + i_b.to(tl.int64) * stride_vb + i_h * stride_vh + o_t[:, None] * stride_vt + o_d[None, :],
@@ -465,12 +471,7 @@ def _store_kv_kernel(
         else:
             i_h = tl.load(h2 + r - H0 - H1)
     i_hb = i_b.to(tl.int64) * H + i_h  # (b, head) row of the scales and buffers
-    o_s = i_hb * D + o_d
-    b_sk = tl.load(sk + o_s, mask=m_d, other=1.0)
-    b_sv = tl.load(sv + o_s, mask=m_d, other=1.0)
-    b_mk = b_sk
-    if HAS_MEAN:
-        b_mk = tl.load(mk + o_s, mask=m_d, other=0.0)
+    b_sk, b_mk, b_sv = _universal_scales(sk, mk, sv, i_hb * D + o_d, m_d, HAS_MEAN)
     p_k = k + i_b.to(tl.int64) * stride_kb + i_h.to(tl.int64) * stride_kh
     p_v = v + i_b.to(tl.int64) * stride_vb + i_h.to(tl.int64) * stride_vh
     p_kt = kt + i_hb * C * D

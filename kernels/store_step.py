@@ -28,7 +28,7 @@ import triton.language as tl
 from .decode import _pow2
 from .launch import LeanLaunch
 from .pack import _quantize_universal
-from .store import TAIL_ROWS, _bad_rows, _pack_rows
+from .store import TAIL_ROWS, _bad_rows, _pack_rows, _universal_scales
 
 __all__ = ["store_step"]
 
@@ -65,12 +65,7 @@ def _store_step_kernel(
     o_d = tl.arange(0, BD)
     m_d = o_d < D
     i_hb = i_b.to(tl.int64) * H + i_h
-    o_s = i_hb * D + o_d
-    b_sk = tl.load(sk + o_s, mask=m_d, other=1.0)
-    b_sv = tl.load(sv + o_s, mask=m_d, other=1.0)
-    b_mk = b_sk
-    if HAS_MEAN:
-        b_mk = tl.load(mk + o_s, mask=m_d, other=0.0)
+    b_sk, b_mk, b_sv = _universal_scales(sk, mk, sv, i_hb * D + o_d, m_d, HAS_MEAN)
     p_kt = kt + i_hb * C * D
     p_vt = vt + i_hb * C * D
     full = n_tail + 1 == C  # this token fills the buffer: pack its oldest waiting block
@@ -78,9 +73,9 @@ def _store_step_kernel(
     if fits:
         o_1 = tl.arange(0, 1)
         m_1 = (o_1 < 1)[:, None] & m_d[None, :]
-        b_k = tl.load(k + i_b.to(tl.int64) * stride_kb + i_h.to(tl.int64) * stride_kh + o_1[:, None] * 0 + o_d[None, :],
+        b_k = tl.load(k + i_b.to(tl.int64) * stride_kb + i_h.to(tl.int64) * stride_kh + o_d[None, :],
                       mask=m_1, other=0.0)
-        b_v = tl.load(v + i_b.to(tl.int64) * stride_vb + i_h.to(tl.int64) * stride_vh + o_1[:, None] * 0 + o_d[None, :],
+        b_v = tl.load(v + i_b.to(tl.int64) * stride_vb + i_h.to(tl.int64) * stride_vh + o_d[None, :],
                       mask=m_1, other=0.0)
         b_k8 = _quantize_universal(b_k, b_sk, b_mk, HAS_MEAN=HAS_MEAN)
         b_v8 = _quantize_universal(b_v, b_sv, b_sv, HAS_MEAN=False)
