@@ -19,6 +19,19 @@ def set_mode(mode: str) -> None:
     _STATE["mode"] = mode
 
 
+def qk_scales(q, k):
+    """SmoothAttention's factors from both ranges: ``s_c = sqrt(max|K_c - mean_c| / max|Q_c|)`` (Q's max over the
+    KV head's query group), geometric mean 1 per (batch, KV head)."""
+    import torch
+
+    g = q.shape[1] // k.shape[1]
+    kf = k.float()
+    ka = (kf - kf.mean(2, keepdim=True)).abs().amax(2).clamp_min(2.0 ** -16)
+    qa = q.float().abs().amax(2).view(q.shape[0], k.shape[1], g, -1).amax(2).clamp_min(2.0 ** -16)
+    s = (ka / qa).sqrt()
+    return (s / s.log().mean(-1, keepdim=True).exp()).clamp(2.0 ** -8, 2.0 ** 8)
+
+
 def install() -> None:
     if _STATE["installed"]:
         return
@@ -29,6 +42,8 @@ def install() -> None:
 
     if "smooth_hadamard" not in CFG.ROTATE_QK_MODES:  # the proposed config line
         CFG.ROTATE_QK_MODES = (*CFG.ROTATE_QK_MODES, "smooth_hadamard")
+    # measurement-only variant, no-cache path only: SmoothAttention factors from both ranges, sqrt(max|K_c|/max|Q_c|)
+    CFG.ROTATE_QK_MODES = (*CFG.ROTATE_QK_MODES, "smooth_hadamard_qk")
 
     L = C.TurboLayer
     orig_update, orig_attention, orig_clear, orig_prefill_fn = L.update, L.attention, L._clear, A._prefill_fn
@@ -55,11 +70,15 @@ def install() -> None:
 
     def prefill_fn(device, model):
         fn = orig_prefill_fn(device, model)
-        if _STATE["mode"] != "smooth_hadamard":
+        if _STATE["mode"] not in ("smooth_hadamard", "smooth_hadamard_qk"):
             return fn
 
         def wrapped(q, k, v, **kw):
-            q, k = RT.rotate_qk_pair(q, k, "smooth_hadamard")
+            if _STATE["mode"] == "smooth_hadamard_qk":
+                s = qk_scales(q, k)
+                q, k = RT.rotate(q, s, "q"), RT.rotate(k, s, "k")
+            else:
+                q, k = RT.rotate_qk_pair(q, k, "smooth_hadamard")
             return fn(q, k, v, **kw)
 
         return wrapped
