@@ -138,7 +138,7 @@ def test_generate_static_builds_and_compiles_the_static_turbocache(tm, pytorch_r
                          compile_config=cc, return_dict_in_generate=True)
     cache = getattr(out, "past_key_values", None) or getattr(out, "cache", None)
     assert isinstance(cache, TurboCache) and isinstance(cache.layers[0], TurboStaticLayer)
-    assert cache.is_compileable and cache.layers[0].max_cache_len >= 57
+    assert cache.is_compileable and cache.layers[0].max_cache_len == 1024  # rounded up: one graph for nearby lengths
     assert hasattr(model, "_compiled_call")
     assert torch.equal(out.sequences, ref)
     torch._dynamo.reset()
