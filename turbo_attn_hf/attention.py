@@ -42,7 +42,7 @@ from .capabilities import (
 )
 from .config import TurboConfig
 from .kernels.device import on_device
-from .kernels.rotation import rotate
+from .kernels.rotation import rotate_qk_pair
 
 try:  # transformers >= 5.x records attentions through hooks; the attention fn never sees the flag
     from transformers.utils.output_capturing import _active_collector as _hf_collector
@@ -292,8 +292,8 @@ def turbo_attention_forward(
 
     fn = _prefill_fn(query.device, st.model)
     cfg = st.turbo
-    if cfg.rotate_qk == "hadamard":  # no TurboCache here: K arrives unrotated (DynamicCache / no cache), rotate both
-        query, key = rotate(query), rotate(key)
+    if cfg.rotate_qk != "none":  # no TurboCache here: K arrives unrotated (DynamicCache / no cache), rotate both
+        query, key = rotate_qk_pair(query, key, cfg.rotate_qk)
     with on_device(query.device):
         out = fn(
             query, key, value, scale=scaling, causal=is_causal, window=sliding_window, softcap=softcap,

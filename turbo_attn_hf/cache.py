@@ -44,7 +44,7 @@ from .kernels.device import on_device
 from .kernels.interpreter import use_triton
 from .kernels.pack import PackedKV, kv_bytes_per_token, quantize_int8
 from .kernels.reference import k_smooth_mean, kv_finite_mean_ref
-from .kernels.rotation import rotate
+from .kernels.rotation import rotate, smooth_scales
 
 __all__ = ["TurboCache", "TurboCacheFullError", "TurboLayer", "TurboSlidingWindowLayer", "TurboStaticLayer",
            "TurboStaticSlidingWindowLayer"]
@@ -162,7 +162,9 @@ class TurboLayer(CacheLayerMixin):
         self.n_layers = n_layers
         self.scale_headroom = getattr(turbo_config, "scale_headroom", DEFAULT_SCALE_HEADROOM)
         # fixed for the layer's life: stored K is in the rotated basis, so every query that reads it is rotated
-        self.rotated = getattr(turbo_config, "rotate_qk", "none") == "hadamard"
+        mode = getattr(turbo_config, "rotate_qk", "none")
+        self.rotated = mode in ("hadamard", "smooth_hadamard")
+        self.smoothed = mode == "smooth_hadamard"  # K -> Q factors fixed at the first store (qk_smooth)
         self._clear()
 
     def _clear(self) -> None:
@@ -175,6 +177,7 @@ class TurboLayer(CacheLayerMixin):
         self.nonfinite: Optional[torch.Tensor] = None  # int32 [1]: stored token vectors with an inf/NaN
         self.n_tail = 0
         self.k_mean = self.k_scale = self.v_scale = None
+        self.qk_smooth: Optional[torch.Tensor] = None  # smooth_hadamard: s [b, Hk, d], fixed at the first store
         self.headroom: Optional[float] = None  # the universal scales' headroom, fixed at the first prefill
         self._first_prefill = False
 
@@ -438,7 +441,9 @@ class TurboLayer(CacheLayerMixin):
                 f"head_dim {self.head_dim}] but got key states {tuple(key_states.shape)}"
             )
         if self.rotated:  # before the scales/mean/store: everything stored holds rotated K (never the caller's K)
-            key_states = rotate(key_states)
+            if self.smoothed and self.qk_smooth is None and key_states.shape[2] > 0:
+                self.qk_smooth = smooth_scales(key_states)
+            key_states = rotate(key_states, self.qk_smooth, "k")
         first = self.k_scale is None
         if first:
             if T == 0:
@@ -486,10 +491,10 @@ class TurboLayer(CacheLayerMixin):
         if self.rotated:
             if not getattr(key, "turbo_rotated", False):  # a caller's own (unrotated) K would be read as rotated
                 raise ValueError(
-                    f"TurboCache layer {self.layer_idx} stores Hadamard-rotated K (rotate_qk='hadamard'); pass the "
-                    "keys its update() returned, not other key tensors"
+                    f"TurboCache layer {self.layer_idx} stores rotated K (rotate_qk={self.turbo_config.rotate_qk!r}); "
+                    "pass the keys its update() returned, not other key tensors"
                 )
-            query = rotate(query)
+            query = rotate(query, self.qk_smooth, "q")
         if self._first_prefill and key.shape[2] == query.shape[2] and key.stride(-1) == 1:
             from .kernels import reference
 
@@ -538,7 +543,7 @@ class TurboLayer(CacheLayerMixin):
         self._clear()
 
     def _tensors(self):
-        names = ("k_tail", "v_tail", "k_mean", "k_scale", "v_scale")
+        names = ("k_tail", "v_tail", "k_mean", "k_scale", "v_scale", "qk_smooth")
         return [(n, getattr(self, n)) for n in names if getattr(self, n) is not None]
 
     def _index_batch(self, idx: torch.Tensor) -> None:
@@ -770,7 +775,9 @@ class TurboStaticLayer(TurboLayer):
                 f"head_dim {self.head_dim}] but got key states {tuple(key_states.shape)}"
             )
         if self.rotated:
-            key_states = rotate(key_states)
+            if self.smoothed and self.qk_smooth is None and key_states.shape[2] > 0:
+                self.qk_smooth = smooth_scales(key_states)
+            key_states = rotate(key_states, self.qk_smooth, "k")
         if not torch.compiler.is_compiling():
             self._sync_host()
             self._check_room(1)
@@ -809,10 +816,10 @@ class TurboStaticLayer(TurboLayer):
         if self.rotated:
             if not getattr(key, "turbo_rotated", False):
                 raise ValueError(
-                    f"TurboCache layer {self.layer_idx} stores Hadamard-rotated K (rotate_qk='hadamard'); pass the "
-                    "keys its update() returned, not other key tensors"
+                    f"TurboCache layer {self.layer_idx} stores rotated K (rotate_qk={self.turbo_config.rotate_qk!r}); "
+                    "pass the keys its update() returned, not other key tensors"
                 )
-            query = rotate(query)
+            query = rotate(query, self.qk_smooth, "q")
         return self._decode_op(query, key_valid, scale, causal, window, softcap)
 
     def _decode_op(self, query, key_valid, scale, causal, window, softcap) -> torch.Tensor:

@@ -24,7 +24,7 @@ import yaml
 SUPPORTED_BITS = (2, 4, 8)
 SOFTMAX_MODES = ("exact", "sas")
 HEAD_SELECT_MODES = ("prompt", "last")
-ROTATE_QK_MODES = ("none", "hadamard")  # kernels/rotation.py ROTATIONS
+ROTATE_QK_MODES = ("none", "hadamard", "smooth_hadamard")  # kernels/rotation.py ROTATIONS
 
 
 class TurboConfigError(ValueError):
@@ -63,7 +63,9 @@ class TurboConfig:
         rotate_qk: ``"none"`` or ``"hadamard"``: rotate Q and K of every head by an orthonormal Hadamard
             matrix before INT8 (``kernels/rotation.py``; block-diagonal 16/32 for head_dim 80/96). Q·Kᵀ is
             unchanged, channel outliers are spread before per-token quantization (issue 23). The cache
-            stores rotated K and rotates each query that reads it.
+            stores rotated K and rotates each query that reads it. ``"smooth_hadamard"``: first K -> Q scale
+            migration per channel (``s_c = sqrt(max|K_c|)`` of the first store's keys, fixed for the cache's life;
+            SmoothAttention), then the rotation: ``q·diag(s)·H``, ``k·diag(1/s)·H`` (eval/PERF_NOTES.md, issue 23).
         name: preset name, for logs and result tables.
     """
 
