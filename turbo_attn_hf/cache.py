@@ -737,7 +737,7 @@ class TurboStaticLayer(TurboLayer):
             self.lens.copy_(torch.tensor([self.n_blocks, self.n_tail], dtype=torch.int32))
 
     def _check_room(self, n_new: int) -> None:
-        n = self.get_seq_length() if self.is_initialized else 0
+        n = super().get_seq_length() if self.is_initialized else 0  # after _sync_host: the host value
         if n + n_new > self.max_cache_len:
             raise TurboCacheFullError(
                 f"TurboCache layer {self.layer_idx} holds {n} tokens; {n_new} more exceed max_cache_len="
@@ -837,9 +837,11 @@ class TurboStaticLayer(TurboLayer):
 
     # ------------------------------------------------------------------ HF cache API
     def get_seq_length(self):
-        if torch.compiler.is_compiling() and self.lens is not None:  # no host int inside a compiled step
+        """Stored tokens: a host int while the host lengths are current (prefills, eager steps), else — inside a
+        compiled step, or between compiled steps — a 0-d device tensor, as HF's StaticLayer returns: generate() asks
+        every step (mask creation), and reading ``lens`` as an int there would stall the host on the GPU."""
+        if (torch.compiler.is_compiling() or self._host_stale) and self.lens is not None:  # (no guard on the flag)
             return self.lens[0] * self.turbo_config.block_size + self.lens[1]
-        self._sync_host()
         return super().get_seq_length()
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -849,7 +851,8 @@ class TurboStaticLayer(TurboLayer):
                 if n + 1 > self.max_cache_len:  # a mask that fits, so that update() raises the named error
                     return n + 1, 0
             return self.max_cache_len, 0
-        return self.get_seq_length() + query_length, 0
+        self._sync_host()
+        return super().get_seq_length() + query_length, 0
 
     def get_max_length(self) -> int:
         return self.max_cache_len
