@@ -76,10 +76,10 @@ class Method:
     @property
     def impl(self) -> Impl:
         cfg = None
-        if self.preset:
-            from turbo_attn_hf.config import TurboConfig
+        if self.preset:  # a preset name / YAML path, optionally with overrides: int8:k_scale_range=rope_pair
+            from .fidelity import impls_for
 
-            cfg = TurboConfig.preset(self.preset)
+            cfg = impls_for([self.preset])[1].turbo_config
         return Impl(self.name, self.attn, self.dtype, cfg)
 
     def new_cache(self, model):

@@ -538,19 +538,39 @@ def kv_finite_mean_ref(k: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(mean), mean, alt)
 
 
-def kv_universal_scales_ref(k: torch.Tensor, v: torch.Tensor, smooth_k: bool = True, headroom: float = 1.0):
+def rope_pair_amax_ref(k: torch.Tensor, rope_dims: int) -> torch.Tensor:
+    """``k [b, H, L, d]`` -> fp32 ``[b, H, rope_dims]``: per channel j < rope_dims the max over tokens of the norm
+    of its RoPE pair (rotate_half: j and j ± rope_dims/2), ``sqrt(max(k_j² + k_p²))`` in fp32 over the pairs where
+    that sum is finite (0 where none is). RoPE turns a pair by a position-dependent angle and keeps its norm, so
+    this covers the pair at any later position."""
+    half = rope_dims // 2
+    kr = k[..., :rope_dims].float()
+    n2 = kr[..., :half] * kr[..., :half] + kr[..., half:] * kr[..., half:]
+    n2 = torch.where(torch.isfinite(n2), n2, torch.zeros((), device=k.device)).amax(dim=2)
+    n = n2.double().sqrt().float()  # = IEEE fp32 sqrt (the kernels' sqrt_rn); torch's CPU fp32 sqrt is not
+    return torch.cat([n, n], dim=-1)
+
+
+def kv_universal_scales_ref(k: torch.Tensor, v: torch.Tensor, smooth_k: bool = True, headroom: float = 1.0,
+                            rope_dims: int = 0):
     """FlashQ step 1 scales, fixed at the first prefill: ``k, v [b, H, L, d]`` ->
     ``(k_mean [b, H, d] or None, k_scale [b, H, d], v_scale [b, H, d])`` fp32, scale = amax * headroom / 127
     (K after subtracting its channel mean). A zero channel gets scale 1 (codes 0). Non-finite elements are
     left out of the mean and the amax (``kv_finite_mean_ref``; a channel with none finite gets scale 1): one
-    bad token must not set every token's scale."""
+    bad token must not set every token's scale. ``rope_dims > 0`` (``k_scale_range: rope_pair``): K's first
+    ``rope_dims`` channels take ``rope_pair_amax_ref`` and mean 0 (the mean of a slowly turning pair is not
+    stationary); the mean is None when every channel is rotated."""
     kf, vf = k.float(), v.float()
-    mean = k_smooth_mean(k) if smooth_k else None
+    mean = k_smooth_mean(k) if smooth_k and rope_dims < k.shape[-1] else None
     if mean is not None:
         mean = kv_finite_mean_ref(k, mean)
+        mean[..., :rope_dims] = 0.0
         kf = kf - mean[:, :, None, :]
     zero = torch.zeros((), device=k.device)
-    ks = torch.where(torch.isfinite(k), kf.abs(), zero).amax(dim=2) * (headroom / 127.0)
+    ka = torch.where(torch.isfinite(k), kf.abs(), zero).amax(dim=2)
+    if rope_dims:
+        ka[..., :rope_dims] = rope_pair_amax_ref(k, rope_dims)
+    ks = ka * (headroom / 127.0)
     vs = torch.where(torch.isfinite(v), vf.abs(), zero).amax(dim=2) * (headroom / 127.0)
     return mean, torch.where(ks > 0, ks, torch.ones_like(ks)), torch.where(vs > 0, vs, torch.ones_like(vs))
 
@@ -839,7 +859,7 @@ def int8_buffer_layout(L: int, bs: int, sink_blocks: int = 0, recent_blocks: int
 
 
 def build_packed_cache_ref(k, v, n_prefill, head_bits, block_size, smooth_k=True, headroom=1.0, sink_blocks=0,
-                           recent_blocks=0):
+                           recent_blocks=0, rope_dims=0):
     """The packed state a TurboCache holds after storing ``k, v [b, Hk, L, d]`` (scales fixed by the first
     ``n_prefill`` tokens): ``(groups, k_tail [b,Hk,C,d], v_tail [b,Hk,d,C], n_tail, k_scale, v_scale, k_mean)``
     with ``C = (sink_blocks + recent_blocks + 1)·BS`` INT8 slots — the arguments of ``turbo_decode_ref``
@@ -847,7 +867,7 @@ def build_packed_cache_ref(k, v, n_prefill, head_bits, block_size, smooth_k=True
     by one as the cache does)."""
     b, hk, L, d = k.shape
     bs = block_size
-    mean, ks, vs = kv_universal_scales_ref(k[:, :, :n_prefill], v[:, :, :n_prefill], smooth_k, headroom)
+    mean, ks, vs = kv_universal_scales_ref(k[:, :, :n_prefill], v[:, :, :n_prefill], smooth_k, headroom, rope_dims)
     k8 = quantize_int8_universal_ref(k, ks, mean)
     v8 = quantize_int8_universal_ref(v, vs)
     nb, ranges = int8_buffer_layout(L, bs, sink_blocks, recent_blocks)

@@ -140,12 +140,13 @@ N_PART = 8  # rows of a stats partial: K min, K max, V min, V max, K gap sum, V 
 def _stats_kernel(
     k, v, part, cnt, T, NC, H,
     stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
-    D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, NSUB: tl.constexpr, VEC: tl.constexpr,
+    D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, NSUB: tl.constexpr, VEC: tl.constexpr, ROT: tl.constexpr,
 ):
     """grid (NC, b*H): tokens ``[i_c*NSUB*BS, (i_c+1)*NSUB*BS)`` of (b, h) of k, v ``[b, H, T, D]`` (last dim
     contiguous) -> ``part[b*H, NC, N_PART, BD]`` fp32, ``cnt[b*H, NC]`` int32 (non-finite token vectors).
     Non-finite elements are left out of every statistic. Gaps follow ``calibrate._block_gaps``: per block of BS
-    tokens max - min per channel, full blocks only; a sequence shorter than one block is one block."""
+    tokens max - min per channel, full blocks only; a sequence shorter than one block is one block. Channels
+    ``< ROT`` (RoPE pairs j, j ± ROT/2) put the min/max of the pair's squared norm in the K min/max rows."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
     # strides out of the specialization key, multiples of VEC (the launcher checks): 16-byte loads of K/V rows
@@ -154,6 +155,7 @@ def _stats_kernel(
     o_d = tl.arange(0, BD)
     o_r = tl.arange(0, BS)
     m_d = o_d < D
+    o_p = tl.where(o_d < ROT // 2, o_d + ROT // 2, tl.where(o_d < ROT, o_d - ROT // 2, o_d))  # RoPE partner
     inf = float("inf")
     b_kmin = tl.full([BD], inf, tl.float32)
     b_kmax = tl.full([BD], -inf, tl.float32)
@@ -179,7 +181,16 @@ def _stats_kernel(
         k_hi = tl.max(tl.where(f_k, b_k, -inf), 0)
         v_lo = tl.min(tl.where(f_v, b_v, inf), 0)
         v_hi = tl.max(tl.where(f_v, b_v, -inf), 0)
-        b_kmin, b_kmax = tl.minimum(b_kmin, k_lo), tl.maximum(b_kmax, k_hi)
+        if ROT > 0:  # squares of 16-bit values are exact in fp32; no FMA (the launch): fp32 K rounds as torch
+            b_kp = tl.load(p_k + o_t[:, None] * stride_kt + o_p[None, :], mask=m, other=0.0).to(tl.float32)
+            b_n2 = b_k * b_k + b_kp * b_kp
+            f_n2 = m & _finite(b_n2)
+            n_lo = tl.min(tl.where(f_n2, b_n2, inf), 0)
+            n_hi = tl.max(tl.where(f_n2, b_n2, -inf), 0)
+            b_kmin = tl.minimum(b_kmin, tl.where(o_d < ROT, n_lo, k_lo))
+            b_kmax = tl.maximum(b_kmax, tl.where(o_d < ROT, n_hi, k_hi))
+        else:
+            b_kmin, b_kmax = tl.minimum(b_kmin, k_lo), tl.maximum(b_kmax, k_hi)
         b_vmin, b_vmax = tl.minimum(b_vmin, v_lo), tl.maximum(b_vmax, v_hi)
         counted = (t0 + BS <= T) | ((n_full == 0) & (t0 == 0))
         b_kgap += tl.where(counted & (k_hi >= k_lo), k_hi - k_lo, 0.0)  # a channel with no finite value: 0
@@ -211,11 +222,12 @@ def _head_prio(b_g, m_d, D: tl.constexpr):
 def _finish_kernel(
     part, cnt, mean, ks, vs, flag, heads_hi, heads_lo, NC, B, H, hs, n_gap,
     D: tl.constexpr, BD: tl.constexpr, BC: tl.constexpr, HP: tl.constexpr, HC: tl.constexpr, N2: tl.constexpr,
-    HAS_MEAN: tl.constexpr, SELECT: tl.constexpr,
+    HAS_MEAN: tl.constexpr, SELECT: tl.constexpr, ROT: tl.constexpr,
 ):
     """grid (B*H + 1,). Program ``bh < B*H``: the NC chunk partials of (b, h) -> k_scale, v_scale ``[B*H, D]``
     = amax * hs (K: max(k_max - mean, mean - k_min)), 1 where not > 0; a non-finite ``mean`` channel is replaced
-    by the finite K's mean. The last program: ``flag`` = non-finite token vectors; with SELECT the ``N2``
+    by the finite K's mean. Channels ``< ROT`` hold the squared RoPE-pair norm's min/max (``_stats_kernel``):
+    amax = sqrt of its max, mean 0 (``reference.kv_universal_scales_ref``). The last program: ``flag`` = non-finite token vectors; with SELECT the ``N2``
     lowest-priority heads (gap x std of K and V, each over its mean over the heads; stable ties) -> ``heads_lo``
     (ascending), the others -> ``heads_hi``."""
     pid = tl.program_id(0)
@@ -245,9 +257,12 @@ def _finish_kernel(
             b_alt = tl.where(b_kn > 0, tl.math.div_rn(b_ksum, tl.maximum(b_kn, 1.0)), 0.0)
             b_mu = tl.where(_finite(b_mu), b_mu, b_alt)
             tl.store(mean + o_s, b_mu, mask=m_d)
+            b_mu = tl.where(o_d < ROT, 0.0, b_mu)
             b_ka = tl.maximum(b_kmax - b_mu, b_mu - b_kmin)
         else:
             b_ka = tl.maximum(b_kmax, -b_kmin)
+        if ROT > 0:
+            b_ka = tl.where(o_d < ROT, tl.sqrt_rn(b_ka), b_ka)
         b_ks = b_ka * hs
         b_vs = tl.maximum(b_vmax, -b_vmin) * hs
         tl.store(ks + o_s, tl.where(b_ks > 0, b_ks, 1.0), mask=m_d)
@@ -294,7 +309,8 @@ def _finish_kernel(
 
 
 def kv_stats(k: torch.Tensor, v: torch.Tensor, k_mean: Optional[torch.Tensor], block_size: int, headroom: float,
-             nonfinite: torch.Tensor, select: Optional[tuple] = None) -> tuple[torch.Tensor, torch.Tensor]:
+             nonfinite: torch.Tensor, select: Optional[tuple] = None, rope_dims: int = 0
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Universal scales of a first prefill ``k, v [b, H, T, D]`` in two launches, no host sync.
 
     Args:
@@ -304,6 +320,8 @@ def kv_stats(k: torch.Tensor, v: torch.Tensor, k_mean: Optional[torch.Tensor], b
         nonfinite: int32 ``[1]``; set to the number of (row, head, token) vectors with an inf/NaN in K or V.
         select: ``(heads_hi, heads_lo, n_lo)`` for ``head_select: prompt``: int32 ``[H - n_lo]`` / ``[n_lo]``
             filled (ascending) with the heads kept at the layer's bits / stored in 2 bits.
+        rope_dims: K channels ``< rope_dims`` get the RoPE-pair scale (``reference.rope_pair_amax_ref``; their
+            mean is not subtracted, ``k_mean`` is still fixed for the prefill).
     Returns ``(k_scale, v_scale)`` fp32 ``[b, H, D]``.
     """
     if k.stride(-1) != 1:
@@ -311,12 +329,12 @@ def kv_stats(k: torch.Tensor, v: torch.Tensor, k_mean: Optional[torch.Tensor], b
     if v.stride(-1) != 1:
         v = v.contiguous()
     key = (k.shape, k.stride(), v.shape, v.stride(), k.dtype, v.dtype, k.device, k_mean is None, block_size,
-           headroom, None if select is None else select[2])
+           headroom, None if select is None else select[2], rope_dims)
     plan = _STATS_PLANS.get(key)
     if plan is None:
         if len(_STATS_PLANS) >= 256:
             _STATS_PLANS.clear()
-        plan = _STATS_PLANS[key] = _stats_plan(k, v, k_mean, block_size, headroom, select)
+        plan = _STATS_PLANS[key] = _stats_plan(k, v, k_mean, block_size, headroom, select, rope_dims)
     part_shape, cnt_shape, s_shape, stats, finish, memo = plan
     dev = k.device
     part = torch.empty(part_shape, dtype=torch.float32, device=dev)
@@ -338,7 +356,7 @@ def kv_stats(k: torch.Tensor, v: torch.Tensor, k_mean: Optional[torch.Tensor], b
 _STATS_PLANS: dict = {}
 
 
-def _stats_plan(k, v, k_mean, block_size, headroom, select):
+def _stats_plan(k, v, k_mean, block_size, headroom, select, rope_dims):
     """(partials' shape, counts' shape, scales' shape, stats (grid, scalars, kwargs), finish (...), memos)."""
     b, H, T, D = k.shape
     bs, BD = int(block_size), _pow2(D)
@@ -347,13 +365,14 @@ def _stats_plan(k, v, k_mean, block_size, headroom, select):
     nsub = max(1, min(nsub, _pow2(nblocks)))
     nc = -(-T // (nsub * bs))
     stats = ((nc, b * H), (T, nc, H, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2)),
-             dict(D=D, BD=BD, BS=bs, NSUB=nsub, VEC=_vec(k, v), num_warps=4))
+             dict(D=D, BD=BD, BS=bs, NSUB=nsub, VEC=_vec(k, v), ROT=int(rope_dims), num_warps=4,
+                  enable_fp_fusion=False))
     n_lo = select[2] if select is not None else 0
     n_gap = float(b * max(T // bs, 1))
     finish = ((b * H + 1,), (nc, b, H, float(headroom / 127.0), n_gap),
               dict(D=D, BD=BD, BC=min(_pow2(nc), 64), HP=max(2, _pow2(H)),
                    HC=max(1, min(_pow2(nc), 64 // max(2, _pow2(H)))), N2=int(n_lo), HAS_MEAN=k_mean is not None,
-                   SELECT=select is not None, num_warps=4))
+                   SELECT=select is not None, ROT=int(rope_dims), num_warps=4))
     return (b * H, nc, N_PART, BD), (b * H, nc), (b, H, D), stats, finish, ({}, {})
 
 

@@ -6,6 +6,8 @@ TurboAttention (Kang et al., 2024) §3.1-3.3 as storage (format in ``turbo_attn_
   ``s_k = h · amax|k - μ| / 127`` with μ the channel mean of the prompt's keys (``smooth_k``),
   ``s_v = h · amax|v| / 127``, headroom ``h`` from the prompt length (``auto_headroom``: a short prompt
   under-estimates the range of later tokens, which would clamp; measurements next to the constant);
+  ``k_scale_range: rope_pair``: K channels RoPE rotates take ``h · max‖(k_j, k_{j+r/2})‖ / 127`` and μ = 0
+  instead (the pair's norm survives the rotation, its range and mean do not: issue 21, ``rope_dims``);
 * every token (prompt and later) is quantized to INT8 with those scales (outliers clamp to ±127);
 * full blocks of ``block_size`` tokens are re-quantized (K per channel, V per token) to INT4/INT2 (integer
   scale/zero) into the buffer of their head's bit width (``TurboConfig.layer_head_bits``: a per-layer head
@@ -33,6 +35,7 @@ in attention), so their ``get_mask_sizes`` offset is 0.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, Optional
 
@@ -43,11 +46,13 @@ from .config import TurboConfig, TurboConfigError
 from .kernels.device import on_device
 from .kernels.interpreter import use_triton
 from .kernels.pack import PackedKV, kv_bytes_per_token, quantize_int8
-from .kernels.reference import k_smooth_mean, kv_finite_mean_ref
+from .kernels.reference import k_smooth_mean, kv_finite_mean_ref, rope_pair_amax_ref
 from .kernels.rotation import rotate, smooth_scales
 
 __all__ = ["TurboCache", "TurboCacheFullError", "TurboLayer", "TurboSlidingWindowLayer", "TurboStaticLayer",
            "TurboStaticSlidingWindowLayer"]
+
+logger = logging.getLogger(__name__)
 
 _BITS_ORDER = (8, 4, 2)
 #: universal scale = headroom * amax / 127 of the first prefill: n prompt tokens under-estimate the range of a
@@ -139,6 +144,41 @@ def tp_shard(n_kv_heads: int, total: Optional[int]) -> tuple[int, int]:
     return dist.get_rank() % world, world
 
 
+#: model types whose attention applies HF's rotate_half RoPE to the first ``partial_rotary_factor · head_dim``
+#: channels of K (pairs (j, j + r/2)); others (interleaved pairs, RoPE on trailing channels as in MLA, no RoPE)
+#: keep per-channel K scales under ``k_scale_range: rope_pair``
+ROTATE_HALF_MODEL_TYPES = frozenset((
+    "llama", "mistral", "mixtral", "ministral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2",
+    "gemma3", "gemma3_text", "phi", "phi3", "stablelm", "gpt_neox", "nemotron", "olmo", "olmo2", "olmo3", "olmoe",
+    "granite", "granitemoe", "starcoder2", "smollm3"))
+_ROPE_FALLBACK_LOGGED: set = set()
+
+
+def rope_dims(config: Any, layer_idx: int, log: bool = False) -> int:
+    """How many leading K channels of layer ``layer_idx`` RoPE turns in rotate_half pairs (``k_scale_range:
+    rope_pair``), from the model's config; 0 (per-channel K scales, logged once per model type) without a config,
+    when the layout is not known to be rotate_half or the layer has no RoPE."""
+    if config is None:
+        return 0
+    text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    mt = getattr(text_config, "model_type", None)
+    rp = getattr(text_config, "rope_parameters", None) or {}
+    if rp and all(isinstance(x, dict) for x in rp.values()):  # per layer type (Gemma-3): same layout in each
+        rp = next(iter(rp.values()), {})
+    if mt not in ROTATE_HALF_MODEL_TYPES:
+        if log and mt not in _ROPE_FALLBACK_LOGGED:
+            _ROPE_FALLBACK_LOGGED.add(mt)
+            logger.info("turbo_int8: k_scale_range 'rope_pair' needs HF's rotate_half RoPE layout; model type %r is "
+                        "not known to use it, so K keeps per-channel scales", mt)
+        return 0
+    use = getattr(text_config, "no_rope_layers", None)  # SmolLM3: 1 = the layer applies RoPE
+    if use is not None and layer_idx < len(use) and not use[layer_idx]:
+        return 0
+    hd = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+    f = rp.get("partial_rotary_factor", getattr(text_config, "partial_rotary_factor", None)) or 1.0
+    return int(hd * f) // 2 * 2
+
+
 class TurboLayer(CacheLayerMixin):
     """One full-attention layer's quantized KV (INT8 tail + packed blocks per bit width).
 
@@ -153,6 +193,9 @@ class TurboLayer(CacheLayerMixin):
     #: the model's KV heads per layer (set by TurboCache from the model config): a layer that sees fewer is a
     #: tensor-parallel shard and takes its slice of the head map
     n_kv_heads_total: Optional[int] = None
+    #: leading K channels RoPE turns in rotate_half pairs (set by TurboCache from the model config, ``rope_dims``);
+    #: 0 = unknown: ``k_scale_range: rope_pair`` then keeps per-channel scales
+    rope_dims: int = 0
     is_compileable = False
 
     def __init__(self, turbo_config: TurboConfig, layer_idx: int = 0, n_layers: Optional[int] = None, **kwargs):
@@ -177,6 +220,7 @@ class TurboLayer(CacheLayerMixin):
         self.nonfinite: Optional[torch.Tensor] = None  # int32 [1]: stored token vectors with an inf/NaN
         self.n_tail = 0
         self.k_mean = self.k_scale = self.v_scale = None
+        self.prefill_k_mean = None  # the first prefill's full K mean (its attention), where k_mean drops channels
         self.qk_smooth: Optional[torch.Tensor] = None  # smooth_hadamard: s [b, Hk, d], fixed at the first store
         self.headroom: Optional[float] = None  # the universal scales' headroom, fixed at the first prefill
         self._first_prefill = False
@@ -366,6 +410,21 @@ class TurboLayer(CacheLayerMixin):
             grp.n_blocks += n_pack // bs
         self.n_tail = self.n_sink + n - n_pack
 
+    def _k_rope_dims(self, d: int) -> int:
+        """Of ``d`` K channels, how many take their RoPE pair's norm as range (``k_scale_range: rope_pair``); 0:
+        none. A rotated K basis (``rotate_qk``) mixes the pairs: per-channel."""
+        r = min(self.rope_dims, d)
+        return r if self.turbo_config.k_scale_range == "rope_pair" and not self.rotated and r >= 2 else 0
+
+    def _cache_k_mean(self, mean: Optional[torch.Tensor], rot: int) -> None:
+        """Keep the first prefill's K mean for its attention; the stored K's mean is 0 on the ``rot`` pair-scaled
+        channels (None when that is all of them)."""
+        self.prefill_k_mean = mean
+        if mean is not None and rot:
+            mean = None if rot == mean.shape[-1] else torch.cat([torch.zeros_like(mean[..., :rot]), mean[..., rot:]],
+                                                                 dim=-1)
+        self.k_mean = mean
+
     def _first_store_fused(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """The first prefill in 3-4 launches, no host sync: K mean (torch, with smoothing), stats, scales + head
         choice (``kernels.store.kv_stats``), store (``_store``). Bit for bit the PyTorch path's codes, scales and
@@ -376,7 +435,7 @@ class TurboLayer(CacheLayerMixin):
         b, hk, T, d = key_states.shape
         h = self.scale_headroom
         self.headroom = h = auto_headroom(T) if h == "auto" else float(h)
-        self.k_mean = k_smooth_mean(key_states) if cfg.smooth_k else None
+        mean = k_smooth_mean(key_states) if cfg.smooth_k else None
         self.nonfinite = torch.empty(1, dtype=torch.int32, device=self.device)
         select = None
         bs = cfg.block_size
@@ -390,7 +449,9 @@ class TurboLayer(CacheLayerMixin):
             select = (maps[cfg.bits], maps[2], n2)
         else:
             self._make_groups(self._plan_bits, capacity=max(nb, 1))
-        self.k_scale, self.v_scale = kv_stats(key_states, value_states, self.k_mean, bs, h, self.nonfinite, select)
+        rot = self._k_rope_dims(key_states.shape[-1])
+        self.k_scale, self.v_scale = kv_stats(key_states, value_states, mean, bs, h, self.nonfinite, select, rot)
+        self._cache_k_mean(mean, rot)  # after kv_stats: it fixes non-finite channels of the mean in place
         self._store(key_states, value_states, first=True)
 
     def _fix_scales(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -405,6 +466,7 @@ class TurboLayer(CacheLayerMixin):
         self.nonfinite = torch.zeros(1, dtype=torch.int32, device=key_states.device)
         self._count_nonfinite(key_states, value_states)
         k_min, k_max = _finite_aminmax(key_states)
+        rot = self._k_rope_dims(key_states.shape[-1])
         if self.turbo_config.smooth_k:
             # k.mean(dim=2, dtype=fp32) == k.float().mean(dim=2) bit for bit, without the fp32 copy. CPU: both are
             # sum(dtype=fp32) / T, the 16-bit values widened as they are added, in the same order (the test). CUDA:
@@ -413,14 +475,17 @@ class TurboLayer(CacheLayerMixin):
             # the element strides and the element alignment: the fp32 copy's, while K's pointer and strides are
             # multiples of 4 elements (HF's layouts) and the copy stays under 2^31 bytes (32-bit indexing).
             # k_smooth_mean is also the reference's and the prefill's mean.
-            self.k_mean = kv_finite_mean_ref(key_states, k_smooth_mean(key_states))
+            mean = kv_finite_mean_ref(key_states, k_smooth_mean(key_states))
             # max_i |fl(k_i - mu)| = max(fl(k_max - mu), fl(mu - k_min)) exactly: fl(x - mu) is monotone in x
             # and round-to-nearest is symmetric (fl(-y) = -fl(y)), so the extreme differences come from the
             # extreme keys (a channel without a finite key: -inf, scale 1)
-            k_amax = torch.maximum(k_max - self.k_mean, self.k_mean - k_min)
+            k_amax = torch.maximum(k_max - mean, mean - k_min)
         else:
-            self.k_mean = None
+            mean = None
             k_amax = torch.maximum(k_max, -k_min)  # |k| max, exact in any dtype
+        self._cache_k_mean(mean, rot)
+        if rot:
+            k_amax = torch.cat([rope_pair_amax_ref(key_states, rot), k_amax[..., rot:]], dim=-1)
         v_min, v_max = _finite_aminmax(value_states)
         v_amax = torch.maximum(v_max, -v_min)
         ks = k_amax * (h / 127.0)
@@ -506,7 +571,8 @@ class TurboLayer(CacheLayerMixin):
                 q, k, v = q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16)
             # k_mean: the store's mean of these keys (same reduction), so K is reduced once per prefill
             out = fn(q, k, v, scale=scale, causal=causal, window=window, softcap=softcap, key_valid=key_valid,
-                     softmax=cfg.softmax, sas_threshold=cfg.sas_threshold, smooth_k=cfg.smooth_k, k_mean=self.k_mean)
+                     softmax=cfg.softmax, sas_threshold=cfg.sas_threshold, smooth_k=cfg.smooth_k,
+                     k_mean=self.prefill_k_mean)
             return out.to(query.dtype)
         if use_triton(query.device):  # decode_inputs() spelled out: this runs per layer and decode step
             return _kernels("decode").turbo_decode_attention(
@@ -953,9 +1019,10 @@ class TurboCache(Cache):
         elif layers is not None:
             self.n_layers = len(layers)
         if config is not None:
-            for layer in layers or []:
+            for i, layer in enumerate(layers or []):
                 if isinstance(layer, TurboLayer):
                     layer.n_kv_heads_total = _kv_heads(config)
+                    layer.rope_dims = rope_dims(config, i, self.turbo_config.k_scale_range == "rope_pair")
         super().__init__(layers=layers if layers is not None else [])
 
     @classmethod
@@ -978,6 +1045,7 @@ class TurboCache(Cache):
                 layers.append(layer)
                 continue
             new.n_kv_heads_total = _kv_heads(model_config)
+            new.rope_dims = rope_dims(model_config, i, cfg.k_scale_range == "rope_pair")
             if layer.is_initialized and layer.keys is not None and layer.keys.numel() and layer.get_seq_length():
                 new.update(layer.keys, layer.values)
             layers.append(new)

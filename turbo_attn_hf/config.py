@@ -25,6 +25,7 @@ SUPPORTED_BITS = (2, 4, 8)
 SOFTMAX_MODES = ("exact", "sas")
 HEAD_SELECT_MODES = ("prompt", "last")
 ROTATE_QK_MODES = ("none", "hadamard", "smooth_hadamard")  # kernels/rotation.py ROTATIONS
+K_SCALE_RANGES = ("channel", "rope_pair")
 
 
 class TurboConfigError(ValueError):
@@ -60,6 +61,14 @@ class TurboConfig:
             tokens beyond the prefill's range clamp. ``"auto"`` (default) sets it from the first prefill's
             length n (``cache.auto_headroom``: sqrt(ln 32768 / ln n) clamped to [1.25, 2]): a short prompt
             under-estimates the range of later tokens, a long one does not. A number fixes it.
+        k_scale_range: what K's universal scale of a channel covers. ``"channel"``: ``amax|k - mean|`` of the
+            channel over the first prefill. ``"rope_pair"``: for channels RoPE rotates (rotate_half pairs
+            ``(j, j + r/2)``, r from the model config: ``partial_rotary_factor``), the max norm of the pair
+            ``sqrt(k_j² + k_{j+r/2}²)`` and no K mean: RoPE turns a pair by a position-dependent angle, so a
+            short prompt under-states a slowly turning channel's later range and mean (issue 21, PERF_NOTES
+            "Long context"); it keeps the norm. Other channels, models whose RoPE layout is not known to be
+            rotate_half, caches built without a model config and ``rotate_qk`` other than ``"none"`` use
+            ``"channel"`` (``cache.rope_dims``).
         rotate_qk: ``"none"`` or ``"hadamard"``: rotate Q and K of every head by an orthonormal Hadamard
             matrix before INT8 (``kernels/rotation.py``; block-diagonal 16/32 for head_dim 80/96). Q·Kᵀ is
             unchanged, channel outliers are spread before per-token quantization (issue 23). The cache
@@ -81,6 +90,7 @@ class TurboConfig:
     sas_threshold: float = 6.0
     smooth_k: bool = True
     scale_headroom: float | str = "auto"
+    k_scale_range: str = "channel"
     rotate_qk: str = "none"
     name: str = "custom"
 
@@ -100,6 +110,8 @@ class TurboConfig:
             isinstance(self.scale_headroom, (int, float)) and self.scale_headroom >= 1.0
         ):
             raise TurboConfigError(f"scale_headroom={self.scale_headroom!r} must be 'auto' or a number >= 1.0")
+        if self.k_scale_range not in K_SCALE_RANGES:
+            raise TurboConfigError(f"k_scale_range={self.k_scale_range!r} must be one of {K_SCALE_RANGES}")
         if self.rotate_qk not in ROTATE_QK_MODES:
             raise TurboConfigError(f"rotate_qk={self.rotate_qk!r} must be one of {ROTATE_QK_MODES}")
         if self.head_select not in HEAD_SELECT_MODES:

@@ -5,6 +5,7 @@ KL(eager-fp32 || method), top-1 and perplexity over positions ``--prefill`` .. `
 chunks of each ``--chunks`` size. CPU-sized; on a machine without CUDA turbo runs its PyTorch twins.
 
     python -m eval.experiments.lc_chunk_probe --methods turbo-int8 --window 2048 --chunks 512,64
+    python -m eval.experiments.lc_chunk_probe --methods "turbo-int8;turbo-int8:k_scale_range=rope_pair"
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def main(argv=None) -> None:
     with torch.no_grad():
         rlp = F.log_softmax(ref(ids[None]).logits[0, :-1].float(), -1)
     tgt = ids[1:]
-    for name in args.methods.split(","):
+    for name in args.methods.split(";" if ";" in args.methods else ","):  # ';' where a method has overrides
         m = lc.method(name)
         prepare(low, m.impl)
         for chunk in [0] + [int(c) for c in args.chunks.split(",")]:  # 0: the whole window in one prefill

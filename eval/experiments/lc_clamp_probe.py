@@ -8,6 +8,7 @@ scales and K mean exactly as in generation); then the fraction of values with ``
 clamped most in the last bucket are listed (HF RoPE pairs channel j with j + d/2; higher j = lower frequency).
 
     python -m eval.experiments.lc_clamp_probe --window 4096 --prefill 1024
+    python -m eval.experiments.lc_clamp_probe --preset int8:k_scale_range=rope_pair   # preset:field=value overrides
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def main(argv=None) -> None:
     dc = DynamicCache(config=model.config)
     with torch.no_grad():
         model(ids[None], past_key_values=dc, use_cache=True)
-    tc = turbo_attn_hf.TurboCache(args.preset, config=model.config)
+    tc = turbo_attn_hf.TurboCache(lc.method("turbo-" + args.preset).impl.turbo_config, config=model.config)
     P = args.prefill
     edges = [(a, min(a + 1024, args.window)) for a in range(0, args.window, 1024)]
     n = len(dc.layers)
@@ -51,7 +52,8 @@ def main(argv=None) -> None:
         tc.update(K[:, :, :P].contiguous(), V[:, :, :P].contiguous(), li)  # the first prefill fixes the scales
         layer = tc.layers[li]
         H, d = K.shape[1], K.shape[3]
-        ks, km, vs = (t.float().reshape(1, H, 1, d) for t in (layer.k_scale, layer.k_mean, layer.v_scale))
+        km = layer.k_mean if layer.k_mean is not None else torch.zeros_like(layer.k_scale)  # rope_pair: no mean
+        ks, km, vs = (t.float().reshape(1, H, 1, d) for t in (layer.k_scale, km, layer.v_scale))
         for i, (a, b) in enumerate(edges):
             ck = ((K[:, :, a:b].float() - km) / ks).abs() > 127.5
             out_k[i] += ck.float().mean().item() / n

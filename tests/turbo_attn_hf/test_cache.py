@@ -450,28 +450,105 @@ def _scale_inputs(b, hk, T, d, dtype, case, seed=0):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("smooth_k", [True, False], ids=["smooth", "plain"])
+@pytest.mark.parametrize("rope", [0, 1.0, 0.5], ids=["channel", "rope_pair", "rope_pair_partial"])
 @pytest.mark.parametrize("case,b,hk,T,d", [
     ("random", 2, 3, 150, 32), ("adversarial", 2, 3, 151, 64), ("nonfinite", 1, 2, 40, 32),
     ("random", 1, 8, 4096 + 5, 128),
     pytest.param("random", 1, 8, 32768, 128, marks=pytest.mark.gpu, id="real"),
 ])
-def test_fix_scales_equal_the_fp32_formula(dtype, smooth_k, case, b, hk, T, d, device):
+def test_fix_scales_equal_the_fp32_formula(dtype, smooth_k, rope, case, b, hk, T, d, device):
     """_fix_scales (K's mean(dtype=fp32), aminmax of K and V) == the fp32 formula it replaced, bit for bit.
     The replaced code is reference.kv_universal_scales_ref with the mean of a float copy, so: (1) the mean of K
-    equals that of its fp32 copy, (2) the layer's scales equal the reference's."""
+    equals that of its fp32 copy, (2) the layer's scales equal the reference's. ``rope``: ``k_scale_range:
+    rope_pair`` on that fraction of the channels (RoPE-pair norms, mean 0 there)."""
     k, v = (t.to(device) for t in _scale_inputs(b, hk, T, d, dtype, case, seed=T))
     bits = lambda t: t.view(torch.int32)  # noqa: E731  (distinguishes -0.0 and NaN payloads)
     assert torch.equal(bits(k.mean(dim=2, dtype=torch.float32)), bits(k.float().mean(dim=2)))
-    layer = TurboLayer(_cfg(smooth_k=smooth_k, scale_headroom="auto"))
+    rot = int(d * rope)
+    layer = TurboLayer(_cfg(smooth_k=smooth_k, scale_headroom="auto", k_scale_range="rope_pair" if rot else "channel"))
+    layer.rope_dims = rot
     layer._fix_scales(k, v)
-    mean, ks, vs = R.kv_universal_scales_ref(k, v, smooth_k, layer.headroom)
+    mean, ks, vs = R.kv_universal_scales_ref(k, v, smooth_k, layer.headroom, rot)
     assert (layer.k_mean is None) == (mean is None)
     if mean is not None:
         assert torch.equal(bits(layer.k_mean), bits(mean))
     assert torch.equal(bits(layer.k_scale), bits(ks)) and torch.equal(bits(layer.v_scale), bits(vs))
-    if case == "adversarial":  # the zero / constant channels took scale 1
+    if case == "adversarial" and not rot:  # the zero / constant channels took scale 1
         assert bool((ks[..., :2] == 1).all() and (vs[..., :2] == 1).all())
         assert bool((ks[..., 2] == 1).all()) == smooth_k
+    if rot and case != "nonfinite":  # the pair norm, from an fp64 formula
+        kd = k.double()[..., :rot]
+        pair = (kd[..., :rot // 2] ** 2 + kd[..., rot // 2:] ** 2).sqrt().amax(2).repeat(1, 1, 2)
+        want = torch.where(pair > 0, pair * layer.headroom / 127, torch.ones_like(pair))
+        torch.testing.assert_close(ks[..., :rot].double(), want, rtol=1e-6, atol=0)
+        assert (mean is None) == (smooth_k is False or rot == d)
+        if mean is not None:
+            assert bool((mean[..., :rot] == 0).all())
+            assert torch.equal(bits(layer.prefill_k_mean), bits(R.kv_finite_mean_ref(k, R.k_smooth_mean(k))))
+
+
+def _rope(x: torch.Tensor, theta: float = 1e4) -> torch.Tensor:
+    """HF's rotate_half RoPE of ``x [b, H, T, d]`` at positions 0..T-1."""
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = torch.arange(x.shape[2], dtype=torch.float64)[:, None] * inv[None]
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
+    xd = x.double()
+    return (xd * cos + torch.cat([-xd[..., d // 2:], xd[..., :d // 2]], -1) * sin).to(x.dtype)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "pytorch"])
+def test_rope_pair_scales_cover_a_long_feed_after_a_short_prefill(fused, device, monkeypatch):
+    """Issue 21: RoPE-rotated K with a fixed per-head bias (the slow pairs turn a fraction of a turn over the
+    prompt): after a 128-token prefill, the per-channel scales clamp later tokens of a 4k feed; rope_pair scales
+    (the model config's pairs: a Llama config) clamp none."""
+    from transformers import LlamaConfig
+
+    from turbo_attn_hf import cache as C
+
+    monkeypatch.setattr(C, "FUSED_STORE", fused)
+    b, hk, T, d, P = 1, 2, 4096, 32, 128
+    g = torch.Generator().manual_seed(0)
+    pre = torch.randn(b, hk, T, d, generator=g) * 0.5 + torch.randn(1, hk, 1, d, generator=g) * 3
+    k = _rope(pre).to(torch.bfloat16).to(device)
+    v = torch.randn(b, hk, T, d, generator=g).to(torch.bfloat16).to(device)
+    mc = LlamaConfig(hidden_size=d * 4, num_attention_heads=4, num_key_value_heads=hk, num_hidden_layers=1,
+                     head_dim=d)
+    out = {}
+    for mode in ("channel", "rope_pair"):
+        cache = TurboCache(_cfg(bits=8, n_2bit_heads=0, k_scale_range=mode), config=mc)
+        cache.update(k[:, :, :P], v[:, :, :P], 0)
+        layer = cache.layers[0]
+        assert layer.rope_dims == d
+        km = layer.k_mean if layer.k_mean is not None else torch.zeros_like(layer.k_scale)
+        code = (k[:, :, P:].float() - km[:, :, None]) / layer.k_scale[:, :, None]
+        out[mode] = (code.abs() > 127.5).float().mean().item()
+    assert out["channel"] > 0.1  # measured 0.197 (CPU; rope_pair: max |code| 112.8)
+    assert out["rope_pair"] == 0.0
+
+
+def test_rope_dims_from_the_model_config():
+    """rotate_half pairs from the config (partial_rotary_factor, SmolLM3's no-RoPE layers); a model type not known
+    to use rotate_half, a cache without a config and rotate_qk keep per-channel K scales."""
+    from transformers import CohereConfig, LlamaConfig, PhiConfig, SmolLM3Config
+
+    from turbo_attn_hf.cache import rope_dims
+
+    assert rope_dims(LlamaConfig(head_dim=64), 0) == 64
+    assert rope_dims(PhiConfig(hidden_size=256, num_attention_heads=4, partial_rotary_factor=0.5), 0) == 32
+    assert [rope_dims(SmolLM3Config(num_hidden_layers=4, no_rope_layer_interval=4), i) for i in range(4)] == \
+        [128, 128, 128, 0]
+    assert rope_dims(CohereConfig(), 0) == 0 and rope_dims(None, 0) == 0
+    cache = TurboCache(_cfg(k_scale_range="rope_pair"))
+    cache.update(*_kv(1, 2, 20, 32), 0)
+    assert cache.layers[0].rope_dims == 0 and cache.layers[0].k_mean is not None  # no model config: per-channel
+    for rot, want in (("none", 32), ("hadamard", 0)):
+        layer = TurboLayer(_cfg(k_scale_range="rope_pair", rotate_qk=rot))
+        layer.rope_dims = 32
+        assert layer._k_rope_dims(32) == want
+    layer = TurboLayer(_cfg())
+    layer.rope_dims = 32
+    assert layer._k_rope_dims(32) == 0  # k_scale_range: channel
 
 
 def test_update_launches_on_the_layers_device(monkeypatch):

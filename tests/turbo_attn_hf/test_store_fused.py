@@ -36,11 +36,13 @@ def _kv(b, hk, L, seed=0, device="cpu", dtype=torch.bfloat16):
     return k.transpose(1, 2).to(device, dtype), v.transpose(1, 2).to(device, dtype)  # HF's transposed layout
 
 
-def _run(cfg, k, v, steps, fused):
+def _run(cfg, k, v, steps, fused, rope_dims=0):
     old = C.FUSED_STORE
     C.FUSED_STORE = fused
     try:
-        cache = TurboCache(cfg)
+        layer = C.TurboLayer(cfg, 0)
+        layer.rope_dims = rope_dims  # as TurboCache sets it from a model config
+        cache = TurboCache(cfg, layers=[layer])
         pos = 0
         for T in steps:
             cache.update(k[:, :, pos:pos + T], v[:, :, pos:pos + T], 0)
@@ -55,8 +57,10 @@ def _assert_same(a, b):
     assert (a.n_blocks, a.n_tail, a.head_bits, a.headroom) == (b.n_blocks, b.n_tail, b.head_bits, b.headroom)
     assert torch.equal(bits(a.k_scale), bits(b.k_scale)) and torch.equal(bits(a.v_scale), bits(b.v_scale))
     assert (a.k_mean is None) == (b.k_mean is None)
-    if a.k_mean is not None:
-        assert torch.equal(bits(a.k_mean), bits(b.k_mean))
+    for x, y in ((a.k_mean, b.k_mean), (a.prefill_k_mean, b.prefill_k_mean)):
+        assert (x is None) == (y is None)
+        if x is not None:
+            assert torch.equal(bits(x), bits(y))
     n = a.n_tail
     assert torch.equal(a.k_tail[:, :, :n].cpu(), b.k_tail[:, :, :n].cpu())
     assert torch.equal(a.v_tail[:, :, :, :n].cpu(), b.v_tail[:, :, :, :n].cpu())
@@ -77,6 +81,28 @@ def test_first_prefill_equals_pytorch_path(preset, T, sink, recent, device):
     k, v = _kv(b, hk, T, seed=T, device=device)
     cfg = _cfg(preset, sink_blocks=sink, recent_blocks=recent)
     _assert_same(_run(cfg, k, v, [T], True), _run(cfg, k, v, [T], False))
+
+
+@pytest.mark.parametrize("preset", ["int8", "mixed"])
+@pytest.mark.parametrize("rope_dims", [D, D // 2], ids=["full", "partial"])
+@pytest.mark.parametrize("smooth_k", [True, False], ids=["smooth", "plain"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_rope_pair_first_prefill_equals_pytorch_path_and_reference(preset, rope_dims, smooth_k, dtype, device):
+    """k_scale_range rope_pair: kv_stats' pair-norm scales == _fix_scales' == the fp32 formula, bit for bit (one
+    K vector with an inf, int8: left out of its pair's norm); codes and head choice equal."""
+    b, hk, T = 2, 4, 3 * BS + 5
+    k, v = _kv(b, hk, T, seed=3, device=device, dtype=dtype)
+    if preset == "int8":  # (the PyTorch head choice does not skip non-finite keys)
+        k[1, 2, 7, 3] = float("inf")
+    cfg = _cfg(preset, k_scale_range="rope_pair", smooth_k=smooth_k, sink_blocks=1, recent_blocks=1)
+    a = _run(cfg, k, v, [T], True, rope_dims)
+    _assert_same(a, _run(cfg, k, v, [T], False, rope_dims))
+    mean, ks, vs = R.kv_universal_scales_ref(k.cpu(), v.cpu(), smooth_k, a.headroom, rope_dims)
+    bits = lambda t: t.view(torch.int32)  # noqa: E731
+    assert torch.equal(bits(a.k_scale.cpu()), bits(ks)) and torch.equal(bits(a.v_scale.cpu()), bits(vs))
+    assert (a.k_mean is None) == (mean is None)
+    if mean is not None:
+        assert torch.equal(bits(a.k_mean.cpu()), bits(mean))
 
 
 @pytest.mark.parametrize("preset", ["int4", "mixed"])
