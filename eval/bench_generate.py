@@ -254,6 +254,7 @@ def trace_stats(trace_path) -> dict:
         events = json.load(f).get("traceEvents", [])
     st = {"launches": 0, "graph_launches": 0, "copies": 0, "kernels": 0, "gpu_kernel_ms": 0.0, "sync_ms": 0.0}
     names: Counter = Counter()
+    names_ms: Counter = Counter()
     for e in events:
         if e.get("ph") != "X":
             continue
@@ -271,7 +272,8 @@ def trace_stats(trace_path) -> dict:
             st["kernels"] += 1
             st["gpu_kernel_ms"] += dur / 1e3
             names[name[:90]] += 1
-    st["kernel_names"] = names
+            names_ms[name[:90]] += dur / 1e3
+    st["kernel_names"], st["kernel_ms"] = names, names_ms
     return st
 
 
@@ -302,6 +304,9 @@ def profile_row(model, ids, mask, spec: dict, steps: int, layers: int) -> dict:
     diff = long["kernel_names"].copy()
     diff.subtract(short["kernel_names"])
     step["top_kernels"] = {k: v / steps for k, v in diff.most_common(15) if v > 0}
+    diff_ms = long["kernel_ms"].copy()
+    diff_ms.subtract(short["kernel_ms"])
+    step["top_kernels_ms"] = {k: round(v / steps, 4) for k, v in diff_ms.most_common(8) if v > 0}
     pre = {k: short[k] for k in keys}
     pre["launches_per_layer"] = short["launches"] / layers
     pre["kernels_per_layer"] = short["kernels"] / layers

@@ -266,10 +266,13 @@ def _smollm2_gguf():
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["int4", "mixed"])
 def test_compiled_greedy_equals_eager_on_smollm2(preset):
-    """GPU, real weights: 200 greedy tokens of generate(cache_implementation="static") with HF's automatic compile
-    (the decode step replayed as a CUDA graph) equal the same static cache run eagerly, token for token (the graph
-    replays the same launches on the same storage)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """GPU, real weights: 200 greedy tokens of generate(cache_implementation="static") with the decode step traced
+    by dynamo and replayed as a CUDA graph equal the same static cache run eagerly, token for token. The graph
+    runs the eager aten ops (backend "cudagraphs"): inductor's fused pointwise ops round differently from eager
+    bf16 ops, and INT8 codes turn those last-bit differences into different tokens after a few steps, for any
+    quantized cache, so the exact comparison is made where only the capture differs; HF's default inductor
+    compile is then checked to replay deterministically."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, CompileConfig
 
     import torch._dynamo
 
@@ -281,15 +284,17 @@ def test_compiled_greedy_equals_eager_on_smollm2(preset):
     msgs = [{"role": "user", "content": "Explain in detail how a refrigerator keeps food cold, step by step."}]
     ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     ids = {k: v.cuda() for k, v in ids.items()}
+    n = ids["input_ids"].shape[1]
     kw = dict(max_new_tokens=200, min_new_tokens=200, do_sample=False, cache_implementation="static")
     torch._dynamo.reset()
     eager = model.generate(**ids, disable_compile=True, **kw)
-    compiled = model.generate(**ids, **kw)
+    graphed = model.generate(**ids, compile_config=CompileConfig(backend="cudagraphs", mode=None), **kw)
     assert hasattr(model, "_compiled_call")
-    compiled2 = model.generate(**ids, **kw)  # replays the captured graph from its first step
-    n = ids["input_ids"].shape[1]
-    assert torch.equal(compiled[:, n:], eager[:, n:]), (tok.decode(eager[0, n:]), tok.decode(compiled[0, n:]))
-    assert torch.equal(compiled2, compiled)
+    assert torch.equal(graphed[:, n:], eager[:, n:]), (tok.decode(eager[0, n:]), tok.decode(graphed[0, n:]))
+    torch._dynamo.reset()
+    del model._compiled_call
+    inductor = [model.generate(**ids, **kw) for _ in range(2)]  # HF's default CompileConfig
+    assert torch.equal(inductor[0], inductor[1])
     torch._dynamo.reset()
 
 
