@@ -126,6 +126,17 @@ def turbo_mask(
 
     if attention_mask is None:
         return None
+    key_valid = _padding_keys(batch_size, kv_length, kv_offset, attention_mask, config)
+    # One host sync per forward (transformers' own masks do the same check); saves the kernel the loads.
+    if bool(key_valid.all()):
+        return None
+    return key_valid.contiguous()
+
+
+def _padding_keys(batch_size: int, kv_length: int, kv_offset: int, attention_mask: torch.Tensor,
+                  config: Any) -> torch.Tensor:
+    """The user's 2D padding mask cut to the keys ``[kv_offset, kv_offset + kv_length)``: bool ``[b, kv_length]``
+    (a view where possible)."""
     if attention_mask.dim() != 2:
         raise TurboUnsupportedError(
             f"turbo_int8: {model_name(config)} got an attention_mask of shape {tuple(attention_mask.shape)} in "
@@ -135,13 +146,10 @@ def turbo_mask(
     end = int(kv_offset) + int(kv_length)
     if mask.shape[-1] < end:  # as transformers' prepare_padding_mask: missing positions are padding
         mask = torch.nn.functional.pad(mask, (0, end - mask.shape[-1]), value=False)
-    key_valid = mask[:, int(kv_offset):end]
-    if key_valid.shape[0] != batch_size and key_valid.shape[0] == 1:
-        key_valid = key_valid.expand(batch_size, -1)
-    # One host sync per forward (transformers' own masks do the same check); saves the kernel the loads.
-    if bool(key_valid.all()):
-        return None
-    return key_valid.contiguous()
+    mask = mask[:, int(kv_offset):end]
+    if mask.shape[0] != batch_size and mask.shape[0] == 1:
+        mask = mask.expand(batch_size, -1)
+    return mask
 
 
 def static_decode_mask(batch_size: int, kv_length: int, q_offset: Any, kv_offset: int,
@@ -150,22 +158,10 @@ def static_decode_mask(batch_size: int, kv_length: int, q_offset: Any, kv_offset
     ``kv_length`` slots: the user's padding mask, and no slot after the query (empty capacity). No host sync and
     no data-dependent branch (a compiled decode step traces it); never None: the slots past the query must be
     masked for a cache that hands over its whole capacity."""
-    if attention_mask is not None and attention_mask.dim() != 2:
-        raise TurboUnsupportedError(
-            f"turbo_int8: {model_name(config)} got an attention_mask of shape {tuple(attention_mask.shape)} in "
-            "mask creation; expected the 2D padding mask [batch, seq_len]."
-        )
     device = attention_mask.device if attention_mask is not None else (
         q_offset.device if isinstance(q_offset, torch.Tensor) else None)
     pos = torch.arange(int(kv_offset), int(kv_offset) + int(kv_length), device=device)
     valid = (pos <= q_offset)[None, :].expand(batch_size, -1)
     if attention_mask is None:
         return valid.contiguous()
-    mask = attention_mask.to(torch.bool)
-    end = int(kv_offset) + int(kv_length)
-    if mask.shape[-1] < end:  # as transformers' prepare_padding_mask: missing positions are padding
-        mask = torch.nn.functional.pad(mask, (0, end - mask.shape[-1]), value=False)
-    mask = mask[:, int(kv_offset):end]
-    if mask.shape[0] != batch_size:
-        mask = mask.expand(batch_size, -1)
-    return (mask & valid).contiguous()
+    return (_padding_keys(batch_size, kv_length, kv_offset, attention_mask, config) & valid).contiguous()

