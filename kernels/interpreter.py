@@ -1,4 +1,4 @@
-"""Triton CPU interpreter (TRITON_INTERPRET=1): one place that says whether it is on, and the two shims
+"""Triton CPU interpreter (TRITON_INTERPRET=1): one place that says whether it is on, and the shims
 that make Triton 3.6's interpreter compute what the GPU computes. Imported by every kernel module."""
 
 from __future__ import annotations
@@ -72,5 +72,35 @@ def _interpreter_exact_fma() -> None:
     builder._turbo_exact_fma = True
 
 
+def _interpreter_bf16_dot() -> None:
+    """Triton 3.6's interpreter holds bf16 as uint16 and ``tl.dot`` multiplies those integers (garbage); the GPU
+    widens bf16 exactly. Widen bf16 operands to fp32 (``bits << 16``) before the product (``quant._rotate_rows``).
+    Interpreter only; idempotent."""
+    if not interpreting():
+        return
+    try:
+        import numpy as np
+        import triton.language as tl
+        import triton.runtime.interpreter as interp
+    except ImportError:  # pragma: no cover
+        return
+    builder = getattr(interp, "InterpreterBuilder", None)
+    if builder is None or getattr(builder, "_turbo_bf16_dot", False):
+        return
+    orig = builder.create_dot
+
+    def widen(t):
+        if t.dtype.scalar != tl.bfloat16:
+            return t
+        return interp.TensorHandle((t.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return orig(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    builder.create_dot = create_dot
+    builder._turbo_bf16_dot = True
+
+
 _interpreter_index_compat()
 _interpreter_exact_fma()
+_interpreter_bf16_dot()

@@ -85,6 +85,7 @@ from .reference import (
     V_SCALE_MODES,
     default_block_n,
 )
+from .rotation import rotation_block
 from .softmax import sas_exp2
 
 __all__ = [
@@ -609,7 +610,7 @@ def int8_flash_attention(q8, sq, k8, sk, v8t, sv, *, causal=True, window=None, s
 
 def turbo_attention(q, k, v, *, scale=None, causal=True, window=None, softcap=None, key_valid=None,
                     softmax="exact", sas_threshold=6.0, smooth_k=True, out=None, p_scale=DEFAULT_P_SCALE,
-                    block_n=None, v_scale=DEFAULT_V_SCALE, k_mean=None):
+                    block_n=None, v_scale=DEFAULT_V_SCALE, k_mean=None, rotate_qk=False, qk_smooth=None):
     """INT8 flash attention from bf16/fp16 Q, K, V: fused quantization + the INT8 kernel.
 
     q: ``[b, Hq, Lq, d]``, k, v: ``[b, Hk, Lk, d]``, fp16 or bf16 (any strides), Hq % Hk == 0, Lq <= Lk,
@@ -631,6 +632,9 @@ def turbo_attention(q, k, v, *, scale=None, causal=True, window=None, softcap=No
         ``default_block_n(d)`` = 128.
       v_scale: "block" (V scale per block_n tokens and channel, default) or "channel" (one scale per
         channel over the sequence, INT-FlashAttention's choice).
+      rotate_qk: Hadamard-rotate Q and K (``TurboConfig.rotate_qk``, kernels/rotation.py) inside their quantization
+        pass, not as a separate matmul; qk_smooth: the ``smooth_hadamard`` factors ``s [b, Hk, d]``
+        (``rotation.smooth_scales``), Q times s and K times 1/s before the rotation. Pass unrotated q, k, k_mean.
     Non-finite inputs: a query row holding a NaN/Inf gives a NaN output row; a key token whose K or V holds
     one gives NaN in exactly the rows that attend it (``reference.nonfinite_rows``); every other row stays
     finite and as accurate as without it.
@@ -639,7 +643,8 @@ def turbo_attention(q, k, v, *, scale=None, causal=True, window=None, softcap=No
     try:  # everything the checks and the launches read; a repeated call (every layer of a prefill) skips both
         key = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device, v.shape, v.stride(),
                v.dtype, v.device, scale, causal, window, softcap, softmax, sas_threshold, smooth_k, p_scale, block_n,
-               v_scale,
+               v_scale, bool(rotate_qk),
+               None if qk_smooth is None else (qk_smooth.shape, qk_smooth.stride(), qk_smooth.dtype, qk_smooth.device),
                None if key_valid is None else (key_valid.shape, key_valid.stride(), key_valid.dtype, key_valid.device),
                None if out is None else (out.shape, out.stride(), out.dtype, out.device),
                None if k_mean is None else (k_mean.shape, k_mean.stride(), k_mean.dtype, k_mean.device))
@@ -649,19 +654,34 @@ def turbo_attention(q, k, v, *, scale=None, causal=True, window=None, softcap=No
     if plan is None:
         block_n = _check_attention_args(q, k, v, causal, window, softcap, key_valid, softmax, sas_threshold,
                                         p_scale, block_n, v_scale, out)
+        _check_rotation(rotate_qk, qk_smooth, k)
         b, hq, lq, d = q.shape
         if lq == 0 or b * hq == 0:
             return _check_out(out, (b, lq, hq, d), q.dtype, q.device)
         plan = _AttnPlan(q, k, v, key_valid, out, k_mean, scale=scale, causal=causal, window=window, softcap=softcap,
                          softmax=softmax, sas_threshold=sas_threshold, smooth_k=smooth_k, p_scale=p_scale,
-                         block_n=block_n, v_scale=v_scale)
+                         block_n=block_n, v_scale=v_scale, rotate_qk=bool(rotate_qk), has_factor=qk_smooth is not None)
         if key is not None:
             if len(_PLANS) >= _MAX_PLANS:
                 _PLANS.clear()
             _PLANS[key] = plan
     elif not plan.cuda:
         _check_device(q, "q")  # CPU tensors: only under the interpreter (checked each call: it can be switched)
-    return plan.run(q, k, v, key_valid, out, k_mean)
+    return plan.run(q, k, v, key_valid, out, k_mean, qk_smooth)
+
+
+def _check_rotation(rotate_qk, qk_smooth, k) -> None:
+    """``rotate_qk`` / ``qk_smooth`` checks (ValueError; a head dim without a Hadamard block: RotationError)."""
+    if rotate_qk:
+        rotation_block(k.shape[-1])
+    if qk_smooth is None:
+        return
+    b, hk, _, d = k.shape
+    if not rotate_qk:
+        raise ValueError("qk_smooth (the smooth_hadamard factors) needs rotate_qk=True")
+    if not isinstance(qk_smooth, torch.Tensor) or tuple(qk_smooth.shape) != (b, hk, d) or qk_smooth.device != k.device:
+        raise ValueError(f"qk_smooth must be a [b, Hk, d] = [{b}, {hk}, {d}] tensor on {k.device}; got "
+                         f"{tuple(qk_smooth.shape) if isinstance(qk_smooth, torch.Tensor) else type(qk_smooth).__name__}")
 
 
 def _check_attention_args(q, k, v, causal, window, softcap, key_valid, softmax, sas_threshold, p_scale, block_n,
@@ -719,7 +739,7 @@ class _AttnPlan:
                  "kv_arg", "qk", "v", "attn", "memo")
 
     def __init__(self, q, k, v, key_valid, out, k_mean, *, scale, causal, window, softcap, softmax, sas_threshold,
-                 smooth_k, p_scale, block_n, v_scale):
+                 smooth_k, p_scale, block_n, v_scale, rotate_qk=False, has_factor=False):
         b, hq, lq, d = q.shape
         hk, lk = k.shape[1], k.shape[2]
         dev = q.device
@@ -740,7 +760,7 @@ class _AttnPlan:
         self.mean_direct = (k_mean is not None and k_mean.dtype == torch.float32 and k_mean.device == dev
                             and tuple(k_mean.shape) == (b, hk, d) and k_mean.stride() == self.mean_stride)
         scale = d ** -0.5 if scale is None else float(scale)
-        self.qk = _qk_spec(q, k, scale * LOG2E, 1.0, smb, smh, self.smooth)
+        self.qk = _qk_spec(q, k, scale * LOG2E, 1.0, smb, smh, self.smooth, rotate_qk, has_factor)
         self.v = _v_spec(v, block_n, hk * lk, lk, self.channel, True)  # poison: sk [b, hk, lk], contiguous
         kv, stride_kvb = _key_valid_arg(key_valid, q)
         self.kv_arg = key_valid is not None
@@ -750,7 +770,7 @@ class _AttnPlan:
                                block_p=p_scale == "block", Lk=lk, block_n=block_n)
         self.memo = ({}, {}, {})
 
-    def run(self, q, k, v, key_valid, out, k_mean):
+    def run(self, q, k, v, key_valid, out, k_mean, qk_smooth=None):
         dev = self.device
         s_q8, s_sq, s_k8, s_sk, s_v8t, s_sv, s_o = self.shapes
         q8 = torch.empty(s_q8, dtype=torch.int8, device=dev)
@@ -772,11 +792,12 @@ class _AttnPlan:
             else:
                 m = _mean_arg(k_mean, q, s_sk[0], s_sk[1], s_q8[3])[0].contiguous()
         kv = _key_valid_arg(key_valid, q)[0] if self.kv_arg else sq
+        f = sk if qk_smooth is None else qk_smooth.to(torch.float32).contiguous()  # the kernel reads [b, hk, d]
         hooks = LeanLaunch.hooks_active()
         dev_key = torch.cuda.current_device() if self.cuda else -1  # the rest of the key is the plan's
         memo_qk, memo_v, memo_attn = self.memo
         grid, scalars, kw = self.qk
-        lean(_quant_qk_kernel).launch_memo(memo_qk, dev_key, grid, (q, k, m, q8, k8, sq, sk), scalars, kw, hooks)
+        lean(_quant_qk_kernel).launch_memo(memo_qk, dev_key, grid, (q, k, m, f, q8, k8, sq, sk), scalars, kw, hooks)
         grid, scalars, kw = self.v
         amax = _v_channel_amax(v) if self.channel else sv  # after K's pass: V marks poisoned keys in sk
         lean(_quant_v_kernel).launch_memo(memo_v, dev_key, grid, (v, amax, v8t, sv, sk), scalars, kw, hooks)

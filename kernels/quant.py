@@ -12,7 +12,9 @@ read of K, shared with the reference so that both quantize against the same mean
 stay two passes: a fused K+V pass measured no faster on the H100 once the passes load 16 bytes (0.96-1.00x,
 eval/results/bench_quant_h100.json). The prefill launches Q's and K's passes as one (``_quant_qk_kernel``: Q's
 programs, then K's, each the same row helper; ``quantize_qk``): one launch fewer per layer, the same bits. V stays
-its own launch after K's: it flags poisoned keys in K's scales, which K's pass writes.
+its own launch after K's: it flags poisoned keys in K's scales, which K's pass writes. With ``rotate_qk`` (issue 23
+item 5) that pass also Hadamard-rotates Q and K (``ROTATE``; one or two bf16 tensor-core dots per tile with the +-1
+matrix made in registers) instead of a separate fp32 matmul writing rotated copies (eval/PERF_NOTES.md, issue 23).
 
 Loads: the batch / head / token strides stay out of the specialization key (they change with L), so the
 compiler knows nothing of their divisibility and loads every bf16 element alone (2-byte ``ld.global.b16``
@@ -25,6 +27,7 @@ Rounding: ``trunc(x * (127 / amax) + copysign(0.5, .))`` (half away from zero), 
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -34,6 +37,7 @@ import triton.language as tl
 from .interpreter import interpreting
 from .launch import lean
 from .reference import DEFAULT_BLOCK_N, _finite_token_amax, k_smooth_mean  # noqa: F401  (k_smooth_mean re-exported)
+from .rotation import rotation_block
 
 __all__ = ["quantize_per_token", "quantize_qk", "quantize_v_blocks", "quantize_v_channels", "k_smooth_mean",
            "interpreting"]
@@ -98,15 +102,54 @@ def _multiple(x, VEC: tl.constexpr):
 
 
 @triton.jit
-def _quant_token_rows(p_x, p_x8, p_s, b_mean, scale, o_t, L, stride_xl, stride_xd,
-                      HAS_SMOOTH: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr):
+def _bf16_head(x):
+    """fp32 ``x`` with its low 16 bits cleared: a bf16 number, cut the same way on the GPU, in the interpreter (whose
+    fp32 -> bf16 cast truncates) and in ``reference._bf16_head``, so the bf16 cast after it is exact everywhere."""
+    return (x.to(tl.int32, bitcast=True) & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _hadamard_pm1(D: tl.constexpr, BD: tl.constexpr, N: tl.constexpr):
+    """``[BD, BD]`` bf16 +-1 Sylvester Hadamard with blocks of N (<= 256) on the diagonal of the first D channels, 0
+    elsewhere (``rotation.hadamard_matrix(D) * sqrt(N)``): ``(-1)^popcount(i & j)``, made in registers (no load)."""
+    o_i = tl.arange(0, BD)[:, None]
+    o_j = tl.arange(0, BD)[None, :]
+    a = o_i & o_j & (N - 1)
+    a = a ^ (a >> 4)  # parity of the 8 low bits folded into bit 0
+    a = a ^ (a >> 2)
+    a = a ^ (a >> 1)
+    inside = (o_i // N == o_j // N) & (o_i < D) & (o_j < D)
+    return tl.where(inside, 1.0 - 2.0 * (a & 1).to(tl.float32), 0.0).to(tl.bfloat16)
+
+
+@triton.jit
+def _rotate_rows(b_x, D: tl.constexpr, BD: tl.constexpr, N: tl.constexpr, SPLIT: tl.constexpr):
+    """``x [BT, BD] . H+-1`` in fp32 (the +-1 products are exact): x as its bf16 head and, with SPLIT (x is no bf16
+    number: smoothed, or fp16 input), its remainder's bf16 head, 16 of the 24 significant bits; one or two
+    tensor-core dots per tile, under the pass's memory time."""
+    b_h = _hadamard_pm1(D, BD, N)
+    b_hi = _bf16_head(b_x)
+    b_y = tl.dot(b_hi.to(tl.bfloat16), b_h, out_dtype=tl.float32)
+    if SPLIT:  # the sum of the two dots, in this order (reference.rotate_rows)
+        b_y = b_y + tl.dot(_bf16_head(b_x - b_hi).to(tl.bfloat16), b_h, out_dtype=tl.float32)
+    return b_y
+
+
+@triton.jit
+def _quant_token_rows(p_x, p_x8, p_s, b_mean, b_f, scale, o_t, L, stride_xl, stride_xd,
+                      HAS_SMOOTH: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
+                      ROTATE: tl.constexpr, ROT_N: tl.constexpr, ROT_SPLIT: tl.constexpr):
     """Per-token INT8 of the rows ``o_t`` ([BT], masked at L) of one head: ``p_x`` its rows (any strides),
-    ``p_x8`` its ``[L, D]`` codes (contiguous), ``p_s`` its ``[L]`` scales; ``b_mean`` [BD] subtracted first."""
+    ``p_x8`` its ``[L, D]`` codes (contiguous), ``p_s`` its ``[L]`` scales; ``b_mean`` [BD] subtracted first.
+    ROTATE: the rows become ``x . diag(b_f) . H+-1`` first (``rotation.rotate`` without its 1/sqrt(n), which the
+    caller folds into ``scale``; ``b_mean`` is then the rotated mean)."""
     o_d = tl.arange(0, BD)
     m_t = o_t < L
     m_x = m_t[:, None] & (o_d < D)[None, :]
     b_x = tl.load(p_x + o_t[:, None].to(tl.int64) * stride_xl + o_d[None, :] * stride_xd,
                   mask=m_x, other=0.0).to(tl.float32)
+    if ROTATE:  # in the pass that reads the rows anyway: no rotated copy of Q/K is written and read back
+        b_x = _rotate_rows(b_x * b_f[None, :], D, BD, ROT_N, ROT_SPLIT)
     if HAS_SMOOTH:
         b_x = tl.where(m_x, b_x - b_mean[None, :], 0.0)
     # a NaN-keeping amax is NaN/Inf exactly for a poisoned token: its scale is NaN and its codes are clamped
@@ -178,8 +221,9 @@ def _quant_tokens_kernel(
         o_d = tl.arange(0, BD)
         b_mean = _finite_or_zero(tl.load(MEAN + i_b * stride_mb + i_h * stride_mh + o_d, mask=o_d < D, other=0.0))
     _quant_token_rows(X + i_b * stride_xb + i_h * stride_xh, X8 + i_b * stride_ob + i_h * stride_oh,
-                      S + i_b * stride_sb + i_h * stride_sh, b_mean, scale, i_t * BT + tl.arange(0, BT), L,
-                      stride_xl, stride_xd, HAS_SMOOTH=HAS_SMOOTH, D=D, BD=BD, BT=BT)
+                      S + i_b * stride_sb + i_h * stride_sh, b_mean, b_mean, scale, i_t * BT + tl.arange(0, BT), L,
+                      stride_xl, stride_xd, HAS_SMOOTH=HAS_SMOOTH, D=D, BD=BD, BT=BT, ROTATE=False, ROT_N=16,
+                      ROT_SPLIT=False)
 
 
 @triton.jit(do_not_specialize=["L", "stride_xb", "stride_xh", "stride_xl", "stride_pb", "stride_ph"])
@@ -210,40 +254,55 @@ def _quant_v_kernel(
 @triton.jit(do_not_specialize=["NQ", "LQ", "LK", "stride_qb", "stride_qh", "stride_ql", "stride_kb", "stride_kh",
                                "stride_kl", "stride_sqb", "stride_sqh", "stride_skb", "stride_skh"])
 def _quant_qk_kernel(
-    Q, K, MEAN, Q8, K8, SQ, SK, q_scale, k_scale, NQ, LQ, LK, HQ, HK,
+    Q, K, MEAN, SMF, Q8, K8, SQ, SK, q_scale, k_scale, NQ, LQ, LK, HQ, HK,
     stride_qb, stride_qh, stride_ql, stride_qd,
     stride_kb, stride_kh, stride_kl, stride_kd,
     stride_mb, stride_mh,
+    stride_fb, stride_fh,
     stride_q8b, stride_q8h, stride_k8b, stride_k8h,
     stride_sqb, stride_sqh, stride_skb, stride_skh,
     HAS_SMOOTH: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, VEC_Q: tl.constexpr,
-    VEC_K: tl.constexpr,
+    VEC_K: tl.constexpr, ROTATE: tl.constexpr, ROT_N: tl.constexpr, ROT_SPLIT: tl.constexpr,
+    HAS_FACTOR: tl.constexpr,
 ):
     """The prefill's two per-token operands in one launch: grid (NQ + cdiv(LK, BT) * b * HK,), NQ = cdiv(LQ, BT)
     * b * HQ. Programs < NQ are ``_quant_tokens_kernel``'s for Q (scale ``q_scale``, no mean), the others its
-    programs for K (scale ``k_scale``, MEAN subtracted with HAS_SMOOTH): the same row helper, the same bits."""
+    programs for K (scale ``k_scale``, MEAN subtracted with HAS_SMOOTH): the same row helper, the same bits.
+    ROTATE (``rotate_qk``): Q rows -> ``q . diag(s) . H+-1``, K rows -> ``k . diag(1/s) . H+-1`` with HAS_FACTOR (SMF
+    = s [b, HK, D], contiguous channels; Q head h uses KV head h // (HQ // HK)), else ``x . H+-1``; the scales carry
+    the 1/sqrt(ROT_N) (the launcher's), MEAN is rotated here."""
     pid = tl.program_id(0)
     o_d = tl.arange(0, BD)
+    b_f = tl.full([BD], 1.0, tl.float32)
     if pid < NQ:
         n_t = tl.cdiv(LQ, BT)
         i_t, i_bh = pid % n_t, pid // n_t
         i_b, i_h = (i_bh // HQ).to(tl.int64), (i_bh % HQ).to(tl.int64)
         sb, sh, sl = _multiple(stride_qb, VEC_Q), _multiple(stride_qh, VEC_Q), _multiple(stride_ql, VEC_Q)
+        if HAS_FACTOR:
+            b_f = tl.load(SMF + i_b * stride_fb + (i_h // (HQ // HK)) * stride_fh + o_d, mask=o_d < D, other=1.0)
         _quant_token_rows(Q + i_b * sb + i_h * sh, Q8 + i_b * stride_q8b + i_h * stride_q8h,
-                          SQ + i_b * stride_sqb + i_h * stride_sqh, tl.zeros([BD], dtype=tl.float32), q_scale,
-                          i_t * BT + tl.arange(0, BT), LQ, sl, stride_qd, HAS_SMOOTH=False, D=D, BD=BD, BT=BT)
+                          SQ + i_b * stride_sqb + i_h * stride_sqh, tl.zeros([BD], dtype=tl.float32), b_f, q_scale,
+                          i_t * BT + tl.arange(0, BT), LQ, sl, stride_qd, HAS_SMOOTH=False, D=D, BD=BD, BT=BT,
+                          ROTATE=ROTATE, ROT_N=ROT_N, ROT_SPLIT=ROT_SPLIT)
     else:
         n_t = tl.cdiv(LK, BT)
         i_t, i_bh = (pid - NQ) % n_t, (pid - NQ) // n_t
         i_b, i_h = (i_bh // HK).to(tl.int64), (i_bh % HK).to(tl.int64)
         sb, sh, sl = _multiple(stride_kb, VEC_K), _multiple(stride_kh, VEC_K), _multiple(stride_kl, VEC_K)
+        if HAS_FACTOR:  # 1/s correctly rounded (reference: ones / s)
+            b_f = tl.math.div_rn(tl.full([BD], 1.0, tl.float32),
+                                 tl.load(SMF + i_b * stride_fb + i_h * stride_fh + o_d, mask=o_d < D, other=1.0))
         b_mean = tl.zeros([BD], dtype=tl.float32)
         if HAS_SMOOTH:
             b_mean = _finite_or_zero(tl.load(MEAN + i_b * stride_mb + i_h * stride_mh + o_d, mask=o_d < D,
                                              other=0.0))
+            if ROTATE:  # the rotated keys' mean is mean(k) . diag(1/s) . H+-1 (linear): no second read of K
+                b_mean = tl.sum((b_mean * b_f)[:, None] * _hadamard_pm1(D, BD, ROT_N).to(tl.float32), 0)
         _quant_token_rows(K + i_b * sb + i_h * sh, K8 + i_b * stride_k8b + i_h * stride_k8h,
-                          SK + i_b * stride_skb + i_h * stride_skh, b_mean, k_scale,
-                          i_t * BT + tl.arange(0, BT), LK, sl, stride_kd, HAS_SMOOTH=HAS_SMOOTH, D=D, BD=BD, BT=BT)
+                          SK + i_b * stride_skb + i_h * stride_skh, b_mean, b_f, k_scale,
+                          i_t * BT + tl.arange(0, BT), LK, sl, stride_kd, HAS_SMOOTH=HAS_SMOOTH, D=D, BD=BD, BT=BT,
+                          ROTATE=ROTATE, ROT_N=ROT_N, ROT_SPLIT=ROT_SPLIT)
 
 
 # ---------------------------------------------------------------------------------------- launchers
@@ -310,17 +369,24 @@ def _tokens_spec(x4: torch.Tensor, scale: float, smb: int, smh: int, has_smooth:
 
 
 def _qk_spec(q4: torch.Tensor, k4: torch.Tensor, q_scale: float, k_scale: float, smb: int, smh: int,
-             has_smooth: bool):
-    """(grid, scalars, kwargs) of ``_quant_qk_kernel``: Q ``[b, HQ, LQ, d]`` and K ``[b, HK, LK, d]`` (same b, d)."""
+             has_smooth: bool, rotate: bool = False, has_factor: bool = False):
+    """(grid, scalars, kwargs) of ``_quant_qk_kernel``: Q ``[b, HQ, LQ, d]`` and K ``[b, HK, LK, d]`` (same b, d);
+    ``rotate``: Hadamard-rotate both in the pass (``has_factor``: with the smoothing factors, fp32 ``[b, HK, d]``
+    contiguous)."""
     b, hq, lq, d = q4.shape
     hk, lk = k4.shape[1], k4.shape[2]
     bt = _tile_rows(d)
     nq = -(-lq // bt) * b * hq
     grid = (nq + -(-lk // bt) * b * hk,)
-    scalars = (float(q_scale), float(k_scale), nq, lq, lk, hq, hk, *q4.stride(), *k4.stride(), smb, smh,
+    n = rotation_block(d) if rotate else 16
+    if rotate:  # H+-1 = sqrt(n) H: 1/sqrt(n) goes into each row's scale (exact for n = 16, 64, 256)
+        q_scale, k_scale = float(q_scale) / math.sqrt(n), float(k_scale) / math.sqrt(n)
+    sfb, sfh = (hk * d, d) if has_factor else (0, 0)
+    scalars = (float(q_scale), float(k_scale), nq, lq, lk, hq, hk, *q4.stride(), *k4.stride(), smb, smh, sfb, sfh,
                hq * lq * d, lq * d, hk * lk * d, lk * d, hq * lq, lq, hk * lk, lk)
-    kw = dict(HAS_SMOOTH=has_smooth, D=d, BD=_pow2(d), BT=bt, VEC_Q=_vec(q4), VEC_K=_vec(k4), num_warps=4,
-              enable_fp_fusion=False)
+    kw = dict(HAS_SMOOTH=has_smooth, D=d, BD=_pow2(d), BT=bt, VEC_Q=_vec(q4), VEC_K=_vec(k4), ROTATE=rotate,
+              ROT_N=n, ROT_SPLIT=rotate and (has_factor or q4.dtype != torch.bfloat16 or k4.dtype != torch.bfloat16),
+              HAS_FACTOR=rotate and has_factor, num_warps=4, enable_fp_fusion=False)
     return grid, scalars, kw
 
 
@@ -365,10 +431,15 @@ def quantize_per_token(x: torch.Tensor, *, scale: float = 1.0, smooth: Optional[
     return x8.reshape(*lead, L, d), s.reshape(*lead, L)
 
 
-def quantize_qk(q: torch.Tensor, k: torch.Tensor, *, q_scale: float = 1.0, smooth: Optional[torch.Tensor] = None):
+def quantize_qk(q: torch.Tensor, k: torch.Tensor, *, q_scale: float = 1.0, smooth: Optional[torch.Tensor] = None,
+                rotate: bool = False, qk_smooth: Optional[torch.Tensor] = None):
     """``quantize_per_token(q, scale=q_scale)`` and ``quantize_per_token(k, smooth=smooth)`` in one launch, bit for
     bit: q ``[b, HQ, LQ, d]``, k ``[b, HK, LK, d]`` (same b and d; fp16/bf16/fp32, any strides, on one device).
-    Returns ``(q8, sq, k8, sk)``."""
+    Returns ``(q8, sq, k8, sk)``.
+
+    ``rotate`` (``rotate_qk``, issue 23): Q and K are Hadamard-rotated in the same pass, ``qk_smooth`` (the
+    ``rotation.smooth_scales`` factors ``s [b, HK, d]``) applied first, Q by ``s``, K by ``1/s``; ``smooth`` stays
+    the unrotated keys' mean. Twin: ``reference.quantize_per_token(..., rotate=True, factor=...)``."""
     _check_tokens_input(q, "q")
     _check_tokens_input(k, "k")
     if q.dim() != 4 or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or q.device != k.device:
@@ -381,10 +452,23 @@ def quantize_qk(q: torch.Tensor, k: torch.Tensor, *, q_scale: float = 1.0, smoot
     k8 = torch.empty(b, hk, lk, d, dtype=torch.int8, device=q.device)
     sk = torch.empty(b, hk, lk, dtype=torch.float32, device=q.device)
     m, smb, smh = _mean_arg(smooth, sk, b, hk, d)
+    f = _factor_arg(qk_smooth, rotate, sk, b, hk, d)
     if b * (hq * lq + hk * lk) > 0:
-        grid, scalars, kw = _qk_spec(q, k, q_scale, 1.0, smb, smh, smooth is not None)
-        lean(_quant_qk_kernel)[grid](q, k, m, q8, k8, sq, sk, *scalars, **kw)
+        grid, scalars, kw = _qk_spec(q, k, q_scale, 1.0, smb, smh, smooth is not None, rotate, qk_smooth is not None)
+        lean(_quant_qk_kernel)[grid](q, k, m, f, q8, k8, sq, sk, *scalars, **kw)
     return q8, sq, k8, sk
+
+
+def _factor_arg(qk_smooth: Optional[torch.Tensor], rotate: bool, unused: torch.Tensor, b: int, hk: int,
+                d: int) -> torch.Tensor:
+    """The smoothing factors as fp32 ``[b, hk, d]`` contiguous (the kernel's SMF), or ``unused``."""
+    if qk_smooth is None:
+        return unused
+    if not rotate:
+        raise ValueError("qk_smooth (the smooth_hadamard factors) needs rotate=True")
+    if tuple(qk_smooth.shape) != (b, hk, d):
+        raise ValueError(f"qk_smooth must be [b, Hk, d] = [{b}, {hk}, {d}]; got {tuple(qk_smooth.shape)}")
+    return qk_smooth.to(device=unused.device, dtype=torch.float32).contiguous()
 
 
 def _check_v(v: torch.Tensor, block: int) -> None:

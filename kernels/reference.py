@@ -34,6 +34,8 @@ from typing import Optional
 
 import torch
 
+from .rotation import hadamard_matrix, rotation_block
+
 __all__ = [
     "LOG2E",
     "LN2",
@@ -54,6 +56,8 @@ __all__ = [
     "i32_scaled",
     "k_smooth_mean",
     "quantize_per_token",
+    "hadamard_pm1",
+    "rotate_rows",
     "quantize_v_blocks",
     "quantize_v_channels",
     "int8_flash_attention",
@@ -215,17 +219,56 @@ def _finite_token_amax(v: torch.Tensor) -> torch.Tensor:
     return va.masked_fill_(bad, 0).amax(dim=2).float()
 
 
-def quantize_per_token(x: torch.Tensor, *, scale: float = 1.0, smooth: Optional[torch.Tensor] = None):
+def _bf16_head(x: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x`` with its low 16 bits cleared (quant.py ``_bf16_head``): a bf16 number, truncated."""
+    return (x.view(torch.int32) & -65536).view(torch.float32)
+
+
+def hadamard_pm1(d: int, device="cpu") -> torch.Tensor:
+    """fp32 ``[d, d]`` +-1 (block-diagonal) Sylvester Hadamard: ``rotation.hadamard_matrix(d) * sqrt(n)``, exact
+    (quant.py ``_hadamard_pm1``)."""
+    return (hadamard_matrix(d, torch.float64) * math.sqrt(rotation_block(d))).round().to(device=device,
+                                                                                          dtype=torch.float32)
+
+
+def rotate_rows(x: torch.Tensor, split: bool) -> torch.Tensor:
+    """fp32 ``x [..., d] . H+-1`` as the quantizer computes it (quant.py ``_rotate_rows``): the +-1 products of x's
+    bf16 head and (``split``) of its remainder's bf16 head, summed in fp32 (16 of x's 24 significant bits; no bf16
+    rounding of the rotated values)."""
+    h = hadamard_pm1(x.shape[-1], x.device)
+    hi = _bf16_head(x)
+    y = torch.matmul(hi, h)
+    if split:
+        y = y + torch.matmul(_bf16_head(x - hi), h)
+    return y
+
+
+def quantize_per_token(x: torch.Tensor, *, scale: float = 1.0, smooth: Optional[torch.Tensor] = None,
+                       rotate: bool = False, factor: Optional[torch.Tensor] = None):
     """Per-token symmetric INT8: ``x [..., L, d] -> (x8 int8 [..., L, d], s fp32 [..., L])``.
 
     ``smooth`` (fp32 ``[..., d]``, e.g. ``k_smooth_mean(k)``; a non-finite channel counts as 0) is subtracted
     first. ``s = amax/127 * scale`` (fold the softmax scale and log2(e) into Q's scale here); rows of zeros
     give codes 0 and s = 0. A row holding a NaN/Inf ("poisoned") gives codes 0 and s = NaN: the attention
     loop turns exactly the rows that see it into NaN.
+
+    ``rotate`` (quant.py's fused rotation, ``rotate_qk``): the rows become ``x . diag(factor) . H`` first
+    (``factor`` fp32 ``[..., d]``: the smoothing factors s for Q, 1/s for K; none for plain "hadamard") via
+    :func:`rotate_rows` with ``1/sqrt(n)`` folded into ``scale``, and ``smooth`` is the unrotated mean, rotated
+    the same way (the rotated keys' mean).
     """
     xf = x.float()
+    if rotate:
+        n = rotation_block(x.shape[-1])
+        f = None if factor is None else factor.float().reshape(*xf.shape[:-2], 1, xf.shape[-1])
+        split = factor is not None or x.dtype != torch.bfloat16
+        xf = rotate_rows(xf if f is None else xf * f, split)
+        scale = float(scale) / math.sqrt(n)
     if smooth is not None:
-        xf = xf - _finite_or_zero(smooth.float()).reshape(*xf.shape[:-2], 1, xf.shape[-1])
+        m = _finite_or_zero(smooth.float()).reshape(*xf.shape[:-2], 1, xf.shape[-1])
+        if rotate:
+            m = torch.matmul(m if f is None else m * f, hadamard_pm1(x.shape[-1], x.device))
+        xf = xf - m
     bad = ~torch.isfinite(xf).all(dim=-1)
     xf = xf.masked_fill(bad[..., None], 0.0)
     amax = xf.abs().amax(dim=-1)
@@ -397,7 +440,7 @@ def int8_flash_attention(q8, sq, k8, sk, v8t, sv, *, causal=True, window=None, s
 
 def turbo_attention(q, k, v, *, scale=None, causal=True, window=None, softcap=None, key_valid=None,
                     softmax="exact", sas_threshold=6.0, smooth_k=True, out=None, p_scale=DEFAULT_P_SCALE,
-                    block_n=None, v_scale=DEFAULT_V_SCALE, k_mean=None):
+                    block_n=None, v_scale=DEFAULT_V_SCALE, k_mean=None, rotate_qk=False, qk_smooth=None):
     """INT8 attention, plain PyTorch: the same math as ``turbo_attn_hf.kernels.prefill.turbo_attention``.
 
     q ``[b, Hq, Lq, d]``, k, v ``[b, Hk, Lk, d]`` (bf16/fp16/fp32), Hq % Hk == 0, Lq <= Lk.
@@ -413,18 +456,27 @@ def turbo_attention(q, k, v, *, scale=None, causal=True, window=None, softcap=No
       p_scale: "static" or "block" (see ``int8_flash_attention``). block_n: KV block (tokens), None:
         ``default_block_n(d)``.
       v_scale: "block" (per block_n tokens and channel) or "channel" (per channel over the sequence).
+      rotate_qk: Hadamard-rotate Q and K inside their quantization (``rotate_qk="hadamard"``); with qk_smooth
+        (``rotation.smooth_scales`` factors ``s [b, Hk, d]``, "smooth_hadamard") Q by ``diag(s)`` and K by
+        ``diag(1/s)`` first. q, k and k_mean stay unrotated (see ``quantize_per_token``).
     Non-finite inputs: NaN rows exactly where ``nonfinite_rows`` says (a bad token is quantized as zeros with a
     NaN scale, kept out of every statistic; K's mean is not finite in a channel -> that channel unsmoothed).
     """
     _check_inputs_ref(q, k, v, key_valid)
     if v_scale not in V_SCALE_MODES:
         raise ValueError(f"v_scale={v_scale!r} must be one of {V_SCALE_MODES}")
+    if qk_smooth is not None and not rotate_qk:
+        raise ValueError("qk_smooth (the smooth_hadamard factors) needs rotate_qk=True")
     d = q.shape[-1]
     scale = d ** -0.5 if scale is None else float(scale)
     use_smooth = smooth_k and softcap is None
-    q8, sq = quantize_per_token(q, scale=scale * LOG2E)
+    fq = fk = None
+    if qk_smooth is not None:  # Q head h uses KV head h // g; 1/s correctly rounded (the kernel's div_rn)
+        sf = qk_smooth.to(device=k.device, dtype=torch.float32)
+        fq, fk = sf.repeat_interleave(q.shape[1] // k.shape[1], dim=1), torch.full_like(sf, 1.0) / sf
+    q8, sq = quantize_per_token(q, scale=scale * LOG2E, rotate=rotate_qk, factor=fq)
     mean = (k_smooth_mean(k) if k_mean is None else k_mean) if use_smooth else None
-    k8, sk = quantize_per_token(k, smooth=mean)
+    k8, sk = quantize_per_token(k, smooth=mean, rotate=rotate_qk, factor=fk)
     if block_n is None:
         block_n = default_block_n(d)
     v8t, sv = (quantize_v_blocks if v_scale == "block" else quantize_v_channels)(v, block_n, poison=sk)

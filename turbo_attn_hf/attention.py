@@ -16,7 +16,8 @@ It only chooses among public functions (STYLE: the HF layer picks an op, like FL
   * calls that need gradients (training, attention dropout) fall back to PyTorch attention with one
     warning: the INT8 kernels have no backward, and running them would silently cut the gradient.
 float32 inputs are cast to bfloat16 before INT8 quantization (one warning) and the output cast back.
-``TurboConfig.rotate_qk="hadamard"``: the INT8 path over given K/V rotates Q and K here (kernels/rotation.py).
+``TurboConfig.rotate_qk="hadamard"``: the INT8 path over given K/V has Q and K rotated inside their quantization pass
+(``turbo_attention(..., rotate_qk=True)``; the smoothing factors of kernels/rotation.py computed here).
 Refused with an error naming model, value and fix: head_dim outside (64, 80, 96, 128, 256),
 ``output_attentions``, q_len > kv_len, 4D masks that are not a per-key padding mask.
 Checks that depend only on the module (head_dim, GQA ratio, TurboConfig) run once per module.
@@ -42,7 +43,7 @@ from .capabilities import (
 )
 from .config import TurboConfig
 from .kernels.device import on_device
-from .kernels.rotation import rotate_qk_pair
+from .kernels.rotation import smooth_scales
 
 try:  # transformers >= 5.x records attentions through hooks; the attention fn never sees the flag
     from transformers.utils.output_capturing import _active_collector as _hf_collector
@@ -292,12 +293,14 @@ def turbo_attention_forward(
 
     fn = _prefill_fn(query.device, st.model)
     cfg = st.turbo
-    if cfg.rotate_qk != "none":  # no TurboCache here: K arrives unrotated (DynamicCache / no cache), rotate both
-        query, key = rotate_qk_pair(query, key, cfg.rotate_qk)
+    # no TurboCache here: K arrives unrotated (DynamicCache / no cache); both are rotated inside their quantization
+    # pass (issue 23 item 5: no separate matmul), the smooth_hadamard factors from this call's keys
+    qk_smooth = smooth_scales(key) if cfg.rotate_qk == "smooth_hadamard" else None
     with on_device(query.device):
         out = fn(
             query, key, value, scale=scaling, causal=is_causal, window=sliding_window, softcap=softcap,
             key_valid=key_valid, softmax=cfg.softmax, sas_threshold=cfg.sas_threshold, smooth_k=cfg.smooth_k,
+            rotate_qk=cfg.rotate_qk != "none", qk_smooth=qk_smooth,
         )
     if out.dtype != in_dtype:
         out = out.to(in_dtype)

@@ -1,7 +1,9 @@
 """Cost of the unfused Q/K rotation (``kernels/rotation.py``; issue 23 item 5: <= 3 % of the prefill / decode kernel
 time) on a GPU: ``rotate_qk_pair`` (prefill, Q and K) against ``prefill.turbo_attention`` (quantization included),
 and the query's rotation against one decode call of a TurboCache layer (int4 preset) over a packed cache, both
-timed with ``triton.testing.do_bench`` in the same process. Writes JSON.
+timed with ``triton.testing.do_bench`` in the same process. Also the fused prefill rotation (Q and K rotated inside
+the quantization pass, ``turbo_attention(rotate_qk=True)``): ``fused_<mode>_pct`` = its extra time over the plain
+call, with the smooth_hadamard factors computed per call (``_factors_given``: passed in, the rotation alone). Writes JSON.
 
     python -m eval.experiments.rotation_cost --out eval/results/rotation_cost_h100.json
 """
@@ -41,6 +43,17 @@ def main(argv=None):
             for mode in ("hadamard", "smooth_hadamard"):
                 r[f"rot_{mode}_ms"] = bench(lambda: rotate_qk_pair(q, k, mode))
                 r[f"rot_{mode}_pct"] = 100 * r[f"rot_{mode}_ms"] / t_att
+            s = smooth_scales(k)
+            fused = {"hadamard": lambda: prefill.turbo_attention(q, k, v, causal=True, rotate_qk=True),
+                     "smooth_hadamard": lambda: prefill.turbo_attention(q, k, v, causal=True, rotate_qk=True,
+                                                                        qk_smooth=smooth_scales(k)),
+                     "smooth_hadamard_factors_given": lambda: prefill.turbo_attention(q, k, v, causal=True,
+                                                                                      rotate_qk=True, qk_smooth=s)}
+            t_att = bench(lambda: prefill.turbo_attention(q, k, v, causal=True))  # again, next to the fused calls
+            r["prefill_ms_2"] = t_att
+            for mode, fn in fused.items():
+                r[f"fused_{mode}_ms"] = bench(fn)
+                r[f"fused_{mode}_pct"] = 100 * (r[f"fused_{mode}_ms"] - t_att) / t_att
             rows.append(r)
             print(json.dumps(r), flush=True)
     drows = []
@@ -68,7 +81,8 @@ def main(argv=None):
     import subprocess
 
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "note": "do_bench medians (ms); the rotation is the unfused torch fp32 matmul of kernels/rotation.py; "
+            "note": "do_bench medians (ms); rot_*: the unfused torch fp32 matmul of kernels/rotation.py; fused_*: "
+                    "turbo_attention(rotate_qk=True) (pct over prefill_ms_2, the plain call timed next to it); "
                     "prefill_ms = prefill.turbo_attention (quantization + kernel), decode_ms = TurboLayer.attention "
                     "of one query token (int4 preset, rotate_qk none)"}
     try:

@@ -133,6 +133,36 @@ def test_kernel_matches_reference(case, device):
     assert_close(_case_id(case), ref, out, *tol(device, dtype))
 
 
+# b, hq, hk, lq, lk, d, dtype, block_n, rotate_qk mode, options
+ROT_CASES = [
+    (1, 4, 2, 63, 111, 128, torch.bfloat16, 16, "smooth_hadamard", dict(causal=True)),
+    (2, 4, 1, 63, 111, 80, torch.float16, 16, "hadamard", dict(causal=True, key_valid=True)),
+    (1, 2, 1, 33, 40, 256, torch.bfloat16, 16, "hadamard", dict(causal=True, softcap=30.0)),
+    (1, 2, 2, 65, 65, 96, torch.float16, 32, "smooth_hadamard", dict(causal=False, hf_layout=True)),
+]
+
+
+@pytest.mark.parametrize("case", ROT_CASES, ids=[f"{c[8]}-{_case_id(c[:8] + c[9:])}" for c in ROT_CASES])
+def test_kernel_matches_reference_rotated(case, device):
+    """``rotate_qk`` fused into the Q+K quantization pass (issue 23 item 5) == the reference's same math, at the
+    unrotated cases' tolerances; q, k (and the mean) go in unrotated."""
+    from turbo_attn_hf.kernels.rotation import smooth_scales
+
+    b, hq, hk, lq, lk, d, dtype, block_n, mode, opts = case
+    if device.type == "cuda":
+        block_n = max(block_n, 32)
+    opts = dict(opts)
+    q, k, v = make_qkv(b, hq, hk, lq, lk, d, dtype, device, hf_layout=opts.pop("hf_layout", False))
+    if opts.pop("key_valid", False):
+        opts["key_valid"] = padding_mask(b, lk, device)
+    s = smooth_scales(k) if mode == "smooth_hadamard" else None
+    out = prefill.turbo_attention(q, k, v, block_n=block_n, rotate_qk=True, qk_smooth=s, **opts)
+    ref = R.turbo_attention(q.float().cpu(), k.float().cpu(), v.float().cpu(), block_n=block_n, rotate_qk=True,
+                            qk_smooth=None if s is None else s.cpu(),
+                            **{key: (val.cpu() if isinstance(val, torch.Tensor) else val) for key, val in opts.items()})
+    assert_close(f"{mode}-{d}", ref, out, *tol(device, dtype))
+
+
 def test_default_tiles_and_fresh_output(device):
     """No out=, default block_n (64) and p_scale; HF-layout fp16 inputs."""
     q, k, v = make_qkv(1, 4, 2, 70, 130, 64, torch.float16, device, hf_layout=True)

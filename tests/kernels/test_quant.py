@@ -113,6 +113,56 @@ def test_qk_one_launch_equals_two_passes(shape, dtype, layout, smooth, device, p
         assert torch.equal(g.isnan(), w.isnan()) and torch.equal(g.nan_to_num(), w.nan_to_num()), name
 
 
+@pytest.mark.parametrize("shape,dtype,layout", QK_CASES,
+                         ids=[f"{'x'.join(map(str, s))}-{str(d)[6:]}-{lay}" for s, d, lay in QK_CASES])
+@pytest.mark.parametrize("mode", ["hadamard", "smooth_hadamard"])
+@pytest.mark.parametrize("smooth", [False, True], ids=["plain", "smooth"])
+def test_qk_fused_rotation_equals_reference(shape, dtype, layout, mode, smooth, device, poisoned_empty):
+    """rotate_qk inside ``quantize_qk`` (issue 23 item 5) == ``reference.quantize_per_token(rotate=True)`` of Q and
+    of K, poisoned tokens included: the +-1 products are exact, only the order of the fp32 sums differs (the
+    interpreter's numpy matmul vs torch's), so a scale may move by an ulp (seen: 1 of 17 rows, d256 smooth) and a
+    code sitting on a rounding boundary by one; and the codes dequantize to ``rotation.rotate``'s Q and K (K
+    centred) within half an INT8 step plus the split's tails."""
+    from turbo_attn_hf.kernels.rotation import rotate, smooth_scales
+
+    b, hq, lq, hk, lk, d = shape
+    q = _layout(_rand((b, hq, lq, d), dtype, device, seed=3), layout)
+    k = _layout(_rand((b, hk, lk, d), dtype, device, seed=4), layout)
+    k[..., min(2, lk - 1), 5] = float("nan")
+    q[..., 0, :] = 0
+    mean = R.k_smooth_mean(k) if smooth else None
+    s = smooth_scales(k) if mode == "smooth_hadamard" else None
+    got = quant.quantize_qk(q, k, q_scale=0.0883883 * R.LOG2E, smooth=mean, rotate=True, qk_smooth=s)
+    fq = fk = None
+    if s is not None:
+        fq, fk = s.repeat_interleave(hq // hk, dim=1).cpu(), (torch.ones_like(s) / s).cpu()
+    want = (*R.quantize_per_token(q.cpu(), scale=0.0883883 * R.LOG2E, rotate=True, factor=fq),
+            *R.quantize_per_token(k.cpu(), smooth=None if mean is None else mean.cpu(), rotate=True, factor=fk))
+    for name, g, w in zip(("q8", "sq", "k8", "sk"), got, want):
+        g = g.cpu()
+        assert g.shape == w.shape and g.dtype == w.dtype and g.is_contiguous(), name
+        assert torch.equal(g.isnan(), w.isnan()), name
+        if g.dtype == torch.int8:
+            diff = (g.int() - w.int()).abs()
+            assert diff.max() <= 1 and (diff > 0).sum() <= max(1, g.numel() // 1000), f"{name}: {int((diff > 0).sum())}"
+        else:
+            torch.testing.assert_close(g.nan_to_num(), w.nan_to_num(), rtol=2.0 ** -21, atol=0, msg=name)
+    q8, sq, k8, sk = (t.cpu().float() for t in got)
+    sf = None if s is None else s.cpu()
+    qr = rotate(q.cpu().float(), sf, "q") * (0.0883883 * R.LOG2E)
+    kr = rotate(k.cpu().float(), sf, "k")
+    if mean is not None:
+        kr = kr - rotate(R._finite_or_zero(mean.cpu())[:, :, None], sf, "k")
+    # x . diag(f) enters the dots as two bf16 heads: each channel's dropped tail is < 2^-14 of it
+    tails = [(x.cpu().float() * (1 if f is None else f[:, :, None])).abs().sum(-1, keepdim=True) * 2.0 ** -14 / d ** 0.5
+             for x, f in ((q, fq), (k, fk))]
+    for name, x8, sx, ref, tail in (("q", q8, sq, qr, tails[0] * (0.0883883 * R.LOG2E)), ("k", k8, sk, kr, tails[1])):
+        ok = torch.isfinite(sx)[..., None].expand_as(ref)
+        err = (x8 * sx[..., None] - ref).abs()
+        bound = 0.5 * sx[..., None] + tail + 1e-6 * ref.abs()  # half a step, the tails, fp32 sums
+        assert (err[ok] <= bound.expand_as(ref)[ok]).all(), f"{name}: {(err - bound)[ok].max().item()}"
+
+
 def test_per_token_error_bound(device):
     """|dequant - x| <= step / 2 (+ fp32 rounding), step = amax / 127, codes within +-127."""
     x = _rand((2, 2, 50, 128), torch.float32, device)
@@ -265,6 +315,10 @@ COMPILE_KERNELS = {
     "_quant_tokens_kernel": lambda x, block, mean: quant.quantize_per_token(x, smooth=mean),
     "_quant_v_kernel": lambda x, block, mean: quant.quantize_v_blocks(
         x, block, poison=torch.empty(x.shape[:3], device="meta")),  # as the prefill launches it
+    # the prefill's Q+K pass with rotate_qk: its +-1 Hadamard dots (smooth: two bf16 terms; bf16 plain: one)
+    "_quant_qk_kernel": lambda x, block, mean: quant.quantize_qk(
+        x, x, smooth=mean, rotate=True,
+        qk_smooth=None if mean is None else torch.empty(x.shape[0], x.shape[1], x.shape[3], device="meta")),
 }
 
 

@@ -6,6 +6,8 @@ Outlier margin (synthetic: Q, K ~ N(0,1), bf16, b1 Hq2 Hk1 L256; Q channels (5, 
   d128 prefill: none 3.08-3.91 %, hadamard 1.37-1.57 % (ratio 2.23-2.49); decode (int8, block 16, 200-token
   prefill then 8-token chunks, last chunk): none 5.2-10.1 %, hadamard 1.48-2.15 % (ratio 2.7-5.0)
   d96 (block-diagonal, blocks of 32) prefill ratio 2.21-2.45, decode 3.1-8.1
+  prefill with the rotation fused into the quantization (``turbo_attention(rotate_qk=True)``): d128 1.34-1.56 %
+  (ratio 2.24-2.50), d96 1.39-1.67 % (ratio 2.26-2.67)
   -> asserted: rotated error < unrotated / 1.8 on both paths (seed 0).
 (At x30 the unrotated prefill ratio is 3.5-4.9; the decode reference returns NaN on 8-token chunks there with
 or without rotation — a pre-existing decode issue reported separately, so the test stays at x10.)
@@ -77,7 +79,8 @@ def test_rotation_beats_plain_int8_on_outlier_channels(d, pytorch_reference_kern
     exact = R.attention_fp64(q, k, v)
     e_none = rel(R.turbo_attention(q, k, v), exact)
     e_rot = rel(R.turbo_attention(rotate(q), rotate(k), v), exact)
-    assert e_rot < e_none / MARGIN, (e_none, e_rot)
+    e_fused = rel(R.turbo_attention(q, k, v, rotate_qk=True), exact)  # rotated inside the quantization (no-cache path)
+    assert e_rot < e_none / MARGIN and e_fused < e_none / MARGIN, (e_none, e_rot, e_fused)
 
     errs = {}
     for mode in ("none", "hadamard"):  # decode path: universal K scales folded into the query
@@ -122,13 +125,17 @@ def _module(d, cfg):
 
 
 def test_attention_fn_without_turbo_cache_rotates_q_and_k(pytorch_reference_kernels):
-    """No TurboCache (model(ids), DynamicCache): the attention fn rotates both, once."""
+    """No TurboCache (model(ids), DynamicCache): the attention fn rotates both, once, inside their quantization."""
     q, k, v = outlier_qkv(d=128, L=48)
     cfg = TurboConfig(bits=8, rotate_qk="hadamard")
     out, _ = turbo_attention_forward(_module(128, cfg), q, k, v, None)
-    assert torch.equal(out, R.turbo_attention(rotate(q), rotate(k), v))
+    assert torch.equal(out, R.turbo_attention(q, k, v, rotate_qk=True))
+    # as accurate as the unfused rotation (which rounds the rotated operands to bf16): error vs fp64 attention,
+    # fused / unfused 0.88-1.01 over seeds 0-2 (1.11-1.25 % vs 1.16-1.26 %; none 2.4-3.4 %)
+    exact = R.attention_fp64(q, k, v)
+    assert rel(out, exact) < 1.1 * rel(R.turbo_attention(rotate(q), rotate(k), v), exact)
     out, _ = turbo_attention_forward(_module(128, cfg), q[:, :, -5:], k, v, None)  # decode over a DynamicCache
-    assert torch.equal(out, R.turbo_attention(rotate(q[:, :, -5:]), rotate(k), v))
+    assert torch.equal(out, R.turbo_attention(q[:, :, -5:], k, v, rotate_qk=True))
     exact = torch_attention(q.float(), k.float(), v.float())
     assert rel(turbo_attention_forward(_module(128, cfg), q, k, v, None)[0], exact) < 0.05
 
@@ -169,6 +176,8 @@ def test_generate_with_rotation_tracks_reference(arch_name, tm, pytorch_referenc
 #   handled), smooth_hadamard 1.83-2.12 %
 #   ratios: prefill none/smooth 2.69-3.15, hadamard/smooth 1.36-1.40; decode hadamard/smooth 1.96-2.51,
 #   none/smooth 1.29-1.61
+#   prefill with the rotation fused into the quantization (the no-cache path, "prefill_fused"): hadamard
+#   3.04-3.17 %, smooth_hadamard 2.20-2.29 % (none/smooth 2.69-3.25, hadamard/smooth 1.35-1.42): same margins
 # -> asserted (seed 0): prefill smooth < none / 2.2 and < hadamard / 1.2; decode smooth < hadamard / 1.5 and
 #    < none / 1.15.
 SMOOTH_MARGINS = {"prefill": {"none": 2.2, "hadamard": 1.2}, "decode": {"none": 1.15, "hadamard": 1.5}}
@@ -246,9 +255,11 @@ def test_smooth_hadamard_beats_none_and_hadamard_on_banded_keys(pytorch_referenc
         groups, kt, vt, nt, ks, vs, mean = R.build_packed_cache_ref(kk, v, n, [8], 16, True, 1.5)
         errs[mode] = {
             "prefill": rel(R.turbo_attention(qq, kk, v), exact),
+            # what the no-cache path runs: the rotation inside the quantization pass (factors of the first n keys)
+            "prefill_fused": rel(R.turbo_attention(q, k, v, rotate_qk=mode != "none", qk_smooth=s), exact),
             "decode": rel(R.turbo_decode_ref(qq[:, :, -8:], groups, kt, vt, nt, ks, vs, mean), exact[:, -8:]),
         }
-    for path, margins in SMOOTH_MARGINS.items():
+    for path, margins in (*SMOOTH_MARGINS.items(), ("prefill_fused", SMOOTH_MARGINS["prefill"])):
         for old, m in margins.items():
             assert errs["smooth_hadamard"][path] < errs[old][path] / m, (path, old, errs)
 
@@ -284,12 +295,14 @@ def test_cache_smooth_hadamard_fixes_factors_at_the_first_store(pytorch_referenc
 
 @_SMOOTH_HOOKED
 def test_attention_fn_without_turbo_cache_smooths_and_rotates(pytorch_reference_kernels):
-    from turbo_attn_hf.kernels.rotation import rotate_qk_pair
+    from turbo_attn_hf.kernels.rotation import rotate_qk_pair, smooth_scales
 
     q, k, v = banded_qkv(d=128, L=48)
     cfg = TurboConfig(bits=8, rotate_qk="smooth_hadamard")
     out, _ = turbo_attention_forward(_module(128, cfg), q, k, v, None)
-    assert torch.equal(out, R.turbo_attention(*rotate_qk_pair(q, k, "smooth_hadamard"), v))
+    assert torch.equal(out, R.turbo_attention(q, k, v, rotate_qk=True, qk_smooth=smooth_scales(k)))
+    exact = R.attention_fp64(q, k, v)  # as accurate as the unfused rotation: 1.43-1.45 % vs 1.45-1.57 %, seeds 0-2
+    assert rel(out, exact) < 1.1 * rel(R.turbo_attention(*rotate_qk_pair(q, k, "smooth_hadamard"), v), exact)
 
 
 @_SMOOTH_HOOKED
