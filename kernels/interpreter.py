@@ -45,20 +45,28 @@ def _interpreter_index_compat() -> None:
     interp._turbo_index_compat = True
 
 
+def _unpatched_builder(flag: str):
+    """The interpreter's ``InterpreterBuilder`` when the interpreter is on and the shim marked by ``flag`` is not
+    installed yet, else None (the builder shims are idempotent)."""
+    if not interpreting():
+        return None
+    try:
+        import triton.runtime.interpreter as interp
+    except ImportError:  # pragma: no cover
+        return None
+    builder = getattr(interp, "InterpreterBuilder", None)
+    return None if builder is None or getattr(builder, flag, False) else builder
+
+
 def _interpreter_exact_fma() -> None:
     """Triton 3.6's interpreter computes ``tl.math.fma`` as ``x * y + z`` in the operands' dtype (two
     roundings); the GPU's FFMA rounds once. Compute it in float64 and round once (``reference.fma``), so
     that the interpreter, the GPU and the reference agree. Interpreter only; idempotent."""
-    if not interpreting():
+    builder = _unpatched_builder("_turbo_exact_fma")
+    if builder is None:
         return
-    try:
-        import numpy as np
-        import triton.runtime.interpreter as interp
-    except ImportError:  # pragma: no cover
-        return
-    builder = getattr(interp, "InterpreterBuilder", None)
-    if builder is None or getattr(builder, "_turbo_exact_fma", False):
-        return
+    import numpy as np
+    import triton.runtime.interpreter as interp
 
     def create_fma(self, x, y, z):
         dt = z.data.dtype
@@ -76,17 +84,13 @@ def _interpreter_bf16_dot() -> None:
     """Triton 3.6's interpreter holds bf16 as uint16 and ``tl.dot`` multiplies those integers (garbage); the GPU
     widens bf16 exactly. Widen bf16 operands to fp32 (``bits << 16``) before the product (``quant._rotate_rows``).
     Interpreter only; idempotent."""
-    if not interpreting():
+    builder = _unpatched_builder("_turbo_bf16_dot")
+    if builder is None:
         return
-    try:
-        import numpy as np
-        import triton.language as tl
-        import triton.runtime.interpreter as interp
-    except ImportError:  # pragma: no cover
-        return
-    builder = getattr(interp, "InterpreterBuilder", None)
-    if builder is None or getattr(builder, "_turbo_bf16_dot", False):
-        return
+    import numpy as np
+    import triton.language as tl
+    import triton.runtime.interpreter as interp
+
     orig = builder.create_dot
 
     def widen(t):

@@ -69,7 +69,7 @@ import triton.language as tl
 
 from .launch import LeanLaunch, lean
 from .quant import (_check_device, _mean_arg, _pow2, _qk_spec, _quant_qk_kernel, _quant_v_kernel, _v_channel_amax,
-                    _v_spec, interpreting, k_smooth_mean, quantize_per_token, quantize_v_blocks, quantize_v_channels)
+                    _v_spec, check_qk_smooth, factor_arg, interpreting, k_smooth_mean, quantize_per_token, quantize_v_blocks, quantize_v_channels)
 from .reference import (
     DEFAULT_BLOCK_N,
     DEFAULT_P_SCALE,
@@ -85,7 +85,6 @@ from .reference import (
     V_SCALE_MODES,
     default_block_n,
 )
-from .rotation import rotation_block
 from .softmax import sas_exp2
 
 __all__ = [
@@ -654,7 +653,7 @@ def turbo_attention(q, k, v, *, scale=None, causal=True, window=None, softcap=No
     if plan is None:
         block_n = _check_attention_args(q, k, v, causal, window, softcap, key_valid, softmax, sas_threshold,
                                         p_scale, block_n, v_scale, out)
-        _check_rotation(rotate_qk, qk_smooth, k)
+        check_qk_smooth(qk_smooth, bool(rotate_qk), k)
         b, hq, lq, d = q.shape
         if lq == 0 or b * hq == 0:
             return _check_out(out, (b, lq, hq, d), q.dtype, q.device)
@@ -668,20 +667,6 @@ def turbo_attention(q, k, v, *, scale=None, causal=True, window=None, softcap=No
     elif not plan.cuda:
         _check_device(q, "q")  # CPU tensors: only under the interpreter (checked each call: it can be switched)
     return plan.run(q, k, v, key_valid, out, k_mean, qk_smooth)
-
-
-def _check_rotation(rotate_qk, qk_smooth, k) -> None:
-    """``rotate_qk`` / ``qk_smooth`` checks (ValueError; a head dim without a Hadamard block: RotationError)."""
-    if rotate_qk:
-        rotation_block(k.shape[-1])
-    if qk_smooth is None:
-        return
-    b, hk, _, d = k.shape
-    if not rotate_qk:
-        raise ValueError("qk_smooth (the smooth_hadamard factors) needs rotate_qk=True")
-    if not isinstance(qk_smooth, torch.Tensor) or tuple(qk_smooth.shape) != (b, hk, d) or qk_smooth.device != k.device:
-        raise ValueError(f"qk_smooth must be a [b, Hk, d] = [{b}, {hk}, {d}] tensor on {k.device}; got "
-                         f"{tuple(qk_smooth.shape) if isinstance(qk_smooth, torch.Tensor) else type(qk_smooth).__name__}")
 
 
 def _check_attention_args(q, k, v, causal, window, softcap, key_valid, softmax, sas_threshold, p_scale, block_n,
@@ -792,7 +777,7 @@ class _AttnPlan:
             else:
                 m = _mean_arg(k_mean, q, s_sk[0], s_sk[1], s_q8[3])[0].contiguous()
         kv = _key_valid_arg(key_valid, q)[0] if self.kv_arg else sq
-        f = sk if qk_smooth is None else qk_smooth.to(torch.float32).contiguous()  # the kernel reads [b, hk, d]
+        f = factor_arg(qk_smooth, sk)
         hooks = LeanLaunch.hooks_active()
         dev_key = torch.cuda.current_device() if self.cuda else -1  # the rest of the key is the plan's
         memo_qk, memo_v, memo_attn = self.memo

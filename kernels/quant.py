@@ -452,23 +452,32 @@ def quantize_qk(q: torch.Tensor, k: torch.Tensor, *, q_scale: float = 1.0, smoot
     k8 = torch.empty(b, hk, lk, d, dtype=torch.int8, device=q.device)
     sk = torch.empty(b, hk, lk, dtype=torch.float32, device=q.device)
     m, smb, smh = _mean_arg(smooth, sk, b, hk, d)
-    f = _factor_arg(qk_smooth, rotate, sk, b, hk, d)
+    check_qk_smooth(qk_smooth, rotate, k)
+    f = factor_arg(qk_smooth, sk)
     if b * (hq * lq + hk * lk) > 0:
         grid, scalars, kw = _qk_spec(q, k, q_scale, 1.0, smb, smh, smooth is not None, rotate, qk_smooth is not None)
         lean(_quant_qk_kernel)[grid](q, k, m, f, q8, k8, sq, sk, *scalars, **kw)
     return q8, sq, k8, sk
 
 
-def _factor_arg(qk_smooth: Optional[torch.Tensor], rotate: bool, unused: torch.Tensor, b: int, hk: int,
-                d: int) -> torch.Tensor:
-    """The smoothing factors as fp32 ``[b, hk, d]`` contiguous (the kernel's SMF), or ``unused``."""
+def check_qk_smooth(qk_smooth: Optional[torch.Tensor], rotate: bool, k: torch.Tensor) -> None:
+    """The smooth_hadamard factors' checks (``quantize_qk``, ``prefill.turbo_attention``): ValueError unless None or
+    a ``[b, Hk, d]`` tensor on K's device with ``rotate`` on; a head dim without a Hadamard block: RotationError."""
+    if rotate:
+        rotation_block(k.shape[-1])
     if qk_smooth is None:
-        return unused
+        return
+    b, hk, _, d = k.shape
     if not rotate:
-        raise ValueError("qk_smooth (the smooth_hadamard factors) needs rotate=True")
-    if tuple(qk_smooth.shape) != (b, hk, d):
-        raise ValueError(f"qk_smooth must be [b, Hk, d] = [{b}, {hk}, {d}]; got {tuple(qk_smooth.shape)}")
-    return qk_smooth.to(device=unused.device, dtype=torch.float32).contiguous()
+        raise ValueError("qk_smooth (the smooth_hadamard factors) needs rotate_qk=True")
+    if not isinstance(qk_smooth, torch.Tensor) or tuple(qk_smooth.shape) != (b, hk, d) or qk_smooth.device != k.device:
+        raise ValueError(f"qk_smooth must be a [b, Hk, d] = [{b}, {hk}, {d}] tensor on {k.device}; got "
+                         f"{tuple(qk_smooth.shape) if isinstance(qk_smooth, torch.Tensor) else type(qk_smooth).__name__}")
+
+
+def factor_arg(qk_smooth: Optional[torch.Tensor], unused: torch.Tensor) -> torch.Tensor:
+    """The kernel's SMF: the checked factors as fp32 ``[b, hk, d]`` contiguous, or ``unused``."""
+    return unused if qk_smooth is None else qk_smooth.to(torch.float32).contiguous()
 
 
 def _check_v(v: torch.Tensor, block: int) -> None:

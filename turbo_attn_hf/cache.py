@@ -410,6 +410,22 @@ class TurboLayer(CacheLayerMixin):
             grp.n_blocks += n_pack // bs
         self.n_tail = self.n_sink + n - n_pack
 
+    def _rotate_keys(self, key_states: torch.Tensor) -> torch.Tensor:
+        """K in the stored (rotated) basis; smooth_hadamard's factors fixed by the first keys that arrive."""
+        if self.smoothed and self.qk_smooth is None and key_states.shape[2] > 0:
+            self.qk_smooth = smooth_scales(key_states)
+        return rotate(key_states, self.qk_smooth, "k")
+
+    def _rotate_query(self, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+        """The query in the stored K's basis; ``key`` must be what update() returned (a caller's own, unrotated K
+        would be read as rotated)."""
+        if not getattr(key, "turbo_rotated", False):
+            raise ValueError(
+                f"TurboCache layer {self.layer_idx} stores rotated K (rotate_qk={self.turbo_config.rotate_qk!r}); "
+                "pass the keys its update() returned, not other key tensors"
+            )
+        return rotate(query, self.qk_smooth, "q")
+
     def _k_rope_dims(self, d: int) -> int:
         """Of ``d`` K channels, how many take their RoPE pair's norm as range (``k_scale_range: rope_pair``); 0:
         none. A rotated K basis (``rotate_qk``) mixes the pairs: per-channel."""
@@ -506,9 +522,7 @@ class TurboLayer(CacheLayerMixin):
                 f"head_dim {self.head_dim}] but got key states {tuple(key_states.shape)}"
             )
         if self.rotated:  # before the scales/mean/store: everything stored holds rotated K (never the caller's K)
-            if self.smoothed and self.qk_smooth is None and key_states.shape[2] > 0:
-                self.qk_smooth = smooth_scales(key_states)
-            key_states = rotate(key_states, self.qk_smooth, "k")
+            key_states = self._rotate_keys(key_states)
         first = self.k_scale is None
         if first:
             if T == 0:
@@ -554,12 +568,7 @@ class TurboLayer(CacheLayerMixin):
         """
         cfg = self.turbo_config
         if self.rotated:
-            if not getattr(key, "turbo_rotated", False):  # a caller's own (unrotated) K would be read as rotated
-                raise ValueError(
-                    f"TurboCache layer {self.layer_idx} stores rotated K (rotate_qk={self.turbo_config.rotate_qk!r}); "
-                    "pass the keys its update() returned, not other key tensors"
-                )
-            query = rotate(query, self.qk_smooth, "q")
+            query = self._rotate_query(query, key)
         if self._first_prefill and key.shape[2] == query.shape[2] and key.stride(-1) == 1:
             from .kernels import reference
 
@@ -841,9 +850,7 @@ class TurboStaticLayer(TurboLayer):
                 f"head_dim {self.head_dim}] but got key states {tuple(key_states.shape)}"
             )
         if self.rotated:
-            if self.smoothed and self.qk_smooth is None and key_states.shape[2] > 0:
-                self.qk_smooth = smooth_scales(key_states)
-            key_states = rotate(key_states, self.qk_smooth, "k")
+            key_states = self._rotate_keys(key_states)
         if not torch.compiler.is_compiling():
             self._sync_host()
             self._check_room(1)
@@ -880,12 +887,7 @@ class TurboStaticLayer(TurboLayer):
                 self._decode_op(query[:, :, -1:], None, scale, causal, window, softcap)
             return out
         if self.rotated:
-            if not getattr(key, "turbo_rotated", False):
-                raise ValueError(
-                    f"TurboCache layer {self.layer_idx} stores rotated K (rotate_qk={self.turbo_config.rotate_qk!r}); "
-                    "pass the keys its update() returned, not other key tensors"
-                )
-            query = rotate(query, self.qk_smooth, "q")
+            query = self._rotate_query(query, key)
         return self._decode_op(query, key_valid, scale, causal, window, softcap)
 
     def _decode_op(self, query, key_valid, scale, causal, window, softcap) -> torch.Tensor:

@@ -94,18 +94,23 @@ QK_CASES = [((2, 4, 37, 2, 37, 80), torch.bfloat16, "hf"), ((1, 4, 20, 1, 65, 64
             ((1, 1, 17, 1, 20, 256), torch.bfloat16, "hf")]
 
 
+def _qk_case(shape, dtype, layout, device, smooth):
+    """Q and K of a QK_CASES entry, a NaN in one key and an all-zero query row; K's smoothing mean or None."""
+    b, hq, lq, hk, lk, d = shape
+    q = _layout(_rand((b, hq, lq, d), dtype, device, seed=3), layout)
+    k = _layout(_rand((b, hk, lk, d), dtype, device, seed=4), layout)
+    k[..., min(2, lk - 1), 5] = float("nan")
+    q[..., 0, :] = 0
+    return q, k, (R.k_smooth_mean(k) if smooth else None)
+
+
 @pytest.mark.parametrize("shape,dtype,layout", QK_CASES,
                          ids=[f"{'x'.join(map(str, s))}-{str(d)[6:]}-{lay}" for s, d, lay in QK_CASES])
 @pytest.mark.parametrize("smooth", [False, True], ids=["plain", "smooth"])
 def test_qk_one_launch_equals_two_passes(shape, dtype, layout, smooth, device, poisoned_empty):
     """``quantize_qk`` (``_quant_qk_kernel``, what turbo_attention launches) == ``quantize_per_token`` of Q and
     of K, bit for bit, poisoned tokens included."""
-    b, hq, lq, hk, lk, d = shape
-    q = _layout(_rand((b, hq, lq, d), dtype, device, seed=3), layout)
-    k = _layout(_rand((b, hk, lk, d), dtype, device, seed=4), layout)
-    k[..., min(2, lk - 1), 5] = float("nan")
-    q[..., 0, :] = 0
-    mean = R.k_smooth_mean(k) if smooth else None
+    q, k, mean = _qk_case(shape, dtype, layout, device, smooth)
     got = quant.quantize_qk(q, k, q_scale=0.0883883 * R.LOG2E, smooth=mean)
     want = (*quant.quantize_per_token(q, scale=0.0883883 * R.LOG2E), *quant.quantize_per_token(k, smooth=mean))
     for name, g, w in zip(("q8", "sq", "k8", "sk"), got, want):
@@ -125,12 +130,8 @@ def test_qk_fused_rotation_equals_reference(shape, dtype, layout, mode, smooth, 
     centred) within half an INT8 step plus the split's tails."""
     from turbo_attn_hf.kernels.rotation import rotate, smooth_scales
 
-    b, hq, lq, hk, lk, d = shape
-    q = _layout(_rand((b, hq, lq, d), dtype, device, seed=3), layout)
-    k = _layout(_rand((b, hk, lk, d), dtype, device, seed=4), layout)
-    k[..., min(2, lk - 1), 5] = float("nan")
-    q[..., 0, :] = 0
-    mean = R.k_smooth_mean(k) if smooth else None
+    _, hq, _, hk, _, d = shape
+    q, k, mean = _qk_case(shape, dtype, layout, device, smooth)
     s = smooth_scales(k) if mode == "smooth_hadamard" else None
     got = quant.quantize_qk(q, k, q_scale=0.0883883 * R.LOG2E, smooth=mean, rotate=True, qk_smooth=s)
     fq = fk = None
