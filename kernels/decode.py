@@ -53,6 +53,7 @@ from .interpreter import interpreting
 from .launch import LeanLaunch
 from .pack import PackedKV, _dequant_tile, _unpack_tile
 from .reference import SQ_MIN
+from .rotation import rotation_block
 from .softmax import sas_exp2
 
 __all__ = ["turbo_decode_attention", "plan_splits", "group_splits", "launch_pairs", "first_visible_tile"]
@@ -139,6 +140,21 @@ def _token_parts(b_x, BITS: tl.constexpr):
         b_x0 = tl.reshape(b_x0, (BS // 2,))
         b_x1 = tl.reshape(b_x1, (BS // 2,))
     return b_x0, b_x1
+
+
+@triton.jit
+def _hadamard_rows(b_x, N: tl.constexpr):
+    """``x [R, C] -> x · H±1`` per block of N channels (Sylvester, ``H[i, j] = (-1)^popcount(i & j)``, C a multiple
+    of N <= 256), fp32: log2(N) butterfly stages ``(a, b) -> (a + b, a - b)`` over channels h = 1, 2, .. apart, in
+    registers (a tl.dot needs >= 16 rows; the GQA query tile can have 4). Twin: ``reference.prepare_query_ref``."""
+    R: tl.constexpr = b_x.shape[0]
+    C: tl.constexpr = b_x.shape[1]
+    tl.static_assert(N <= 256 and C % N == 0)
+    for j in tl.static_range(8):
+        if (1 << j) < N:  # h = 2^j; reshape index (r, block, a, c) = channel 2h·block + h·a + c: split takes a
+            b_a, b_b = tl.split(tl.permute(tl.reshape(b_x, (R, C // (2 << j), 2, 1 << j)), (0, 1, 3, 2)))
+            b_x = tl.reshape(tl.permute(tl.join(b_a + b_b, b_a - b_b), (0, 1, 3, 2)), (R, C))
+    return b_x
 
 
 @triton.jit
@@ -380,7 +396,7 @@ def _fold_step(
 @triton.jit
 def _decode_program(
     i_s, i_m, i_bh, i_b, i_h,
-    q, sk, mk, heads, kp, ks, kz, vp, vsz, kt, vt, sv, kvalid, o, po, pml, cnt,
+    q, sk, mk, heads, kp, ks, kz, vp, vsz, kt, vt, sv, qsm, kvalid, o, po, pml, cnt,
     n_blocks, n_tail, n_sink, tail_cap, Lq, kv_len, kv_row, T0, TPS, S, S_MAX, N_M, N_BH, window, softcap, sas_thr,
     qscale, stride_qb, stride_qh, stride_ql,
     stride_kb, stride_kh, stride_sb, stride_sh, stride_vb, stride_vh, stride_vsb, stride_vsh,
@@ -389,12 +405,14 @@ def _decode_program(
     BITS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_MEAN: tl.constexpr, HAS_KVALID: tl.constexpr, USE_SAS: tl.constexpr, SPLIT: tl.constexpr,
     FUSED_MERGE: tl.constexpr, FOLD: tl.constexpr, USE_ASM: tl.constexpr, SC: tl.constexpr,
+    ROTATE: tl.constexpr, ROT_N: tl.constexpr, HAS_FACTOR: tl.constexpr,
 ):
     """One program of ``_decode_kernel``: share ``i_s`` of M tile ``i_m`` of KV head ``heads[i_h]`` of batch row
     ``i_b`` in one bit group; ``i_bh`` is the (batch, head) work item of the launch (partials, counters).
 
     q [b, HQ, Lq, D] (any float dtype, strides given, D contiguous); sk/mk/sv [b, HK, D] fp32 (K scale,
-    K mean, V scale); packed blocks as in pack.py; kt [b, HK, C, D], vt [b, HK, D, C] the INT8 buffer
+    K mean, V scale); ROTATE: K is stored rotated (``rotation.rotate``), the query is rotated here, first scaled
+    per channel by qsm [b, HK, D] fp32 (HAS_FACTOR: K -> Q smoothing factors; 1/sqrt(ROT_N) is in qscale); packed blocks as in pack.py; kt [b, HK, C, D], vt [b, HK, D, C] the INT8 buffer
     (C = tail_cap slots, n_tail valid): slots < n_sink hold positions 0.. (attention sinks), the others
     positions from n_sink + n_blocks·BS on (the recent window + tail); packed block t holds positions
     n_sink + t·BS ..;
@@ -448,6 +466,10 @@ def _decode_program(
     # ---- query: fold K's per-channel scale in, per-row symmetric INT8 (round half away), as prepare_query_ref
     p_q = q + i_b64 * stride_qb + o_qh[:, None].to(tl.int64) * stride_qh + o_qi[:, None] * stride_ql + o_d[None, :]
     b_qf = tl.load(p_q, mask=m_r[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+    if ROTATE:  # into K's stored basis, (q · diag(s)) · H±1 in fp32 (padded channels are 0 and form whole blocks)
+        if HAS_FACTOR:
+            b_qf = b_qf * tl.load(qsm + o_kvh + o_d, mask=m_d, other=0.0)[None, :]
+        b_qf = _hadamard_rows(b_qf, ROT_N)
     b_sk = tl.load(sk + o_kvh + o_d, mask=m_d, other=0.0)
     b_qs = b_qf * b_sk[None, :]
     b_amax = tl.max(tl.abs(b_qs), 1)
@@ -459,7 +481,7 @@ def _decode_program(
     b_qt = tl.trans(b_q32.to(tl.int8))  # [BD, BM]
     # > 0 even for an all-zero row (its q8 and scores are 0): folded logits are fma(f, sq, c) with f = -inf masked
     b_sq = tl.maximum(tl.math.div_rn(b_amax, tl.full([BM], 127.0, tl.float32)) * qscale, _SQ_MIN)
-    if HAS_SOFTCAP and HAS_MEAN:  # smoothing correction qscale * q.mean_k, added before the cap
+    if HAS_SOFTCAP and HAS_MEAN:  # smoothing correction qscale * q.mean_k (both rotated with ROTATE), before the cap
         b_mk = tl.load(mk + o_kvh + o_d, mask=m_d, other=0.0)
         b_qb = tl.sum(b_qf * b_mk[None, :], 1) * qscale
     else:
@@ -628,7 +650,7 @@ def _work_item(i_bh, n_items, H0, H1):
 @triton.jit(do_not_specialize=["n_blocks", "n_tail", "n_sink", "Lq", "kv_len", "kv_row", "T0", "TPS0", "TPS1", "S0",
                               "S1", "window"])
 def _decode_kernel(
-    q, sk, mk, kt, vt, sv, kvalid, o, po, pml, cnt, lens,
+    q, sk, mk, kt, vt, sv, qsm, kvalid, o, po, pml, cnt, lens,
     heads0, kp0, ks0, kz0, vp0, vsz0, heads1, kp1, ks1, kz1, vp1, vsz1,
     n_blocks, n_tail, n_sink, tail_cap, Lq, kv_len, kv_row, T0, TPS0, TPS1, S0, S1, N_M, B, window, softcap, sas_thr,
     qscale,
@@ -641,6 +663,7 @@ def _decode_kernel(
     IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_MEAN: tl.constexpr, HAS_KVALID: tl.constexpr, USE_SAS: tl.constexpr, SPLIT: tl.constexpr,
     FUSED_MERGE: tl.constexpr, FOLD: tl.constexpr, USE_ASM: tl.constexpr, SC: tl.constexpr, LENS: tl.constexpr,
+    ROTATE: tl.constexpr, ROT_N: tl.constexpr, HAS_FACTOR: tl.constexpr,
 ):
     """grid = (n_items0 * S0 + n_items1 * S1,): one launch for up to two bit groups (e.g. the INT4 and the INT2
     heads of ``mixed``), so a step pays one launch and the split plan fills the GPU once for all heads. Work items
@@ -683,23 +706,23 @@ def _decode_kernel(
     if in_g1:
         _decode_program(
             i_s, i_m, i_bh, i_b, i_h,
-            q, sk, mk, heads1, kp1, ks1, kz1, vp1, vsz1, kt, vt, sv, kvalid, o, po, pml, cnt,
+            q, sk, mk, heads1, kp1, ks1, kz1, vp1, vsz1, kt, vt, sv, qsm, kvalid, o, po, pml, cnt,
             n_blocks, n_tail, n_sink, tail_cap, Lq, kv_len, kv_row, T0, TPS1, S1, tl.maximum(S0, S1), N_M, NBH, window,
             softcap, sas_thr, qscale,
             stride_qb, stride_qh, stride_ql,
             stride_kb1, stride_kh1, stride_sb1, stride_sh1, stride_vb1, stride_vh1, stride_vsb1, stride_vsh1, HK,
             G, D, BD, BS, BM, BITS1, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_MEAN, HAS_KVALID, USE_SAS, SPLIT,
-            FUSED_MERGE, FOLD, USE_ASM, SC)
+            FUSED_MERGE, FOLD, USE_ASM, SC, ROTATE, ROT_N, HAS_FACTOR)
     else:
         _decode_program(
             i_s, i_m, i_bh, i_b, i_h,
-            q, sk, mk, heads0, kp0, ks0, kz0, vp0, vsz0, kt, vt, sv, kvalid, o, po, pml, cnt,
+            q, sk, mk, heads0, kp0, ks0, kz0, vp0, vsz0, kt, vt, sv, qsm, kvalid, o, po, pml, cnt,
             n_blocks, n_tail, n_sink, tail_cap, Lq, kv_len, kv_row, T0, TPS0, S0, tl.maximum(S0, S1), N_M, NBH, window,
             softcap, sas_thr, qscale,
             stride_qb, stride_qh, stride_ql,
             stride_kb0, stride_kh0, stride_sb0, stride_sh0, stride_vb0, stride_vh0, stride_vsb0, stride_vsh0, HK,
             G, D, BD, BS, BM, BITS0, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_MEAN, HAS_KVALID, USE_SAS, SPLIT,
-            FUSED_MERGE, FOLD, USE_ASM, SC)
+            FUSED_MERGE, FOLD, USE_ASM, SC, ROTATE, ROT_N, HAS_FACTOR)
 
 
 @triton.jit
@@ -938,6 +961,8 @@ def turbo_decode_attention(
     merge: str = "fused",
     fold: bool = True,
     lens: Optional[torch.Tensor] = None,
+    rotate: bool = False,
+    qk_smooth: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention of a query chunk over a packed KV cache (all of ``groups``' blocks, then the tail).
 
@@ -975,6 +1000,11 @@ def turbo_decode_attention(
             ``groups``/``n_tail`` (a static cache inside a CUDA graph: no host int changes between steps). The
             split plan is made for the groups' capacity, so the launch is the same every step; ``key_valid``
             may then be wider than ``kv_len`` (``[b, >= kv_len]``, e.g. a static cache's capacity).
+        rotate: K (and ``k_scale``, ``k_mean``) are stored Hadamard-rotated (``rotation.rotate``, ``rotate_qk``);
+            ``q`` is passed unrotated and rotated in the kernel's prologue, ``(q · diag(qk_smooth)) · H``
+            (query head h uses KV head h // g), instead of a separate op per step.
+        qk_smooth: ``[b, HK, D]`` fp32 K -> Q smoothing factors (``rotation.smooth_scales``; "smooth_hadamard"),
+            None for plain "hadamard"; needs ``rotate``.
     Returns:
         ``[b, Lq, HQ, D]`` in ``q.dtype``.
     """
@@ -985,18 +1015,21 @@ def turbo_decode_attention(
     # objects, hence a new entry; entries hold weak references only.
     if isinstance(n_splits, dict):
         n_splits = tuple(sorted((int(k), int(v)) for k, v in n_splits.items()))
-    stor = (k_tail, v_tail, k_scale, v_scale, k_mean)
+    if qk_smooth is not None and not rotate:
+        raise ValueError("qk_smooth (K -> Q smoothing factors) needs rotate=True: they apply before the rotation")
+    stor = (k_tail, v_tail, k_scale, v_scale, k_mean, qk_smooth)
     for g_ in groups:
         stor += (g_.heads, g_.k, g_.v, g_.k_scale, g_.k_zero, g_.v_sz)
     key = (tuple(map(id, stor)), tuple(g_.bits for g_ in groups), q.shape, q.dtype, q.stride(), q.device,
            scale, causal, window, softcap, key_valid is None, n_sink, softmax, sas_threshold, n_splits, waves,
-           min_tiles, block_m, num_warps, num_stages, max_registers, merge, fold, lens is None)
+           min_tiles, block_m, num_warps, num_stages, max_registers, merge, fold, lens is None, rotate)
     st = _STATIC.get(key)
     if st is None or not st.alive(stor):
         st = _DecodeStatic(q, groups, stor, scale=scale, causal=causal, window=window, softcap=softcap,
                            n_sink=n_sink, softmax=softmax, sas_threshold=sas_threshold, n_splits=n_splits,
                            waves=waves, min_tiles=min_tiles, block_m=block_m, num_warps=num_warps,
-                           num_stages=num_stages, max_registers=max_registers, merge=merge, fold=fold)
+                           num_stages=num_stages, max_registers=max_registers, merge=merge, fold=fold,
+                           rotate=rotate)
         if st.cacheable:
             if len(_STATIC) >= _STATIC_MAX:
                 _STATIC.clear()
@@ -1030,14 +1063,15 @@ def _kvalid_int8(key_valid: torch.Tensor) -> torch.Tensor:
 
 
 _STATIC: dict = {}
+_N_HEAD = 6  # the leading storage tensors of ``stor`` (k_tail .. qk_smooth); the bit groups' follow
 _STATIC_MAX = 512  # layers x (bit layouts, options) of a process; cleared when full (rebuilt on demand)
 
 
 class _DecodeStatic:
     """The part of a ``turbo_decode_attention`` call that depends only on the storage tensors, the query's
     layout and the options; ``run`` adds what changes every step (query, ``n_blocks``, ``n_tail``, the
-    split plan, the output). ``stor`` = (k_tail, v_tail, k_scale, v_scale, k_mean, then per group heads, k, v,
-    k_scale, k_zero, v_sz): the entry keeps weak references to them and indices into ``stor``,
+    split plan, the output). ``stor`` = (k_tail, v_tail, k_scale, v_scale, k_mean, qk_smooth, then per group heads,
+    k, v, k_scale, k_zero, v_sz): the entry keeps weak references to them and indices into ``stor``,
     never the tensors (a dropped cache frees its memory). Inputs that would need a converted copy (scales not
     fp32-contiguous, a non-contiguous INT8 buffer) make an entry for that call only (``cacheable`` false): a
     cached copy could go stale. Assumed, as of any buffer a kernel keeps using: a storage tensor object is not
@@ -1045,8 +1079,8 @@ class _DecodeStatic:
     buffers by new tensors (capacity growth, beam reorder), which is a new entry; contents may change freely."""
 
     def __init__(self, q, groups, stor, *, scale, causal, window, softcap, n_sink, softmax, sas_threshold,
-                 n_splits, waves, min_tiles, block_m, num_warps, num_stages, max_registers, merge, fold):
-        k_tail, v_tail, k_scale, v_scale, k_mean = stor[:5]
+                 n_splits, waves, min_tiles, block_m, num_warps, num_stages, max_registers, merge, fold, rotate):
+        k_tail, v_tail, k_scale, v_scale, k_mean, qk_smooth = stor[:_N_HEAD]
         if q.dim() != 4:
             raise ValueError(f"q must be [b, HQ, Lq, D], got shape {tuple(q.shape)}")
         b, HQ, Lq, D = q.shape
@@ -1069,6 +1103,9 @@ class _DecodeStatic:
         self.refs = tuple(_none_ref if t is None else weakref.ref(t) for t in stor)
         G = HQ // HK
         scale = D ** -0.5 if scale is None else float(scale)
+        rot_n = rotation_block(D) if rotate else 1  # RotationError (a ValueError) for a head dim without one
+        if qk_smooth is not None and tuple(qk_smooth.shape) != (b, HK, D):
+            raise ValueError(f"qk_smooth must be [b, HK, D] = {(b, HK, D)}, got {tuple(qk_smooth.shape)}")
         self.q_copy = q.stride(-1) != 1
         qs = q.stride() if not self.q_copy else (HQ * Lq * D, Lq * D, D, 1)
         self.o_shape, self.device = (b, Lq, HQ, D), q.device
@@ -1078,10 +1115,12 @@ class _DecodeStatic:
         BM = block_m or min(64, max(4, _pow2(M)))  # query rows are the N side of the MMAs
         self.BM, self.BD, self.n_m = BM, BD, -(-M // BM)
         conv = [k_tail.contiguous(), v_tail.contiguous(), k_scale.float().contiguous(), v_scale.float().contiguous(),
-                k_mean.float().contiguous() if k_mean is not None else None]
-        self.cacheable = all(c is t for c, t in zip(conv, stor[:5]))
+                k_mean.float().contiguous() if k_mean is not None else None,
+                qk_smooth.float().contiguous() if qk_smooth is not None else None]
+        self.cacheable = all(c is t for c, t in zip(conv, stor[:_N_HEAD]))
         self.conv = None if self.cacheable else tuple(conv)  # this call's converted inputs (not cached)
-        self.head = operator.itemgetter(2, 4 if k_mean is not None else 2, 0, 1, 3)  # sk, mk, k_tail, v_tail, sv
+        # sk, mk, k_tail, v_tail, sv, qsm (an absent mk / qsm: sk stands in, never read)
+        self.head = operator.itemgetter(2, 4 if k_mean is not None else 2, 0, 1, 3, 5 if qk_smooth is not None else 2)
         use_asm = q.device.type == "cuda" and not _INTERPRET
         reg_cap = {"maxnreg": int(max_registers)} if max_registers and use_asm else {}
         self.sms = 4  # CPU (interpreter): 4 "SMs", so tests exercise the split + merge path
@@ -1089,8 +1128,9 @@ class _DecodeStatic:
             self.sms = _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
         self.plan_opts = (waves, n_splits, min_tiles)
         self.merge, self.num_warps = merge, num_warps
+        # qscale: the rotation's 1/sqrt(n) rides in the row scale (the query's INT8 codes do not depend on it)
         self.scalars = (int(window or 0), float(softcap or 1.0), float(sas_threshold * LOG2E),
-                        float(scale * LOG2E), qs[0], qs[1], qs[2])
+                        float(scale * LOG2E / math.sqrt(rot_n)), qs[0], qs[1], qs[2])
         # one launch per pair of bit groups (mixed: its INT4 and INT2 heads together), split plan over the pair
         self.pairs = []
         for pair in launch_pairs(groups):
@@ -1101,7 +1141,7 @@ class _DecodeStatic:
                 # the group's tensors in ``stor``: heads, k, v, k_scale, k_zero, v_sz from i0 on; the kernel
                 # takes heads, k, k_scale, k_zero, v, v_sz (INT8 groups: k stands in for the scales and zeros
                 # they do not have)
-                i0 = 5 + 6 * next(i for i, g_ in enumerate(groups) if g_ is grp)
+                i0 = _N_HEAD + 6 * next(i for i, g_ in enumerate(groups) if g_ is grp)
                 heads, k, v, ks, kz, vsz = range(i0, i0 + 6)
                 if grp.bits == 8:
                     ks = kz = vsz = k
@@ -1116,7 +1156,8 @@ class _DecodeStatic:
                 gs += [grp.k.stride(0), grp.k.stride(1), *sst, grp.v.stride(0), grp.v.stride(1), *vst]
             const = dict(G=G, D=D, BD=BD, BS=BS, BM=BM, BITS0=g0.bits, BITS1=g1.bits, TWO_GROUPS=H1 > 0,
                          IS_CAUSAL=bool(causal), HAS_WINDOW=bool(window), HAS_SOFTCAP=bool(softcap),
-                         HAS_MEAN=k_mean is not None)
+                         HAS_MEAN=k_mean is not None, ROTATE=bool(rotate), ROT_N=rot_n,
+                         HAS_FACTOR=qk_smooth is not None)
             opts = dict(USE_SAS=softmax == "sas", FOLD=bool(fold), USE_ASM=use_asm)
             n_work = b * (H0 + H1) * self.n_m
             self.pairs.append((n_work, operator.itemgetter(*ga), tuple(gs) + (H0, H1, HK), const, opts, dict(
@@ -1199,7 +1240,7 @@ class _DecodeStatic:
         """The launches of one call: ``lengths`` = (n_blocks, n_tail, kv_len, kvalid row length, t0) (host values;
         ignored by a LENS launch), ``n_plan`` the visible tiles the split plan is made for."""
         if self.conv is not None:
-            stor = self.conv + stor[5:]
+            stor = self.conv + stor[_N_HEAD:]
         n_blocks, n_tail, kv_len, kv_row, t0 = lengths
         C, n_sink, Lq = self.C, self.n_sink, self.Lq
         if key_valid is None:

@@ -680,18 +680,34 @@ def unpack_blocks_ref(p: torch.Tensor, s: torch.Tensor, z: torch.Tensor, bits: i
     return x.clamp_(-127, 127).to(torch.int8)
 
 
-def prepare_query_ref(q, k_scale, k_mean, scale, softcap):
-    """Twin of ``decode.prepare_query``: q' = q * s_k (per channel), per-row INT8 ``q8``, ``sq`` with
-    scale*log2e folded in, and with softcap the smoothing correction ``qb = scale*log2e * q.mean_k``."""
+def prepare_query_ref(q, k_scale, k_mean, scale, softcap, rotate=False, qk_smooth=None):
+    """Twin of the decode kernel's query prologue: q' = q * s_k (per channel), per-row INT8 ``q8``, ``sq`` with
+    scale*log2e folded in, and with softcap the smoothing correction ``qb = scale*log2e * q.mean_k``.
+
+    ``rotate`` (K stored rotated, ``rotation.rotate``): q first becomes ``(q · diag(qk_smooth)) · H±1`` in fp32
+    (``qk_smooth [b, HK, d]`` or None; query head h uses KV head h // g) by the kernel's butterfly stages in its
+    order (h = 1, 2, .. channels apart), and ``1/sqrt(n)`` goes into ``sq`` and ``qb``'s scale instead."""
     g = q.shape[1] // k_scale.shape[1]
     qf = q.float()
+    qscale = scale * LOG2E
+    if rotate:
+        d = qf.shape[-1]
+        n = rotation_block(d)
+        if qk_smooth is not None:
+            qf = qf * qk_smooth.float().repeat_interleave(g, dim=1)[:, :, None, :]
+        h = 1
+        while h < n:  # (a, b) -> (a + b, a - b) for channels c and c + h of each 2h-block: Sylvester's x · H±1
+            x = qf.reshape(*qf.shape[:-1], d // (2 * h), 2, h)
+            qf = torch.stack((x[..., 0, :] + x[..., 1, :], x[..., 0, :] - x[..., 1, :]), -2).reshape(qf.shape)
+            h *= 2
+        qscale = scale * LOG2E / math.sqrt(n)  # as the kernel's host computes it
     qs = qf * k_scale.repeat_interleave(g, dim=1)[:, :, None, :]
     amax = qs.abs().amax(-1)
     q8 = _symmetric_int8(qs, amax, -1)
-    sq = (amax / 127.0) * (scale * LOG2E)
+    sq = (amax / 127.0) * qscale
     qb = None
     if softcap and k_mean is not None:
-        qb = (qf * k_mean.repeat_interleave(g, dim=1)[:, :, None, :]).sum(-1) * (scale * LOG2E)
+        qb = (qf * k_mean.repeat_interleave(g, dim=1)[:, :, None, :]).sum(-1) * qscale
     return q8, sq, qb
 
 
@@ -782,9 +798,10 @@ def fold_unmasked_blocks(kv_len: int, lq: int, n_sink: int, block: int, *, causa
 
 def turbo_decode_ref(q, groups, k_tail, v_tail, n_tail, k_scale, v_scale, k_mean=None, *, scale=None,
                      causal=True, window=None, softcap=None, key_valid=None, n_sink=0, softmax="exact",
-                     sas_threshold=6.0, n_splits=1, fold=True):
+                     sas_threshold=6.0, n_splits=1, fold=True, rotate=False, qk_smooth=None):
     """Twin of ``decode.turbo_decode_attention`` (same arguments; ``groups`` are ``PackedKV``-like objects
-    with ``bits, heads, k, v, k_scale, k_zero, v_scale, v_zero, n_blocks``), same tile order and split:
+    with ``bits, heads, k, v, k_scale, k_zero, v_scale, v_zero, n_blocks``; ``rotate``, ``qk_smooth``: the query
+    is rotated by ``prepare_query_ref``), same tile order and split:
     the ``n_tiles`` tiles (packed blocks, then the INT8 buffer's tiles) are cut into shares of ``ceil(n_tiles / n_splits)``
     (``n_splits``: an int, or a dict bits -> int per bit group); with a sliding window the tiles no query
     of the chunk can see are skipped first (``decode.first_visible_tile``);
@@ -810,7 +827,7 @@ def turbo_decode_ref(q, groups, k_tail, v_tail, n_tail, k_scale, v_scale, k_mean
     thr2 = float(sas_threshold) * LOG2E
     n_blocks = groups[0].n_blocks
     kv_len = n_blocks * bs + n_tail
-    q8, sq, qb = prepare_query_ref(q, k_scale, k_mean, scale, softcap)
+    q8, sq, qb = prepare_query_ref(q, k_scale, k_mean, scale, softcap, rotate, qk_smooth)
     sq = sq.clamp_min(SQ_MIN)  # > 0 for an all-zero row too (its scores are 0 either way)
     pos = torch.arange(lq, device=dev) + (kv_len - lq)
     kv = None if key_valid is None else key_valid.to(device=dev, dtype=torch.bool)

@@ -397,3 +397,62 @@ def test_decode_lengths_on_device(variant, device):
     ref = R.turbo_decode_ref(q, groups, kt, vt, nt, ks, vs, mu, n_splits=S, **rkw)
     assert_close(out, ref, ATOL_KERNEL)
     assert_close(ref, R.turbo_decode_ref(q, groups, kt, vt, nt, ks, vs, mu, n_splits=1, **rkw), 0.05)
+
+
+ROTATE_CASES = [
+    # b, hk, G, L, lq, d, head_bits, block, smooth (factors), softcap, n_splits
+    (1, 2, 4, 200, 1, 64, [4, 8], 64, False, None, 2),  # "hadamard": one block of 64, folded int4 + INT8 heads
+    (1, 2, 3, 200, 3, 128, [2, 4], 64, True, None, 2),  # "smooth_hadamard", a chunk, int2 + int4
+    (2, 1, 2, 70, 2, 96, [4], 16, True, 5.0, 1),  # block-diagonal (n 32 of d 96), softcap: q·mean in the rotated basis
+]
+
+
+@pytest.mark.parametrize(
+    "b,hk,G,L,lq,d,head_bits,bs,smooth,softcap,n_splits", ROTATE_CASES,
+    ids=[f"D{c[5]}-G{c[2]}-Lq{c[4]}-bits{''.join(map(str, c[6]))}-{'smooth' if c[8] else 'plain'}"
+         f"{'-softcap' if c[9] else ''}" for c in ROTATE_CASES],
+)
+def test_decode_rotated_query_matches_reference(b, hk, G, L, lq, d, head_bits, bs, smooth, softcap, n_splits,
+                                                device):
+    """rotate_qk: K stored as ``rotation.rotate(k, s, "k")``, the query passed unrotated and rotated in the kernel's
+    prologue (factor, butterfly, 1/sqrt(n) in the row scale) == the reference twin; and the twin equals the
+    unrotated-query path fed ``rotation.rotate(q, s, "q")`` (fp32 throughout) up to fp32 rounding."""
+    from turbo_attn_hf.kernels.rotation import rotate, smooth_scales
+
+    g = torch.Generator().manual_seed(23)
+    k = torch.randn(b, hk, L, d, generator=g) + 0.5 * torch.randn(1, hk, 1, d, generator=g)
+    k[..., 3] *= 8.0  # an outlier channel, as the rotation is for
+    v = torch.randn(b, hk, L, d, generator=g)
+    q = torch.randn(b, hk * G, lq, d, generator=g) * 2.0
+    s = smooth_scales(k) if smooth else None
+    groups, kt, vt, nt, ks, vs, mu = R.build_packed_cache_ref(rotate(k, s, "k"), v, min(L, 70), head_bits, bs)
+    kw = dict(softcap=softcap, n_splits=n_splits)
+    ref = R.turbo_decode_ref(q, groups, kt, vt, nt, ks, vs, mu, rotate=True, qk_smooth=s, **kw)
+    out = turbo_decode_attention(q.to(device), to_packed(groups, device), kt.to(device), vt.to(device), nt,
+                                 ks.to(device), vs.to(device), mu.to(device), rotate=True,
+                                 qk_smooth=None if s is None else s.to(device), **kw)
+    assert_close(out, ref, ATOL_KERNEL)
+    pre = R.turbo_decode_ref(rotate(q, s, "q"), groups, kt, vt, nt, ks, vs, mu, **kw)
+    assert_close(ref, pre, 1e-4, name="rotated in the prologue vs rotated before")
+
+
+def test_decode_qk_smooth_checks_and_static_entries(device):
+    """qk_smooth needs rotate and [b, HK, D]; it is one of the storage tensors of the call's static entry (a new
+    factor tensor is a new entry, never a stale pointer)."""
+    from turbo_attn_hf.kernels import decode as DK
+
+    q, k, v, (groups, kt, vt, nt, ks, vs, mu) = make_case(1, 2, 2, 40, 1, 32, [4, 4], 16)
+    pk = to_packed(groups, device)
+    args = (q.to(device), pk, kt.to(device), vt.to(device), nt, ks.to(device), vs.to(device), mu.to(device))
+    with pytest.raises(ValueError, match="needs rotate=True"):
+        turbo_decode_attention(*args, qk_smooth=torch.ones(1, 2, 32, device=device))
+    with pytest.raises(ValueError, match="qk_smooth must be"):
+        turbo_decode_attention(*args, rotate=True, qk_smooth=torch.ones(1, 1, 32, device=device))
+    DK._STATIC.clear()
+    factors = [torch.rand(1, 2, 32, generator=torch.Generator().manual_seed(seed)) + 0.5 for seed in (1, 2)]
+    for s in factors:
+        out = turbo_decode_attention(*args, rotate=True, qk_smooth=s.to(device))
+        assert_close(out, R.turbo_decode_ref(q, groups, kt, vt, nt, ks, vs, mu, rotate=True, qk_smooth=s),
+                     ATOL_KERNEL)
+    assert len(DK._STATIC) == 2
+    DK._STATIC.clear()

@@ -34,6 +34,8 @@ CONFIGS = [
     (64, (4, 2), 3, 1, 64, "fold"),  # SmolLM2-135M mixed: the INT2 half takes the restoring loop
     (128, (4, 2), 4, 1, 64, "lens"),  # a static cache in a CUDA graph: lengths and shares on the device
     (128, 4, 4, 1, 64, "lens"),
+    (128, 4, 4, 1, 64, "rotate"),  # rotate_qk: the query's smoothing factor and Hadamard butterfly in the prologue
+    (96, 4, 3, 5, 64, "rotate"),  # blocks of 32 (block-diagonal), a chunk: M = 15 rows
 ]
 
 
@@ -43,9 +45,10 @@ def _compile(D, bits, G, Lq, BS, variant):
     from triton.backends.compiler import GPUTarget
 
     from turbo_attn_hf.kernels.decode import _decode_kernel, _merge_chunk, _pow2
+    from turbo_attn_hf.kernels.rotation import rotation_block
 
     bits0, bits1 = (bits, bits) if isinstance(bits, int) else bits  # a pair: one launch for two bit groups
-    sig = dict(q="*bf16", sk="*fp32", mk="*fp32", kt="*i8", vt="*i8", sv="*fp32", kvalid="*i8", o="*bf16",
+    sig = dict(q="*bf16", sk="*fp32", mk="*fp32", kt="*i8", vt="*i8", sv="*fp32", qsm="*fp32", kvalid="*i8", o="*bf16",
                po="*fp32", pml="*fp32", cnt="*i32", lens="*i32")
     for g, bg in (("0", bits0), ("1", bits1)):
         code = "*i8" if bg == 8 else "*u8"
@@ -70,7 +73,9 @@ def _compile(D, bits, G, Lq, BS, variant):
     cx = dict(G=G, D=D, BD=BD, BS=BS, BM=BM, BITS0=bits0, BITS1=bits1, TWO_GROUPS=not isinstance(bits, int),
               IS_CAUSAL=True, HAS_WINDOW=masks, HAS_SOFTCAP=masks,
               HAS_MEAN=True, HAS_KVALID=masks, USE_SAS=masks, SPLIT=split, FUSED_MERGE=split,
-              FOLD=variant != "restore", USE_ASM=True, SC=_merge_chunk(8, BM, BD, 1), LENS=variant == "lens")
+              FOLD=variant != "restore", USE_ASM=True, SC=_merge_chunk(8, BM, BD, 1), LENS=variant == "lens",
+              ROTATE=variant == "rotate", ROT_N=rotation_block(D) if variant == "rotate" else 1,
+              HAS_FACTOR=variant == "rotate")
     sig.update({k: "constexpr" for k in cx})
     src = triton.compiler.ASTSource(fn=_decode_kernel, signature=sig, constexprs=cx)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1, num_stages=2))
