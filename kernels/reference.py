@@ -603,19 +603,55 @@ def rope_pair_amax_ref(k: torch.Tensor, rope_dims: int) -> torch.Tensor:
     return torch.cat([n, n], dim=-1)
 
 
+def rotate_keys_ref(k: torch.Tensor, qk_smooth: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The stored basis of a rotated cache (``rotate_qk``) as the store kernels compute it (``store._rotate_keys``):
+    ``k [b, H, L, d]`` -> fp32 ``rotate_rows(k · diag(1/s), split) · fl32(1/sqrt(n))``, kept in fp32 (no rounding to
+    k's dtype: the kernels code from the fp32 values). ``qk_smooth``: ``rotation.smooth_scales`` ``s [b, H, d]`` or
+    None (plain hadamard); split (a second bf16 head) when a factor is applied or k is not bf16, as the prefill's."""
+    x = k.float()
+    if qk_smooth is not None:
+        x = x * (torch.ones_like(qk_smooth, dtype=torch.float32) / qk_smooth.float())[:, :, None, :]
+    return rotate_rows(x, qk_smooth is not None or k.dtype != torch.bfloat16) * _rot_scale(k.shape[-1])
+
+
+def rotate_mean_ref(mean: torch.Tensor, qk_smooth: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The raw keys' mean ``[b, H, d]`` in the stored basis: ``(mean · diag(1/s) · H+-1) · fl32(1/sqrt(n))``, fp32,
+    without the bf16 split (``store._finish_kernel``: exact products, fp32 sums in its own order: equal to fp32
+    rounding)."""
+    m = mean.float()
+    if qk_smooth is not None:
+        m = m * (torch.ones_like(qk_smooth, dtype=torch.float32) / qk_smooth.float())
+    return torch.matmul(m, hadamard_pm1(m.shape[-1], m.device)) * _rot_scale(m.shape[-1])
+
+
+def _rot_scale(d: int) -> torch.Tensor:
+    """fp32 ``1/sqrt(n)`` of head dim d's Hadamard block (``store.rot_scale``)."""
+    return torch.tensor(1.0 / math.sqrt(rotation_block(d)), dtype=torch.float32)
+
+
 def kv_universal_scales_ref(k: torch.Tensor, v: torch.Tensor, smooth_k: bool = True, headroom: float = 1.0,
-                            rope_dims: int = 0):
+                            rope_dims: int = 0, rotate: bool = False, qk_smooth: Optional[torch.Tensor] = None):
     """FlashQ step 1 scales, fixed at the first prefill: ``k, v [b, H, L, d]`` ->
     ``(k_mean [b, H, d] or None, k_scale [b, H, d], v_scale [b, H, d])`` fp32, scale = amax * headroom / 127
     (K after subtracting its channel mean). A zero channel gets scale 1 (codes 0). Non-finite elements are
     left out of the mean and the amax (``kv_finite_mean_ref``; a channel with none finite gets scale 1): one
     bad token must not set every token's scale. ``rope_dims > 0`` (``k_scale_range: rope_pair``): K's first
     ``rope_dims`` channels take ``rope_pair_amax_ref`` and mean 0 (the mean of a slowly turning pair is not
-    stationary); the mean is None when every channel is rotated."""
+    stationary); the mean is None when every channel is rotated. ``rotate`` (``store.kv_stats(rotate=True)``): the
+    stored basis' scales, i.e. those of ``rotate_keys_ref(k, qk_smooth)`` around ``rotate_mean_ref`` of the raw keys'
+    (finite) mean, which is the mean returned."""
+    if rotate:
+        if rope_dims:
+            raise ValueError("rope_dims does not apply to rotated keys")
+        mean = kv_finite_mean_ref(k, k_smooth_mean(k)) if smooth_k else None
+        k = rotate_keys_ref(k, qk_smooth)
+        mean = None if mean is None else rotate_mean_ref(mean, qk_smooth)
+    else:
+        mean = k_smooth_mean(k) if smooth_k and rope_dims < k.shape[-1] else None
+        if mean is not None:
+            mean = kv_finite_mean_ref(k, mean)
     kf, vf = k.float(), v.float()
-    mean = k_smooth_mean(k) if smooth_k and rope_dims < k.shape[-1] else None
     if mean is not None:
-        mean = kv_finite_mean_ref(k, mean)
         mean[..., :rope_dims] = 0.0
         kf = kf - mean[:, :, None, :]
     zero = torch.zeros((), device=k.device)
@@ -928,16 +964,18 @@ def int8_buffer_layout(L: int, bs: int, sink_blocks: int = 0, recent_blocks: int
 
 
 def build_packed_cache_ref(k, v, n_prefill, head_bits, block_size, smooth_k=True, headroom=1.0, sink_blocks=0,
-                           recent_blocks=0, rope_dims=0):
+                           recent_blocks=0, rope_dims=0, rotate=False, qk_smooth=None):
     """The packed state a TurboCache holds after storing ``k, v [b, Hk, L, d]`` (scales fixed by the first
     ``n_prefill`` tokens): ``(groups, k_tail [b,Hk,C,d], v_tail [b,Hk,d,C], n_tail, k_scale, v_scale, k_mean)``
     with ``C = (sink_blocks + recent_blocks + 1)·BS`` INT8 slots — the arguments of ``turbo_decode_ref``
     (with ``n_sink = sink_blocks·BS``; blocks are independent, so packing all at once equals packing them one
-    by one as the cache does)."""
+    by one as the cache does). ``rotate``: a rotated layer (``rotate_qk``), K stored as
+    ``rotate_keys_ref(k, qk_smooth)`` (scales and mean: ``kv_universal_scales_ref(rotate=True)``)."""
     b, hk, L, d = k.shape
     bs = block_size
-    mean, ks, vs = kv_universal_scales_ref(k[:, :, :n_prefill], v[:, :, :n_prefill], smooth_k, headroom, rope_dims)
-    k8 = quantize_int8_universal_ref(k, ks, mean)
+    mean, ks, vs = kv_universal_scales_ref(k[:, :, :n_prefill], v[:, :, :n_prefill], smooth_k, headroom, rope_dims,
+                                           rotate, qk_smooth)
+    k8 = quantize_int8_universal_ref(rotate_keys_ref(k, qk_smooth) if rotate else k, ks, mean)
     v8 = quantize_int8_universal_ref(v, vs)
     nb, ranges = int8_buffer_layout(L, bs, sink_blocks, recent_blocks)
     p0 = sink_blocks * bs if nb else 0  # first packed token

@@ -25,6 +25,12 @@ per layer with host syncs for mixed's head choice) are three more kernels here, 
 With K smoothing the mean stays the torch reduction ``reference.k_smooth_mean`` (bit for bit the prefill's and
 the reference's; one launch): first prefill = mean + stats + finish + store = 4 launches per layer.
 
+``rotate_qk`` (issue 23): a rotated layer passes its keys unrotated with ``rotate=True`` (and the smooth_hadamard
+factors): each kernel rotates the K rows it loads (``_rotate_keys``: x 1/s, ``tl.dot`` with the in-register +-1
+Hadamard of ``quant._rotate_rows``, x fp32 1/sqrt(n)) before any statistic, code or pack, so no rotated copy of K
+is written and read back; ``kv_stats`` also returns the raw mean's rotation (the finish kernel), the mean the
+stores subtract. Twin: ``reference.rotate_keys_ref`` / ``rotate_mean_ref``. ``rotate=False`` compiles today's code.
+
 Host path (issue 19): ``kv_stats`` keeps its grids, scalars and constexprs per key (shapes, strides, dtypes, options)
 and ``store_kv`` its constexprs per specialisation; both relaunch the compiled kernels without Triton's binder
 (``LeanLaunch.launch_memo``).
@@ -32,6 +38,7 @@ and ``store_kv`` its constexprs per specialisation; both relaunch the compiled k
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -42,7 +49,8 @@ from .decode import _pow2
 from .interpreter import interpreting
 from .launch import LeanLaunch, lean
 from .pack import _pack_tile, _quantize_universal
-from .quant import _multiple, _vec
+from .quant import _hadamard_pm1, _multiple, _rotate_rows, _vec, check_qk_smooth, factor_arg
+from .rotation import rotation_block
 
 __all__ = ["store_int8_tokens", "kv_stats", "store_kv", "STATS_CHUNK_BLOCKS"]
 
@@ -62,6 +70,28 @@ def _bad_rows(b_k, b_v, m):
 
 
 @triton.jit
+def _key_factor(smf, o_s, m_d, BD: tl.constexpr, HAS_FACTOR: tl.constexpr):
+    """K's smoothing factor ``1/s`` of one (b, h) at offsets ``o_s`` (correctly rounded, as
+    ``reference.rotate_keys_ref`` and the prefill's quantizer), 1 without factors."""
+    b_f = tl.full([BD], 1.0, tl.float32)
+    if HAS_FACTOR:
+        b_f = tl.math.div_rn(b_f, tl.load(smf + o_s, mask=m_d, other=1.0))
+    return b_f
+
+
+@triton.jit
+def _rotate_keys(b_k, b_f, D: tl.constexpr, BD: tl.constexpr, ROTATE: tl.constexpr, ROT_N: tl.constexpr,
+                 ROT_SPLIT: tl.constexpr, ROT_C: tl.constexpr):
+    """Raw key rows ``[R >= 16, BD]`` -> the stored basis: ``(k . diag(b_f) . H+-1) * ROT_C`` in fp32
+    (``quant._rotate_rows``, the prefill's; ROT_C = fp32 1/sqrt(ROT_N), one rounding), unchanged without ROTATE.
+    In the pass that loads the rows anyway: every statistic, mean subtraction, code and pack after it sees rotated K
+    (twin ``reference.rotate_keys_ref``)."""
+    if ROTATE:
+        b_k = _rotate_rows(b_k.to(tl.float32) * b_f[None, :], D, BD, ROT_N, ROT_SPLIT) * ROT_C
+    return b_k
+
+
+@triton.jit
 def _universal_scales(sk, mk, sv, o_s, m_d, HAS_MEAN: tl.constexpr):
     """A (row, head)'s universal K scale, K mean (the K scale when there is none) and V scale at offsets ``o_s``."""
     b_sk = tl.load(sk + o_s, mask=m_d, other=1.0)
@@ -74,13 +104,16 @@ def _universal_scales(sk, mk, sv, o_s, m_d, HAS_MEAN: tl.constexpr):
 
 @triton.jit(do_not_specialize=["slot", "T"])
 def _store_tokens_kernel(
-    k, v, sk, mk, sv, kt, vt, flag, slot, T,
+    k, v, sk, mk, sv, kt, vt, flag, smf, slot, T,
     stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     H, C,
     D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, HAS_MEAN: tl.constexpr, COUNT: tl.constexpr,
+    ROTATE: tl.constexpr, ROT_N: tl.constexpr, ROT_SPLIT: tl.constexpr, HAS_FACTOR: tl.constexpr,
+    ROT_C: tl.constexpr,
 ):
     """grid = (b * H,): tokens ``[0, T)`` of k/v ``[b, H, T, D]`` -> buffer slots ``slot + t``;
-    sk/mk/sv ``[b, H, D]`` fp32; kt ``[b, H, C, D]``, vt ``[b, H, D, C]`` int8."""
+    sk/mk/sv ``[b, H, D]`` fp32; kt ``[b, H, C, D]``, vt ``[b, H, D, C]`` int8. ROTATE: K rows rotated first
+    (``_rotate_keys``; smf ``[b, H, D]`` fp32 factors with HAS_FACTOR; BT >= 16 rows for the dot, the extra masked)."""
     i_bh = tl.program_id(0)
     i_b, i_h = i_bh // H, i_bh % H
     o_t = tl.arange(0, BT)
@@ -89,6 +122,9 @@ def _store_tokens_kernel(
     b_sk, b_mk, b_sv = _universal_scales(sk, mk, sv, i_bh.to(tl.int64) * D + o_d, o_d < D, HAS_MEAN)
     b_k = tl.load(k + i_b.to(tl.int64) * stride_kb + i_h * stride_kh + o_t[:, None] * stride_kt + o_d[None, :],
                   mask=m, other=0.0)
+    if ROTATE:
+        b_f = _key_factor(smf, i_bh.to(tl.int64) * D + o_d, o_d < D, BD, HAS_FACTOR)
+        b_k = _rotate_keys(b_k, b_f, D, BD, ROTATE, ROT_N, ROT_SPLIT, ROT_C)
     b_v = tl.load(v + i_b.to(tl.int64) * stride_vb + i_h * stride_vh + o_t[:, None] * stride_vt + o_d[None, :],
                   mask=m, other=0.0)
     # pack.quantize_int8's tile math (one helper: the same bits)
@@ -106,26 +142,54 @@ _STORE = LeanLaunch(_store_tokens_kernel)  # one launch per layer and decode ste
 
 def store_int8_tokens(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, k_mean: Optional[torch.Tensor],
                       v_scale: torch.Tensor, k_tail: torch.Tensor, v_tail: torch.Tensor, slot: int,
-                      nonfinite: Optional[torch.Tensor] = None) -> None:
+                      nonfinite: Optional[torch.Tensor] = None, rotate: bool = False,
+                      qk_smooth: Optional[torch.Tensor] = None) -> None:
     """Quantize ``k, v [b, H, T, D]`` (last dim contiguous) with the universal scales and write them to
     ``k_tail[:, :, slot:slot+T]`` / ``v_tail[:, :, :, slot:slot+T]`` (contiguous ``[b, H, C, D]`` /
     ``[b, H, D, C]`` int8, ``slot + T <= C``). Scales/mean: contiguous ``[b, H, D]`` fp32. ``nonfinite``: an
-    int32 counter that gets the number of stored (row, head, token) vectors with an inf/NaN in K or V."""
+    int32 counter that gets the number of stored (row, head, token) vectors with an inf/NaN in K or V.
+    ``rotate`` (``rotate_qk``): ``k`` is the caller's unrotated K; the kernel stores ``rotate_keys_ref(k, qk_smooth)``
+    (factors ``s [b, H, D]`` or None), so ``k_scale`` / ``k_mean`` are the rotated basis' (``kv_stats``' third
+    output)."""
     b, H, T, D = k.shape
     C = k_tail.shape[2]
     if slot + T > C:
         raise ValueError(f"{T} tokens at slot {slot} overflow the INT8 buffer of {C} slots")
+    check_qk_smooth(qk_smooth, rotate, k)
     if k.stride(-1) != 1:
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
+    rot = _rotate_kw(k, rotate, qk_smooth)
     _STORE[(b * H,)](
         k, v, k_scale, k_mean if k_mean is not None else k_scale, v_scale, k_tail, v_tail,
-        nonfinite if nonfinite is not None else k_tail, int(slot), T,
+        nonfinite if nonfinite is not None else k_tail, factor_arg(qk_smooth, k_scale), int(slot), T,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), H, C,
-        D=D, BD=_pow2(D), BT=_pow2(T), HAS_MEAN=k_mean is not None, COUNT=nonfinite is not None,
-        num_warps=4,
+        D=D, BD=_pow2(D), BT=max(_pow2(T), 16) if rotate else _pow2(T), HAS_MEAN=k_mean is not None,
+        COUNT=nonfinite is not None, **rot, num_warps=4, **_no_fma(rotate),
     )
+
+
+def _rotate_kw(k: torch.Tensor, rotate: bool, qk_smooth: Optional[torch.Tensor]) -> dict:
+    """The rotation constexprs of the store kernels for keys ``k [b, H, T, D]`` (``quant._qk_spec``'s rule for
+    ROT_SPLIT: a second bf16 dot when the factored rows are no bf16 numbers); all off without ``rotate``, which
+    compiles the unrotated kernels."""
+    if not rotate:
+        return dict(ROTATE=False, ROT_N=16, ROT_SPLIT=False, HAS_FACTOR=False, ROT_C=1.0)
+    n = rotation_block(k.shape[-1])
+    return dict(ROTATE=True, ROT_N=n, ROT_SPLIT=qk_smooth is not None or k.dtype != torch.bfloat16,
+                HAS_FACTOR=qk_smooth is not None, ROT_C=rot_scale(n))
+
+
+def _no_fma(rotate: bool) -> dict:
+    """A rotating store kernel rounds ``y * ROT_C`` before the mean is subtracted (the twin's order): no FMA
+    contraction there; the unrotated kernels keep their compile options."""
+    return dict(enable_fp_fusion=False) if rotate else {}
+
+
+def rot_scale(n: int) -> float:
+    """fp32 ``1/sqrt(n)``: the store kernels multiply the +-1 products by it (``reference.rotate_keys_ref``)."""
+    return float(torch.tensor(1.0 / math.sqrt(n), dtype=torch.float32))
 
 
 # ============================================================================ first prefill: stats -> scales
@@ -138,15 +202,19 @@ N_PART = 8  # rows of a stats partial: K min, K max, V min, V max, K gap sum, V 
 @triton.jit(do_not_specialize=["T", "NC", "stride_kb", "stride_kh", "stride_kt", "stride_vb", "stride_vh",
                                "stride_vt"])
 def _stats_kernel(
-    k, v, part, cnt, T, NC, H,
+    k, v, part, cnt, smf, T, NC, H,
     stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, NSUB: tl.constexpr, VEC: tl.constexpr, ROT: tl.constexpr,
+    ROTATE: tl.constexpr, ROT_N: tl.constexpr, ROT_SPLIT: tl.constexpr, HAS_FACTOR: tl.constexpr,
+    ROT_C: tl.constexpr,
 ):
     """grid (NC, b*H): tokens ``[i_c*NSUB*BS, (i_c+1)*NSUB*BS)`` of (b, h) of k, v ``[b, H, T, D]`` (last dim
     contiguous) -> ``part[b*H, NC, N_PART, BD]`` fp32, ``cnt[b*H, NC]`` int32 (non-finite token vectors).
     Non-finite elements are left out of every statistic. Gaps follow ``calibrate._block_gaps``: per block of BS
     tokens max - min per channel, full blocks only; a sequence shorter than one block is one block. Channels
-    ``< ROT`` (RoPE pairs j, j ± ROT/2) put the min/max of the pair's squared norm in the K min/max rows."""
+    ``< ROT`` (RoPE pairs j, j ± ROT/2) put the min/max of the pair's squared norm in the K min/max rows.
+    ROTATE: K's min/max and gaps are those of the rotated rows (``_rotate_keys``, factors smf ``[b*H, D]`` with
+    HAS_FACTOR), its finite sum/count stay the raw keys' (they fix the raw mean, ``_finish_kernel``)."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
     # strides out of the specialization key, multiples of VEC (the launcher checks): 16-byte loads of K/V rows
@@ -169,6 +237,7 @@ def _stats_kernel(
     p_k = k + i_b * stride_kb + i_h * stride_kh
     p_v = v + i_b * stride_vb + i_h * stride_vh
     n_full = T // BS
+    b_f = _key_factor(smf, i_bh.to(tl.int64) * D + o_d, m_d, BD, HAS_FACTOR and ROTATE)
     for j in range(NSUB):
         t0 = (i_c * NSUB + j) * BS
         o_t = (t0 + o_r).to(tl.int64)
@@ -177,6 +246,11 @@ def _stats_kernel(
         b_v = tl.load(p_v + o_t[:, None] * stride_vt + o_d[None, :], mask=m, other=0.0).to(tl.float32)
         f_k = m & _finite(b_k)
         f_v = m & _finite(b_v)
+        b_ksum += tl.sum(tl.where(f_k, b_k, 0.0), 0)  # raw keys: the raw mean's fallback
+        b_kn += tl.sum(f_k.to(tl.float32), 0)
+        if ROTATE:  # a key's non-finite element spreads over its Hadamard block: those channels drop out
+            b_k = _rotate_keys(b_k, b_f, D, BD, ROTATE, ROT_N, ROT_SPLIT, ROT_C)
+            f_k = m & _finite(b_k)
         k_lo = tl.min(tl.where(f_k, b_k, inf), 0)
         k_hi = tl.max(tl.where(f_k, b_k, -inf), 0)
         v_lo = tl.min(tl.where(f_v, b_v, inf), 0)
@@ -195,8 +269,6 @@ def _stats_kernel(
         counted = (t0 + BS <= T) | ((n_full == 0) & (t0 == 0))
         b_kgap += tl.where(counted & (k_hi >= k_lo), k_hi - k_lo, 0.0)  # a channel with no finite value: 0
         b_vgap += tl.where(counted & (v_hi >= v_lo), v_hi - v_lo, 0.0)
-        b_ksum += tl.sum(tl.where(f_k, b_k, 0.0), 0)
-        b_kn += tl.sum(f_k.to(tl.float32), 0)
         n_bad += tl.sum(tl.max((m & ((f_k == 0) | (f_v == 0))).to(tl.int32), 1), 0)
     p_p = part + (i_bh.to(tl.int64) * NC + i_c) * (8 * BD) + o_d
     tl.store(p_p, b_kmin)
@@ -220,16 +292,19 @@ def _head_prio(b_g, m_d, D: tl.constexpr):
 
 @triton.jit(do_not_specialize=["NC", "B"])
 def _finish_kernel(
-    part, cnt, mean, ks, vs, flag, heads_hi, heads_lo, NC, B, H, hs, n_gap,
+    part, cnt, mean, ks, vs, flag, heads_hi, heads_lo, mrot, smf, NC, B, H, hs, n_gap,
     D: tl.constexpr, BD: tl.constexpr, BC: tl.constexpr, HP: tl.constexpr, HC: tl.constexpr, N2: tl.constexpr,
-    HAS_MEAN: tl.constexpr, SELECT: tl.constexpr, ROT: tl.constexpr,
+    HAS_MEAN: tl.constexpr, SELECT: tl.constexpr, ROT: tl.constexpr, ROTATE: tl.constexpr, ROT_N: tl.constexpr,
+    HAS_FACTOR: tl.constexpr, ROT_C: tl.constexpr,
 ):
     """grid (B*H + 1,). Program ``bh < B*H``: the NC chunk partials of (b, h) -> k_scale, v_scale ``[B*H, D]``
     = amax * hs (K: max(k_max - mean, mean - k_min)), 1 where not > 0; a non-finite ``mean`` channel is replaced
     by the finite K's mean. Channels ``< ROT`` hold the squared RoPE-pair norm's min/max (``_stats_kernel``):
     amax = sqrt of its max, mean 0 (``reference.kv_universal_scales_ref``). The last program: ``flag`` = non-finite token vectors; with SELECT the ``N2``
     lowest-priority heads (gap x std of K and V, each over its mean over the heads; stable ties) -> ``heads_lo``
-    (ascending), the others -> ``heads_hi``."""
+    (ascending), the others -> ``heads_hi``. ROTATE: the partials' K min/max are the rotated keys'; the fixed raw
+    mean stays in ``mean`` and its rotation ``(mean . diag(1/s) . H+-1) * ROT_C`` (fp32 products, exact; fp32
+    sums) goes to ``mrot`` ``[B*H, D]``, the mean the K scale is taken around (and the store's)."""
     pid = tl.program_id(0)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
@@ -257,6 +332,10 @@ def _finish_kernel(
             b_alt = tl.where(b_kn > 0, tl.math.div_rn(b_ksum, tl.maximum(b_kn, 1.0)), 0.0)
             b_mu = tl.where(_finite(b_mu), b_mu, b_alt)
             tl.store(mean + o_s, b_mu, mask=m_d)
+            if ROTATE:  # once per (b, h): the store kernels take the mean in the stored basis
+                b_f = _key_factor(smf, o_s, m_d, BD, HAS_FACTOR)
+                b_mu = tl.sum((b_mu * b_f)[:, None] * _hadamard_pm1(D, BD, ROT_N).to(tl.float32), 0) * ROT_C
+                tl.store(mrot + o_s, b_mu, mask=m_d)
             b_mu = tl.where(o_d < ROT, 0.0, b_mu)
             b_ka = tl.maximum(b_kmax - b_mu, b_mu - b_kmin)
         else:
@@ -309,8 +388,8 @@ def _finish_kernel(
 
 
 def kv_stats(k: torch.Tensor, v: torch.Tensor, k_mean: Optional[torch.Tensor], block_size: int, headroom: float,
-             nonfinite: torch.Tensor, select: Optional[tuple] = None, rope_dims: int = 0
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+             nonfinite: torch.Tensor, select: Optional[tuple] = None, rope_dims: int = 0, rotate: bool = False,
+             qk_smooth: Optional[torch.Tensor] = None) -> tuple:
     """Universal scales of a first prefill ``k, v [b, H, T, D]`` in two launches, no host sync.
 
     Args:
@@ -322,41 +401,56 @@ def kv_stats(k: torch.Tensor, v: torch.Tensor, k_mean: Optional[torch.Tensor], b
             filled (ascending) with the heads kept at the layer's bits / stored in 2 bits.
         rope_dims: K channels ``< rope_dims`` get the RoPE-pair scale (``reference.rope_pair_amax_ref``; their
             mean is not subtracted, ``k_mean`` is still fixed for the prefill).
-    Returns ``(k_scale, v_scale)`` fp32 ``[b, H, D]``.
+        rotate: ``rotate_qk`` (hadamard / smooth_hadamard): ``k`` is the caller's unrotated K and the scales are
+            those of the stored K, ``reference.rotate_keys_ref(k, qk_smooth)`` (``qk_smooth``: ``rotation.
+            smooth_scales`` factors ``s [b, H, D]``, or None for plain hadamard), rotated in the stats kernel.
+            ``k_mean`` stays the raw keys' mean (fixed in place, for the prefill, whose quantizer rotates it
+            itself); the stored basis' mean ``reference.rotate_mean_ref(k_mean, qk_smooth)`` is a third output,
+            the ``k_mean`` to pass to ``store_kv`` / ``store_int8_tokens`` (with ``rotate=True``). Not with
+            ``rope_dims`` (a rotated basis has no RoPE pairs).
+    Returns ``(k_scale, v_scale)`` fp32 ``[b, H, D]``; with ``rotate`` ``(k_scale, v_scale, k_mean_rotated)``
+    (the last None without ``k_mean``).
     """
+    if rotate and rope_dims:
+        raise ValueError(f"rope_dims={rope_dims} (k_scale_range 'rope_pair') does not apply to rotated keys")
+    check_qk_smooth(qk_smooth, rotate, k)
     if k.stride(-1) != 1:
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
     key = (k.shape, k.stride(), v.shape, v.stride(), k.dtype, v.dtype, k.device, k_mean is None, block_size,
-           headroom, None if select is None else select[2], rope_dims)
+           headroom, None if select is None else select[2], rope_dims, rotate, qk_smooth is None)
     plan = _STATS_PLANS.get(key)
     if plan is None:
         if len(_STATS_PLANS) >= 256:
             _STATS_PLANS.clear()
-        plan = _STATS_PLANS[key] = _stats_plan(k, v, k_mean, block_size, headroom, select, rope_dims)
+        plan = _STATS_PLANS[key] = _stats_plan(k, v, k_mean, block_size, headroom, select, rope_dims,
+                                               _rotate_kw(k, rotate, qk_smooth))
     part_shape, cnt_shape, s_shape, stats, finish, memo = plan
     dev = k.device
     part = torch.empty(part_shape, dtype=torch.float32, device=dev)
     cnt = torch.empty(cnt_shape, dtype=torch.int32, device=dev)
     ks = torch.empty(s_shape, dtype=torch.float32, device=dev)
     vs = torch.empty(s_shape, dtype=torch.float32, device=dev)
+    mrot = torch.empty(s_shape, dtype=torch.float32, device=dev) if rotate and k_mean is not None else None
+    f = factor_arg(qk_smooth, ks)
     hooks = LeanLaunch.hooks_active()
     dev_key = torch.cuda.current_device() if dev.type == "cuda" else -1
     grid, scalars, kw = stats
-    lean(_stats_kernel).launch_memo(memo[0], dev_key, grid, (k, v, part, cnt), scalars, kw, hooks)
+    lean(_stats_kernel).launch_memo(memo[0], dev_key, grid, (k, v, part, cnt, f), scalars, kw, hooks)
     hi, lo, _ = select if select is not None else (ks, ks, 0)
     grid, scalars, kw = finish
     lean(_finish_kernel).launch_memo(memo[1], dev_key, grid, (part, cnt, k_mean if k_mean is not None else ks, ks, vs,
-                                                              nonfinite, hi, lo), scalars, kw, hooks)
-    return ks, vs
+                                                              nonfinite, hi, lo, mrot if mrot is not None else ks, f),
+                                     scalars, kw, hooks)
+    return (ks, vs, mrot) if rotate else (ks, vs)
 
 
 #: kv_stats' plans by key (shapes, strides, dtypes, device, options)
 _STATS_PLANS: dict = {}
 
 
-def _stats_plan(k, v, k_mean, block_size, headroom, select, rope_dims):
+def _stats_plan(k, v, k_mean, block_size, headroom, select, rope_dims, rot):
     """(partials' shape, counts' shape, scales' shape, stats (grid, scalars, kwargs), finish (...), memos)."""
     b, H, T, D = k.shape
     bs, BD = int(block_size), _pow2(D)
@@ -364,28 +458,32 @@ def _stats_plan(k, v, k_mean, block_size, headroom, select, rope_dims):
     nsub = _pow2(nblocks) if interpreting() else STATS_CHUNK_BLOCKS
     nsub = max(1, min(nsub, _pow2(nblocks)))
     nc = -(-T // (nsub * bs))
+    # rotated stats: 8 warps (sm_90 compile, d 128: 4 warps 255 regs + a 176-208 B stack, 8 warps 247-255 + 0-24 B)
     stats = ((nc, b * H), (T, nc, H, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2)),
-             dict(D=D, BD=BD, BS=bs, NSUB=nsub, VEC=_vec(k, v), ROT=int(rope_dims), num_warps=4,
+             dict(D=D, BD=BD, BS=bs, NSUB=nsub, VEC=_vec(k, v), ROT=int(rope_dims), **rot,
+                  num_warps=8 if rot["ROTATE"] else 4,
                   enable_fp_fusion=False))
     n_lo = select[2] if select is not None else 0
     n_gap = float(b * max(T // bs, 1))
     finish = ((b * H + 1,), (nc, b, H, float(headroom / 127.0), n_gap),
               dict(D=D, BD=BD, BC=min(_pow2(nc), 64), HP=max(2, _pow2(H)),
                    HC=max(1, min(_pow2(nc), 64 // max(2, _pow2(H)))), N2=int(n_lo), HAS_MEAN=k_mean is not None,
-                   SELECT=select is not None, ROT=int(rope_dims), num_warps=4))
+                   SELECT=select is not None, ROT=int(rope_dims), ROTATE=rot["ROTATE"], ROT_N=rot["ROT_N"],
+                   HAS_FACTOR=rot["HAS_FACTOR"], ROT_C=rot["ROT_C"], num_warps=4))
     return (b * H, nc, N_PART, BD), (b * H, nc), (b, H, D), stats, finish, ({}, {})
 
 
 # ================================================================================ store: INT8 buffer + blocks
 @triton.jit
-def _load_rows(p_k, p_v, sk_t, sv_t, i, n, c, take, o_d, m_d):
+def _load_rows(p_k, p_v, sk_t, sv_t, i, n, c, take, o_d, m_d, b_f, D: tl.constexpr, BD: tl.constexpr,
+               ROTATE: tl.constexpr, ROT_N: tl.constexpr, ROT_SPLIT: tl.constexpr, ROT_C: tl.constexpr):
     """The new tokens among rows ``i`` (< n) of one head's store stream (row i >= c is token ``take + i - c``):
-    ``(K, V [R, BD]`` raw tiles, 0 elsewhere, the mask of the new entries)."""
+    ``(K, V [R, BD]`` tiles, 0 elsewhere, the mask of the new entries); K rotated with ROTATE (``_rotate_keys``)."""
     m_new = ((i < n) & (i >= c))[:, None] & m_d[None, :]
     t = (take + i - c).to(tl.int64)
     b_k = tl.load(p_k + t[:, None] * sk_t + o_d[None, :], mask=m_new, other=0.0)
     b_v = tl.load(p_v + t[:, None] * sv_t + o_d[None, :], mask=m_new, other=0.0)
-    return b_k, b_v, m_new
+    return _rotate_keys(b_k, b_f, D, BD, ROTATE, ROT_N, ROT_SPLIT, ROT_C), b_v, m_new
 
 
 @triton.jit
@@ -410,12 +508,14 @@ def _codes(b_x, p_xb, b_s, b_m, i0, o_r, n, c, s0, C, o_d, m_d,
 
 @triton.jit
 def _stream_rows(p_k, p_v, sk_t, sv_t, p_kt, p_vt, b_sk, b_mk, b_sv, i0, o_r, n, c, take, s0, C,
-                 o_d, m_d, D: tl.constexpr, HAS_MEAN: tl.constexpr):
+                 o_d, m_d, b_f, D: tl.constexpr, HAS_MEAN: tl.constexpr, BD: tl.constexpr, ROTATE: tl.constexpr,
+                 ROT_N: tl.constexpr, ROT_SPLIT: tl.constexpr, ROT_C: tl.constexpr):
     """Rows ``i0 + o_r`` (< n) of one head's store stream: the INT8 buffer's waiting slots ``s0 + i`` for i < c,
     then the new tokens ``take + i - c`` quantized with the universal scales. ``p_kt`` ``[C, D]`` / ``p_vt``
     ``[D, C]``: the head's buffers. Returns (K, V codes ``[R, BD]`` int32, the number of new rows with a
     non-finite element)."""
-    b_k, b_v, m_new = _load_rows(p_k, p_v, sk_t, sv_t, i0 + o_r, n, c, take, o_d, m_d)
+    b_k, b_v, m_new = _load_rows(p_k, p_v, sk_t, sv_t, i0 + o_r, n, c, take, o_d, m_d, b_f, D, BD, ROTATE, ROT_N,
+                                 ROT_SPLIT, ROT_C)
     b_k8 = _codes(b_k, p_kt, b_sk, b_mk, i0, o_r, n, c, s0, C, o_d, m_d, D, HAS_MEAN, False)
     b_v8 = _codes(b_v, p_vt, b_sv, b_sv, i0, o_r, n, c, s0, C, o_d, m_d, D, False, True)
     return b_k8, b_v8, _bad_rows(b_k, b_v, m_new)
@@ -458,13 +558,15 @@ def _store_kv_kernel(
     k, v, sk, mk, sv, kt, vt, flag,
     h0, gk0, gv0, gks0, gkz0, gvsz0,
     h1, gk1, gv1, gks1, gkz1, gvsz1,
-    h2, gk2, gv2, gks2, gkz2, gvsz2,
+    h2, gk2, gv2, gks2, gkz2, gvsz2, smf,
     T, take, slot_sink, c, n, NPP, n_pack, s0, nb0, CAP,
     stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     H, C,
     D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, HAS_SINK: tl.constexpr, BSINK: tl.constexpr,
     BREC: tl.constexpr, H0: tl.constexpr, H1: tl.constexpr, BITS0: tl.constexpr, BITS1: tl.constexpr, BITS2: tl.constexpr,
     HAS_MEAN: tl.constexpr, PACK: tl.constexpr, TAIL: tl.constexpr, COUNT: tl.constexpr, VEC: tl.constexpr,
+    ROTATE: tl.constexpr, ROT_N: tl.constexpr, ROT_SPLIT: tl.constexpr, HAS_FACTOR: tl.constexpr,
+    ROT_C: tl.constexpr,
 ):
     """grid (NPP + TAIL, b*H). The store stream of one (b, h) is the INT8 buffer's ``c`` waiting slots
     ``s0..`` followed by the new tokens ``take..T`` of k, v ``[b, H, T, D]`` (``n`` rows in all).
@@ -473,7 +575,9 @@ def _store_kv_kernel(
     TAIL: program ``NPP`` writes the new tokens ``[0, take)`` to buffer slots ``slot_sink..`` (attention sinks)
     and stream rows ``[n_pack, n)`` to slots ``s0..`` (NPP = 0 in a launch without PACK). The buffer rows it moves are all read before any is
     written (a barrier); a launch with both PACK and TAIL must have ``c == 0`` (the packers would read slots
-    the tail program overwrites). COUNT: non-finite new rows are added to ``flag``."""
+    the tail program overwrites). COUNT: non-finite new rows are added to ``flag``. ROTATE: every new K row is
+    rotated as it is loaded (``_rotate_keys``; factors smf ``[b*H, D]`` with HAS_FACTOR); sk/mk are the rotated
+    basis' scales and mean."""
     pid, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, r = i_bh // H, i_bh % H
     # strides out of the specialization key, multiples of VEC (the launcher checks): 16-byte loads of K/V rows
@@ -491,6 +595,7 @@ def _store_kv_kernel(
             i_h = tl.load(h2 + r - H0 - H1)
     i_hb = i_b.to(tl.int64) * H + i_h  # (b, head) row of the scales and buffers
     b_sk, b_mk, b_sv = _universal_scales(sk, mk, sv, i_hb * D + o_d, m_d, HAS_MEAN)
+    b_f = _key_factor(smf, i_hb * D + o_d, m_d, BD, HAS_FACTOR and ROTATE)
     p_k = k + i_b.to(tl.int64) * stride_kb + i_h.to(tl.int64) * stride_kh
     p_v = v + i_b.to(tl.int64) * stride_vb + i_h.to(tl.int64) * stride_vh
     p_kt = kt + i_hb * C * D
@@ -500,7 +605,8 @@ def _store_kv_kernel(
         if pid < NPP:
             o_r = tl.arange(0, BS)
             i0 = pid * BS
-            b_k, b_v, m_new = _load_rows(p_k, p_v, stride_kt, stride_vt, i0 + o_r, n, c, take, o_d, m_d)
+            b_k, b_v, m_new = _load_rows(p_k, p_v, stride_kt, stride_vt, i0 + o_r, n, c, take, o_d, m_d, b_f,
+                                         D, BD, ROTATE, ROT_N, ROT_SPLIT, ROT_C)
             if r < H0:
                 i_gb = (i_b.to(tl.int64) * H0 + r) * CAP + nb0 + pid
                 _pack_rows(b_k, b_v, p_kt, p_vt, b_sk, b_mk, b_sv, i0, o_r, n, c, s0, C, gk0, gv0, gks0, gkz0,
@@ -522,8 +628,10 @@ def _store_kv_kernel(
                 o_q = tl.arange(0, BSINK)
                 for q0 in range(0, take, BSINK):
                     m_q = (q0 + o_q < take)[:, None] & m_d[None, :]
-                    b_k, b_k8 = _new_rows(p_k, stride_kt, b_sk, b_mk, q0 + o_q, m_q, o_d, HAS_MEAN)
-                    b_v, b_v8 = _new_rows(p_v, stride_vt, b_sv, b_sv, q0 + o_q, m_q, o_d, False)
+                    b_k, b_k8 = _new_rows(p_k, stride_kt, b_sk, b_mk, q0 + o_q, m_q, o_d, b_f, HAS_MEAN, D, BD, ROTATE,
+                                          ROT_N, ROT_SPLIT, ROT_C)
+                    b_v, b_v8 = _new_rows(p_v, stride_vt, b_sv, b_sv, q0 + o_q, m_q, o_d, b_f, False, D, BD, False,
+                                          ROT_N, ROT_SPLIT, ROT_C)
                     n_bad += _bad_rows(b_k, b_v, m_q)
                     slot = (slot_sink + q0 + o_q).to(tl.int64)
                     tl.store(p_kt + slot[:, None] * D + o_d[None, :], b_k8, mask=m_q)
@@ -534,7 +642,8 @@ def _store_kv_kernel(
             # wrote, and writes only after the barrier that follows every earlier chunk's reads
             for i0 in range(n_pack, n, BREC):
                 b_k8, b_v8, n_bad2 = _stream_rows(p_k, p_v, stride_kt, stride_vt, p_kt, p_vt, b_sk, b_mk, b_sv,
-                                                  i0, o_w, n, c, take, s0, C, o_d, m_d, D, HAS_MEAN)
+                                                  i0, o_w, n, c, take, s0, C, o_d, m_d, b_f, D, HAS_MEAN, BD, ROTATE,
+                                                  ROT_N, ROT_SPLIT, ROT_C)
                 n_bad += n_bad2
                 tl.debug_barrier()  # every read of this chunk before any write
                 m_w = (i0 + o_w < n)[:, None] & m_d[None, :]
@@ -546,9 +655,11 @@ def _store_kv_kernel(
 
 
 @triton.jit
-def _new_rows(p_x, sx, b_s, b_m, o_t, m, o_d, HAS_MEAN: tl.constexpr):
-    """Rows ``o_t`` of one head's new tokens (masked by ``m``) -> (raw tile, INT8 codes)."""
+def _new_rows(p_x, sx, b_s, b_m, o_t, m, o_d, b_f, HAS_MEAN: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+              ROTATE: tl.constexpr, ROT_N: tl.constexpr, ROT_SPLIT: tl.constexpr, ROT_C: tl.constexpr):
+    """Rows ``o_t`` of one head's new tokens (masked by ``m``) -> (tile, rotated with ROTATE; INT8 codes)."""
     b_x = tl.load(p_x + o_t[:, None].to(tl.int64) * sx + o_d[None, :], mask=m, other=0.0)
+    b_x = _rotate_keys(b_x, b_f, D, BD, ROTATE, ROT_N, ROT_SPLIT, ROT_C)
     return b_x, _quantize_universal(b_x, b_s, b_m, HAS_MEAN=HAS_MEAN)
 
 
@@ -564,7 +675,8 @@ STORE_NUM_WARPS = 8
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, k_mean: Optional[torch.Tensor],
              v_scale: torch.Tensor, k_tail: torch.Tensor, v_tail: torch.Tensor, groups: list, *, take: int,
-             slot_sink: int, c: int, s0: int, n_pack: int, nonfinite: Optional[torch.Tensor] = None) -> int:
+             slot_sink: int, c: int, s0: int, n_pack: int, nonfinite: Optional[torch.Tensor] = None,
+             rotate: bool = False, qk_smooth: Optional[torch.Tensor] = None) -> int:
     """Store new tokens ``k, v [b, H, T, D]`` into the INT8 buffer and the packed groups (no host sync).
 
     The stream is the buffer's ``c`` waiting slots ``s0..`` then the new tokens ``take..``; its first
@@ -572,10 +684,12 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, k_mean: Op
     layer's ``PackedKV`` list, at most three, capacity reserved by the caller, ``heads`` maps on the device); the
     rest go to slots ``s0..``; new tokens ``[0, take)`` go to sink slots ``slot_sink..``. One launch, or two
     when ``c > 0`` and blocks are packed (the packers read slots the tail program overwrites). Returns the
-    number of launches."""
+    number of launches. ``rotate``: as ``store_int8_tokens`` (``k`` unrotated, rotated in the kernel with the
+    factors ``qk_smooth``; ``k_scale`` / ``k_mean`` the rotated basis', from ``kv_stats(rotate=True)``)."""
     b, H, T, D = k.shape
     C = k_tail.shape[2]
     bs = groups[0].block_size
+    check_qk_smooth(qk_smooth, rotate, k)
     if k.stride(-1) != 1:
         k = k.contiguous()
     if v.stride(-1) != 1:
@@ -597,6 +711,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, k_mean: Op
     for g in slots:
         tensors += (g.heads, g.k, g.v, g.k_scale if g.k_scale is not None else g.k,
                     g.k_zero if g.k_zero is not None else g.k, g.v_sz if g.v_sz is not None else g.k)
+    tensors.append(factor_arg(qk_smooth, k_scale))
     for g in groups:
         if not all(t.is_contiguous() for _, t in g._tensors()):
             raise ValueError("the packed groups' buffers must be contiguous")
@@ -606,23 +721,26 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, k_mean: Op
     # / recent rows in tiles of at most TAIL_ROWS: a bigger tile spills the whole kernel, see the kernel), the
     # dtypes (K/V's; the groups' follow their bits), H and C (specialised), whether an int leaves int32
     big = max(T, n, n_pack, cap, *strides) >= 2**31
+    vec = _vec(k, v)
     key = (D, bs, s0, C, H, k.dtype, v.dtype, k.device, k_mean is not None, nonfinite is not None,
-           tuple(g.k.shape[1] for g in groups), tuple(g.bits for g in slots), big, _vec(k, v))
+           tuple(g.k.shape[1] for g in groups), tuple(g.bits for g in slots), big, vec, rotate,
+           qk_smooth is None)
     hit = _STORE_KV_KW.get(key)
     if hit is None:
         hs = [g.k.shape[1] for g in groups] + [0, 0]
         bits = [g.bits for g in slots]
+        lo = 16 if rotate else 2  # tl.dot (the rotation) takes tiles of >= 16 rows
         hit = _STORE_KV_KW[key] = dict(
-            D=D, BD=_pow2(D), BS=bs, HAS_SINK=s0 > 0, BSINK=min(_pow2(max(s0, 2)), TAIL_ROWS),
-            BREC=min(_pow2(max(C - s0, 2)), TAIL_ROWS), H0=hs[0], H1=hs[1], BITS0=bits[0], BITS1=bits[1],
-            BITS2=bits[2], HAS_MEAN=k_mean is not None), {}
+            D=D, BD=_pow2(D), BS=bs, HAS_SINK=s0 > 0, BSINK=min(_pow2(max(s0, lo)), TAIL_ROWS),
+            BREC=min(_pow2(max(C - s0, lo)), TAIL_ROWS), H0=hs[0], H1=hs[1], BITS0=bits[0], BITS1=bits[1],
+            BITS2=bits[2], HAS_MEAN=k_mean is not None, **_rotate_kw(k, rotate, qk_smooth), **_no_fma(rotate)), {}
     common, memo = hit
     plans = [(True, True)] if c == 0 or npp == 0 else [(True, False), (False, True)]
     hooks = LeanLaunch.hooks_active()
     dev_key = torch.cuda.current_device() if k.is_cuda else -1
     for pack, tail in plans:
         n_prog = npp if pack else 0
-        kw = dict(common, PACK=pack and npp > 0, TAIL=tail, COUNT=nonfinite is not None, VEC=key[-1],
+        kw = dict(common, PACK=pack and npp > 0, TAIL=tail, COUNT=nonfinite is not None, VEC=vec,
                   num_warps=STORE_NUM_WARPS)
         lean(_store_kv_kernel).launch_memo(
             memo, (dev_key, kw["PACK"], tail), (n_prog + tail, b * H), tensors,
