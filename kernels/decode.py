@@ -49,6 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .hadamard import hadamard_rows
 from .interpreter import interpreting
 from .launch import LeanLaunch
 from .pack import PackedKV, _dequant_tile, _unpack_tile
@@ -140,21 +141,6 @@ def _token_parts(b_x, BITS: tl.constexpr):
         b_x0 = tl.reshape(b_x0, (BS // 2,))
         b_x1 = tl.reshape(b_x1, (BS // 2,))
     return b_x0, b_x1
-
-
-@triton.jit
-def _hadamard_rows(b_x, N: tl.constexpr):
-    """``x [R, C] -> x · H±1`` per block of N channels (Sylvester, ``H[i, j] = (-1)^popcount(i & j)``, C a multiple
-    of N <= 256), fp32: log2(N) butterfly stages ``(a, b) -> (a + b, a - b)`` over channels h = 1, 2, .. apart, in
-    registers (a tl.dot needs >= 16 rows; the GQA query tile can have 4). Twin: ``reference.prepare_query_ref``."""
-    R: tl.constexpr = b_x.shape[0]
-    C: tl.constexpr = b_x.shape[1]
-    tl.static_assert(N <= 256 and C % N == 0)
-    for j in tl.static_range(8):
-        if (1 << j) < N:  # h = 2^j; reshape index (r, block, a, c) = channel 2h·block + h·a + c: split takes a
-            b_a, b_b = tl.split(tl.permute(tl.reshape(b_x, (R, C // (2 << j), 2, 1 << j)), (0, 1, 3, 2)))
-            b_x = tl.reshape(tl.permute(tl.join(b_a + b_b, b_a - b_b), (0, 1, 3, 2)), (R, C))
-    return b_x
 
 
 @triton.jit
@@ -469,7 +455,7 @@ def _decode_program(
     if ROTATE:  # into K's stored basis, (q · diag(s)) · H±1 in fp32 (padded channels are 0 and form whole blocks)
         if HAS_FACTOR:
             b_qf = b_qf * tl.load(qsm + o_kvh + o_d, mask=m_d, other=0.0)[None, :]
-        b_qf = _hadamard_rows(b_qf, ROT_N)
+        b_qf = hadamard_rows(b_qf, ROT_N)
     b_sk = tl.load(sk + o_kvh + o_d, mask=m_d, other=0.0)
     b_qs = b_qf * b_sk[None, :]
     b_amax = tl.max(tl.abs(b_qs), 1)

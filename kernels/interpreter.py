@@ -80,31 +80,5 @@ def _interpreter_exact_fma() -> None:
     builder._turbo_exact_fma = True
 
 
-def _interpreter_bf16_dot() -> None:
-    """Triton 3.6's interpreter holds bf16 as uint16 and ``tl.dot`` multiplies those integers (garbage); the GPU
-    widens bf16 exactly. Widen bf16 operands to fp32 (``bits << 16``) before the product (``quant._rotate_rows``).
-    Interpreter only; idempotent."""
-    builder = _unpatched_builder("_turbo_bf16_dot")
-    if builder is None:
-        return
-    import numpy as np
-    import triton.language as tl
-    import triton.runtime.interpreter as interp
-
-    orig = builder.create_dot
-
-    def widen(t):
-        if t.dtype.scalar != tl.bfloat16:
-            return t
-        return interp.TensorHandle((t.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return orig(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
-
-    builder.create_dot = create_dot
-    builder._turbo_bf16_dot = True
-
-
 _interpreter_index_compat()
 _interpreter_exact_fma()
-_interpreter_bf16_dot()

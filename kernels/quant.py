@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .hadamard import hadamard_rows
 from .interpreter import interpreting
 from .launch import lean
 from .reference import DEFAULT_BLOCK_N, _finite_token_amax, k_smooth_mean  # noqa: F401  (k_smooth_mean re-exported)
@@ -102,43 +103,9 @@ def _multiple(x, VEC: tl.constexpr):
 
 
 @triton.jit
-def _bf16_head(x):
-    """fp32 ``x`` with its low 16 bits cleared: a bf16 number, cut the same way on the GPU, in the interpreter (whose
-    fp32 -> bf16 cast truncates) and in ``reference._bf16_head``, so the bf16 cast after it is exact everywhere."""
-    return (x.to(tl.int32, bitcast=True) & -65536).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _hadamard_pm1(D: tl.constexpr, BD: tl.constexpr, N: tl.constexpr):
-    """``[BD, BD]`` bf16 +-1 Sylvester Hadamard with blocks of N (<= 256) on the diagonal of the first D channels, 0
-    elsewhere (``rotation.hadamard_matrix(D) * sqrt(N)``): ``(-1)^popcount(i & j)``, made in registers (no load)."""
-    o_i = tl.arange(0, BD)[:, None]
-    o_j = tl.arange(0, BD)[None, :]
-    a = o_i & o_j & (N - 1)
-    a = a ^ (a >> 4)  # parity of the 8 low bits folded into bit 0
-    a = a ^ (a >> 2)
-    a = a ^ (a >> 1)
-    inside = (o_i // N == o_j // N) & (o_i < D) & (o_j < D)
-    return tl.where(inside, 1.0 - 2.0 * (a & 1).to(tl.float32), 0.0).to(tl.bfloat16)
-
-
-@triton.jit
-def _rotate_rows(b_x, D: tl.constexpr, BD: tl.constexpr, N: tl.constexpr, SPLIT: tl.constexpr):
-    """``x [BT, BD] . H+-1`` in fp32 (the +-1 products are exact): x as its bf16 head and, with SPLIT (x is no bf16
-    number: smoothed, or fp16 input), its remainder's bf16 head, 16 of the 24 significant bits; one or two
-    tensor-core dots per tile, under the pass's memory time."""
-    b_h = _hadamard_pm1(D, BD, N)
-    b_hi = _bf16_head(b_x)
-    b_y = tl.dot(b_hi.to(tl.bfloat16), b_h, out_dtype=tl.float32)
-    if SPLIT:  # the sum of the two dots, in this order (reference.rotate_rows)
-        b_y = b_y + tl.dot(_bf16_head(b_x - b_hi).to(tl.bfloat16), b_h, out_dtype=tl.float32)
-    return b_y
-
-
-@triton.jit
 def _quant_token_rows(p_x, p_x8, p_s, b_mean, b_f, scale, o_t, L, stride_xl, stride_xd,
                       HAS_SMOOTH: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
-                      ROTATE: tl.constexpr, ROT_N: tl.constexpr, ROT_SPLIT: tl.constexpr):
+                      ROTATE: tl.constexpr, ROT_N: tl.constexpr):
     """Per-token INT8 of the rows ``o_t`` ([BT], masked at L) of one head: ``p_x`` its rows (any strides),
     ``p_x8`` its ``[L, D]`` codes (contiguous), ``p_s`` its ``[L]`` scales; ``b_mean`` [BD] subtracted first.
     ROTATE: the rows become ``x . diag(b_f) . H+-1`` first (``rotation.rotate`` without its 1/sqrt(n), which the
@@ -149,7 +116,7 @@ def _quant_token_rows(p_x, p_x8, p_s, b_mean, b_f, scale, o_t, L, stride_xl, str
     b_x = tl.load(p_x + o_t[:, None].to(tl.int64) * stride_xl + o_d[None, :] * stride_xd,
                   mask=m_x, other=0.0).to(tl.float32)
     if ROTATE:  # in the pass that reads the rows anyway: no rotated copy of Q/K is written and read back
-        b_x = _rotate_rows(b_x * b_f[None, :], D, BD, ROT_N, ROT_SPLIT)
+        b_x = hadamard_rows(b_x * b_f[None, :], ROT_N)
     if HAS_SMOOTH:
         b_x = tl.where(m_x, b_x - b_mean[None, :], 0.0)
     # a NaN-keeping amax is NaN/Inf exactly for a poisoned token: its scale is NaN and its codes are clamped
@@ -222,8 +189,7 @@ def _quant_tokens_kernel(
         b_mean = _finite_or_zero(tl.load(MEAN + i_b * stride_mb + i_h * stride_mh + o_d, mask=o_d < D, other=0.0))
     _quant_token_rows(X + i_b * stride_xb + i_h * stride_xh, X8 + i_b * stride_ob + i_h * stride_oh,
                       S + i_b * stride_sb + i_h * stride_sh, b_mean, b_mean, scale, i_t * BT + tl.arange(0, BT), L,
-                      stride_xl, stride_xd, HAS_SMOOTH=HAS_SMOOTH, D=D, BD=BD, BT=BT, ROTATE=False, ROT_N=16,
-                      ROT_SPLIT=False)
+                      stride_xl, stride_xd, HAS_SMOOTH=HAS_SMOOTH, D=D, BD=BD, BT=BT, ROTATE=False, ROT_N=16)
 
 
 @triton.jit(do_not_specialize=["L", "stride_xb", "stride_xh", "stride_xl", "stride_pb", "stride_ph"])
@@ -262,8 +228,7 @@ def _quant_qk_kernel(
     stride_q8b, stride_q8h, stride_k8b, stride_k8h,
     stride_sqb, stride_sqh, stride_skb, stride_skh,
     HAS_SMOOTH: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, VEC_Q: tl.constexpr,
-    VEC_K: tl.constexpr, ROTATE: tl.constexpr, ROT_N: tl.constexpr, ROT_SPLIT: tl.constexpr,
-    HAS_FACTOR: tl.constexpr,
+    VEC_K: tl.constexpr, ROTATE: tl.constexpr, ROT_N: tl.constexpr, HAS_FACTOR: tl.constexpr,
 ):
     """The prefill's two per-token operands in one launch: grid (NQ + cdiv(LK, BT) * b * HK,), NQ = cdiv(LQ, BT)
     * b * HQ. Programs < NQ are ``_quant_tokens_kernel``'s for Q (scale ``q_scale``, no mean), the others its
@@ -284,7 +249,7 @@ def _quant_qk_kernel(
         _quant_token_rows(Q + i_b * sb + i_h * sh, Q8 + i_b * stride_q8b + i_h * stride_q8h,
                           SQ + i_b * stride_sqb + i_h * stride_sqh, tl.zeros([BD], dtype=tl.float32), b_f, q_scale,
                           i_t * BT + tl.arange(0, BT), LQ, sl, stride_qd, HAS_SMOOTH=False, D=D, BD=BD, BT=BT,
-                          ROTATE=ROTATE, ROT_N=ROT_N, ROT_SPLIT=ROT_SPLIT)
+                          ROTATE=ROTATE, ROT_N=ROT_N)
     else:
         n_t = tl.cdiv(LK, BT)
         i_t, i_bh = (pid - NQ) % n_t, (pid - NQ) // n_t
@@ -298,11 +263,11 @@ def _quant_qk_kernel(
             b_mean = _finite_or_zero(tl.load(MEAN + i_b * stride_mb + i_h * stride_mh + o_d, mask=o_d < D,
                                              other=0.0))
             if ROTATE:  # the rotated keys' mean is mean(k) . diag(1/s) . H+-1 (linear): no second read of K
-                b_mean = tl.sum((b_mean * b_f)[:, None] * _hadamard_pm1(D, BD, ROT_N).to(tl.float32), 0)
+                b_mean = tl.reshape(hadamard_rows(tl.reshape(b_mean * b_f, [1, BD]), ROT_N), [BD])
         _quant_token_rows(K + i_b * sb + i_h * sh, K8 + i_b * stride_k8b + i_h * stride_k8h,
                           SK + i_b * stride_skb + i_h * stride_skh, b_mean, b_f, k_scale,
                           i_t * BT + tl.arange(0, BT), LK, sl, stride_kd, HAS_SMOOTH=HAS_SMOOTH, D=D, BD=BD, BT=BT,
-                          ROTATE=ROTATE, ROT_N=ROT_N, ROT_SPLIT=ROT_SPLIT)
+                          ROTATE=ROTATE, ROT_N=ROT_N)
 
 
 # ---------------------------------------------------------------------------------------- launchers
@@ -385,7 +350,7 @@ def _qk_spec(q4: torch.Tensor, k4: torch.Tensor, q_scale: float, k_scale: float,
     scalars = (float(q_scale), float(k_scale), nq, lq, lk, hq, hk, *q4.stride(), *k4.stride(), smb, smh, sfb, sfh,
                hq * lq * d, lq * d, hk * lk * d, lk * d, hq * lq, lq, hk * lk, lk)
     kw = dict(HAS_SMOOTH=has_smooth, D=d, BD=_pow2(d), BT=bt, VEC_Q=_vec(q4), VEC_K=_vec(k4), ROTATE=rotate,
-              ROT_N=n, ROT_SPLIT=rotate and (has_factor or q4.dtype != torch.bfloat16 or k4.dtype != torch.bfloat16),
+              ROT_N=n,
               HAS_FACTOR=rotate and has_factor, num_warps=4, enable_fp_fusion=False)
     return grid, scalars, kw
 

@@ -57,7 +57,7 @@ __all__ = [
     "k_smooth_mean",
     "quantize_per_token",
     "hadamard_pm1",
-    "rotate_rows",
+    "fwht_rows",
     "quantize_v_blocks",
     "quantize_v_channels",
     "int8_flash_attention",
@@ -219,28 +219,25 @@ def _finite_token_amax(v: torch.Tensor) -> torch.Tensor:
     return va.masked_fill_(bad, 0).amax(dim=2).float()
 
 
-def _bf16_head(x: torch.Tensor) -> torch.Tensor:
-    """fp32 ``x`` with its low 16 bits cleared (quant.py ``_bf16_head``): a bf16 number, truncated."""
-    return (x.view(torch.int32) & -65536).view(torch.float32)
-
-
 def hadamard_pm1(d: int, device="cpu") -> torch.Tensor:
     """fp32 ``[d, d]`` +-1 (block-diagonal) Sylvester Hadamard: ``rotation.hadamard_matrix(d) * sqrt(n)``, exact
-    (quant.py ``_hadamard_pm1``)."""
+    (``hadamard.hadamard_rows`` computes its product)."""
     return (hadamard_matrix(d, torch.float64) * math.sqrt(rotation_block(d))).round().to(device=device,
                                                                                           dtype=torch.float32)
 
 
-def rotate_rows(x: torch.Tensor, split: bool) -> torch.Tensor:
-    """fp32 ``x [..., d] . H+-1`` as the quantizer computes it (quant.py ``_rotate_rows``): the +-1 products of x's
-    bf16 head and (``split``) of its remainder's bf16 head, summed in fp32 (16 of x's 24 significant bits; no bf16
-    rounding of the rotated values)."""
-    h = hadamard_pm1(x.shape[-1], x.device)
-    hi = _bf16_head(x)
-    y = torch.matmul(hi, h)
-    if split:
-        y = y + torch.matmul(_bf16_head(x - hi), h)
-    return y
+def fwht_rows(x: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x [..., d] . H+-1`` (blocks of ``rotation_block(d)``) as the kernels compute it (``hadamard.hadamard_rows``):
+    the butterfly stages ``(a + b, a - b)`` over channel pairs ``(i, i + h)``, h = 1, 2, ..., in the same order, so
+    kernel and twin agree bit for bit (fp32 sums, no bf16 rounding)."""
+    d, n = x.shape[-1], rotation_block(x.shape[-1])
+    lead = x.shape[:-1]
+    h = 1
+    while h < n:
+        y = x.reshape(*lead, d // (2 * h), 2, h)
+        x = torch.stack((y[..., 0, :] + y[..., 1, :], y[..., 0, :] - y[..., 1, :]), dim=-2).reshape(*lead, d)
+        h *= 2
+    return x
 
 
 def quantize_per_token(x: torch.Tensor, *, scale: float = 1.0, smooth: Optional[torch.Tensor] = None,
@@ -254,20 +251,19 @@ def quantize_per_token(x: torch.Tensor, *, scale: float = 1.0, smooth: Optional[
 
     ``rotate`` (quant.py's fused rotation, ``rotate_qk``): the rows become ``x . diag(factor) . H`` first
     (``factor`` fp32 ``[..., d]``: the smoothing factors s for Q, 1/s for K; none for plain "hadamard") via
-    :func:`rotate_rows` with ``1/sqrt(n)`` folded into ``scale``, and ``smooth`` is the unrotated mean, rotated
+    :func:`fwht_rows` with ``1/sqrt(n)`` folded into ``scale``, and ``smooth`` is the unrotated mean, rotated
     the same way (the rotated keys' mean).
     """
     xf = x.float()
     if rotate:
         n = rotation_block(x.shape[-1])
         f = None if factor is None else factor.float().reshape(*xf.shape[:-2], 1, xf.shape[-1])
-        split = factor is not None or x.dtype != torch.bfloat16
-        xf = rotate_rows(xf if f is None else xf * f, split)
+        xf = fwht_rows(xf if f is None else xf * f)
         scale = float(scale) / math.sqrt(n)
     if smooth is not None:
         m = _finite_or_zero(smooth.float()).reshape(*xf.shape[:-2], 1, xf.shape[-1])
         if rotate:
-            m = torch.matmul(m if f is None else m * f, hadamard_pm1(x.shape[-1], x.device))
+            m = fwht_rows(m if f is None else m * f)
         xf = xf - m
     bad = ~torch.isfinite(xf).all(dim=-1)
     xf = xf.masked_fill(bad[..., None], 0.0)
@@ -605,23 +601,22 @@ def rope_pair_amax_ref(k: torch.Tensor, rope_dims: int) -> torch.Tensor:
 
 def rotate_keys_ref(k: torch.Tensor, qk_smooth: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The stored basis of a rotated cache (``rotate_qk``) as the store kernels compute it (``store._rotate_keys``):
-    ``k [b, H, L, d]`` -> fp32 ``rotate_rows(k · diag(1/s), split) · fl32(1/sqrt(n))``, kept in fp32 (no rounding to
+    ``k [b, H, L, d]`` -> fp32 ``fwht_rows(k · diag(1/s)) · fl32(1/sqrt(n))``, kept in fp32 (no rounding to
     k's dtype: the kernels code from the fp32 values). ``qk_smooth``: ``rotation.smooth_scales`` ``s [b, H, d]`` or
-    None (plain hadamard); split (a second bf16 head) when a factor is applied or k is not bf16, as the prefill's."""
+    None (plain hadamard)."""
     x = k.float()
     if qk_smooth is not None:
         x = x * (torch.ones_like(qk_smooth, dtype=torch.float32) / qk_smooth.float())[:, :, None, :]
-    return rotate_rows(x, qk_smooth is not None or k.dtype != torch.bfloat16) * _rot_scale(k.shape[-1])
+    return fwht_rows(x) * _rot_scale(k.shape[-1])
 
 
 def rotate_mean_ref(mean: torch.Tensor, qk_smooth: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The raw keys' mean ``[b, H, d]`` in the stored basis: ``(mean · diag(1/s) · H+-1) · fl32(1/sqrt(n))``, fp32,
-    without the bf16 split (``store._finish_kernel``: exact products, fp32 sums in its own order: equal to fp32
-    rounding)."""
+    """The raw keys' mean ``[b, H, d]`` in the stored basis: ``fwht_rows(mean · diag(1/s)) · fl32(1/sqrt(n))``, fp32
+    (``store._finish_kernel``, bit for bit)."""
     m = mean.float()
     if qk_smooth is not None:
         m = m * (torch.ones_like(qk_smooth, dtype=torch.float32) / qk_smooth.float())
-    return torch.matmul(m, hadamard_pm1(m.shape[-1], m.device)) * _rot_scale(m.shape[-1])
+    return fwht_rows(m) * _rot_scale(m.shape[-1])
 
 
 def _rot_scale(d: int) -> torch.Tensor:
@@ -721,21 +716,16 @@ def prepare_query_ref(q, k_scale, k_mean, scale, softcap, rotate=False, qk_smoot
     scale*log2e folded in, and with softcap the smoothing correction ``qb = scale*log2e * q.mean_k``.
 
     ``rotate`` (K stored rotated, ``rotation.rotate``): q first becomes ``(q · diag(qk_smooth)) · H±1`` in fp32
-    (``qk_smooth [b, HK, d]`` or None; query head h uses KV head h // g) by the kernel's butterfly stages in its
-    order (h = 1, 2, .. channels apart), and ``1/sqrt(n)`` goes into ``sq`` and ``qb``'s scale instead."""
+    (``qk_smooth [b, HK, d]`` or None; query head h uses KV head h // g) by :func:`fwht_rows` (the kernel's
+    butterfly), and ``1/sqrt(n)`` goes into ``sq`` and ``qb``'s scale instead."""
     g = q.shape[1] // k_scale.shape[1]
     qf = q.float()
     qscale = scale * LOG2E
     if rotate:
-        d = qf.shape[-1]
-        n = rotation_block(d)
+        n = rotation_block(qf.shape[-1])
         if qk_smooth is not None:
             qf = qf * qk_smooth.float().repeat_interleave(g, dim=1)[:, :, None, :]
-        h = 1
-        while h < n:  # (a, b) -> (a + b, a - b) for channels c and c + h of each 2h-block: Sylvester's x · H±1
-            x = qf.reshape(*qf.shape[:-1], d // (2 * h), 2, h)
-            qf = torch.stack((x[..., 0, :] + x[..., 1, :], x[..., 0, :] - x[..., 1, :]), -2).reshape(qf.shape)
-            h *= 2
+        qf = fwht_rows(qf)
         qscale = scale * LOG2E / math.sqrt(n)  # as the kernel's host computes it
     qs = qf * k_scale.repeat_interleave(g, dim=1)[:, :, None, :]
     amax = qs.abs().amax(-1)

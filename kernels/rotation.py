@@ -13,10 +13,11 @@ within its block, so it spreads an outlier over n channels instead of d (weaker,
 The product is computed in fp32 and rounded once to the input dtype (bf16 ``1/sqrt(128)`` is not exact; a
 bf16 matrix would scale every logit by 1 - 2.2e-4). A finite token can overflow only if its L2 norm exceeds
 the dtype's max (``|x·H|_inf <= |x|_2``); a token with an inf/NaN stays non-finite (the quantizers' rule is
-per token). The cache (stored K, its queries) calls :func:`rotate`; the no-cache prefill path rotates Q and K inside
-their quantization pass instead (``turbo_attention(rotate_qk=True)``: ``quant._rotate_rows``, twin
-``reference.rotate_rows``: the same ``H`` as +-1 with ``1/sqrt(n)`` in the row scales, fp32 sums, no bf16 rounding of
-the rotated values). Torch only (no transformers, no triton).
+per token). On the GPU (and the Triton interpreter) the kernels rotate inside the passes that read Q or K anyway:
+the prefill's Q+K quantization, the cache's stats and store kernels, the decode query's prologue
+(``hadamard.hadamard_rows``, twin ``reference.fwht_rows``: the same ``H`` as +-1 butterflies in fp32, ``1/sqrt(n)``
+folded into a scale, no bf16 rounding of the rotated values); :func:`rotate` serves the PyTorch paths. Torch only
+(no transformers, no triton).
 
 ``rotate_qk = "smooth_hadamard"`` first migrates scale per channel from K to Q (SmoothAttention, QServe §4.3;
 K-only here): ``s_c = sqrt(max_t |K_tc - mean_c|)`` over the first store's finite keys, normalised to geometric

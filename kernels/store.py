@@ -26,8 +26,8 @@ With K smoothing the mean stays the torch reduction ``reference.k_smooth_mean`` 
 the reference's; one launch): first prefill = mean + stats + finish + store = 4 launches per layer.
 
 ``rotate_qk`` (issue 23): a rotated layer passes its keys unrotated with ``rotate=True`` (and the smooth_hadamard
-factors): each kernel rotates the K rows it loads (``_rotate_keys``: x 1/s, ``tl.dot`` with the in-register +-1
-Hadamard of ``quant._rotate_rows``, x fp32 1/sqrt(n)) before any statistic, code or pack, so no rotated copy of K
+factors): each kernel rotates the K rows it loads (``_rotate_keys``: x 1/s, the in-register butterfly
+``hadamard.hadamard_rows``, x fp32 1/sqrt(n)) before any statistic, code or pack, so no rotated copy of K
 is written and read back; ``kv_stats`` also returns the raw mean's rotation (the finish kernel), the mean the
 stores subtract. Twin: ``reference.rotate_keys_ref`` / ``rotate_mean_ref``. ``rotate=False`` compiles today's code.
 
@@ -46,10 +46,11 @@ import triton
 import triton.language as tl
 
 from .decode import _pow2
+from .hadamard import hadamard_rows
 from .interpreter import interpreting
 from .launch import LeanLaunch, lean
 from .pack import _pack_tile, _quantize_universal
-from .quant import _hadamard_pm1, _multiple, _rotate_rows, _vec, check_qk_smooth, factor_arg
+from .quant import _multiple, _vec, check_qk_smooth, factor_arg
 from .rotation import rotation_block
 
 __all__ = ["store_int8_tokens", "kv_stats", "store_kv", "STATS_CHUNK_BLOCKS"]
@@ -81,13 +82,13 @@ def _key_factor(smf, o_s, m_d, BD: tl.constexpr, HAS_FACTOR: tl.constexpr):
 
 @triton.jit
 def _rotate_keys(b_k, b_f, D: tl.constexpr, BD: tl.constexpr, ROTATE: tl.constexpr, ROT_N: tl.constexpr,
-                 ROT_SPLIT: tl.constexpr, ROT_C: tl.constexpr):
-    """Raw key rows ``[R >= 16, BD]`` -> the stored basis: ``(k . diag(b_f) . H+-1) * ROT_C`` in fp32
-    (``quant._rotate_rows``, the prefill's; ROT_C = fp32 1/sqrt(ROT_N), one rounding), unchanged without ROTATE.
+                 ROT_C: tl.constexpr):
+    """Raw key rows ``[R, BD]`` -> the stored basis: ``(k . diag(b_f) . H+-1) * ROT_C`` in fp32
+    (``hadamard.hadamard_rows``; ROT_C = fp32 1/sqrt(ROT_N), one rounding), unchanged without ROTATE.
     In the pass that loads the rows anyway: every statistic, mean subtraction, code and pack after it sees rotated K
     (twin ``reference.rotate_keys_ref``)."""
     if ROTATE:
-        b_k = _rotate_rows(b_k.to(tl.float32) * b_f[None, :], D, BD, ROT_N, ROT_SPLIT) * ROT_C
+        b_k = hadamard_rows(b_k.to(tl.float32) * b_f[None, :], ROT_N) * ROT_C
     return b_k
 
 
@@ -108,12 +109,12 @@ def _store_tokens_kernel(
     stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     H, C,
     D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, HAS_MEAN: tl.constexpr, COUNT: tl.constexpr,
-    ROTATE: tl.constexpr, ROT_N: tl.constexpr, ROT_SPLIT: tl.constexpr, HAS_FACTOR: tl.constexpr,
+    ROTATE: tl.constexpr, ROT_N: tl.constexpr, HAS_FACTOR: tl.constexpr,
     ROT_C: tl.constexpr,
 ):
     """grid = (b * H,): tokens ``[0, T)`` of k/v ``[b, H, T, D]`` -> buffer slots ``slot + t``;
     sk/mk/sv ``[b, H, D]`` fp32; kt ``[b, H, C, D]``, vt ``[b, H, D, C]`` int8. ROTATE: K rows rotated first
-    (``_rotate_keys``; smf ``[b, H, D]`` fp32 factors with HAS_FACTOR; BT >= 16 rows for the dot, the extra masked)."""
+    (``_rotate_keys``; smf ``[b, H, D]`` fp32 factors with HAS_FACTOR)."""
     i_bh = tl.program_id(0)
     i_b, i_h = i_bh // H, i_bh % H
     o_t = tl.arange(0, BT)
@@ -124,7 +125,7 @@ def _store_tokens_kernel(
                   mask=m, other=0.0)
     if ROTATE:
         b_f = _key_factor(smf, i_bh.to(tl.int64) * D + o_d, o_d < D, BD, HAS_FACTOR)
-        b_k = _rotate_keys(b_k, b_f, D, BD, ROTATE, ROT_N, ROT_SPLIT, ROT_C)
+        b_k = _rotate_keys(b_k, b_f, D, BD, ROTATE, ROT_N, ROT_C)
     b_v = tl.load(v + i_b.to(tl.int64) * stride_vb + i_h * stride_vh + o_t[:, None] * stride_vt + o_d[None, :],
                   mask=m, other=0.0)
     # pack.quantize_int8's tile math (one helper: the same bits)
@@ -165,20 +166,18 @@ def store_int8_tokens(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, k
         k, v, k_scale, k_mean if k_mean is not None else k_scale, v_scale, k_tail, v_tail,
         nonfinite if nonfinite is not None else k_tail, factor_arg(qk_smooth, k_scale), int(slot), T,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), H, C,
-        D=D, BD=_pow2(D), BT=max(_pow2(T), 16) if rotate else _pow2(T), HAS_MEAN=k_mean is not None,
+        D=D, BD=_pow2(D), BT=_pow2(T), HAS_MEAN=k_mean is not None,
         COUNT=nonfinite is not None, **rot, num_warps=4, **_no_fma(rotate),
     )
 
 
 def _rotate_kw(k: torch.Tensor, rotate: bool, qk_smooth: Optional[torch.Tensor]) -> dict:
-    """The rotation constexprs of the store kernels for keys ``k [b, H, T, D]`` (``quant._qk_spec``'s rule for
-    ROT_SPLIT: a second bf16 dot when the factored rows are no bf16 numbers); all off without ``rotate``, which
+    """The rotation constexprs of the store kernels for keys ``k [b, H, T, D]``; all off without ``rotate``, which
     compiles the unrotated kernels."""
     if not rotate:
-        return dict(ROTATE=False, ROT_N=16, ROT_SPLIT=False, HAS_FACTOR=False, ROT_C=1.0)
+        return dict(ROTATE=False, ROT_N=16, HAS_FACTOR=False, ROT_C=1.0)
     n = rotation_block(k.shape[-1])
-    return dict(ROTATE=True, ROT_N=n, ROT_SPLIT=qk_smooth is not None or k.dtype != torch.bfloat16,
-                HAS_FACTOR=qk_smooth is not None, ROT_C=rot_scale(n))
+    return dict(ROTATE=True, ROT_N=n, HAS_FACTOR=qk_smooth is not None, ROT_C=rot_scale(n))
 
 
 def _no_fma(rotate: bool) -> dict:
@@ -205,7 +204,7 @@ def _stats_kernel(
     k, v, part, cnt, smf, T, NC, H,
     stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, NSUB: tl.constexpr, VEC: tl.constexpr, ROT: tl.constexpr,
-    ROTATE: tl.constexpr, ROT_N: tl.constexpr, ROT_SPLIT: tl.constexpr, HAS_FACTOR: tl.constexpr,
+    ROTATE: tl.constexpr, ROT_N: tl.constexpr, HAS_FACTOR: tl.constexpr,
     ROT_C: tl.constexpr,
 ):
     """grid (NC, b*H): tokens ``[i_c*NSUB*BS, (i_c+1)*NSUB*BS)`` of (b, h) of k, v ``[b, H, T, D]`` (last dim
@@ -249,7 +248,7 @@ def _stats_kernel(
         b_ksum += tl.sum(tl.where(f_k, b_k, 0.0), 0)  # raw keys: the raw mean's fallback
         b_kn += tl.sum(f_k.to(tl.float32), 0)
         if ROTATE:  # a key's non-finite element spreads over its Hadamard block: those channels drop out
-            b_k = _rotate_keys(b_k, b_f, D, BD, ROTATE, ROT_N, ROT_SPLIT, ROT_C)
+            b_k = _rotate_keys(b_k, b_f, D, BD, ROTATE, ROT_N, ROT_C)
             f_k = m & _finite(b_k)
         k_lo = tl.min(tl.where(f_k, b_k, inf), 0)
         k_hi = tl.max(tl.where(f_k, b_k, -inf), 0)
@@ -334,7 +333,7 @@ def _finish_kernel(
             tl.store(mean + o_s, b_mu, mask=m_d)
             if ROTATE:  # once per (b, h): the store kernels take the mean in the stored basis
                 b_f = _key_factor(smf, o_s, m_d, BD, HAS_FACTOR)
-                b_mu = tl.sum((b_mu * b_f)[:, None] * _hadamard_pm1(D, BD, ROT_N).to(tl.float32), 0) * ROT_C
+                b_mu = tl.reshape(hadamard_rows(tl.reshape(b_mu * b_f, [1, BD]), ROT_N), [BD]) * ROT_C
                 tl.store(mrot + o_s, b_mu, mask=m_d)
             b_mu = tl.where(o_d < ROT, 0.0, b_mu)
             b_ka = tl.maximum(b_kmax - b_mu, b_mu - b_kmin)
@@ -476,14 +475,14 @@ def _stats_plan(k, v, k_mean, block_size, headroom, select, rope_dims, rot):
 # ================================================================================ store: INT8 buffer + blocks
 @triton.jit
 def _load_rows(p_k, p_v, sk_t, sv_t, i, n, c, take, o_d, m_d, b_f, D: tl.constexpr, BD: tl.constexpr,
-               ROTATE: tl.constexpr, ROT_N: tl.constexpr, ROT_SPLIT: tl.constexpr, ROT_C: tl.constexpr):
+               ROTATE: tl.constexpr, ROT_N: tl.constexpr, ROT_C: tl.constexpr):
     """The new tokens among rows ``i`` (< n) of one head's store stream (row i >= c is token ``take + i - c``):
     ``(K, V [R, BD]`` tiles, 0 elsewhere, the mask of the new entries); K rotated with ROTATE (``_rotate_keys``)."""
     m_new = ((i < n) & (i >= c))[:, None] & m_d[None, :]
     t = (take + i - c).to(tl.int64)
     b_k = tl.load(p_k + t[:, None] * sk_t + o_d[None, :], mask=m_new, other=0.0)
     b_v = tl.load(p_v + t[:, None] * sv_t + o_d[None, :], mask=m_new, other=0.0)
-    return _rotate_keys(b_k, b_f, D, BD, ROTATE, ROT_N, ROT_SPLIT, ROT_C), b_v, m_new
+    return _rotate_keys(b_k, b_f, D, BD, ROTATE, ROT_N, ROT_C), b_v, m_new
 
 
 @triton.jit
@@ -509,13 +508,13 @@ def _codes(b_x, p_xb, b_s, b_m, i0, o_r, n, c, s0, C, o_d, m_d,
 @triton.jit
 def _stream_rows(p_k, p_v, sk_t, sv_t, p_kt, p_vt, b_sk, b_mk, b_sv, i0, o_r, n, c, take, s0, C,
                  o_d, m_d, b_f, D: tl.constexpr, HAS_MEAN: tl.constexpr, BD: tl.constexpr, ROTATE: tl.constexpr,
-                 ROT_N: tl.constexpr, ROT_SPLIT: tl.constexpr, ROT_C: tl.constexpr):
+                 ROT_N: tl.constexpr, ROT_C: tl.constexpr):
     """Rows ``i0 + o_r`` (< n) of one head's store stream: the INT8 buffer's waiting slots ``s0 + i`` for i < c,
     then the new tokens ``take + i - c`` quantized with the universal scales. ``p_kt`` ``[C, D]`` / ``p_vt``
     ``[D, C]``: the head's buffers. Returns (K, V codes ``[R, BD]`` int32, the number of new rows with a
     non-finite element)."""
     b_k, b_v, m_new = _load_rows(p_k, p_v, sk_t, sv_t, i0 + o_r, n, c, take, o_d, m_d, b_f, D, BD, ROTATE, ROT_N,
-                                 ROT_SPLIT, ROT_C)
+                                 ROT_C)
     b_k8 = _codes(b_k, p_kt, b_sk, b_mk, i0, o_r, n, c, s0, C, o_d, m_d, D, HAS_MEAN, False)
     b_v8 = _codes(b_v, p_vt, b_sv, b_sv, i0, o_r, n, c, s0, C, o_d, m_d, D, False, True)
     return b_k8, b_v8, _bad_rows(b_k, b_v, m_new)
@@ -565,7 +564,7 @@ def _store_kv_kernel(
     D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, HAS_SINK: tl.constexpr, BSINK: tl.constexpr,
     BREC: tl.constexpr, H0: tl.constexpr, H1: tl.constexpr, BITS0: tl.constexpr, BITS1: tl.constexpr, BITS2: tl.constexpr,
     HAS_MEAN: tl.constexpr, PACK: tl.constexpr, TAIL: tl.constexpr, COUNT: tl.constexpr, VEC: tl.constexpr,
-    ROTATE: tl.constexpr, ROT_N: tl.constexpr, ROT_SPLIT: tl.constexpr, HAS_FACTOR: tl.constexpr,
+    ROTATE: tl.constexpr, ROT_N: tl.constexpr, HAS_FACTOR: tl.constexpr,
     ROT_C: tl.constexpr,
 ):
     """grid (NPP + TAIL, b*H). The store stream of one (b, h) is the INT8 buffer's ``c`` waiting slots
@@ -606,7 +605,7 @@ def _store_kv_kernel(
             o_r = tl.arange(0, BS)
             i0 = pid * BS
             b_k, b_v, m_new = _load_rows(p_k, p_v, stride_kt, stride_vt, i0 + o_r, n, c, take, o_d, m_d, b_f,
-                                         D, BD, ROTATE, ROT_N, ROT_SPLIT, ROT_C)
+                                         D, BD, ROTATE, ROT_N, ROT_C)
             if r < H0:
                 i_gb = (i_b.to(tl.int64) * H0 + r) * CAP + nb0 + pid
                 _pack_rows(b_k, b_v, p_kt, p_vt, b_sk, b_mk, b_sv, i0, o_r, n, c, s0, C, gk0, gv0, gks0, gkz0,
@@ -629,9 +628,9 @@ def _store_kv_kernel(
                 for q0 in range(0, take, BSINK):
                     m_q = (q0 + o_q < take)[:, None] & m_d[None, :]
                     b_k, b_k8 = _new_rows(p_k, stride_kt, b_sk, b_mk, q0 + o_q, m_q, o_d, b_f, HAS_MEAN, D, BD, ROTATE,
-                                          ROT_N, ROT_SPLIT, ROT_C)
+                                          ROT_N, ROT_C)
                     b_v, b_v8 = _new_rows(p_v, stride_vt, b_sv, b_sv, q0 + o_q, m_q, o_d, b_f, False, D, BD, False,
-                                          ROT_N, ROT_SPLIT, ROT_C)
+                                          ROT_N, ROT_C)
                     n_bad += _bad_rows(b_k, b_v, m_q)
                     slot = (slot_sink + q0 + o_q).to(tl.int64)
                     tl.store(p_kt + slot[:, None] * D + o_d[None, :], b_k8, mask=m_q)
@@ -643,7 +642,7 @@ def _store_kv_kernel(
             for i0 in range(n_pack, n, BREC):
                 b_k8, b_v8, n_bad2 = _stream_rows(p_k, p_v, stride_kt, stride_vt, p_kt, p_vt, b_sk, b_mk, b_sv,
                                                   i0, o_w, n, c, take, s0, C, o_d, m_d, b_f, D, HAS_MEAN, BD, ROTATE,
-                                                  ROT_N, ROT_SPLIT, ROT_C)
+                                                  ROT_N, ROT_C)
                 n_bad += n_bad2
                 tl.debug_barrier()  # every read of this chunk before any write
                 m_w = (i0 + o_w < n)[:, None] & m_d[None, :]
@@ -656,10 +655,10 @@ def _store_kv_kernel(
 
 @triton.jit
 def _new_rows(p_x, sx, b_s, b_m, o_t, m, o_d, b_f, HAS_MEAN: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-              ROTATE: tl.constexpr, ROT_N: tl.constexpr, ROT_SPLIT: tl.constexpr, ROT_C: tl.constexpr):
+              ROTATE: tl.constexpr, ROT_N: tl.constexpr, ROT_C: tl.constexpr):
     """Rows ``o_t`` of one head's new tokens (masked by ``m``) -> (tile, rotated with ROTATE; INT8 codes)."""
     b_x = tl.load(p_x + o_t[:, None].to(tl.int64) * sx + o_d[None, :], mask=m, other=0.0)
-    b_x = _rotate_keys(b_x, b_f, D, BD, ROTATE, ROT_N, ROT_SPLIT, ROT_C)
+    b_x = _rotate_keys(b_x, b_f, D, BD, ROTATE, ROT_N, ROT_C)
     return b_x, _quantize_universal(b_x, b_s, b_m, HAS_MEAN=HAS_MEAN)
 
 
@@ -729,10 +728,9 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, k_mean: Op
     if hit is None:
         hs = [g.k.shape[1] for g in groups] + [0, 0]
         bits = [g.bits for g in slots]
-        lo = 16 if rotate else 2  # tl.dot (the rotation) takes tiles of >= 16 rows
         hit = _STORE_KV_KW[key] = dict(
-            D=D, BD=_pow2(D), BS=bs, HAS_SINK=s0 > 0, BSINK=min(_pow2(max(s0, lo)), TAIL_ROWS),
-            BREC=min(_pow2(max(C - s0, lo)), TAIL_ROWS), H0=hs[0], H1=hs[1], BITS0=bits[0], BITS1=bits[1],
+            D=D, BD=_pow2(D), BS=bs, HAS_SINK=s0 > 0, BSINK=min(_pow2(max(s0, 2)), TAIL_ROWS),
+            BREC=min(_pow2(max(C - s0, 2)), TAIL_ROWS), H0=hs[0], H1=hs[1], BITS0=bits[0], BITS1=bits[1],
             BITS2=bits[2], HAS_MEAN=k_mean is not None, **_rotate_kw(k, rotate, qk_smooth), **_no_fma(rotate)), {}
     common, memo = hit
     plans = [(True, True)] if c == 0 or npp == 0 else [(True, False), (False, True)]

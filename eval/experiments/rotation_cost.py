@@ -1,11 +1,19 @@
-"""Cost of the unfused Q/K rotation (``kernels/rotation.py``; issue 23 item 5: <= 3 % of the prefill / decode kernel
-time) on a GPU: ``rotate_qk_pair`` (prefill, Q and K) against ``prefill.turbo_attention`` (quantization included),
-and the query's rotation against one decode call of a TurboCache layer (int4 preset) over a packed cache, both
-timed with ``triton.testing.do_bench`` in the same process. Also the fused prefill rotation (Q and K rotated inside
-the quantization pass, ``turbo_attention(rotate_qk=True)``): ``fused_<mode>_pct`` = its extra time over the plain
-call, with the smooth_hadamard factors computed per call (``_factors_given``: passed in, the rotation alone). Writes JSON.
+"""Cost of ``rotate_qk`` (issue 23 item 5: <= 3 % of the prefill / decode kernel time) on a GPU, every rotation fused
+into a pass that reads Q or K anyway, timed with ``triton.testing.do_bench`` (medians, ms) in one process, each
+rotated call next to its plain twin on the same tensors:
 
-    python -m eval.experiments.rotation_cost --out eval/results/rotation_cost_h100.json
+* prefill: ``prefill.turbo_attention`` (quantization included, causal) plain / ``rotate_qk=True`` / with the
+  smooth_hadamard factors given (the cache path: fixed at the first store) — Q and K rotated in the Q+K pass;
+* ``smooth_scales``: the factors' computation, once per layer and first prefill;
+* store: the first prefill's store of a ``TurboLayer`` (``update``: K mean, stats, scales, codes, packing) with
+  ``rotate_qk`` none / hadamard / smooth_hadamard — K rotated in the stats and store kernels (factors included);
+* decode: ``turbo_decode_attention`` of one query token over the same int4 storage, plain / ``rotate=True`` /
+  with factors — the query rotated in the kernel's prologue;
+* decode step: ``TurboLayer.update`` of one token + ``attention`` with rotate_qk none vs smooth_hadamard (the
+  layer's whole step as eager generate() runs it).
+Writes JSON (``*_pct``: extra time of the rotated call over the plain one).
+
+    python -m eval.experiments.rotation_cost --out eval/results/rotation_cost_fused_h100.json
 """
 
 from __future__ import annotations
@@ -13,84 +21,111 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import subprocess
 
 import torch
+
+
+def _pct(t, t0):
+    return 100.0 * (t - t0) / t0
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--quick", action="store_true", help="one shape per section")
     a = ap.parse_args(argv)
     import triton
 
     from turbo_attn_hf.cache import TurboLayer
     from turbo_attn_hf.config import TurboConfig
     from turbo_attn_hf.kernels import prefill
-    from turbo_attn_hf.kernels.rotation import rotate, rotate_qk_pair, smooth_scales
+    from turbo_attn_hf.kernels.decode import turbo_decode_attention
+    from turbo_attn_hf.kernels.rotation import smooth_scales
 
     dev = "cuda"
-    bench = lambda f: triton.testing.do_bench(f, warmup=25, rep=100)  # noqa: E731  (ms, median)
-    rows = []
+    bench = lambda f: triton.testing.do_bench(f, warmup=25, rep=100)  # noqa: E731
     shapes = [("llama3-8b", 32, 8, 128), ("gemma3-270m", 4, 1, 256)]
+    lens = (1024,) if a.quick else (1024, 4096, 16384)
+    cfg = {m: dataclasses.replace(TurboConfig.preset("int4"), rotate_qk=m)
+           for m in ("none", "hadamard", "smooth_hadamard")}
+    out = {"prefill": [], "store": [], "decode": [], "step": []}
+
+    def rand(*shape, g):
+        return torch.randn(*shape, device=dev, dtype=torch.bfloat16, generator=g)
+
     for name, hq, hk, d in shapes:
-        for L in (1024, 4096, 16384):
+        for L in lens:
             g = torch.Generator(device=dev).manual_seed(0)
-            q = torch.randn(1, hq, L, d, device=dev, dtype=torch.bfloat16, generator=g)
-            k = torch.randn(1, hk, L, d, device=dev, dtype=torch.bfloat16, generator=g)
-            v = torch.randn(1, hk, L, d, device=dev, dtype=torch.bfloat16, generator=g)
-            t_att = bench(lambda: prefill.turbo_attention(q, k, v, causal=True))
-            r = {"shape": name, "Hq": hq, "Hk": hk, "d": d, "L": L, "prefill_ms": t_att}
-            for mode in ("hadamard", "smooth_hadamard"):
-                r[f"rot_{mode}_ms"] = bench(lambda: rotate_qk_pair(q, k, mode))
-                r[f"rot_{mode}_pct"] = 100 * r[f"rot_{mode}_ms"] / t_att
+            q, k, v = rand(1, hq, L, d, g=g), rand(1, hk, L, d, g=g), rand(1, hk, L, d, g=g)
             s = smooth_scales(k)
-            fused = {"hadamard": lambda: prefill.turbo_attention(q, k, v, causal=True, rotate_qk=True),
-                     "smooth_hadamard": lambda: prefill.turbo_attention(q, k, v, causal=True, rotate_qk=True,
-                                                                        qk_smooth=smooth_scales(k)),
-                     "smooth_hadamard_factors_given": lambda: prefill.turbo_attention(q, k, v, causal=True,
-                                                                                      rotate_qk=True, qk_smooth=s)}
-            t_att = bench(lambda: prefill.turbo_attention(q, k, v, causal=True))  # again, next to the fused calls
-            r["prefill_ms_2"] = t_att
-            for mode, fn in fused.items():
-                r[f"fused_{mode}_ms"] = bench(fn)
-                r[f"fused_{mode}_pct"] = 100 * (r[f"fused_{mode}_ms"] - t_att) / t_att
-            rows.append(r)
+            r = {"shape": name, "Hq": hq, "Hk": hk, "d": d, "L": L}
+            r["plain_ms"] = bench(lambda: prefill.turbo_attention(q, k, v, causal=True))
+            r["hadamard_ms"] = bench(lambda: prefill.turbo_attention(q, k, v, causal=True, rotate_qk=True))
+            r["smooth_ms"] = bench(lambda: prefill.turbo_attention(q, k, v, causal=True, rotate_qk=True, qk_smooth=s))
+            r["plain_ms_2"] = bench(lambda: prefill.turbo_attention(q, k, v, causal=True))
+            t0 = min(r["plain_ms"], r["plain_ms_2"])
+            r["hadamard_pct"], r["smooth_pct"] = _pct(r["hadamard_ms"], t0), _pct(r["smooth_ms"], t0)
+            r["smooth_scales_ms"] = bench(lambda: smooth_scales(k))
+            r["smooth_scales_pct_of_prefill"] = 100.0 * r["smooth_scales_ms"] / t0
+            out["prefill"].append(r)
             print(json.dumps(r), flush=True)
-    drows = []
+
+            st = {"shape": name, "Hk": hk, "d": d, "L": L}
+            for m in cfg:
+                st[f"{m}_ms"] = bench(lambda: TurboLayer(cfg[m]).update(k, v))
+            for m in ("hadamard", "smooth_hadamard"):
+                st[f"{m}_pct"] = _pct(st[f"{m}_ms"], st["none_ms"])
+            out["store"].append(st)
+            print(json.dumps(st), flush=True)
+            del q, k, v
+
     for name, hq, hk, d in shapes:
-        for ctx in (4096, 32768):
+        for ctx in ((4096,) if a.quick else (4096, 32768)):
             for b in (1, 8):
                 g = torch.Generator(device=dev).manual_seed(0)
-                k = torch.randn(b, hk, ctx, d, device=dev, dtype=torch.bfloat16, generator=g)
-                v = torch.randn(b, hk, ctx, d, device=dev, dtype=torch.bfloat16, generator=g)
-                q = torch.randn(b, hq, ctx, d, device=dev, dtype=torch.bfloat16, generator=g)
-                layer = TurboLayer(dataclasses.replace(TurboConfig.preset("int4"), rotate_qk="none"))
-                kk, vv = layer.update(k, v)
-                k1 = torch.randn(b, hk, 1, d, device=dev, dtype=torch.bfloat16, generator=g)
-                kk, vv = layer.update(k1, k1)
-                q1 = torch.randn(b, hq, 1, d, device=dev, dtype=torch.bfloat16, generator=g)
-                t_dec = bench(lambda: layer.attention(q1, kk, vv))
+                k, v = rand(b, hk, ctx, d, g=g), rand(b, hk, ctx, d, g=g)
+                q1 = rand(b, hq, 1, d, g=g)
+                layer = TurboLayer(cfg["none"])
+                layer.update(k, v)
+                k1 = rand(b, hk, 1, d, g=g)
+                layer.update(k1, k1)
+                args, kw = layer.decode_inputs()
                 s = smooth_scales(k)
-                r = {"shape": name, "Hq": hq, "d": d, "ctx": ctx, "batch": b, "decode_ms": t_dec,
-                     "rot_q_ms": bench(lambda: rotate(q1)), "rot_q_smooth_ms": bench(lambda: rotate(q1, s, "q"))}
-                r["rot_q_pct"] = 100 * r["rot_q_ms"] / t_dec
-                r["rot_q_smooth_pct"] = 100 * r["rot_q_smooth_ms"] / t_dec
-                drows.append(r)
+                r = {"shape": name, "Hq": hq, "d": d, "ctx": ctx, "batch": b}
+                r["plain_ms"] = bench(lambda: turbo_decode_attention(q1, *args, **kw))
+                r["hadamard_ms"] = bench(lambda: turbo_decode_attention(q1, *args, rotate=True, **kw))
+                r["smooth_ms"] = bench(lambda: turbo_decode_attention(q1, *args, rotate=True, qk_smooth=s, **kw))
+                r["plain_ms_2"] = bench(lambda: turbo_decode_attention(q1, *args, **kw))
+                t0 = min(r["plain_ms"], r["plain_ms_2"])
+                r["hadamard_pct"], r["smooth_pct"] = _pct(r["hadamard_ms"], t0), _pct(r["smooth_ms"], t0)
+                out["decode"].append(r)
                 print(json.dumps(r), flush=True)
-                del layer, k, v, q
-    import subprocess
+
+                stp = {"shape": name, "d": d, "ctx": ctx, "batch": b}
+                for m in ("none", "smooth_hadamard"):
+                    lay = TurboLayer(cfg[m])
+                    lay.update(k, v)
+
+                    def step():
+                        kk, vv = lay.update(k1, k1)
+                        return lay.attention(q1, kk, vv)
+                    stp[f"{m}_ms"] = bench(step)
+                    del lay
+                stp["smooth_hadamard_pct"] = _pct(stp["smooth_hadamard_ms"], stp["none_ms"])
+                out["step"].append(stp)
+                print(json.dumps(stp), flush=True)
+                del layer, k, v
 
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "note": "do_bench medians (ms); rot_*: the unfused torch fp32 matmul of kernels/rotation.py; fused_*: "
-                    "turbo_attention(rotate_qk=True) (pct over prefill_ms_2, the plain call timed next to it); "
-                    "prefill_ms = prefill.turbo_attention (quantization + kernel), decode_ms = TurboLayer.attention "
-                    "of one query token (int4 preset, rotate_qk none)"}
-    try:
-        meta["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except Exception:  # noqa: BLE001
-        pass
+            "note": "do_bench medians (ms); *_pct = extra time of the rotated call over the plain one (prefill / "
+                    "decode: min of the two plain timings around it); store = TurboLayer(int4).update(k, v) of a "
+                    "first prefill; step = update of 1 token + attention over a filled int4 layer"}
+    meta["git"] = os.environ.get("TURBO_GIT_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     with open(a.out, "w") as f:
-        json.dump({**meta, "prefill": rows, "decode": drows}, f, indent=1)
+        json.dump({**meta, **out}, f, indent=1)
 
 
 if __name__ == "__main__":
