@@ -28,7 +28,8 @@ import triton.language as tl
 from .decode import _pow2
 from .launch import LeanLaunch
 from .pack import _quantize_universal
-from .store import TAIL_ROWS, _bad_rows, _pack_rows, _universal_scales
+from .quant import check_qk_smooth, factor_arg
+from .store import TAIL_ROWS, _bad_rows, _key_factor, _no_fma, _pack_rows, _rotate_keys, _rotate_kw, _universal_scales
 
 __all__ = ["store_step"]
 
@@ -42,7 +43,7 @@ def _group_slot(r, H0, H1):
 
 @triton.jit(do_not_specialize=["CAP"])
 def _store_step_kernel(
-    k, v, sk, mk, sv, kt, vt, flag, lens, arrive, overflow,
+    k, v, sk, mk, sv, kt, vt, flag, lens, arrive, overflow, smf,
     h0, gk0, gv0, gks0, gkz0, gvsz0,
     h1, gk1, gv1, gks1, gkz1, gvsz1,
     h2, gk2, gv2, gks2, gkz2, gvsz2,
@@ -51,11 +52,12 @@ def _store_step_kernel(
     D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, BREC: tl.constexpr,
     H0: tl.constexpr, H1: tl.constexpr, BITS0: tl.constexpr, BITS1: tl.constexpr, BITS2: tl.constexpr,
     HAS_MEAN: tl.constexpr, COUNT: tl.constexpr,
+    ROTATE: tl.constexpr, ROT_N: tl.constexpr, HAS_FACTOR: tl.constexpr, ROT_C: tl.constexpr,
 ):
     """grid (b*H,): program (b, r) stores the token of the head in slot ``r`` of the group order (group g's
     slot s holds head ``h_g[s]``, a device map) and, when the buffer fills, packs that head's oldest waiting
     block into the group. k, v ``[b, H, 1, D]``; kt ``[b, H, C, D]``, vt ``[b, H, D, C]``; lens, arrive,
-    overflow int32."""
+    overflow int32. ROTATE: the token's K is rotated first (``store._rotate_keys``, smf the factors ``[b, H, D]``)."""
     i_bh = tl.program_id(0)
     i_b, r = i_bh // H, i_bh % H
     n_blocks = tl.load(lens)
@@ -77,13 +79,16 @@ def _store_step_kernel(
                       mask=m_1, other=0.0)
         b_v = tl.load(v + i_b.to(tl.int64) * stride_vb + i_h.to(tl.int64) * stride_vh + o_d[None, :],
                       mask=m_1, other=0.0)
+        if COUNT:
+            tl.atomic_add(flag, _bad_rows(b_k, b_v, m_1))
+        if ROTATE:
+            b_f = _key_factor(smf, i_hb * D + o_d, m_d, BD, HAS_FACTOR)
+            b_k = _rotate_keys(b_k, b_f, D, BD, ROTATE, ROT_N, ROT_C)
         b_k8 = _quantize_universal(b_k, b_sk, b_mk, HAS_MEAN=HAS_MEAN)
         b_v8 = _quantize_universal(b_v, b_sv, b_sv, HAS_MEAN=False)
         slot = (n_tail + o_1).to(tl.int64)
         tl.store(p_kt + slot[:, None] * D + o_d[None, :], b_k8, mask=m_1)
         tl.store(p_vt + o_d[None, :].to(tl.int64) * C + slot[:, None], b_v8, mask=m_1)
-        if COUNT:
-            tl.atomic_add(flag, _bad_rows(b_k, b_v, m_1))
         if full:
             tl.debug_barrier()  # the token's slot is written before the packer reads the buffer
             o_r = tl.arange(0, BS)
@@ -134,13 +139,16 @@ _STORE_STEP = LeanLaunch(_store_step_kernel)
 def store_step(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, k_mean: Optional[torch.Tensor],
                v_scale: torch.Tensor, k_tail: torch.Tensor, v_tail: torch.Tensor, groups: list, n_sink: int,
                lens: torch.Tensor, arrive: torch.Tensor, overflow: torch.Tensor,
-               nonfinite: Optional[torch.Tensor] = None) -> None:
+               nonfinite: Optional[torch.Tensor] = None, rotate: bool = False,
+               qk_smooth: Optional[torch.Tensor] = None) -> None:
     """Store one token ``k, v [b, H, 1, D]`` at ``lens = [n_blocks, n_tail]`` (device int32, updated in place);
     pack a block when the INT8 buffer fills. ``groups``: the layer's ``PackedKV`` list (at most three, contiguous,
     their capacity is the most blocks ever packed; their host ``n_blocks`` is not read or written). ``arrive``:
     an int32 counter, zero between calls; ``overflow`` gets +1 per step that found the groups full (nothing is
-    stored then). ``nonfinite``: an int32 counter of stored vectors with an inf/NaN."""
+    stored then). ``nonfinite``: an int32 counter of stored vectors with an inf/NaN. ``rotate``: ``k`` is the
+    caller's unrotated K, stored as ``reference.rotate_keys_ref(k, qk_smooth)`` (as ``store.store_int8_tokens``)."""
     b, H, T, D = k.shape
+    check_qk_smooth(qk_smooth, rotate, k)
     if T != 1:
         raise ValueError(f"store_step stores one token per row, got {T}")
     C = k_tail.shape[2]
@@ -155,9 +163,10 @@ def store_step(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, k_mean: 
     hs = [g.k.shape[1] for g in groups] + [0, 0]
     _STORE_STEP[(b * H,)](
         k, v, k_scale, k_mean if k_mean is not None else k_scale, v_scale, k_tail, v_tail,
-        nonfinite if nonfinite is not None else arrive, lens, arrive, overflow, *args,
+        nonfinite if nonfinite is not None else arrive, lens, arrive, overflow, factor_arg(qk_smooth, k_scale), *args,
         cap, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         H=H, C=C, S0=n_sink, D=D, BD=_pow2(D), BS=bs, BREC=min(_pow2(max(C - n_sink - bs, 2)), TAIL_ROWS),
         H0=hs[0], H1=hs[1], BITS0=slots[0].bits, BITS1=slots[1].bits, BITS2=slots[2].bits,
-        HAS_MEAN=k_mean is not None, COUNT=nonfinite is not None, num_warps=4,
+        HAS_MEAN=k_mean is not None, COUNT=nonfinite is not None, **_rotate_kw(k, rotate, qk_smooth), num_warps=4,
+        **_no_fma(rotate),
     )

@@ -344,7 +344,7 @@ class TurboLayer(CacheLayerMixin):
         if self._fused(key_states):
             _kernels("store").store_int8_tokens(key_states, value_states, self.k_scale, self.k_mean, self.v_scale,
                                                 self.k_tail, self.v_tail, slot,
-                                                nonfinite=self.nonfinite if count else None)
+                                                nonfinite=self.nonfinite if count else None, **self._rot_kw)
         else:
             if count:
                 self._count_nonfinite(key_states, value_states)
@@ -405,26 +405,31 @@ class TurboLayer(CacheLayerMixin):
             grp.reserve(grp.n_blocks + n_pack // bs)
         store_kv(key_states, value_states, self.k_scale, self.k_mean, self.v_scale, self.k_tail, self.v_tail,
                  self.groups, take=take, slot_sink=self.n_tail, c=c, s0=self.n_sink, n_pack=n_pack,
-                 nonfinite=None if first else self.nonfinite)
+                 nonfinite=None if first else self.nonfinite, **self._rot_kw)
         for grp in self.groups:
             grp.n_blocks += n_pack // bs
         self.n_tail = self.n_sink + n - n_pack
 
     def _rotate_keys(self, key_states: torch.Tensor) -> torch.Tensor:
-        """K in the stored (rotated) basis; smooth_hadamard's factors fixed by the first keys that arrive."""
+        """K as the store takes it: raw where the Triton store kernels rotate it themselves (``_rot_kw``), else in
+        the stored (rotated) basis; smooth_hadamard's factors fixed by the first keys that arrive."""
         if self.smoothed and self.qk_smooth is None and key_states.shape[2] > 0:
             self.qk_smooth = smooth_scales(key_states)
-        return rotate(key_states, self.qk_smooth, "k")
+        return key_states if self._fused(key_states) else rotate(key_states, self.qk_smooth, "k")
 
-    def _rotate_query(self, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-        """The query in the stored K's basis; ``key`` must be what update() returned (a caller's own, unrotated K
-        would be read as rotated)."""
+    @property
+    def _rot_kw(self) -> dict:
+        """The rotation arguments of the store, prefill and decode kernels: they rotate raw K / Q in their pass."""
+        return dict(rotate=self.rotated, qk_smooth=self.qk_smooth) if self.rotated else {}
+
+    def _check_keys(self, key: torch.Tensor) -> None:
+        """``key`` must be what update() returned: a rotated layer's kernels rotate the query (and the first
+        prefill's K) with the factors that layer fixed."""
         if not getattr(key, "turbo_rotated", False):
             raise ValueError(
                 f"TurboCache layer {self.layer_idx} stores rotated K (rotate_qk={self.turbo_config.rotate_qk!r}); "
                 "pass the keys its update() returned, not other key tensors"
             )
-        return rotate(query, self.qk_smooth, "q")
 
     def _k_rope_dims(self, d: int) -> int:
         """Of ``d`` K channels, how many take their RoPE pair's norm as range (``k_scale_range: rope_pair``); 0:
@@ -466,8 +471,11 @@ class TurboLayer(CacheLayerMixin):
         else:
             self._make_groups(self._plan_bits, capacity=max(nb, 1))
         rot = self._k_rope_dims(key_states.shape[-1])
-        self.k_scale, self.v_scale = kv_stats(key_states, value_states, mean, bs, h, self.nonfinite, select, rot)
+        out = kv_stats(key_states, value_states, mean, bs, h, self.nonfinite, select, rot, **self._rot_kw)
+        self.k_scale, self.v_scale = out[:2]
         self._cache_k_mean(mean, rot)  # after kv_stats: it fixes non-finite channels of the mean in place
+        if self.rotated:  # the stores subtract the mean in the stored basis; the prefill rotates the raw one
+            self.k_mean = out[2]
         self._store(key_states, value_states, first=True)
 
     def _fix_scales(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -521,7 +529,8 @@ class TurboLayer(CacheLayerMixin):
                 f"TurboCache layer {self.layer_idx} holds [batch {self.batch}, {self.n_kv_heads} KV heads, "
                 f"head_dim {self.head_dim}] but got key states {tuple(key_states.shape)}"
             )
-        if self.rotated:  # before the scales/mean/store: everything stored holds rotated K (never the caller's K)
+        raw_keys = key_states  # what the first prefill's attention gets: its kernels rotate Q and K in their pass
+        if self.rotated:  # everything stored holds rotated K (never the caller's K)
             key_states = self._rotate_keys(key_states)
         first = self.k_scale is None
         if first:
@@ -532,13 +541,15 @@ class TurboLayer(CacheLayerMixin):
             else:
                 self._make_groups(self._plan_bits)
                 self._fix_scales(key_states, value_states)
+                if self.rotated:  # that mean is of rotated K; the prefill takes raw K and makes its own
+                    self.prefill_k_mean = None
                 self._select_heads(key_states, value_states)
                 self._store(key_states, value_states, first=True)
         else:
             self._store(key_states, value_states)
         self._first_prefill = first
         if first:
-            k, v = key_states, value_states
+            k, v = raw_keys, value_states
             k.turbo_cache_layer = self
             v.turbo_cache_layer = self
             k.turbo_rotated = self.rotated
@@ -563,12 +574,12 @@ class TurboLayer(CacheLayerMixin):
 
         The first prefill runs the INT8 flash-attention prefill on the given ``key``/``value``; every later
         call runs the decode kernel over the packed blocks + tail (causal within a multi-token chunk).
-        A rotated layer (``rotate_qk: hadamard``) rotates ``query`` here, once: pass the unrotated query and the
-        keys ``update()`` returned (they carry ``turbo_rotated``).
+        A rotated layer (``rotate_qk``) hands its kernels the unrotated query (and, at the first prefill, the raw
+        keys), which they rotate in their pass: pass the keys ``update()`` returned (they carry ``turbo_rotated``).
         """
         cfg = self.turbo_config
         if self.rotated:
-            query = self._rotate_query(query, key)
+            self._check_keys(key)
         if self._first_prefill and key.shape[2] == query.shape[2] and key.stride(-1) == 1:
             from .kernels import reference
 
@@ -581,15 +592,16 @@ class TurboLayer(CacheLayerMixin):
             # k_mean: the store's mean of these keys (same reduction), so K is reduced once per prefill
             out = fn(q, k, v, scale=scale, causal=causal, window=window, softcap=softcap, key_valid=key_valid,
                      softmax=cfg.softmax, sas_threshold=cfg.sas_threshold, smooth_k=cfg.smooth_k,
-                     k_mean=self.prefill_k_mean)
+                     k_mean=self.prefill_k_mean, rotate_qk=self.rotated, qk_smooth=self.qk_smooth)
             return out.to(query.dtype)
         if use_triton(query.device):  # decode_inputs() spelled out: this runs per layer and decode step
             return _kernels("decode").turbo_decode_attention(
                 query, self.groups, self.k_tail, self.v_tail, self.n_tail, self.k_scale, self.v_scale, self.k_mean,
                 scale=scale, causal=causal, window=window, softcap=softcap, key_valid=key_valid,
-                n_sink=cfg.sink_blocks * cfg.block_size, softmax=cfg.softmax, sas_threshold=cfg.sas_threshold)
+                n_sink=cfg.sink_blocks * cfg.block_size, softmax=cfg.softmax, sas_threshold=cfg.sas_threshold,
+                **self._rot_kw)
         args, kw = self.decode_inputs()
-        kw.update(scale=scale, causal=causal, window=window, softcap=softcap, key_valid=key_valid)
+        kw.update(scale=scale, causal=causal, window=window, softcap=softcap, key_valid=key_valid, **self._rot_kw)
         from .kernels.reference import turbo_decode_ref
 
         return turbo_decode_ref(query, *args, **kw)
@@ -849,8 +861,6 @@ class TurboStaticLayer(TurboLayer):
                 f"TurboCache layer {self.layer_idx} holds [batch {self.batch}, {self.n_kv_heads} KV heads, "
                 f"head_dim {self.head_dim}] but got key states {tuple(key_states.shape)}"
             )
-        if self.rotated:
-            key_states = self._rotate_keys(key_states)
         if not torch.compiler.is_compiling():
             self._sync_host()
             self._check_room(1)
@@ -859,7 +869,7 @@ class TurboStaticLayer(TurboLayer):
         ts, bits = flatten_groups(self.groups)
         torch.ops.turbo_attn.store_step(key_states, value_states, self.k_scale, self.k_mean, self.v_scale,
                                         self.k_tail, self.v_tail, ts, bits, self.n_sink, self.lens, self.counters,
-                                        self.nonfinite)
+                                        self.nonfinite, self.qk_smooth, self.rotated)
         if torch.compiler.is_compiling():
             self._host_stale = True
         else:  # the kernel's rule on the host lengths: no sync in an eager step
@@ -887,7 +897,7 @@ class TurboStaticLayer(TurboLayer):
                 self._decode_op(query[:, :, -1:], None, scale, causal, window, softcap)
             return out
         if self.rotated:
-            query = self._rotate_query(query, key)
+            self._check_keys(key)
         return self._decode_op(query, key_valid, scale, causal, window, softcap)
 
     def _decode_op(self, query, key_valid, scale, causal, window, softcap) -> torch.Tensor:
@@ -900,7 +910,8 @@ class TurboStaticLayer(TurboLayer):
         out = torch.ops.turbo_attn.decode_step(
             q, self.k_tail, self.v_tail, self.k_scale, self.v_scale, self.k_mean, ts, bits, self.n_sink, self.lens,
             key_valid, float(scale) if scale is not None else float(query.shape[-1] ** -0.5), bool(causal),
-            int(window or 0), float(softcap or 0.0), cfg.softmax, float(cfg.sas_threshold))
+            int(window or 0), float(softcap or 0.0), cfg.softmax, float(cfg.sas_threshold), self.qk_smooth,
+            self.rotated)
         return out.to(query.dtype)
 
     # ------------------------------------------------------------------ HF cache API

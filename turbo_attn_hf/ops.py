@@ -50,21 +50,27 @@ def unflatten_groups(ts: List[torch.Tensor], bits: List[int], n_blocks: int = 0)
 def store_step(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, k_mean: Optional[torch.Tensor],
                v_scale: torch.Tensor, k_tail: torch.Tensor, v_tail: torch.Tensor, group_tensors: List[torch.Tensor],
                group_bits: List[int], n_sink: int, lens: torch.Tensor, counters: torch.Tensor,
-               nonfinite: torch.Tensor) -> None:
+               nonfinite: torch.Tensor, qk_smooth: Optional[torch.Tensor], rotate: bool) -> None:
     """Store one token ``k, v [b, H, 1, D]``; ``lens = [n_blocks, n_tail]``; ``counters`` int32 ``[2]``: arrival
-    (zero between calls), overflow steps; ``nonfinite`` int32 ``[1]``: stored vectors with an inf/NaN."""
+    (zero between calls), overflow steps; ``nonfinite`` int32 ``[1]``: stored vectors with an inf/NaN;
+    ``rotate``: K is the caller's, rotated into the stored basis on the way in (``qk_smooth``: its factors)."""
     groups = unflatten_groups(group_tensors, group_bits)
     if use_triton(k.device):
         from .kernels.store_step import store_step as launch
 
         launch(k, v, k_scale, k_mean, v_scale, k_tail, v_tail, groups, n_sink, lens, counters[0:1], counters[1:2],
-               nonfinite=nonfinite)
+               nonfinite=nonfinite, rotate=rotate, qk_smooth=qk_smooth)
         return
+    if rotate:
+        from .kernels.reference import rotate_keys_ref
+
+        k = rotate_keys_ref(k, qk_smooth)
     _store_step_host(k, v, k_scale, k_mean, v_scale, k_tail, v_tail, groups, n_sink, lens, counters, nonfinite)
 
 
 @store_step.register_fake
-def _(k, v, k_scale, k_mean, v_scale, k_tail, v_tail, group_tensors, group_bits, n_sink, lens, counters, nonfinite):
+def _(k, v, k_scale, k_mean, v_scale, k_tail, v_tail, group_tensors, group_bits, n_sink, lens, counters, nonfinite,
+      qk_smooth, rotate):
     return None
 
 
@@ -103,11 +109,12 @@ def decode_step(q: torch.Tensor, k_tail: torch.Tensor, v_tail: torch.Tensor, k_s
                 v_scale: torch.Tensor, k_mean: Optional[torch.Tensor], group_tensors: List[torch.Tensor],
                 group_bits: List[int], n_sink: int, lens: torch.Tensor, key_valid: Optional[torch.Tensor],
                 scale: float, causal: bool, window: int, softcap: float, softmax: str,
-                sas_threshold: float) -> torch.Tensor:
+                sas_threshold: float, qk_smooth: Optional[torch.Tensor], rotate: bool) -> torch.Tensor:
     """``[b, Lq, HQ, D]`` attention of ``q [b, HQ, Lq, D]`` over a static layer's storage (``window`` 0 / ``softcap``
-    0.0: none); ``key_valid [b, >= kv_len]`` bool or None."""
+    0.0: none); ``key_valid [b, >= kv_len]`` bool or None; ``rotate``: K is stored rotated, the unrotated query
+    is rotated in the kernel (``qk_smooth``: the factors)."""
     kw = dict(scale=scale, causal=causal, window=window or None, softcap=softcap or None, n_sink=n_sink,
-              softmax=softmax, sas_threshold=sas_threshold)
+              softmax=softmax, sas_threshold=sas_threshold, rotate=rotate, qk_smooth=qk_smooth)
     if use_triton(q.device):
         from .kernels.decode import turbo_decode_attention
 
@@ -125,6 +132,6 @@ def decode_step(q: torch.Tensor, k_tail: torch.Tensor, v_tail: torch.Tensor, k_s
 
 @decode_step.register_fake
 def _(q, k_tail, v_tail, k_scale, v_scale, k_mean, group_tensors, group_bits, n_sink, lens, key_valid, scale, causal,
-      window, softcap, softmax, sas_threshold):
+      window, softcap, softmax, sas_threshold, qk_smooth, rotate):
     b, hq, lq, d = q.shape
     return q.new_empty(b, lq, hq, d)

@@ -96,8 +96,9 @@ def test_rotation_beats_plain_int8_on_outlier_channels(d, pytorch_reference_kern
 
 # ------------------------------------------------------------------------------------------ rotated exactly once
 def test_cache_stores_rotated_k_and_rotates_each_query_once(pytorch_reference_kernels):
-    """A rotate_qk layer == a plain layer fed rotated K and queried with rotated Q, bit for bit, on the first
-    prefill and on decode steps that pack blocks; its keys carry the state; foreign keys are refused."""
+    """A rotate_qk layer stores what a plain layer fed rotated K stores, bit for bit (first prefill and decode steps
+    that pack blocks), and its attention is the kernels' own rotation of the unrotated query (and, at the first
+    prefill, of raw K) over that storage — rotated exactly once; its keys carry the state; foreign keys are refused."""
     q, k, v = outlier_qkv(d=128, L=120)
     rot = TurboLayer(TurboConfig(bits=4, block_size=16, rotate_qk="hadamard"))
     plain = TurboLayer(TurboConfig(bits=4, block_size=16))
@@ -106,7 +107,13 @@ def test_cache_stores_rotated_k_and_rotates_each_query_once(pytorch_reference_ke
         kr, vr = rot.update(k[:, :, s:e], v[:, :, s:e])
         kp, vp = plain.update(rotate(k[:, :, s:e]), v[:, :, s:e])
         assert kr.turbo_rotated and not kp.turbo_rotated and kr.turbo_cache_layer is rot
-        assert torch.equal(rot.attention(q[:, :, s:e], kr, vr), plain.attention(rotate(q[:, :, s:e]), kp, vp))
+        if s == 0:  # the first prefill's kernels get raw K and rotate Q and K in their quantization pass
+            assert torch.equal(kr, k[:, :, s:e])
+            want = R.turbo_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], rotate_qk=True)
+        else:  # decode: the plain layer's storage, the query rotated by the decode kernel's prologue
+            args, kw = plain.decode_inputs()
+            want = R.turbo_decode_ref(q[:, :, s:e], *args, **kw, rotate=True)
+        assert torch.equal(rot.attention(q[:, :, s:e], kr, vr), want.to(q.dtype))
     n = rot.n_tail  # slots past n_tail are unwritten (torch.empty) and never read
     assert rot.n_blocks == plain.n_blocks > 0 and n == plain.n_tail
     assert torch.equal(rot.k_scale, plain.k_scale) and torch.equal(rot.k_tail[:, :, :n], plain.k_tail[:, :, :n])
@@ -272,8 +279,9 @@ _SMOOTH_HOOKED = pytest.mark.skipif(
 
 @_SMOOTH_HOOKED
 def test_cache_smooth_hadamard_fixes_factors_at_the_first_store(pytorch_reference_kernels):
-    """A smooth_hadamard layer == a plain layer fed k·diag(1/s)·H and queried with q·diag(s)·H, s from the first
-    store's keys and kept for every later step, bit for bit; beam reordering gathers the factors too."""
+    """A smooth_hadamard layer stores what a plain layer fed k·diag(1/s)·H stores, s from the first store's keys and
+    kept for every later step, and attends through the kernels' own rotation of q·diag(s), bit for bit; beam
+    reordering gathers the factors too."""
     from turbo_attn_hf.kernels.rotation import smooth_scales
 
     q, k, v = banded_qkv(d=128, L=120)
@@ -285,7 +293,12 @@ def test_cache_smooth_hadamard_fixes_factors_at_the_first_store(pytorch_referenc
         ks, vs = sm.update(k[:, :, a:e], v[:, :, a:e])
         kp, vp = plain.update(rotate(k[:, :, a:e], s, "k"), v[:, :, a:e])
         assert ks.turbo_rotated and torch.equal(sm.qk_smooth, s)
-        assert torch.equal(sm.attention(q[:, :, a:e], ks, vs), plain.attention(rotate(q[:, :, a:e], s, "q"), kp, vp))
+        if a == 0:
+            want = R.turbo_attention(q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], rotate_qk=True, qk_smooth=s)
+        else:
+            args, kw = plain.decode_inputs()
+            want = R.turbo_decode_ref(q[:, :, a:e], *args, **kw, rotate=True, qk_smooth=s)
+        assert torch.equal(sm.attention(q[:, :, a:e], ks, vs), want.to(q.dtype))
     assert sm.n_blocks > 0
     sm.reorder_cache(torch.tensor([1, 0]))
     assert torch.equal(sm.qk_smooth, s.flip(0))
