@@ -220,9 +220,11 @@ def test_hf_static_cache_is_refused(tm, pytorch_reference_kernels):
 
 def gpu_padded_case(tm, preset):
     """The GPU generate() setting of this file: mistral (sliding window) with ``preset`` at block 16 (blocks get
-    packed, the tail refills), its unquantized twin, batch 3 of 20-token prompts, the last row left-padded by 6."""
-    cfg = TurboConfig.preset(preset)
-    cfg.block_size, cfg.name = 16, f"{preset}-b16"
+    packed, the tail refills), its unquantized twin, batch 3 of 20-token prompts, the last row left-padded by 6.
+    ``preset`` "name:rotation" also sets ``rotate_qk``."""
+    name, _, rot = preset.partition(":")
+    cfg = TurboConfig.preset(name)
+    cfg.block_size, cfg.name, cfg.rotate_qk = 16, f"{preset}-b16", rot or "none"
     model = tm.make_model("mistral", attn="turbo_int8").cuda()
     turbo_attn_hf.set_turbo_config(model, cfg)
     ids = tm.token_ids(3, 20).cuda()
@@ -238,7 +240,7 @@ def assert_padded_case_tracks(ref, sequences):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("preset", ["int8", "int4", "mixed"])
+@pytest.mark.parametrize("preset", ["int8", "int4", "mixed", "int4:smooth_hadamard"])
 def test_generate_on_gpu(preset, tm):
     """GPU: the compiled Triton kernels through generate(), in the measured setting of this file (prompt 20,
     block 16 so that blocks are packed and the tail refills, 13 new tokens), batch 3 with left padding."""

@@ -203,7 +203,7 @@ def test_static_decode_mask():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("preset", ["int8", "int4", "mixed"])
+@pytest.mark.parametrize("preset", ["int8", "int4", "mixed", "int4:smooth_hadamard"])
 def test_static_generate_compiled_on_gpu(preset, tm):
     """GPU: generate(cache_implementation="static") with HF's default CompileConfig (inductor, reduce-overhead:
     the decode step replayed as a CUDA graph) tracks the unquantized model like the dynamic TurboCache
@@ -223,26 +223,31 @@ def test_static_generate_compiled_on_gpu(preset, tm):
     torch._dynamo.reset()
 
 
-def test_custom_ops_pass_opcheck(pytorch_reference_kernels):
+@pytest.mark.parametrize("rotate_qk", ["none", "smooth_hadamard"])
+def test_custom_ops_pass_opcheck(rotate_qk, pytorch_reference_kernels):
     """The decode step's two custom ops: schema (what they mutate), fake implementations (shapes for tracing) and
-    eager agree (torch.library.opcheck), on a static layer holding packed blocks."""
+    eager agree (torch.library.opcheck), on a static layer holding packed blocks (rotated: the factors go in)."""
+    import dataclasses
+
     from turbo_attn_hf.ops import flatten_groups
 
     g = torch.Generator().manual_seed(0)
     b, hk, d = 1, 2, 64
-    layer = TurboStaticLayer(INT4_B16, 0, 1, max_cache_len=80)
+    layer = TurboStaticLayer(dataclasses.replace(INT4_B16, rotate_qk=rotate_qk), 0, 1, max_cache_len=80)
     layer.update(torch.randn(b, hk, 60, d, generator=g).bfloat16(), torch.randn(b, hk, 60, d, generator=g).bfloat16())
+    assert (layer.qk_smooth is not None) == (rotate_qk != "none")
     ts, bits = flatten_groups(layer.groups)
     k1, v1 = torch.randn(b, hk, 1, d, generator=g).bfloat16(), torch.randn(b, hk, 1, d, generator=g).bfloat16()
     torch.library.opcheck(torch.ops.turbo_attn.store_step.default,
                           (k1, v1, layer.k_scale, layer.k_mean, layer.v_scale, layer.k_tail, layer.v_tail, ts, bits,
-                           layer.n_sink, layer.lens, layer.counters, layer.nonfinite),
+                           layer.n_sink, layer.lens, layer.counters, layer.nonfinite, layer.qk_smooth, layer.rotated),
                           test_utils=("test_schema", "test_faketensor"))
     q = torch.randn(b, 2 * hk, 1, d, generator=g).bfloat16()
     kv = torch.ones(b, 80, dtype=torch.bool)
     torch.library.opcheck(torch.ops.turbo_attn.decode_step.default,
                           (q, layer.k_tail, layer.v_tail, layer.k_scale, layer.v_scale, layer.k_mean, ts, bits,
-                           layer.n_sink, layer.lens, kv, 0.125, True, 0, 0.0, "exact", 6.0),
+                           layer.n_sink, layer.lens, kv, 0.125, True, 0, 0.0, "exact", 6.0, layer.qk_smooth,
+                           layer.rotated),
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 
