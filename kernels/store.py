@@ -181,8 +181,9 @@ def _rotate_kw(k: torch.Tensor, rotate: bool, qk_smooth: Optional[torch.Tensor])
 
 
 def _no_fma(rotate: bool) -> dict:
-    """A rotating store kernel rounds ``y * ROT_C`` before the mean is subtracted (the twin's order): no FMA
-    contraction there; the unrotated kernels keep their compile options."""
+    """A rotating store kernel rounds ``y * ROT_C`` (and ``x * 1/s``) before the next add (the twin's order; the finish
+    kernel's rotated mean before ``max - mean``): no FMA contraction there; the unrotated kernels keep their compile
+    options. (An FMA there moved k_scale by 1 ulp on the H100.)"""
     return dict(enable_fp_fusion=False) if rotate else {}
 
 
@@ -468,7 +469,7 @@ def _stats_plan(k, v, k_mean, block_size, headroom, select, rope_dims, rot):
               dict(D=D, BD=BD, BC=min(_pow2(nc), 64), HP=max(2, _pow2(H)),
                    HC=max(1, min(_pow2(nc), 64 // max(2, _pow2(H)))), N2=int(n_lo), HAS_MEAN=k_mean is not None,
                    SELECT=select is not None, ROT=int(rope_dims), ROTATE=rot["ROTATE"], ROT_N=rot["ROT_N"],
-                   HAS_FACTOR=rot["HAS_FACTOR"], ROT_C=rot["ROT_C"], num_warps=4))
+                   HAS_FACTOR=rot["HAS_FACTOR"], ROT_C=rot["ROT_C"], num_warps=4, **_no_fma(rot["ROTATE"])))
     return (b * H, nc, N_PART, BD), (b * H, nc), (b, H, D), stats, finish, ({}, {})
 
 
