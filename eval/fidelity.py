@@ -460,7 +460,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
                     help="comma list of preset names / YAML paths, each with optional overrides, "
                          "e.g. int4:sink_blocks=0,recent_blocks=0")
     ap.add_argument("--rotate-qk", default="none", choices=("none", "hadamard", "both"),
-                    help="Hadamard-rotate Q/K in every preset, or 'both': each preset and its rotated twin")
+                    help="Hadamard-rotate Q/K in every preset, or 'both': each preset and its rotated twin; 'none': "
+                         "the presets as given (their rotate_qk, 'auto' by default: on for q/k-norm models)")
     ap.add_argument("--limit", type=int, default=100, help="GSM8K test texts for the teacher-forced metrics")
     ap.add_argument("--max-tokens", type=int, default=0, help="keep the last N tokens of each text (0: all)")
     ap.add_argument("--layer-diag", type=int, default=0,

@@ -38,6 +38,7 @@ and ``store_kv`` its constexprs per specialisation; both relaunch the compiled k
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -187,6 +188,7 @@ def _no_fma(rotate: bool) -> dict:
     return dict(enable_fp_fusion=False) if rotate else {}
 
 
+@functools.lru_cache(maxsize=None)  # called per store launch: no tensor built per step
 def rot_scale(n: int) -> float:
     """fp32 ``1/sqrt(n)``: the store kernels multiply the +-1 products by it (``reference.rotate_keys_ref``)."""
     return float(torch.tensor(1.0 / math.sqrt(n), dtype=torch.float32))

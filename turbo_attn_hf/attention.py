@@ -41,7 +41,7 @@ from .capabilities import (
     model_name,
     unsupported,
 )
-from .config import TurboConfig
+from .config import TurboConfig, resolve_rotate_qk
 from .kernels.device import on_device
 from .kernels.rotation import smooth_scales
 
@@ -83,7 +83,7 @@ def _module_state(module: Any, query: torch.Tensor, key: torch.Tensor, value: to
             f"{ATTN_NAME}: {model_name(who)} has {hq} query heads and {hk} KV heads; the query heads must be "
             "a multiple of the KV heads (GQA/MQA)."
         )
-    st = _ModuleState(version, d, model_name(who), caps.get_turbo_config(config))
+    st = _ModuleState(version, d, model_name(who), resolve_rotate_qk(caps.get_turbo_config(config), config))
     try:
         object.__setattr__(module, "_turbo_attn_state", st)  # plain attribute, not a submodule/buffer
     except Exception:  # pragma: no cover - exotic modules with __slots__

@@ -42,7 +42,7 @@ from typing import Any, Optional
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
-from .config import TurboConfig, TurboConfigError
+from .config import TurboConfig, TurboConfigError, resolve_rotate_qk
 from .kernels.device import on_device
 from .kernels.interpreter import use_triton
 from .kernels.pack import PackedKV, kv_bytes_per_token, quantize_int8
@@ -110,6 +110,11 @@ def auto_headroom(n_tokens: int) -> float:
 
 
 def _resolve_config(turbo_config: TurboConfig | str | None, model_config: Any = None) -> TurboConfig:
+    """The cache's TurboConfig, ``rotate_qk: auto`` decided for ``model_config`` (``config.resolve_rotate_qk``)."""
+    return resolve_rotate_qk(_given_config(turbo_config, model_config), model_config)
+
+
+def _given_config(turbo_config: TurboConfig | str | None, model_config: Any = None) -> TurboConfig:
     if isinstance(turbo_config, TurboConfig):
         return turbo_config
     if isinstance(turbo_config, str):

@@ -24,7 +24,11 @@ import yaml
 SUPPORTED_BITS = (2, 4, 8)
 SOFTMAX_MODES = ("exact", "sas")
 HEAD_SELECT_MODES = ("prompt", "last")
-ROTATE_QK_MODES = ("none", "hadamard", "smooth_hadamard")  # kernels/rotation.py ROTATIONS
+ROTATE_QK_MODES = ("auto", "none", "hadamard", "smooth_hadamard")  # kernels/rotation.py ROTATIONS + "auto"
+#: model types whose attention normalises Q and K per head (q/k-norm): the families with Q/K outlier channels that
+#: per-token INT8 loses (issue 23: Gemma-3-270M int8 decode KL 22.8x the bf16 floor unrotated, 2.9x with
+#: smooth_hadamard); ``rotate_qk: auto`` rotates these and leaves the others (SmolLM2's decode KL 2.4x -> 2.8x)
+QK_NORM_MODEL_TYPES = ("gemma3", "gemma3_text", "qwen3", "qwen3_moe", "qwen3_next", "olmo2", "olmo3", "olmoe")
 K_SCALE_RANGES = ("channel", "rope_pair")
 
 
@@ -69,7 +73,10 @@ class TurboConfig:
             "Long context"); it keeps the norm. Other channels, models whose RoPE layout is not known to be
             rotate_half, caches built without a model config and ``rotate_qk`` other than ``"none"`` use
             ``"channel"`` (``cache.rope_dims``).
-        rotate_qk: ``"none"`` or ``"hadamard"``: rotate Q and K of every head by an orthonormal Hadamard
+        rotate_qk: ``"auto"`` (default): ``"smooth_hadamard"`` for q/k-norm model families
+            (``QK_NORM_MODEL_TYPES``, from the model config; :func:`resolve_rotate_qk`), ``"none"`` otherwise, and
+            ``"none"`` with ``k_scale_range: rope_pair`` (measured unrotated) or without a model config.
+            ``"none"`` or ``"hadamard"``: rotate Q and K of every head by an orthonormal Hadamard
             matrix before INT8 (``kernels/rotation.py``; block-diagonal 16/32 for head_dim 80/96). Q·Kᵀ is
             unchanged, channel outliers are spread before per-token quantization (issue 23). The cache
             stores rotated K and rotates each query that reads it. ``"smooth_hadamard"``: first K -> Q scale
@@ -91,7 +98,7 @@ class TurboConfig:
     smooth_k: bool = True
     scale_headroom: float | str = "auto"
     k_scale_range: str = "channel"
-    rotate_qk: str = "none"
+    rotate_qk: str = "auto"
     name: str = "custom"
 
     def __post_init__(self) -> None:
@@ -232,3 +239,33 @@ def available_presets() -> dict[str, Path]:
     """Preset name -> YAML path, from the installed ``turbo_attn_hf.configs`` package."""
     root = resources.files("turbo_attn_hf.configs")
     return {Path(p.name).stem: Path(str(p)) for p in root.iterdir() if p.name.endswith(".yaml")}
+
+
+def resolve_rotate_qk(cfg: TurboConfig, model_config=None) -> TurboConfig:
+    """``cfg`` with ``rotate_qk: auto`` decided for a model (a copy; other configs are returned as they are):
+    ``smooth_hadamard`` when the model type is a q/k-norm family and its head dim has a Hadamard block, unless
+    ``k_scale_range`` is ``rope_pair``; else ``none``. Logged once per decision."""
+    if cfg.rotate_qk != "auto":
+        return cfg
+    text = model_config
+    if text is not None and hasattr(text, "get_text_config"):
+        text = text.get_text_config(decoder=True)
+    mtype = getattr(text, "model_type", None)
+    mode = "none"
+    if mtype in QK_NORM_MODEL_TYPES and cfg.k_scale_range != "rope_pair":
+        from .kernels.rotation import RotationError, rotation_block
+
+        heads = getattr(text, "num_attention_heads", 0) or 1
+        d = getattr(text, "head_dim", None) or getattr(text, "hidden_size", 0) // heads
+        try:
+            rotation_block(int(d))
+            mode = "smooth_hadamard"
+        except (RotationError, TypeError, ValueError):
+            mode = "none"
+    if mode != "none":
+        from .capabilities import log_once
+
+        log_once(f"rotate_qk:{mtype}", f"turbo_int8: rotate_qk='auto' -> {mode!r} for model_type {mtype!r} (q/k-norm "
+                                       "family: Q/K outlier channels); set rotate_qk='none' to turn it off",
+                 level=20)
+    return dataclasses.replace(cfg, rotate_qk=mode)

@@ -2,6 +2,8 @@
 
 CPU: Triton interpreter (pack + decode kernels), d 32, block 64 (the presets' block), small batch.
 """
+import dataclasses
+
 import pytest
 import torch
 
@@ -353,7 +355,8 @@ def test_construction_from_model_config_and_template():
     kinds = [type(l) for l in c.layers]
     assert kinds.count(TurboSlidingWindowLayer) == qcfg.layer_types.count("sliding_attention")
     t = TurboCache.from_template(DynamicCache(config=qcfg), cfg, qcfg)
-    assert [type(l) for l in t.layers] == kinds and t.turbo_config is cfg
+    # the given config with rotate_qk 'auto' decided for the model (qwen2: none)
+    assert [type(l) for l in t.layers] == kinds and t.turbo_config == dataclasses.replace(cfg, rotate_qk="none")
     assert all(l.sliding_window == 8 for l in t.layers if isinstance(l, TurboSlidingWindowLayer))
     # a template layer that already holds tokens is quantized into its twin
     dc = DynamicCache()

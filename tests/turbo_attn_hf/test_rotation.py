@@ -332,3 +332,29 @@ def test_generate_with_smooth_hadamard_tracks_reference(arch_name, tm, pytorch_r
     layers = [l for l in out.past_key_values.layers if isinstance(l, TurboLayer)]
     assert layers and all(l.rotated and l.qk_smooth is not None for l in layers)
     _assert_tracks(tm.make_model(arch_name), out.sequences, 20)
+
+
+def test_rotate_qk_auto_rotates_qk_norm_families_only():
+    """``rotate_qk: auto`` (the default): smooth_hadamard for q/k-norm model types with a Hadamard head dim, none for
+    the others, with k_scale_range rope_pair, without a model config or with an odd head dim; explicit modes stay."""
+    from types import SimpleNamespace
+
+    from turbo_attn_hf.cache import TurboCache
+    from turbo_attn_hf.config import resolve_rotate_qk
+
+    def conf(mtype, d=256):
+        return SimpleNamespace(model_type=mtype, head_dim=d, num_attention_heads=4, hidden_size=4 * d,
+                               num_hidden_layers=2, layer_types=["full_attention"] * 2)
+
+    cfg = TurboConfig.preset("int8")
+    assert cfg.rotate_qk == "auto" and not TurboLayer(cfg).rotated  # unresolved: nothing rotated
+    assert resolve_rotate_qk(cfg, conf("gemma3_text")).rotate_qk == "smooth_hadamard"
+    assert resolve_rotate_qk(cfg, conf("qwen3", 128)).rotate_qk == "smooth_hadamard"
+    assert resolve_rotate_qk(cfg, conf("llama", 128)).rotate_qk == "none"
+    assert resolve_rotate_qk(cfg, None).rotate_qk == "none"
+    assert resolve_rotate_qk(cfg, conf("qwen3", 72)).rotate_qk == "none"  # 72 = 8 x 9: no block >= 16
+    assert resolve_rotate_qk(TurboConfig(k_scale_range="rope_pair"), conf("gemma3_text")).rotate_qk == "none"
+    assert resolve_rotate_qk(TurboConfig(rotate_qk="none"), conf("gemma3_text")).rotate_qk == "none"
+    assert resolve_rotate_qk(TurboConfig(rotate_qk="hadamard"), conf("llama")).rotate_qk == "hadamard"
+    cache = TurboCache("int4", config=conf("gemma3_text"))
+    assert cache.turbo_config.rotate_qk == "smooth_hadamard" and cache.layers[1].smoothed
