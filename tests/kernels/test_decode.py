@@ -449,10 +449,12 @@ def test_decode_qk_smooth_checks_and_static_entries(device):
     with pytest.raises(ValueError, match="qk_smooth must be"):
         turbo_decode_attention(*args, rotate=True, qk_smooth=torch.ones(1, 1, 32, device=device))
     DK._STATIC.clear()
-    factors = [torch.rand(1, 2, 32, generator=torch.Generator().manual_seed(seed)) + 0.5 for seed in (1, 2)]
+    # both factor tensors alive on the device (a freed one's entry goes with its weak reference)
+    factors = [(torch.rand(1, 2, 32, generator=torch.Generator().manual_seed(seed)) + 0.5).to(device)
+               for seed in (1, 2)]
     for s in factors:
-        out = turbo_decode_attention(*args, rotate=True, qk_smooth=s.to(device))
-        assert_close(out, R.turbo_decode_ref(q, groups, kt, vt, nt, ks, vs, mu, rotate=True, qk_smooth=s),
+        out = turbo_decode_attention(*args, rotate=True, qk_smooth=s)
+        assert_close(out, R.turbo_decode_ref(q, groups, kt, vt, nt, ks, vs, mu, rotate=True, qk_smooth=s.cpu()),
                      ATOL_KERNEL)
     assert len(DK._STATIC) == 2
     DK._STATIC.clear()
