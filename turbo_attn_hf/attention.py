@@ -16,8 +16,9 @@ It only chooses among public functions (STYLE: the HF layer picks an op, like FL
   * calls that need gradients (training, attention dropout) fall back to PyTorch attention with one
     warning: the INT8 kernels have no backward, and running them would silently cut the gradient.
 float32 inputs are cast to bfloat16 before INT8 quantization (one warning) and the output cast back.
-``TurboConfig.rotate_qk="hadamard"``: the INT8 path over given K/V has Q and K rotated inside their quantization pass
-(``turbo_attention(..., rotate_qk=True)``; the smoothing factors of kernels/rotation.py computed here).
+``TurboConfig.rotate_qk`` (``auto``: decided for the model here, ``config.resolve_rotate_qk``): the INT8 path over
+given K/V has Q and K rotated inside their quantization pass (``turbo_attention(..., rotate_qk=True)``; the
+smooth_hadamard factors of kernels/rotation.py computed here).
 Refused with an error naming model, value and fix: head_dim outside (64, 80, 96, 128, 256),
 ``output_attentions``, q_len > kv_len, 4D masks that are not a per-key padding mask.
 Checks that depend only on the module (head_dim, GQA ratio, TurboConfig) run once per module.

@@ -23,10 +23,11 @@ new K/V at the first prefill (the INT8 prefill kernel runs on them), zero-memory
 shape afterwards. The attention function then calls ``layer.attention(...)``, which runs the decode kernel
 (``kernels.decode.turbo_decode_attention``) over the packed blocks + tail. No bf16 copy of the cache exists.
 
-``rotate_qk: hadamard`` (issue 23): ``update()`` rotates K (``kernels.rotation.rotate``) before anything is
-computed from it, so the universal scales, the INT8 buffer and the packed blocks all hold rotated K, and
-``attention()`` rotates every query that reads the layer (``TurboLayer.rotated``; returned keys carry
-``turbo_rotated``). Q·Kᵀ is unchanged; V is never rotated.
+``rotate_qk`` (issue 23; ``auto`` decided from the model config by ``config.resolve_rotate_qk``): the universal
+scales, the INT8 buffer and the packed blocks all hold rotated K. The Triton stats / store kernels get raw K and
+rotate it in their pass (``rotate=``, ``qk_smooth=``), the prefill and decode kernels get the unrotated query (and,
+at the first prefill, raw K) and rotate them themselves; the PyTorch path rotates K with ``kernels.rotation.rotate``
+before its store. Returned keys carry ``turbo_rotated``. Q·Kᵀ is unchanged; V is never rotated.
 
 Left padding: the universal scales of a row include its padded prompt positions (update() does not see the
 mask); the padded keys are masked in attention. Sliding-window layers keep all tokens (the window is applied
