@@ -85,7 +85,10 @@ def smooth_scales(k: torch.Tensor) -> torch.Tensor:
     ``s_c = sqrt(max_t |k_tc - mean_c|)`` over the finite tokens (a token holding an inf/NaN is left out, as in
     the cache's scales), divided by its geometric mean over the channels, clamped to ``SMOOTH_RANGE``; a channel
     that is 0 everywhere gets the smallest factor. Fixed once (the cache's first store) and reused for every later
-    key and query of that layer."""
+    key and query of that layer.
+
+    Plain-PyTorch twin (~12 full-size passes): the attention paths call ``smooth_factors.smooth_factors``, the same
+    factors from one Triton pass over K (rel. 1e-5, tests/kernels/test_smooth_factors.py)."""
     kf = k.float()
     ok = torch.isfinite(kf).all(dim=-1, keepdim=True)  # [b, H, L, 1]
     kf = torch.where(ok, kf, torch.zeros((), device=k.device))

@@ -49,6 +49,7 @@ from .kernels.interpreter import use_triton
 from .kernels.pack import PackedKV, kv_bytes_per_token, quantize_int8
 from .kernels.reference import k_smooth_mean, kv_finite_mean_ref, rope_pair_amax_ref
 from .kernels.rotation import rotate, smooth_scales
+from .kernels.smooth_factors import smooth_factors
 
 __all__ = ["TurboCache", "TurboCacheFullError", "TurboLayer", "TurboSlidingWindowLayer", "TurboStaticLayer",
            "TurboStaticSlidingWindowLayer"]
@@ -420,7 +421,9 @@ class TurboLayer(CacheLayerMixin):
         """K as the store takes it: raw where the Triton store kernels rotate it themselves (``_rot_kw``), else in
         the stored (rotated) basis; smooth_hadamard's factors fixed by the first keys that arrive."""
         if self.smoothed and self.qk_smooth is None and key_states.shape[2] > 0:
-            self.qk_smooth = smooth_scales(key_states)
+            # one Triton pass over K where the kernels run (issue 23: the torch twin cost +120..361 % of the store)
+            fast = use_triton(key_states.device)
+            self.qk_smooth = smooth_factors(key_states) if fast else smooth_scales(key_states)
         return key_states if self._fused(key_states) else rotate(key_states, self.qk_smooth, "k")
 
     @property

@@ -1,0 +1,143 @@
+"""K -> Q smoothing factors of ``rotate_qk = "smooth_hadamard"`` in one pass over K (issue 23: the rotation must
+cost <= 3 % of the first prefill's store).
+
+``s_c = sqrt(max_t |k_tc - mean_c|)`` over the finite tokens, normalised to geometric mean 1 per (batch, KV head)
+and clamped to ``rotation.SMOOTH_RANGE`` (SmoothAttention, QServe §4.3, K-only; twin: ``rotation.smooth_scales``,
+~12 full-size torch passes with fp32 temporaries, 0.33-0.64 ms per layer on an H100). Here two launches:
+
+* ``_smooth_stats_kernel`` (grid: T-chunks x b*Hk): per chunk and channel the sum, min and max of K over the
+  tokens whose every channel is finite (a token with an inf/NaN is left out, as in the twin) and their count;
+* ``_smooth_finish_kernel`` (grid: b*Hk): sums the chunks, ``mean = sum / max(n, 1)``,
+  ``amax = max(max - mean, mean - min)`` — equal to ``max_t |k_t - mean|`` in fp32, since a rounded subtraction
+  is monotonic in each operand — then the twin's sqrt / clamp / geometric mean / clamp.
+
+The factors differ from the twin's only by the mean's summation order (tiles, then chunks) and by
+``tl.log``/``tl.exp`` vs torch's (a few fp32 ulp; tests/kernels/test_smooth_factors.py states the tolerance).
+No host sync; T is a runtime argument (no recompile per prompt length).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .device import on_device
+from .interpreter import use_triton
+from .rotation import SMOOTH_RANGE, smooth_scales
+
+__all__ = ["smooth_factors", "smooth_factors_triton"]
+
+
+@triton.jit(do_not_specialize=["T", "NSUB"])
+def _smooth_stats_kernel(
+    k, part, cnt, T, H, NC, NSUB,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
+):
+    """grid (NC, b*H): tokens ``[i_c*NSUB*BT, (i_c+1)*NSUB*BT)`` of (b, h) of ``k [b, H, T, D]`` (any strides) ->
+    ``part[b*H, NC, 3, BD]`` fp32 (finite tokens' sum, min, max per channel), ``cnt[b*H, NC]`` int32 (their count)."""
+    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
+    o_d = tl.arange(0, BD)
+    o_r = tl.arange(0, BT)
+    m_d = o_d < D
+    inf = float("inf")
+    b_sum = tl.zeros([BD], tl.float32)
+    b_min = tl.full([BD], inf, tl.float32)
+    b_max = tl.full([BD], -inf, tl.float32)
+    n_ok = tl.sum(tl.zeros([BT], tl.int32), 0)
+    p_k = k + i_b * stride_kb + i_h * stride_kh + o_d[None, :].to(tl.int64) * stride_kd
+    for j in range(NSUB):
+        o_t = ((i_c * NSUB + j) * BT + o_r).to(tl.int64)
+        m_t = o_t < T
+        b_k = tl.load(p_k + o_t[:, None] * stride_kt, mask=m_t[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+        # a token is kept only when all D channels are finite (NaN compares false; padded channels load 0)
+        m_ok = m_t & (tl.min((tl.abs(b_k) < inf).to(tl.int32), 1) == 1)
+        m = m_ok[:, None]
+        b_sum += tl.sum(tl.where(m, b_k, 0.0), 0)
+        b_min = tl.minimum(b_min, tl.min(tl.where(m, b_k, inf), 0))
+        b_max = tl.maximum(b_max, tl.max(tl.where(m, b_k, -inf), 0))
+        n_ok += tl.sum(m_ok.to(tl.int32), 0)
+    p_p = part + (i_bh.to(tl.int64) * NC + i_c) * (3 * BD) + o_d
+    tl.store(p_p, b_sum)
+    tl.store(p_p + BD, b_min)
+    tl.store(p_p + 2 * BD, b_max)
+    tl.store(cnt + i_bh.to(tl.int64) * NC + i_c, n_ok)
+
+
+@triton.jit(do_not_specialize=["NC"])
+def _smooth_finish_kernel(
+    part, cnt, out, NC, LO, HI,
+    D: tl.constexpr, BD: tl.constexpr, BC: tl.constexpr,
+):
+    """grid (b*H,): the NC chunks' partials of (b, h) -> ``out[b*H, D]`` fp32 factors (``rotation.smooth_scales``)."""
+    i_bh = tl.program_id(0).to(tl.int64)
+    o_d = tl.arange(0, BD)
+    o_c = tl.arange(0, BC)
+    m_d = o_d < D
+    inf = float("inf")
+    b_sum = tl.zeros([BD], tl.float32)
+    b_min = tl.full([BD], inf, tl.float32)
+    b_max = tl.full([BD], -inf, tl.float32)
+    b_n = tl.zeros([BC], tl.int32)
+    for c0 in range(0, NC, BC):
+        m_c = (c0 + o_c) < NC
+        p_p = part + (i_bh * NC + c0 + o_c)[:, None] * (3 * BD) + o_d[None, :]
+        b_sum += tl.sum(tl.load(p_p, mask=m_c[:, None], other=0.0), 0)
+        b_min = tl.minimum(b_min, tl.min(tl.load(p_p + BD, mask=m_c[:, None], other=inf), 0))
+        b_max = tl.maximum(b_max, tl.max(tl.load(p_p + 2 * BD, mask=m_c[:, None], other=-inf), 0))
+        b_n += tl.load(cnt + i_bh * NC + c0 + o_c, mask=m_c, other=0)
+    n = tl.maximum(tl.sum(b_n, 0), 1).to(tl.float32)
+    mean = b_sum / n
+    # max_t |k_t - mean| exactly (monotonic rounding); >= 0, and 0 when no token is finite (min/max still +-inf)
+    amax = tl.maximum(tl.maximum(b_max - mean, mean - b_min), 0.0)
+    s = tl.maximum(tl.sqrt_rn(amax), LO * LO)  # the geometric mean must not see log(0)
+    g = tl.exp(tl.sum(tl.where(m_d, tl.log(s), 0.0), 0) / D)
+    s = tl.minimum(tl.maximum(s / g, LO), HI)
+    tl.store(out + i_bh * D + o_d, s, mask=m_d)
+
+
+def _pow2(n: int) -> int:
+    return 1 << (max(int(n), 1) - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=16)
+def _n_sm(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a few chunks, so tests cover the chunk split
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def smooth_factors_triton(k: torch.Tensor, nsub: int | None = None) -> torch.Tensor:
+    """``rotation.smooth_scales(k)`` by two Triton launches: ``k [b, Hk, T, d]`` (any float dtype, any strides)
+    -> ``s [b, Hk, d]`` fp32. ``nsub``: tiles of tokens per program (default: enough programs to fill the GPU)."""
+    if k.dim() != 4:
+        raise ValueError(f"keys must be [b, Hk, T, d], got shape {tuple(k.shape)}")
+    b, H, T, D = k.shape
+    BD = _pow2(D)
+    BT = 4096 // BD  # a [BT, BD] fp32 tile of 4K elements (32 registers a thread); fixed: no recompile per T
+    n_tiles = max(1, triton.cdiv(T, BT))
+    if nsub is None:  # ~4 programs per SM; a longer chunk per program past that
+        nsub = triton.cdiv(n_tiles * b * H, 4 * _n_sm(k.device))
+    nsub = max(1, min(int(nsub), n_tiles))
+    NC = triton.cdiv(n_tiles, nsub)
+    part = torch.empty(b * H, NC, 3, BD, device=k.device, dtype=torch.float32)
+    cnt = torch.empty(b * H, NC, device=k.device, dtype=torch.int32)
+    out = torch.empty(b, H, D, device=k.device, dtype=torch.float32)
+    lo, hi = SMOOTH_RANGE
+    with on_device(k.device):
+        _smooth_stats_kernel[(NC, b * H)](k, part, cnt, T, H, NC, nsub, *k.stride(), D=D, BD=BD, BT=BT,
+                                          num_warps=4)
+        _smooth_finish_kernel[(b * H,)](part, cnt, out, NC, lo, hi, D=D, BD=BD, BC=max(1, 4096 // BD),
+                                        num_warps=4)
+    return out
+
+
+def smooth_factors(k: torch.Tensor) -> torch.Tensor:
+    """K -> Q smoothing factors ``s [b, Hk, d]`` fp32 of keys ``k [b, Hk, T, d]``: the Triton pass on CUDA (or
+    under TRITON_INTERPRET=1), else (CPU, empty K, torch.compile tracing) the torch twin ``rotation.smooth_scales``."""
+    fast = use_triton(k.device) and k.shape[2] > 0 and not torch.compiler.is_compiling()  # compile traces the twin
+    return smooth_factors_triton(k) if fast else smooth_scales(k)

@@ -1,0 +1,92 @@
+"""One-pass smoothing-factor kernels (``smooth_factors``) == the torch twin ``rotation.smooth_scales``.
+
+Tolerance: relative 1e-5 on every factor. The kernel sums K per tile (tree), over tiles (in order) and over chunks
+(tree), torch in its own order, so the mean differs by a few fp32 ulp of the channel's sum; amax = max - mean and
+mean - min inherit that absolute error, the sqrt halves it, and tl.log/tl.exp vs torch's add ~1 ulp. Measured on
+D 64/80/96/128/256 x T 1..1000 x 3 dtypes x 3 layouts x 3 chunkings (interpreter): <= 1.8e-6; 1e-5 leaves a
+margin for the GPU's log/exp.
+"""
+import pytest
+import torch
+
+from turbo_attn_hf.kernels.rotation import SMOOTH_RANGE, smooth_scales
+from turbo_attn_hf.kernels.smooth_factors import smooth_factors, smooth_factors_triton
+
+RTOL = 1e-5
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _keys(b, H, T, D, dtype, layout, seed):
+    """``[b, H, T, D]`` keys with per-channel offsets and spreads (outlier channels), in the given layout:
+    "contig", "bthd" (the transposed view attention hands over) or "strided" (every other channel)."""
+    g = torch.Generator().manual_seed(seed)
+    spread = torch.rand(D, generator=g) * 4 + 0.1
+    spread[::17] *= 20  # outlier channels
+    x = torch.randn(b, H, T, D, generator=g) * spread + torch.randn(D, generator=g)
+    if layout == "bthd":
+        return x.transpose(1, 2).contiguous().to(dtype).transpose(1, 2)
+    if layout == "strided":
+        big = torch.zeros(b, H, T, 2 * D)
+        big[..., ::2] = x
+        return big.to(dtype)[..., ::2]
+    return x.to(dtype)
+
+
+def _check(k, device, nsub=None):
+    want = smooth_scales(k)
+    got = smooth_factors_triton(k.to(device) if k.is_contiguous() else _same_view(k, device), nsub=nsub).cpu()
+    assert got.shape == want.shape and got.dtype == torch.float32
+    err = ((got - want).abs() / want).flatten()
+    i = int(err.argmax())
+    assert err[i] <= RTOL, f"rel err {err[i].item():.3g} at flat index {i}: {got.flatten()[i]} vs {want.flatten()[i]}"
+    return got
+
+
+def _same_view(k, device):
+    """``k`` on ``device`` with its strides (a non-contiguous view stays one)."""
+    if device.type == "cpu":
+        return k
+    base = torch.empty_strided(k.shape, k.stride(), dtype=k.dtype, device=device)
+    base.copy_(k)
+    return base
+
+
+@pytest.mark.parametrize("b,H,T,D,dt,layout,nsub", [
+    pytest.param(1, 2, 1, 64, "bf16", "contig", None, id="T1-D64-bf16"),
+    pytest.param(2, 2, 63, 64, "fp16", "bthd", None, id="T63-D64-fp16-bthd"),
+    pytest.param(1, 3, 111, 80, "bf16", "bthd", 1, id="T111-D80-bf16-bthd-nsub1"),
+    pytest.param(2, 1, 65, 96, "fp32", "strided", None, id="T65-D96-fp32-strided"),
+    pytest.param(1, 2, 200, 128, "bf16", "bthd", 2, id="T200-D128-bf16-bthd-nsub2"),
+    pytest.param(1, 1, 1, 256, "fp32", "contig", None, id="T1-D256-fp32"),
+    pytest.param(1, 1, 300, 256, "bf16", "contig", 1, id="T300-D256-bf16-NC19"),  # NC > the finish's 16-chunk tile
+    pytest.param(1, 2, 37, 256, "fp16", "strided", None, id="T37-D256-fp16-strided"),
+])
+def test_matches_torch_twin(b, H, T, D, dt, layout, nsub, device):
+    _check(_keys(b, H, T, D, DTYPES[dt], layout, seed=T * D + b), device, nsub)
+
+
+@pytest.mark.parametrize("D", [64, 96, 128])
+def test_nonfinite_tokens_left_out(D, device):
+    k = _keys(2, 3, 70, D, torch.bfloat16, "bthd", seed=D)
+    k[0, 0, 5, 3] = float("nan")
+    k[0, 0, 69, D - 1] = float("inf")  # the last channel of the last token
+    k[1, 2, 0, 0] = -float("inf")
+    k[1, 1] = float("nan")  # a head with no finite token: every factor 1, as the twin
+    got = _check(k, device, nsub=1)
+    keep = [t for t in range(70) if t not in (5, 69)]
+    assert torch.allclose(got[0, 0], smooth_scales(k[:1, :1, keep])[0, 0], rtol=RTOL)
+    assert torch.allclose(got[1, 1], torch.ones(D), rtol=RTOL)
+    assert torch.isfinite(got).all()
+
+
+def test_zero_channel_gets_smallest_factor(device):
+    k = _keys(1, 2, 50, 128, torch.bfloat16, "contig", seed=3)
+    k[..., 9] = 0
+    got = _check(k, device)
+    assert got[..., 9].eq(SMOOTH_RANGE[0]).all()
+
+
+def test_dispatch(device):
+    """``smooth_factors`` takes the kernels where Triton runs (CUDA or the interpreter), the twin otherwise."""
+    k = _keys(1, 1, 20, 64, torch.bfloat16, "contig", seed=5).to(device)
+    assert torch.allclose(smooth_factors(k).cpu(), smooth_scales(k.cpu()), rtol=RTOL)
