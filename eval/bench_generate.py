@@ -1,7 +1,7 @@
 """The headline end-to-end benchmark: plain ``model.generate()`` of a Llama-3-8B-shaped model (issue 18, item 4).
 
     python -m eval.bench_generate [--quick] [--layers N] [--shapes 1x1k,4x8k] [--configs sdpa_dynamic,...]
-                                  [--new-tokens 32] [--reps 2] [--max-seconds 540] [--profile-step] [--merge]
+                                  [--new-tokens 128] [--reps 3] [--max-seconds 540] [--profile-step] [--merge]
     python -m eval.bench_generate --dry-run      # CPU: a 2-layer toy model, 1 x 16 tokens, checks the set-up
                                                  # (turbo: PyTorch reference; TRITON_INTERPRET=1: the kernels)
 
@@ -401,8 +401,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default 32 = Llama-3-8B)")
     ap.add_argument("--shapes", default=None, help=f"batch x context list (default {DEFAULT_SHAPES})")
     ap.add_argument("--configs", default=None, help=f"default: all of {','.join(ALL_CONFIGS)}")
-    ap.add_argument("--new-tokens", type=int, default=None, help="N decode steps timed (>= 32; default 32)")
-    ap.add_argument("--reps", type=int, default=None, help="timed runs per row after the warm-up (>= 2; default 2)")
+    ap.add_argument("--new-tokens", type=int, default=None, help="N decode steps timed (>= 32; default 128: TTFT noise / N stays below 1 %% of a step)")
+    ap.add_argument("--reps", type=int, default=None, help="timed runs per row after the warm-up (>= 2; default 3)")
     ap.add_argument("--max-seconds", type=float, default=None,
                     help="skip rows that would end past this many seconds from the start (0 = no limit; "
                          "default 540, --quick 330)")
@@ -420,8 +420,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _resolve(args) -> dict:
-    base = DRY if args.dry_run else QUICK if args.quick else dict(layers=32, shapes=DEFAULT_SHAPES, new_tokens=32,
-                                                                    reps=2, max_seconds=540.0,
+    base = DRY if args.dry_run else QUICK if args.quick else dict(layers=32, shapes=DEFAULT_SHAPES, new_tokens=128,
+                                                                    reps=3, max_seconds=540.0,
                                                                     configs=",".join(ALL_CONFIGS))
     opt = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in base.items()}
     if not args.dry_run and opt["new_tokens"] < 32:
