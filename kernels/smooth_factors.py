@@ -26,6 +26,7 @@ import triton.language as tl
 
 from .device import on_device
 from .interpreter import use_triton
+from .launch import lean
 from .rotation import SMOOTH_RANGE, smooth_scales
 
 __all__ = ["smooth_factors", "smooth_factors_triton"]
@@ -129,10 +130,10 @@ def smooth_factors_triton(k: torch.Tensor, nsub: int | None = None) -> torch.Ten
     out = torch.empty(b, H, D, device=k.device, dtype=torch.float32)
     lo, hi = SMOOTH_RANGE
     with on_device(k.device):
-        _smooth_stats_kernel[(NC, b * H)](k, part, cnt, T, H, NC, nsub, *k.stride(), D=D, BD=BD, BT=BT,
-                                          num_warps=4)
-        _smooth_finish_kernel[(b * H,)](part, cnt, out, NC, lo, hi, D=D, BD=BD, BC=max(1, 4096 // BD),
-                                        num_warps=4)
+        lean(_smooth_stats_kernel)[(NC, b * H)](k, part, cnt, T, H, NC, nsub, *k.stride(), D=D, BD=BD, BT=BT,
+                                                num_warps=4)
+        lean(_smooth_finish_kernel)[(b * H,)](part, cnt, out, NC, lo, hi, D=D, BD=BD, BC=max(1, 4096 // BD),
+                                              num_warps=4)
     return out
 
 
