@@ -82,8 +82,7 @@ def _key_factor(smf, o_s, m_d, BD: tl.constexpr, HAS_FACTOR: tl.constexpr):
 
 
 @triton.jit
-def _rotate_keys(b_k, b_f, D: tl.constexpr, BD: tl.constexpr, ROTATE: tl.constexpr, ROT_N: tl.constexpr,
-                 ROT_C: tl.constexpr):
+def _rotate_keys(b_k, b_f, ROTATE: tl.constexpr, ROT_N: tl.constexpr, ROT_C: tl.constexpr):
     """Raw key rows ``[R, BD]`` -> the stored basis: ``(k . diag(b_f) . H+-1) * ROT_C`` in fp32
     (``hadamard.hadamard_rows``; ROT_C = fp32 1/sqrt(ROT_N), one rounding), unchanged without ROTATE.
     In the pass that loads the rows anyway: every statistic, mean subtraction, code and pack after it sees rotated K
@@ -126,7 +125,7 @@ def _store_tokens_kernel(
                   mask=m, other=0.0)
     if ROTATE:
         b_f = _key_factor(smf, i_bh.to(tl.int64) * D + o_d, o_d < D, BD, HAS_FACTOR)
-        b_k = _rotate_keys(b_k, b_f, D, BD, ROTATE, ROT_N, ROT_C)
+        b_k = _rotate_keys(b_k, b_f, ROTATE, ROT_N, ROT_C)
     b_v = tl.load(v + i_b.to(tl.int64) * stride_vb + i_h * stride_vh + o_t[:, None] * stride_vt + o_d[None, :],
                   mask=m, other=0.0)
     # pack.quantize_int8's tile math (one helper: the same bits)
@@ -251,7 +250,7 @@ def _stats_kernel(
         b_ksum += tl.sum(tl.where(f_k, b_k, 0.0), 0)  # raw keys: the raw mean's fallback
         b_kn += tl.sum(f_k.to(tl.float32), 0)
         if ROTATE:  # a key's non-finite element spreads over its Hadamard block: those channels drop out
-            b_k = _rotate_keys(b_k, b_f, D, BD, ROTATE, ROT_N, ROT_C)
+            b_k = _rotate_keys(b_k, b_f, ROTATE, ROT_N, ROT_C)
             f_k = m & _finite(b_k)
         k_lo = tl.min(tl.where(f_k, b_k, inf), 0)
         k_hi = tl.max(tl.where(f_k, b_k, -inf), 0)
@@ -485,7 +484,7 @@ def _load_rows(p_k, p_v, sk_t, sv_t, i, n, c, take, o_d, m_d, b_f, D: tl.constex
     t = (take + i - c).to(tl.int64)
     b_k = tl.load(p_k + t[:, None] * sk_t + o_d[None, :], mask=m_new, other=0.0)
     b_v = tl.load(p_v + t[:, None] * sv_t + o_d[None, :], mask=m_new, other=0.0)
-    return _rotate_keys(b_k, b_f, D, BD, ROTATE, ROT_N, ROT_C), b_v, m_new
+    return _rotate_keys(b_k, b_f, ROTATE, ROT_N, ROT_C), b_v, m_new
 
 
 @triton.jit
@@ -661,7 +660,7 @@ def _new_rows(p_x, sx, b_s, b_m, o_t, m, o_d, b_f, HAS_MEAN: tl.constexpr, D: tl
               ROTATE: tl.constexpr, ROT_N: tl.constexpr, ROT_C: tl.constexpr):
     """Rows ``o_t`` of one head's new tokens (masked by ``m``) -> (tile, rotated with ROTATE; INT8 codes)."""
     b_x = tl.load(p_x + o_t[:, None].to(tl.int64) * sx + o_d[None, :], mask=m, other=0.0)
-    b_x = _rotate_keys(b_x, b_f, D, BD, ROTATE, ROT_N, ROT_C)
+    b_x = _rotate_keys(b_x, b_f, ROTATE, ROT_N, ROT_C)
     return b_x, _quantize_universal(b_x, b_s, b_m, HAS_MEAN=HAS_MEAN)
 
 

@@ -83,7 +83,7 @@ def _store_step_kernel(
             tl.atomic_add(flag, _bad_rows(b_k, b_v, m_1))
         if ROTATE:
             b_f = _key_factor(smf, i_hb * D + o_d, m_d, BD, HAS_FACTOR)
-            b_k = _rotate_keys(b_k, b_f, D, BD, ROTATE, ROT_N, ROT_C)
+            b_k = _rotate_keys(b_k, b_f, ROTATE, ROT_N, ROT_C)
         b_k8 = _quantize_universal(b_k, b_sk, b_mk, HAS_MEAN=HAS_MEAN)
         b_v8 = _quantize_universal(b_v, b_sv, b_sv, HAS_MEAN=False)
         slot = (n_tail + o_1).to(tl.int64)
