@@ -180,6 +180,9 @@ def reset_static_len(model) -> None:
     32k row would make every later static row attend over 32k slots: forget it between rows."""
     if hasattr(model, "_previous_max_cache_length"):
         del model._previous_max_cache_length
+    import turbo_attn_hf
+
+    turbo_attn_hf.release_static_cache(model)  # the static TurboCache kept for the next call: not this row's memory
 
 
 def reset_compile(model) -> None:

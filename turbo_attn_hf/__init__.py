@@ -39,6 +39,7 @@ __all__ = [
     "embedded_model",
     "get_turbo_config",
     "register",
+    "release_static_cache",
     "set_turbo_config",
 ]
 __version__ = "0.1.0"
@@ -56,6 +57,7 @@ _LAZY = {
     "TurboConfigError": "config",
     "TurboCache": "cache",
     "embedded_model": "chat",
+    "release_static_cache": "generation",
 }
 
 #: the transformers module whose loading triggers the deferred registration (it defines AttentionInterface)

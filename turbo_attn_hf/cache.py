@@ -792,6 +792,43 @@ class TurboStaticLayer(TurboLayer):
         self.lens = self.counters = None
         self._host_stale = False
 
+    def reset(self) -> None:
+        """Empty the layer but keep its storage: the next first prefill writes into the same tensors
+        (:meth:`_adopt_kept`), so a CUDA graph captured over them replays instead of re-recording (a new address
+        per generate() made cudagraph trees record the decode step again every call)."""
+        kept = self._storage() if self.is_initialized and self.k_scale is not None else None
+        super().reset()
+        self._kept = kept
+
+    def _storage(self) -> dict:
+        """Every tensor a compiled decode step reads or writes by address, keyed by where it lives."""
+        out = {("layer", n): t for n, t in self._tensors()}
+        for n in ("lens", "counters", "nonfinite", "_base"):
+            if getattr(self, n, None) is not None:
+                out[("layer", n)] = getattr(self, n)
+        for i, grp in enumerate(self.groups):
+            out[("group", i, "heads")] = grp.heads
+            out.update({("group", i, n): t for n, t in grp._tensors()})
+        return out
+
+    def _adopt_kept(self) -> None:
+        """After a first prefill that follows :meth:`reset`: copy the new storage into the kept tensors and use
+        those, when every tensor has the same layout (same batch, capacity and config); else keep the new ones."""
+        kept, self._kept = getattr(self, "_kept", None), None
+        if not kept:
+            return
+        cur = self._storage()
+        same = cur.keys() == kept.keys() and all(
+            t.shape == kept[k].shape and t.stride() == kept[k].stride() and t.dtype == kept[k].dtype
+            and t.device == kept[k].device for k, t in cur.items())
+        if not same:
+            return
+        for key, t in cur.items():
+            old = kept[key]
+            if old is not t:
+                old.copy_(t)
+                setattr(self if key[0] == "layer" else self.groups[key[1]], key[-1], old)
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         cfg = self.turbo_config
         from .kernels.reference import int8_buffer_layout
@@ -861,6 +898,7 @@ class TurboStaticLayer(TurboLayer):
             self._sync_host()
             self._check_room(key_states.shape[2])
             out = super().update(key_states, value_states, cache_kwargs, *args, **kwargs)
+            self._adopt_kept()
             self._push_lens()
             self._mark_static()
             return out

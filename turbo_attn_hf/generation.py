@@ -33,6 +33,7 @@ _WRAPPED_FLAG = "_turbo_attn_wrapped"
 #: tokens: the static TurboCache that generate(cache_implementation="static") builds holds a multiple of this (the
 #: packed storage of 1024 more tokens is ~0.2x of a bf16 cache's 1024 tokens; a recompile is 25-70 s on a GPU)
 STATIC_CAPACITY_STEP = 1024
+_STATIC_ATTR = "_turbo_static_cache"  # the model attribute holding the reused static TurboCache
 
 
 def cache_entries(model_kwargs: dict) -> dict[str, Any]:
@@ -97,7 +98,7 @@ def maybe_swap_cache(model: Any, generation_config: Any, model_kwargs: dict, bef
         # the capacity is a constant of the compiled step (a new one recompiles it): whole multiples of
         # STATIC_CAPACITY_STEP let calls of nearby lengths share one compiled graph
         cap = -(-cap // STATIC_CAPACITY_STEP) * STATIC_CAPACITY_STEP
-        new = TurboCache(get_turbo_config(model), config=text_config, max_cache_len=cap)
+        new = _reused_static_cache(model, get_turbo_config(model), text_config, cap)
     elif type(cache) is not DynamicCache:
         return False
     else:
@@ -106,6 +107,33 @@ def maybe_swap_cache(model: Any, generation_config: Any, model_kwargs: dict, bef
         new.activate_past_recording()
     model_kwargs[key] = new
     return True
+
+
+def _reused_static_cache(model: Any, turbo_config: Any, text_config: Any, cap: int):
+    """The static TurboCache of this model's previous ``generate(cache_implementation="static")``, reset, when it has
+    the same config and capacity; else a new one (kept on the model for the next call). Its storage keeps its
+    addresses across calls, so HF's compiled decode step replays its CUDA graph instead of recording it again each
+    call (as HF 4.x reused its StaticCache). Like that cache, it is reset by the next such call:
+    ``turbo_attn_hf.release_static_cache(model)`` frees it."""
+    from .cache import TurboCache, _resolve_config
+
+    old = getattr(model, _STATIC_ATTR, None)
+    if (old is not None and getattr(old, "_text_config", None) is text_config
+            and {getattr(l, "max_cache_len", cap) for l in old.layers} == {cap}
+            and old.turbo_config == _resolve_config(turbo_config, text_config)):
+        old.reset()
+        return old
+    release_static_cache(model)  # free the old storage before the new one is allocated
+    new = TurboCache(turbo_config, config=text_config, max_cache_len=cap)
+    new._text_config = text_config
+    setattr(model, _STATIC_ATTR, new)
+    return new
+
+
+def release_static_cache(model: Any) -> None:
+    """Drop the static TurboCache a model keeps between ``generate(cache_implementation="static")`` calls."""
+    if getattr(model, _STATIC_ATTR, None) is not None:
+        setattr(model, _STATIC_ATTR, None)
 
 
 def install() -> bool:

@@ -144,6 +144,36 @@ def test_generate_static_builds_and_compiles_the_static_turbocache(tm, pytorch_r
     torch._dynamo.reset()
 
 
+def test_generate_static_reuses_the_cache_storage(tm, pytorch_reference_kernels):
+    """A second generate(cache_implementation="static") gets the first call's TurboCache back, reset, and its first
+    prefill writes into the same storage tensors (a CUDA graph holds their addresses: a new address per call made
+    cudagraph trees record the decode step again every call); the tokens stay those of a fresh cache. Another
+    batch size or preset gets a new cache; release_static_cache drops it."""
+    model = tm.make_model("llama", attn="turbo_int8")
+    turbo_attn_hf.set_turbo_config(model, INT4_B16)
+    ids, mask = _padded(tm)
+    kw = dict(attention_mask=mask, max_new_tokens=20, do_sample=False, cache_implementation="static",
+              disable_compile=True, return_dict_in_generate=True)
+
+    def run(i, m, **k):
+        out = model.generate(i, **{**kw, "attention_mask": m, **k})
+        return out.sequences, getattr(out, "past_key_values", None) or getattr(out, "cache", None)
+
+    seq1, c1 = run(ids, mask)
+    ptrs = {k: t.data_ptr() for k, t in c1.layers[0]._storage().items()}
+    seq2, c2 = run(ids, mask)
+    assert c2 is c1 and torch.equal(seq2, seq1)
+    assert {k: t.data_ptr() for k, t in c2.layers[0]._storage().items()} == ptrs
+    seq3, c3 = run(ids[:1], mask[:1])  # another batch: same object, new storage (layouts differ), right tokens
+    ref = model.generate(ids[:1], attention_mask=mask[:1], max_new_tokens=20, do_sample=False)
+    assert torch.equal(seq3, ref) and c3 is c1
+    turbo_attn_hf.set_turbo_config(model, "int8")
+    _, c4 = run(ids, mask)
+    assert c4 is not c1
+    turbo_attn_hf.release_static_cache(model)
+    assert model._turbo_static_cache is None
+
+
 def test_static_beam_search_matches_dynamic(tm, pytorch_reference_kernels):
     """Beam search reorders the static storage in place (the addresses a CUDA graph holds stay)."""
     model = tm.make_model("mistral", attn="turbo_int8")
