@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-__all__ = ["on_device"]
+__all__ = ["on_device", "sm_count"]
+
+
+@functools.lru_cache(maxsize=16)
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device``; 4 off CUDA (the interpreter: a few chunks, so tests cover splits)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 class on_device:

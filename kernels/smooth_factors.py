@@ -18,13 +18,11 @@ No host sync; T is a runtime argument (no recompile per prompt length).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from .device import on_device
+from .device import on_device, sm_count
 from .interpreter import use_triton
 from .launch import lean
 from .rotation import SMOOTH_RANGE, smooth_scales
@@ -105,13 +103,6 @@ def _pow2(n: int) -> int:
     return 1 << (max(int(n), 1) - 1).bit_length()
 
 
-@functools.lru_cache(maxsize=16)
-def _n_sm(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter: a few chunks, so tests cover the chunk split
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def smooth_factors_triton(k: torch.Tensor, nsub: int | None = None) -> torch.Tensor:
     """``rotation.smooth_scales(k)`` by two Triton launches: ``k [b, Hk, T, d]`` (any float dtype, any strides)
     -> ``s [b, Hk, d]`` fp32. ``nsub``: tiles of tokens per program (default: enough programs to fill the GPU)."""
@@ -122,7 +113,7 @@ def smooth_factors_triton(k: torch.Tensor, nsub: int | None = None) -> torch.Ten
     BT = 4096 // BD  # a [BT, BD] fp32 tile of 4K elements (32 registers a thread); fixed: no recompile per T
     n_tiles = max(1, triton.cdiv(T, BT))
     if nsub is None:  # ~4 programs per SM; a longer chunk per program past that
-        nsub = triton.cdiv(n_tiles * b * H, 4 * _n_sm(k.device))
+        nsub = triton.cdiv(n_tiles * b * H, 4 * sm_count(k.device))
     nsub = max(1, min(int(nsub), n_tiles))
     NC = triton.cdiv(n_tiles, nsub)
     part = torch.empty(b * H, NC, 3, BD, device=k.device, dtype=torch.float32)

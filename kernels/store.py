@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 
 from .decode import _pow2
+from .device import sm_count
 from .hadamard import hadamard_rows
 from .interpreter import interpreting
 from .launch import LeanLaunch, lean
@@ -194,8 +195,9 @@ def rot_scale(n: int) -> float:
 
 
 # ============================================================================ first prefill: stats -> scales
-#: blocks per program of ``_stats_kernel`` on the GPU (a chunk of 8 x 64 tokens: 512 programs at 32k, 8 heads);
-#: the interpreter takes whole sequences per program (its cost is per operation, not per element)
+#: the most blocks per program of ``_stats_kernel`` on the GPU (a chunk of 8 x 64 tokens: 512 programs at 32k, 8
+#: heads); fewer while that leaves SMs idle (``stats_chunk_blocks``); the interpreter takes whole sequences per
+#: program (its cost is per operation, not per element)
 STATS_CHUNK_BLOCKS = 8
 N_PART = 8  # rows of a stats partial: K min, K max, V min, V max, K gap sum, V gap sum, finite K sum, finite K count
 
@@ -451,12 +453,23 @@ def kv_stats(k: torch.Tensor, v: torch.Tensor, k_mean: Optional[torch.Tensor], b
 _STATS_PLANS: dict = {}
 
 
+def stats_chunk_blocks(n_blocks: int, n_rows: int, n_sm: int) -> int:
+    """Blocks per ``_stats_kernel`` program for ``n_blocks`` blocks of each of ``n_rows`` (b x H) streams: the
+    largest power of two up to ``STATS_CHUNK_BLOCKS`` that still gives one program per SM. A program's time is
+    per block (each block's min/max reduces over its tokens), so a short prompt in chunks of 8 blocks ran 16
+    programs for 58 us where 1 block each takes 8 us (H100, 1 x 1k, 8 heads; PERF_NOTES, session 15)."""
+    nsub = STATS_CHUNK_BLOCKS
+    while nsub > 1 and -(-n_blocks // nsub) * n_rows < n_sm:
+        nsub //= 2
+    return nsub
+
+
 def _stats_plan(k, v, k_mean, block_size, headroom, select, rope_dims, rot):
     """(partials' shape, counts' shape, scales' shape, stats (grid, scalars, kwargs), finish (...), memos)."""
     b, H, T, D = k.shape
     bs, BD = int(block_size), _pow2(D)
     nblocks = -(-T // bs)
-    nsub = _pow2(nblocks) if interpreting() else STATS_CHUNK_BLOCKS
+    nsub = _pow2(nblocks) if interpreting() else stats_chunk_blocks(nblocks, b * H, sm_count(k.device))
     nsub = max(1, min(nsub, _pow2(nblocks)))
     nc = -(-T // (nsub * bs))
     # rotated stats: 8 warps (sm_90 compile, d 128: 4 warps 255 regs + a 176-208 B stack, 8 warps 247-255 + 0-24 B)

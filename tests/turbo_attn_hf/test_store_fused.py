@@ -84,6 +84,31 @@ def test_first_prefill_equals_pytorch_path(preset, T, sink, recent, device):
 
 
 @pytest.mark.parametrize("preset", ["int8", "mixed"])
+@pytest.mark.parametrize("n_sm", [20, 64], ids=["chunks-of-2", "chunks-of-1"])
+def test_first_prefill_in_gpu_chunks_equals_pytorch_path(preset, n_sm, device, monkeypatch):
+    """The GPU's chunking of the stats pass (``store.stats_chunk_blocks``; the interpreter otherwise takes a whole
+    sequence per program): 6 blocks x 8 streams in chunks of 2 (the last one partial) or 1 block."""
+    from turbo_attn_hf.kernels import store as S
+
+    monkeypatch.setattr(S, "interpreting", lambda: False)
+    monkeypatch.setattr(S, "sm_count", lambda _dev: n_sm)
+    monkeypatch.setattr(S, "_STATS_PLANS", {})
+    b, hk, T = 2, 4, 5 * BS + 3
+    k, v = _kv(b, hk, T, seed=11, device=device)
+    cfg = _cfg(preset, sink_blocks=1, recent_blocks=1)
+    _assert_same(_run(cfg, k, v, [T], True), _run(cfg, k, v, [T], False))
+
+
+def test_stats_chunk_blocks_fill_the_sms():
+    from turbo_attn_hf.kernels.store import STATS_CHUNK_BLOCKS, stats_chunk_blocks
+
+    assert stats_chunk_blocks(16, 8, 132) == 1  # 1 x 1k, 8 KV heads, H100: 128 programs of one block
+    assert stats_chunk_blocks(64, 8, 132) == 2  # 1 x 4k: 256 programs
+    assert stats_chunk_blocks(512, 8, 132) == STATS_CHUNK_BLOCKS  # 1 x 32k: 512 programs of 8 blocks
+    assert stats_chunk_blocks(6, 8, 20) == 2 and stats_chunk_blocks(1, 1, 132) == 1
+
+
+@pytest.mark.parametrize("preset", ["int8", "mixed"])
 @pytest.mark.parametrize("rope_dims", [D, D // 2], ids=["full", "partial"])
 @pytest.mark.parametrize("smooth_k", [True, False], ids=["smooth", "plain"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
