@@ -53,6 +53,7 @@ from .hadamard import hadamard_rows
 from .interpreter import interpreting
 from .launch import LeanLaunch
 from .pack import PackedKV, _dequant_tile, _unpack_tile
+from .quant import check_qk_smooth
 from .reference import SQ_MIN
 from .rotation import rotation_block
 from .softmax import sas_exp2
@@ -1001,8 +1002,6 @@ def turbo_decode_attention(
     # objects, hence a new entry; entries hold weak references only.
     if isinstance(n_splits, dict):
         n_splits = tuple(sorted((int(k), int(v)) for k, v in n_splits.items()))
-    if qk_smooth is not None and not rotate:
-        raise ValueError("qk_smooth (K -> Q smoothing factors) needs rotate=True: they apply before the rotation")
     stor = (k_tail, v_tail, k_scale, v_scale, k_mean, qk_smooth)
     for g_ in groups:
         stor += (g_.heads, g_.k, g_.v, g_.k_scale, g_.k_zero, g_.v_sz)
@@ -1089,9 +1088,8 @@ class _DecodeStatic:
         self.refs = tuple(_none_ref if t is None else weakref.ref(t) for t in stor)
         G = HQ // HK
         scale = D ** -0.5 if scale is None else float(scale)
+        check_qk_smooth(qk_smooth, rotate, k_tail)  # [b, HK, C, D]: factors [b, HK, D] with rotate on
         rot_n = rotation_block(D) if rotate else 1  # RotationError (a ValueError) for a head dim without one
-        if qk_smooth is not None and tuple(qk_smooth.shape) != (b, HK, D):
-            raise ValueError(f"qk_smooth must be [b, HK, D] = {(b, HK, D)}, got {tuple(qk_smooth.shape)}")
         self.q_copy = q.stride(-1) != 1
         qs = q.stride() if not self.q_copy else (HQ * Lq * D, Lq * D, D, 1)
         self.o_shape, self.device = (b, Lq, HQ, D), q.device

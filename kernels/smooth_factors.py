@@ -30,6 +30,12 @@ from .rotation import SMOOTH_RANGE, smooth_scales
 __all__ = ["smooth_factors", "smooth_factors_triton"]
 
 
+@triton.jit
+def _sum_min_max_init(BD: tl.constexpr):
+    """Empty per-channel accumulators ``[BD]`` fp32: sum 0, min +inf, max -inf."""
+    return tl.zeros([BD], tl.float32), tl.full([BD], float("inf"), tl.float32), tl.full([BD], float("-inf"), tl.float32)
+
+
 @triton.jit(do_not_specialize=["T", "NSUB"])
 def _smooth_stats_kernel(
     k, part, cnt, T, H, NC, NSUB,
@@ -44,9 +50,7 @@ def _smooth_stats_kernel(
     o_r = tl.arange(0, BT)
     m_d = o_d < D
     inf = float("inf")
-    b_sum = tl.zeros([BD], tl.float32)
-    b_min = tl.full([BD], inf, tl.float32)
-    b_max = tl.full([BD], -inf, tl.float32)
+    b_sum, b_min, b_max = _sum_min_max_init(BD)
     n_ok = tl.sum(tl.zeros([BT], tl.int32), 0)
     p_k = k + i_b * stride_kb + i_h * stride_kh + o_d[None, :].to(tl.int64) * stride_kd
     for j in range(NSUB):
@@ -78,9 +82,7 @@ def _smooth_finish_kernel(
     o_c = tl.arange(0, BC)
     m_d = o_d < D
     inf = float("inf")
-    b_sum = tl.zeros([BD], tl.float32)
-    b_min = tl.full([BD], inf, tl.float32)
-    b_max = tl.full([BD], -inf, tl.float32)
+    b_sum, b_min, b_max = _sum_min_max_init(BD)
     b_n = tl.zeros([BC], tl.int32)
     for c0 in range(0, NC, BC):
         m_c = (c0 + o_c) < NC
@@ -128,8 +130,11 @@ def smooth_factors_triton(k: torch.Tensor, nsub: int | None = None) -> torch.Ten
     return out
 
 
-def smooth_factors(k: torch.Tensor) -> torch.Tensor:
-    """K -> Q smoothing factors ``s [b, Hk, d]`` fp32 of keys ``k [b, Hk, T, d]``: the Triton pass on CUDA (or
-    under TRITON_INTERPRET=1), else (CPU, empty K, torch.compile tracing) the torch twin ``rotation.smooth_scales``."""
-    fast = use_triton(k.device) and k.shape[2] > 0 and not torch.compiler.is_compiling()  # compile traces the twin
+def smooth_factors(k: torch.Tensor, kernel: bool | None = None) -> torch.Tensor:
+    """K -> Q smoothing factors ``s [b, Hk, d]`` fp32 of keys ``k [b, Hk, T, d]``: the Triton pass where the
+    caller's kernels run (``kernel``; default: CUDA or TRITON_INTERPRET=1), else (CPU, empty K, torch.compile
+    tracing) the torch twin ``rotation.smooth_scales``."""
+    if kernel is None:
+        kernel = use_triton(k.device)
+    fast = kernel and k.shape[2] > 0 and not torch.compiler.is_compiling()  # compile traces the twin
     return smooth_factors_triton(k) if fast else smooth_scales(k)

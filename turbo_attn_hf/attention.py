@@ -44,7 +44,6 @@ from .capabilities import (
 )
 from .config import TurboConfig, resolve_rotate_qk
 from .kernels.device import on_device
-from .kernels.rotation import smooth_scales
 from .kernels.smooth_factors import smooth_factors
 
 try:  # transformers >= 5.x records attentions through hooks; the attention fn never sees the flag
@@ -298,8 +297,8 @@ def turbo_attention_forward(
     # no TurboCache here: K arrives unrotated (DynamicCache / no cache); both are rotated inside their quantization
     # pass (issue 23 item 5: no separate matmul), the smooth_hadamard factors from this call's keys
     # where the Triton prefill runs (_prefill_fn's rule), the factors too: one pass over K, not ~12 torch passes
-    smooth_fn = smooth_factors if query.device.type == "cuda" or caps.triton_interpret() else smooth_scales
-    qk_smooth = smooth_fn(key) if cfg.rotate_qk == "smooth_hadamard" else None
+    kernel = query.device.type == "cuda" or caps.triton_interpret()
+    qk_smooth = smooth_factors(key, kernel=kernel) if cfg.rotate_qk == "smooth_hadamard" else None
     with on_device(query.device):
         out = fn(
             query, key, value, scale=scaling, causal=is_causal, window=sliding_window, softcap=softcap,

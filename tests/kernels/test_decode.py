@@ -444,7 +444,7 @@ def test_decode_qk_smooth_checks_and_static_entries(device):
     q, k, v, (groups, kt, vt, nt, ks, vs, mu) = make_case(1, 2, 2, 40, 1, 32, [4, 4], 16)
     pk = to_packed(groups, device)
     args = (q.to(device), pk, kt.to(device), vt.to(device), nt, ks.to(device), vs.to(device), mu.to(device))
-    with pytest.raises(ValueError, match="needs rotate=True"):
+    with pytest.raises(ValueError, match="needs rotate_qk=True"):
         turbo_decode_attention(*args, qk_smooth=torch.ones(1, 2, 32, device=device))
     with pytest.raises(ValueError, match="qk_smooth must be"):
         turbo_decode_attention(*args, rotate=True, qk_smooth=torch.ones(1, 1, 32, device=device))
