@@ -47,7 +47,7 @@ Byte layout ("interleaved"): byte ``j`` of a row holds codes ``PB*j + p`` in bit
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import triton
@@ -390,16 +390,21 @@ class PackedKV:
 
     @classmethod
     def empty(cls, bits: int, heads: torch.Tensor, batch: int, head_dim: int, block_size: int,
-              device, capacity: int = 1) -> "PackedKV":
+              device, capacity: int = 1, alloc: Optional[Callable] = None) -> "PackedKV":
+        """No blocks, room for ``capacity``; ``alloc(name, shape, dtype)`` makes each tensor (default
+        ``torch.empty`` on ``device``)."""
+        if alloc is None:
+            def alloc(name, shape, dtype):
+                return torch.empty(shape, dtype=dtype, device=device)
         H, D, BS = len(heads), head_dim, block_size
         pb = 8 // bits
         dt = torch.int8 if bits == 8 else torch.uint8
         g = cls(bits=bits, heads=heads.to(device=device, dtype=torch.int32),
-                k=torch.empty(batch, H, capacity, BS, D // pb, dtype=dt, device=device),
-                v=torch.empty(batch, H, capacity, D, BS // pb, dtype=dt, device=device))
+                k=alloc("k", (batch, H, capacity, BS, D // pb), dt),
+                v=alloc("v", (batch, H, capacity, D, BS // pb), dt))
         if bits != 8:
             for name, shape in (("k_scale", (D,)), ("k_zero", (D,)), ("v_sz", (2, BS))):
-                setattr(g, name, torch.empty(batch, H, capacity, *shape, dtype=torch.int8, device=device))
+                setattr(g, name, alloc(name, (batch, H, capacity, *shape), torch.int8))
         return g
 
     @property

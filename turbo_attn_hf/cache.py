@@ -48,7 +48,7 @@ from .kernels.device import on_device
 from .kernels.interpreter import use_triton
 from .kernels.pack import PackedKV, kv_bytes_per_token, quantize_int8
 from .kernels.reference import k_smooth_mean, kv_finite_mean_ref, rope_pair_amax_ref
-from .kernels.rotation import rotate, smooth_scales
+from .kernels.rotation import rotate
 from .kernels.smooth_factors import smooth_factors
 
 __all__ = ["TurboCache", "TurboCacheFullError", "TurboLayer", "TurboSlidingWindowLayer", "TurboStaticLayer",
@@ -257,10 +257,15 @@ class TurboLayer(CacheLayerMixin):
         self.groups = []  # made by the first prefill's store, at the capacity it needs (none allocated twice)
         cap = (self.turbo_config.sink_blocks + self.turbo_config.recent_blocks + 1) * bs
         # no fill: slots at or past n_tail are never read (the decode kernel masks them; any int8 is finite)
-        self.k_tail = torch.empty(b, hk, cap, d, dtype=torch.int8, device=self.device)
-        self.v_tail = torch.empty(b, hk, d, cap, dtype=torch.int8, device=self.device)
+        self.k_tail = self._empty(("layer", "k_tail"), (b, hk, cap, d), torch.int8)
+        self.v_tail = self._empty(("layer", "v_tail"), (b, hk, d, cap), torch.int8)
         self.n_tail = 0
         self.is_initialized = True
+
+    def _empty(self, key: tuple, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """A new storage tensor; ``key`` names it as :meth:`TurboStaticLayer._storage` does (the static layout
+        hands back the kept tensor of that name and layout instead)."""
+        return torch.empty(shape, dtype=dtype, device=self.device)
 
     def _make_groups(self, head_bits: list[int], capacity: int = 1, maps: Optional[dict] = None) -> None:
         """One empty PackedKV per bit width present in ``head_bits``; ``maps``: bits -> a device head map to use
@@ -270,8 +275,10 @@ class TurboLayer(CacheLayerMixin):
             heads = [h for h, hb in enumerate(head_bits) if hb == bits]
             if heads:
                 hm = maps[bits] if maps and bits in maps else _head_map(tuple(heads), self.device)
-                self.groups.append(PackedKV.empty(bits, hm, self.batch, self.head_dim, self.turbo_config.block_size,
-                                                  self.device, capacity=capacity))
+                i = len(self.groups)
+                self.groups.append(PackedKV.empty(
+                    bits, hm, self.batch, self.head_dim, self.turbo_config.block_size, self.device, capacity=capacity,
+                    alloc=lambda name, shape, dtype, i=i: self._empty(("group", i, name), shape, dtype)))
 
     def _prompt_select(self) -> bool:
         """Whether the first prefill chooses this layer's 2-bit heads (``head_select: prompt``)."""
@@ -422,8 +429,7 @@ class TurboLayer(CacheLayerMixin):
         the stored (rotated) basis; smooth_hadamard's factors fixed by the first keys that arrive."""
         if self.smoothed and self.qk_smooth is None and key_states.shape[2] > 0:
             # one Triton pass over K where the kernels run (issue 23: the torch twin cost +120..361 % of the store)
-            fast = use_triton(key_states.device)
-            self.qk_smooth = smooth_factors(key_states) if fast else smooth_scales(key_states)
+            self.qk_smooth = smooth_factors(key_states, kernel=use_triton(key_states.device))
         return key_states if self._fused(key_states) else rotate(key_states, self.qk_smooth, "k")
 
     @property
@@ -466,15 +472,16 @@ class TurboLayer(CacheLayerMixin):
         h = self.scale_headroom
         self.headroom = h = auto_headroom(T) if h == "auto" else float(h)
         mean = k_smooth_mean(key_states) if cfg.smooth_k else None
-        self.nonfinite = torch.empty(1, dtype=torch.int32, device=self.device)
+        self.nonfinite = self._empty(("layer", "nonfinite"), (1,), torch.int32)
         select = None
         bs = cfg.block_size
         n = T - min(self.n_sink, T)  # tokens after the sinks; the first prefill's blocks are reserved at once
         nb = (n - cfg.recent_blocks * bs) // bs if n >= (cfg.recent_blocks + 1) * bs else 0
         if self._prompt_select():
             n2 = self._plan_bits.count(2)
-            maps = {cfg.bits: torch.empty(hk - n2, dtype=torch.int32, device=self.device),
-                    2: torch.empty(n2, dtype=torch.int32, device=self.device)}
+            order = [bits for bits in _BITS_ORDER if bits in (cfg.bits, 2)]  # the groups' order (_make_groups)
+            maps = {bits: self._empty(("group", order.index(bits), "heads"), (n,), torch.int32)
+                    for bits, n in ((cfg.bits, hk - n2), (2, n2))}
             self._make_groups(self._plan_bits, capacity=max(nb, 1), maps=maps)
             select = (maps[cfg.bits], maps[2], n2)
         else:
@@ -791,6 +798,7 @@ class TurboStaticLayer(TurboLayer):
         super()._clear()
         self.lens = self.counters = None
         self._host_stale = False
+        self._adopted = False  # the storage is the one an earlier generate() used (its decode entry is warm)
 
     def reset(self) -> None:
         """Empty the layer but keep its storage: the next first prefill writes into the same tensors
@@ -811,10 +819,22 @@ class TurboStaticLayer(TurboLayer):
             out.update({("group", i, n): t for n, t in grp._tensors()})
         return out
 
+    def _empty(self, key: tuple, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """The kept tensor of that name (:meth:`reset`) when its layout is the one asked for: the first prefill
+        then writes the storage in place (no second copy of the cache in memory, no copy back); else a new one."""
+        t = self._kept.get(key) if getattr(self, "_kept", None) else None
+        if t is not None and tuple(t.shape) == tuple(shape) and t.dtype == dtype and t.device == self.device \
+                and t.is_contiguous():
+            return t
+        return super()._empty(key, shape, dtype)
+
     def _adopt_kept(self) -> None:
-        """After a first prefill that follows :meth:`reset`: copy the new storage into the kept tensors and use
-        those, when every tensor has the same layout (same batch, capacity and config); else keep the new ones."""
+        """After a first prefill that follows :meth:`reset`: when every tensor has the kept layout (same batch,
+        capacity and config), use the kept tensors — the storage was written into them (:meth:`_empty`); the few
+        that kernels return new (scales, mean, factors, head maps) are copied in, in one launch — else keep the
+        new ones."""
         kept, self._kept = getattr(self, "_kept", None), None
+        self._adopted = False
         if not kept:
             return
         cur = self._storage()
@@ -823,11 +843,16 @@ class TurboStaticLayer(TurboLayer):
             and t.device == kept[k].device for k, t in cur.items())
         if not same:
             return
+        olds, news = [], []
         for key, t in cur.items():
             old = kept[key]
             if old is not t:
-                old.copy_(t)
+                olds.append(old)
+                news.append(t)
                 setattr(self if key[0] == "layer" else self.groups[key[1]], key[-1], old)
+        if olds:
+            torch._foreach_copy_(olds, news)
+        self._adopted = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         cfg = self.turbo_config
@@ -837,9 +862,10 @@ class TurboStaticLayer(TurboLayer):
         self._cap_blocks = max(1, int8_buffer_layout(self.max_cache_len, cfg.block_size, cfg.sink_blocks,
                                                      cfg.recent_blocks)[0])
         super().lazy_initialization(key_states, value_states)
-        self.lens = torch.zeros(2, dtype=torch.int32, device=self.device)
-        self.counters = torch.zeros(2, dtype=torch.int32, device=self.device)  # arrival (0 between steps), overflow
-        self._base = torch.empty(1, dtype=self.dtype, device=self.device)  # made here: not inside a compiled step
+        self.lens = self._empty(("layer", "lens"), (2,), torch.int32)  # written by _push_lens
+        # arrival (0 between steps), overflow
+        self.counters = self._empty(("layer", "counters"), (2,), torch.int32).zero_()
+        self._base = self._empty(("layer", "_base"), (1,), self.dtype)  # made here: not inside a compiled step
 
     def _make_groups(self, head_bits: list[int], capacity: int = 1, maps: Optional[dict] = None) -> None:
         super()._make_groups(head_bits, max(capacity, self._cap_blocks), maps)
@@ -866,8 +892,11 @@ class TurboStaticLayer(TurboLayer):
         return self.groups[0].n_blocks if self.groups else 0
 
     def _push_lens(self) -> None:
+        # two fills, not a copy from a host tensor: a pageable host-to-device copy waits for the stream, which at
+        # every layer of a prefill took away the host's lead over the GPU
         if self.lens is not None and self.k_scale is not None:
-            self.lens.copy_(torch.tensor([self.n_blocks, self.n_tail], dtype=torch.int32))
+            self.lens[0].fill_(self.n_blocks)
+            self.lens[1].fill_(self.n_tail)
 
     def _check_room(self, n_new: int) -> None:
         n = super().get_seq_length() if self.is_initialized else 0  # after _sync_host: the host value
@@ -938,9 +967,10 @@ class TurboStaticLayer(TurboLayer):
         if self._first_prefill or query.shape[2] != 1 or key.shape[2] != self.max_cache_len:
             out = super().attention(query, key, value, scale=scale, causal=causal, window=window, softcap=softcap,
                                     key_valid=key_valid)
-            if not torch.compiler.is_compiling() and use_triton(query.device):
+            if not torch.compiler.is_compiling() and use_triton(query.device) and not self._adopted:
                 # one decode launch now, eagerly: it compiles the kernel and allocates the split's partials (a
                 # process-wide workspace) outside any CUDA-graph capture, where they would outlive the graph
+                # (done already for storage kept from an earlier generate(): _adopt_kept)
                 self._decode_op(query[:, :, -1:], None, scale, causal, window, softcap)
             return out
         if self.rotated:

@@ -19,6 +19,7 @@ from turbo_attn_hf.generation import cache_kwarg
 #: another (the step kernel's pack-and-shift path)
 INT4_B16 = TurboConfig(bits=4, block_size=16, sink_blocks=1, recent_blocks=1, name="int4-b16")
 MIXED_B16 = TurboConfig(bits=4, block_size=16, sink_blocks=1, recent_blocks=1, n_2bit_heads=2, name="mixed-b16")
+MIXED1_B16 = TurboConfig(bits=4, block_size=16, sink_blocks=1, recent_blocks=1, n_2bit_heads=1, name="mixed1-b16")
 
 
 def _greedy(model, ids, mask, cache, n):
@@ -144,13 +145,15 @@ def test_generate_static_builds_and_compiles_the_static_turbocache(tm, pytorch_r
     torch._dynamo.reset()
 
 
-def test_generate_static_reuses_the_cache_storage(tm, pytorch_reference_kernels):
+@pytest.mark.parametrize("arch,preset", [("llama", INT4_B16), ("mistral", MIXED1_B16)],
+                         ids=["int4", "mixed"])
+def test_generate_static_reuses_the_cache_storage(tm, pytorch_reference_kernels, arch, preset):
     """A second generate(cache_implementation="static") gets the first call's TurboCache back, reset, and its first
     prefill writes into the same storage tensors (a CUDA graph holds their addresses: a new address per call made
     cudagraph trees record the decode step again every call); the tokens stay those of a fresh cache. Another
     batch size or preset gets a new cache; release_static_cache drops it."""
-    model = tm.make_model("llama", attn="turbo_int8")
-    turbo_attn_hf.set_turbo_config(model, INT4_B16)
+    model = tm.make_model(arch, attn="turbo_int8")  # mixed: 1 of mistral's 2 KV heads in 2 bits, chosen from the prompt
+    turbo_attn_hf.set_turbo_config(model, preset)
     ids, mask = _padded(tm)
     kw = dict(attention_mask=mask, max_new_tokens=20, do_sample=False, cache_implementation="static",
               disable_compile=True, return_dict_in_generate=True)
@@ -161,9 +164,16 @@ def test_generate_static_reuses_the_cache_storage(tm, pytorch_reference_kernels)
 
     seq1, c1 = run(ids, mask)
     ptrs = {k: t.data_ptr() for k, t in c1.layers[0]._storage().items()}
-    seq2, c2 = run(ids, mask)
+    made = []  # storage tensors allocated anew (not handed back from the kept ones)
+    base_empty = TurboLayer._empty
+    TurboLayer._empty = lambda self, key, shape, dtype: made.append(key) or base_empty(self, key, shape, dtype)
+    try:
+        seq2, c2 = run(ids, mask)
+    finally:
+        TurboLayer._empty = base_empty
     assert c2 is c1 and torch.equal(seq2, seq1)
     assert {k: t.data_ptr() for k, t in c2.layers[0]._storage().items()} == ptrs
+    assert made == [] and all(layer._adopted for layer in c2.layers)  # written in place, nothing allocated twice
     seq3, c3 = run(ids[:1], mask[:1])  # another batch: same object, new storage (layouts differ), right tokens
     ref = model.generate(ids[:1], attention_mask=mask[:1], max_new_tokens=20, do_sample=False)
     assert torch.equal(seq3, ref) and c3 is c1
