@@ -2,7 +2,9 @@
 
     python -m eval.experiments.ttft_rounds LAYERS T1,T2 ROUNDS OUT.json [CONFIGS]   # e.g. 32 1024,4096 7 x.json
 CONFIGS: sdpa,int8,int4,mixed (default); a suffix ``@8`` runs the preset with the stats pass's old fixed chunks
-of 8 blocks (``store.stats_chunk_blocks`` patched), in the same process.
+of 8 blocks (``store.stats_chunk_blocks`` patched), in the same process. ``TTFT_STATIC=1``: the static cache
+(``cache_implementation="static"``, the compiled path's prefill; one token, so nothing is compiled), no forward-only
+timing.
 Per shape: R rounds, each round one generate(1) per config in turn (alternating, same process); then a
 torch.profiler trace of one generate(1) per config: wall, GPU kernel sum, GPU busy (union), idle gaps inside the
 first forward, launches, top kernels; and the forward alone (model(ids, past_key_values=fresh cache))."""
@@ -11,6 +13,7 @@ import torch
 from eval.bench_e2e import build_model, LLAMA3_8B, set_impl, new_cache
 from eval.bench_generate import generate_timed
 L = int(sys.argv[1]); shapes = [int(x) for x in sys.argv[2].split(",")]; R = int(sys.argv[3]); out = sys.argv[4]
+STATIC = os.environ.get("TTFT_STATIC") == "1"
 cfgs = sys.argv[5].split(",") if len(sys.argv) > 5 else ["sdpa", "int8", "int4", "mixed"]
 import turbo_attn_hf.kernels.store as _st
 _rule = _st.stats_chunk_blocks
@@ -63,13 +66,16 @@ for T in shapes:
     times = {c: [] for c in cfgs}; ftimes = {c: [] for c in cfgs}
     for c in cfgs:
         use(c)
-        for _ in range(3): generate_timed(model, ids, mask, {"impl": c.split("@")[0], "static": False, "compile": False}, 1)
+        for _ in range(3): generate_timed(model, ids, mask, {"impl": c.split("@")[0], "static": STATIC, "compile": False}, 1)
     for r in range(R):
         for c in cfgs:
             use(c)
-            times[c].append(generate_timed(model, ids, mask, {"impl": c.split("@")[0], "static": False, "compile": False}, 1)[0] * 1e3)
+            spec = {"impl": c.split("@")[0], "static": STATIC, "compile": False}
+            if STATIC:  # the model keeps one static TurboCache: the call before this one makes it this preset's
+                generate_timed(model, ids, mask, spec, 1)
+            times[c].append(generate_timed(model, ids, mask, spec, 1)[0] * 1e3)
         for c in cfgs:
-            use(c); ftimes[c].append(fwd(c, ids) * 1e3)
+            use(c); ftimes[c].append(times[c][-1] if STATIC else fwd(c, ids) * 1e3)
     row = {}
     for c in cfgs:
         row[c] = dict(ttft_med=statistics.median(times[c]), ttft_min=min(times[c]), ttft_all=[round(x, 2) for x in times[c]],
@@ -81,7 +87,7 @@ for T in shapes:
               f"min {row[c]['fwd_min']:7.2f}  all {row[c]['ttft_all']}", flush=True)
     for c in cfgs:
         use(c)
-        tr = trace(c, ids, mask, {"impl": c.split("@")[0], "static": False, "compile": False})
+        tr = trace(c, ids, mask, {"impl": c.split("@")[0], "static": STATIC, "compile": False})
         row[c]["trace"] = tr
         print(f"  trace {c}: wall {tr['wall_ms']:.2f} kernels {tr['kernels']} launches {tr['launches']} gpu_sum {tr['gpu_sum_ms']:.2f} "
               f"busy {tr['gpu_busy_ms']:.2f} span {tr['gpu_span_ms']:.2f} idle {tr['idle_in_span_ms']:.2f} gaps {tr['biggest_gaps_us']} "
