@@ -54,6 +54,7 @@ from .launch import LeanLaunch, lean
 from .pack import _pack_tile, _quantize_universal
 from .quant import _multiple, _vec, check_qk_smooth, factor_arg
 from .rotation import rotation_block
+from .scratch import Scratch
 
 __all__ = ["store_int8_tokens", "kv_stats", "store_kv", "STATS_CHUNK_BLOCKS"]
 
@@ -429,10 +430,9 @@ def kv_stats(k: torch.Tensor, v: torch.Tensor, k_mean: Optional[torch.Tensor], b
             _STATS_PLANS.clear()
         plan = _STATS_PLANS[key] = _stats_plan(k, v, k_mean, block_size, headroom, select, rope_dims,
                                                _rotate_kw(k, rotate, qk_smooth))
-    part_shape, cnt_shape, s_shape, stats, finish, memo = plan
+    s_shape, stats, finish, memo, scratch = plan
     dev = k.device
-    part = torch.empty(part_shape, dtype=torch.float32, device=dev)
-    cnt = torch.empty(cnt_shape, dtype=torch.int32, device=dev)
+    part, cnt = scratch.get()  # the chunks' partials: only the finish kernel of this call reads them
     ks = torch.empty(s_shape, dtype=torch.float32, device=dev)
     vs = torch.empty(s_shape, dtype=torch.float32, device=dev)
     mrot = torch.empty(s_shape, dtype=torch.float32, device=dev) if rotate and k_mean is not None else None
@@ -465,7 +465,7 @@ def stats_chunk_blocks(n_blocks: int, n_rows: int, n_sm: int) -> int:
 
 
 def _stats_plan(k, v, k_mean, block_size, headroom, select, rope_dims, rot):
-    """(partials' shape, counts' shape, scales' shape, stats (grid, scalars, kwargs), finish (...), memos)."""
+    """(scales' shape, stats (grid, scalars, kwargs), finish (...), memos, the partials' :class:`Scratch`)."""
     b, H, T, D = k.shape
     bs, BD = int(block_size), _pow2(D)
     nblocks = -(-T // bs)
@@ -484,7 +484,8 @@ def _stats_plan(k, v, k_mean, block_size, headroom, select, rope_dims, rot):
                    HC=max(1, min(_pow2(nc), 64 // max(2, _pow2(H)))), N2=int(n_lo), HAS_MEAN=k_mean is not None,
                    SELECT=select is not None, ROT=int(rope_dims), ROTATE=rot["ROTATE"], ROT_N=rot["ROT_N"],
                    HAS_FACTOR=rot["HAS_FACTOR"], ROT_C=rot["ROT_C"], num_warps=4, **_no_fma(rot["ROTATE"])))
-    return (b * H, nc, N_PART, BD), (b * H, nc), (b, H, D), stats, finish, ({}, {})
+    scratch = Scratch((((b * H, nc, N_PART, BD), torch.float32), ((b * H, nc), torch.int32)), k.device)
+    return (b, H, D), stats, finish, ({}, {}), scratch
 
 
 # ================================================================================ store: INT8 buffer + blocks
