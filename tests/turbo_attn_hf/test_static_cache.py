@@ -368,3 +368,33 @@ def test_replayed_graph_is_memcheck_clean():
     out = r.stdout + r.stderr
     report = [ln for ln in out.splitlines() if "=========" in ln or " passed" in ln or " failed" in ln]
     assert r.returncode == 0 and "ERROR SUMMARY: 0 errors" in out, "\n".join(report[:40]) or out[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("cfg", [INT4_B16, MIXED1_B16], ids=["int4", "mixed"])
+def test_prefills_and_eager_steps_never_sync(cfg, static):
+    """GPU: no host synchronisation in a layer's first prefill (store + attention), a second prefill (multi-turn)
+    or eager decode steps, after a warm-up (``torch.cuda.set_sync_debug_mode("error")`` raises on ``.item()``,
+    ``.cpu()`` and pageable host-to-device copies: a per-layer wait for the GPU that once cost the static cache's
+    prefill 10-15 ms at 32 layers, eval/PERF_NOTES.md session 15)."""
+    g = torch.Generator().manual_seed(0)
+    b, hk, hq, d = 1, 4, 8, 64
+    x = lambda h, n: torch.randn(b, h, n, d, generator=g).to("cuda", torch.bfloat16)  # noqa: E731
+    steps = [(x(hq, 100), x(hk, 100), x(hk, 100)), (x(hq, 40), x(hk, 40), x(hk, 40))] + \
+        [(x(hq, 1), x(hk, 1), x(hk, 1)) for _ in range(3)]
+
+    def run():
+        layer = TurboStaticLayer(cfg, 0, 1, max_cache_len=256) if static else TurboLayer(cfg, 0, 1)
+        for q, k, v in steps:
+            kk, vv = layer.update(k, v)
+            layer.attention(q, kk, vv, causal=True)
+
+    run()  # compiles the kernels, makes the plans and head maps
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        run()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
