@@ -163,14 +163,29 @@ def store_int8_tokens(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, k
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
-    rot = _rotate_kw(k, rotate, qk_smooth)
-    _STORE[(b * H,)](
-        k, v, k_scale, k_mean if k_mean is not None else k_scale, v_scale, k_tail, v_tail,
-        nonfinite if nonfinite is not None else k_tail, factor_arg(qk_smooth, k_scale), int(slot), T,
-        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), H, C,
-        D=D, BD=_pow2(D), BT=_pow2(T), HAS_MEAN=k_mean is not None,
-        COUNT=nonfinite is not None, **rot, num_warps=4, **_no_fma(rotate),
-    )
+    tensors = (k, v, k_scale, k_mean if k_mean is not None else k_scale, v_scale, k_tail, v_tail,
+               nonfinite if nonfinite is not None else k_tail, factor_arg(qk_smooth, k_scale))
+    strides = (k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2))
+    # every fact Triton specialises on but the pointers' alignment (launch_memo checks that): a decode step's store
+    # (every layer, every step) relaunches without the per-argument facts of LeanLaunch.launch
+    key = (tuple(t.dtype for t in tensors), k.device, b, H, T, D, C, strides, rotate, qk_smooth is None,
+           k_mean is None, nonfinite is None)
+    kw = _STORE_KW.get(key)
+    if kw is None:
+        if len(_STORE_KW) >= 256:
+            _STORE_KW.clear()
+            _STORE_MEMO.clear()
+        kw = _STORE_KW[key] = dict(D=D, BD=_pow2(D), BT=_pow2(T), HAS_MEAN=k_mean is not None,
+                                   COUNT=nonfinite is not None, **_rotate_kw(k, rotate, qk_smooth), num_warps=4,
+                                   **_no_fma(rotate))
+    dev_key = torch.cuda.current_device() if k.is_cuda else -1
+    _STORE.launch_memo(_STORE_MEMO, (key, dev_key), (b * H,), tensors, (int(slot), T, *strides, H, C), kw,
+                       LeanLaunch.hooks_active())
+
+
+#: store_int8_tokens' constexprs and compiled kernels by call key
+_STORE_KW: dict = {}
+_STORE_MEMO: dict = {}
 
 
 def _rotate_kw(k: torch.Tensor, rotate: bool, qk_smooth: Optional[torch.Tensor]) -> dict:
