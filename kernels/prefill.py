@@ -68,7 +68,6 @@ import triton
 import triton.language as tl
 
 from .launch import LeanLaunch, lean
-from .scratch import Scratch
 from .quant import (_check_device, _mean_arg, _pow2, _qk_spec, _quant_qk_kernel, _quant_v_kernel, _v_channel_amax,
                     _v_spec, check_qk_smooth, factor_arg, interpreting, k_smooth_mean, quantize_per_token, quantize_v_blocks, quantize_v_channels)
 from .reference import (
@@ -722,7 +721,7 @@ class _AttnPlan:
     device, relaunched without Triton's binder while every pointer is 16-byte aligned (``LeanLaunch.launch_memo``)."""
 
     __slots__ = ("cuda", "device", "dtype", "shapes", "smooth", "mean_stride", "mean_direct", "channel", "block_n",
-                 "kv_arg", "qk", "v", "attn", "memo", "scratch")
+                 "kv_arg", "qk", "v", "attn", "memo")
 
     def __init__(self, q, k, v, key_valid, out, k_mean, *, scale, causal, window, softcap, softmax, sas_threshold,
                  smooth_k, p_scale, block_n, v_scale, rotate_qk=False, has_factor=False):
@@ -755,12 +754,16 @@ class _AttnPlan:
                                use_sas=softmax == "sas", thr2=float(sas_threshold) * LOG2E,
                                block_p=p_scale == "block", Lk=lk, block_n=block_n)
         self.memo = ({}, {}, {})
-        self.scratch = Scratch(tuple(zip(self.shapes[:6], (torch.int8, torch.float32) * 3)), dev)
 
     def run(self, q, k, v, key_valid, out, k_mean, qk_smooth=None):
         dev = self.device
         s_q8, s_sq, s_k8, s_sk, s_v8t, s_sv, s_o = self.shapes
-        q8, sq, k8, sk, v8t, sv = self.scratch.get()  # quantized operands: only this call's kernels read them
+        q8 = torch.empty(s_q8, dtype=torch.int8, device=dev)
+        sq = torch.empty(s_sq, dtype=torch.float32, device=dev)
+        k8 = torch.empty(s_k8, dtype=torch.int8, device=dev)
+        sk = torch.empty(s_sk, dtype=torch.float32, device=dev)
+        v8t = torch.empty(s_v8t, dtype=torch.int8, device=dev)
+        sv = torch.empty(s_sv, dtype=torch.float32, device=dev)
         if out is None:
             out = torch.empty(s_o, dtype=self.dtype, device=dev)
         m = sk  # unused pointer without smoothing

@@ -54,7 +54,6 @@ from .launch import LeanLaunch, lean
 from .pack import _pack_tile, _quantize_universal
 from .quant import _multiple, _vec, check_qk_smooth, factor_arg
 from .rotation import rotation_block
-from .scratch import Scratch
 
 __all__ = ["store_int8_tokens", "kv_stats", "store_kv", "STATS_CHUNK_BLOCKS"]
 
@@ -445,9 +444,10 @@ def kv_stats(k: torch.Tensor, v: torch.Tensor, k_mean: Optional[torch.Tensor], b
             _STATS_PLANS.clear()
         plan = _STATS_PLANS[key] = _stats_plan(k, v, k_mean, block_size, headroom, select, rope_dims,
                                                _rotate_kw(k, rotate, qk_smooth))
-    s_shape, stats, finish, memo, scratch = plan
+    part_shape, cnt_shape, s_shape, stats, finish, memo = plan
     dev = k.device
-    part, cnt = scratch.get()  # the chunks' partials: only the finish kernel of this call reads them
+    part = torch.empty(part_shape, dtype=torch.float32, device=dev)
+    cnt = torch.empty(cnt_shape, dtype=torch.int32, device=dev)
     ks = torch.empty(s_shape, dtype=torch.float32, device=dev)
     vs = torch.empty(s_shape, dtype=torch.float32, device=dev)
     mrot = torch.empty(s_shape, dtype=torch.float32, device=dev) if rotate and k_mean is not None else None
@@ -480,7 +480,7 @@ def stats_chunk_blocks(n_blocks: int, n_rows: int, n_sm: int) -> int:
 
 
 def _stats_plan(k, v, k_mean, block_size, headroom, select, rope_dims, rot):
-    """(scales' shape, stats (grid, scalars, kwargs), finish (...), memos, the partials' :class:`Scratch`)."""
+    """(partials' shape, counts' shape, scales' shape, stats (grid, scalars, kwargs), finish (...), memos)."""
     b, H, T, D = k.shape
     bs, BD = int(block_size), _pow2(D)
     nblocks = -(-T // bs)
@@ -499,8 +499,7 @@ def _stats_plan(k, v, k_mean, block_size, headroom, select, rope_dims, rot):
                    HC=max(1, min(_pow2(nc), 64 // max(2, _pow2(H)))), N2=int(n_lo), HAS_MEAN=k_mean is not None,
                    SELECT=select is not None, ROT=int(rope_dims), ROTATE=rot["ROTATE"], ROT_N=rot["ROT_N"],
                    HAS_FACTOR=rot["HAS_FACTOR"], ROT_C=rot["ROT_C"], num_warps=4, **_no_fma(rot["ROTATE"])))
-    scratch = Scratch((((b * H, nc, N_PART, BD), torch.float32), ((b * H, nc), torch.int32)), k.device)
-    return (b, H, D), stats, finish, ({}, {}), scratch
+    return (b * H, nc, N_PART, BD), (b * H, nc), (b, H, D), stats, finish, ({}, {})
 
 
 # ================================================================================ store: INT8 buffer + blocks

@@ -44,6 +44,7 @@ from .capabilities import (
 )
 from .config import TurboConfig, resolve_rotate_qk
 from .kernels.device import on_device
+from .kernels.reference import turbo_attention as reference_attention
 from .kernels.smooth_factors import smooth_factors
 
 try:  # transformers >= 5.x records attentions through hooks; the attention fn never sees the flag
@@ -184,8 +185,6 @@ def _prefill_fn(device: torch.device, model: str) -> Callable[..., torch.Tensor]
 
         return turbo_attention
     if device.type == "cpu":
-        from .kernels.reference import turbo_attention as reference_attention
-
         log_once(
             "cpu-reference",
             f"{ATTN_NAME}: CPU tensors without TRITON_INTERPRET=1: running the plain-PyTorch reference of the "
@@ -296,9 +295,9 @@ def turbo_attention_forward(
     cfg = st.turbo
     # no TurboCache here: K arrives unrotated (DynamicCache / no cache); both are rotated inside their quantization
     # pass (issue 23 item 5: no separate matmul), the smooth_hadamard factors from this call's keys
-    # where the Triton prefill runs (_prefill_fn's rule), the factors too: one pass over K, not ~12 torch passes
-    kernel = query.device.type == "cuda" or caps.triton_interpret()
-    qk_smooth = smooth_factors(key, kernel=kernel) if cfg.rotate_qk == "smooth_hadamard" else None
+    # where the Triton prefill runs, the factors too: one pass over K, not ~12 torch passes
+    qk_smooth = smooth_factors(key, kernel=fn is not reference_attention) if cfg.rotate_qk == "smooth_hadamard" \
+        else None
     with on_device(query.device):
         out = fn(
             query, key, value, scale=scaling, causal=is_causal, window=sliding_window, softcap=softcap,

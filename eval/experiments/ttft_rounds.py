@@ -2,8 +2,8 @@
 
     python -m eval.experiments.ttft_rounds LAYERS T1,T2 ROUNDS OUT.json [CONFIGS]   # e.g. 32 1024,4096 7 x.json
 CONFIGS: sdpa,int8,int4,mixed (default); a suffix ``@8`` runs the preset with the stats pass's old fixed chunks
-of 8 blocks (``store.stats_chunk_blocks`` patched), ``@alloc`` with the prefill's and stats pass's temporaries
-allocated per call (``kernels/scratch.py`` off), in the same process. ``TTFT_STATIC=1``: the static cache
+of 8 blocks (``store.stats_chunk_blocks`` patched), in the same process (session 15 also had ``@alloc``, for a
+reverted scratch reuse: tree 3f56f35). ``TTFT_STATIC=1``: the static cache
 (``cache_implementation="static"``, the compiled path's prefill; one token, so nothing is compiled), no forward-only
 timing.
 Per shape: R rounds, each round one generate(1) per config in turn (alternating, same process); then a
@@ -18,22 +18,13 @@ STATIC = os.environ.get("TTFT_STATIC") == "1"
 cfgs = sys.argv[5].split(",") if len(sys.argv) > 5 else ["sdpa", "int8", "int4", "mixed"]
 import turbo_attn_hf.kernels.store as _st
 _rule = _st.stats_chunk_blocks
-import turbo_attn_hf.kernels.prefill as _pf
-try:
-    import turbo_attn_hf.kernels.scratch as _sc
-except ImportError:  # a tree before kernels/scratch.py
-    _sc = None
-_max = _sc.SCRATCH_MAX_BYTES if _sc else 0
 _mode = [None]
 def use(c):
-    mode = (c.endswith("@8"), c.endswith("@alloc"))
-    if mode != _mode[0]:  # plans hold the chunking and the scratch: re-plan only when the variant changes
+    mode = c.endswith("@8")
+    if mode != _mode[0]:  # the stats plans hold the chunking: re-plan only when the variant changes
         _st._STATS_PLANS.clear()
-        _pf._PLANS.clear()
         _mode[0] = mode
-    _st.stats_chunk_blocks = (lambda *a: 8) if c.endswith("@8") else _rule
-    if _sc:  # "@alloc": the launchers allocate their temporaries per call (no Scratch kept)
-        _sc.SCRATCH_MAX_BYTES = 0 if c.endswith("@alloc") else _max
+    _st.stats_chunk_blocks = (lambda *a: 8) if mode else _rule
     set_impl(model, c.split("@")[0])
 model = build_model(L, LLAMA3_8B, "cuda", torch.bfloat16)
 g = model.generation_config; g.eos_token_id = g.pad_token_id = g.cache_implementation = None
