@@ -10,7 +10,9 @@ It only chooses among public functions (STYLE: the HF layer picks an op, like FL
   * keys that carry ``turbo_cache_layer`` (returned by a TurboCache layer's ``update``): that layer's
     ``attention`` reads its packed INT4/INT2 blocks + INT8 tail directly (a ``rotate_qk`` layer holds rotated K
     and rotates the query itself);
-  * otherwise the INT8 flash-attention prefill on the given K/V: the Triton kernel on CUDA, or on CPU
+  * otherwise, with ``TurboConfig.prefill_attention`` resolving to ``exact`` (``auto`` on sm_90, where the INT8
+    kernel is slower than cuDNN), PyTorch's SDPA in the model dtype (:func:`exact_attention`);
+  * else the INT8 flash-attention prefill on the given K/V: the Triton kernel on CUDA, or on CPU
     under ``TRITON_INTERPRET=1``; on CPU without the interpreter the plain-PyTorch reference of the same
     INT8 math (one warning: it is slow);
   * calls that need gradients (training, attention dropout) fall back to PyTorch attention with one
@@ -42,7 +44,7 @@ from .capabilities import (
     model_name,
     unsupported,
 )
-from .config import TurboConfig, resolve_rotate_qk
+from .config import TurboConfig, prefill_attention_path, resolve_rotate_qk
 from .kernels.device import on_device
 from .kernels.reference import turbo_attention as reference_attention
 from .kernels.smooth_factors import smooth_factors
@@ -178,6 +180,48 @@ def torch_attention(
     return o.transpose(1, 2).contiguous()
 
 
+def exact_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: Optional[float] = None,
+    causal: bool = True,
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    key_valid: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``prefill_attention: exact``: unquantized attention in the inputs' dtype through PyTorch's SDPA (cuDNN /
+    flash on a GPU), the kernels' semantics (bottom-right causal, ``window``, ``key_valid``). A plain causal
+    prompt takes SDPA's ``is_causal`` with GQA in the kernel (no mask, no repeated K/V), as transformers' sdpa
+    does; a mask is a bool ``[b, 1, Lq, Lk]``; softcap goes through :func:`torch_attention`. Returns
+    ``[b, Lq, Hq, d]``."""
+    b, hq, lq, d = q.shape
+    hk, lk = k.shape[1], k.shape[2]
+    if softcap:
+        return torch_attention(q, k, v, scale=scale, causal=causal, window=window, softcap=softcap,
+                               key_valid=key_valid)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    if key_valid is None and window is None and (not causal or lq == lk):
+        o = sdpa(q, k, v, is_causal=causal and lq > 1, scale=scale, enable_gqa=hq != hk)
+        return o.transpose(1, 2).contiguous()
+    if hq != hk:
+        k = k.repeat_interleave(hq // hk, dim=1)
+        v = v.repeat_interleave(hq // hk, dim=1)
+    qpos = torch.arange(lq, device=q.device)[:, None] + (lk - lq)
+    kpos = torch.arange(lk, device=q.device)[None, :]
+    allowed = kpos <= qpos if causal else torch.ones(lq, lk, dtype=torch.bool, device=q.device)
+    if window is not None:
+        allowed = allowed & ((qpos - kpos) < window)
+    allowed = allowed[None, None]
+    if key_valid is not None:
+        allowed = allowed & key_valid[:, None, None, :]
+    o = sdpa(q, k, v, attn_mask=allowed, scale=scale)
+    # a row with no allowed key (a left-padded query) is NaN or 0 by SDPA backend; the kernels give 0 there
+    o = o.masked_fill(~allowed.any(-1, keepdim=True), 0.0)
+    return o.transpose(1, 2).contiguous()
+
+
 def _prefill_fn(device: torch.device, model: str) -> Callable[..., torch.Tensor]:
     """The INT8 flash-attention implementation for tensors on ``device``."""
     if device.type == "cuda" or (device.type == "cpu" and caps.triton_interpret()):
@@ -265,7 +309,12 @@ def turbo_attention_forward(
         )
         return out, None
 
-    # 3. INT8 flash attention over the given K/V (prefill, or decode over a DynamicCache).
+    # 3. Attention over the given K/V (prefill, or decode over a DynamicCache): exact where that path is the faster
+    # one (TurboConfig.prefill_attention), else INT8 flash attention.
+    cfg = st.turbo
+    if prefill_attention_path(cfg, query.device, softcap) == "exact":
+        return exact_attention(query, key, value, scale=scaling, causal=is_causal, window=sliding_window,
+                               softcap=softcap, key_valid=key_valid), None
     if lq < lk:
         log_once(
             "decode-unquantized-cache",
@@ -292,7 +341,6 @@ def turbo_attention_forward(
         key, value = key.to(in_dtype), value.to(in_dtype)
 
     fn = _prefill_fn(query.device, st.model)
-    cfg = st.turbo
     # no TurboCache here: K arrives unrotated (DynamicCache / no cache); both are rotated inside their quantization
     # pass (issue 23 item 5: no separate matmul), the smooth_hadamard factors from this call's keys
     # where the Triton prefill runs, the factors too: one pass over K, not ~12 torch passes

@@ -15,6 +15,7 @@ from an explicit ``head_bits`` map
 from __future__ import annotations
 
 import dataclasses
+import functools
 from importlib import resources
 from pathlib import Path
 from typing import Optional
@@ -30,6 +31,11 @@ ROTATE_QK_MODES = ("auto", "none", "hadamard", "smooth_hadamard")  # kernels/rot
 #: smooth_hadamard); ``rotate_qk: auto`` rotates these and leaves the others (SmolLM2's decode KL 2.4x -> 2.8x)
 QK_NORM_MODEL_TYPES = ("gemma3", "gemma3_text", "qwen3", "qwen3_moe", "qwen3_next", "olmo2", "olmo3", "olmoe")
 K_SCALE_RANGES = ("channel", "rope_pair")
+PREFILL_ATTENTION_MODES = ("auto", "int8", "exact")
+#: ``prefill_attention: auto`` by CUDA compute capability (major): the path measured fastest there. sm_90: the INT8
+#: prefill runs at 0.42-0.70x cuDNN's bf16 attention (issue 20, eval/PERF_NOTES.md), so the exact path wins; GPUs
+#: not listed (not measured) keep the INT8 kernel
+PREFILL_ATTENTION_BY_CAPABILITY = {9: "exact"}
 
 
 class TurboConfigError(ValueError):
@@ -82,6 +88,13 @@ class TurboConfig:
             stores rotated K and rotates each query that reads it. ``"smooth_hadamard"``: first K -> Q scale
             migration per channel (``s_c = sqrt(max|K_c|)`` of the first store's keys, fixed for the cache's life;
             SmoothAttention), then the rotation: ``q·diag(s)·H``, ``k·diag(1/s)·H`` (eval/PERF_NOTES.md, issue 23).
+        prefill_attention: the attention of a prompt over its own K/V (the first prefill; calls without a
+            TurboCache). ``"int8"``: the INT8 flash-attention prefill (FlashQ / INT-FlashAttention, Triton).
+            ``"exact"``: PyTorch's scaled_dot_product_attention in the model dtype (cuDNN / flash on a GPU), as a
+            vLLM FP8 KV cache prefills: the cache is quantized all the same, decode reads it as before.
+            ``"auto"`` (default): the path measured fastest on the GPU (``PREFILL_ATTENTION_BY_CAPABILITY``:
+            exact on sm_90, where the INT8 kernel is 0.42-0.70x cuDNN; INT8 elsewhere and on CPU) and INT8 with
+            logit softcapping (SDPA has none). :func:`prefill_attention_path`.
         name: preset name, for logs and result tables.
     """
 
@@ -99,6 +112,7 @@ class TurboConfig:
     scale_headroom: float | str = "auto"
     k_scale_range: str = "channel"
     rotate_qk: str = "auto"
+    prefill_attention: str = "auto"
     name: str = "custom"
 
     def __post_init__(self) -> None:
@@ -121,6 +135,9 @@ class TurboConfig:
             raise TurboConfigError(f"k_scale_range={self.k_scale_range!r} must be one of {K_SCALE_RANGES}")
         if self.rotate_qk not in ROTATE_QK_MODES:
             raise TurboConfigError(f"rotate_qk={self.rotate_qk!r} must be one of {ROTATE_QK_MODES}")
+        if self.prefill_attention not in PREFILL_ATTENTION_MODES:
+            raise TurboConfigError(
+                f"prefill_attention={self.prefill_attention!r} must be one of {PREFILL_ATTENTION_MODES}")
         if self.head_select not in HEAD_SELECT_MODES:
             raise TurboConfigError(f"head_select={self.head_select!r} must be one of {HEAD_SELECT_MODES}")
         for name in ("sink_blocks", "recent_blocks"):
@@ -269,3 +286,21 @@ def resolve_rotate_qk(cfg: TurboConfig, model_config=None) -> TurboConfig:
                                        "family: Q/K outlier channels); set rotate_qk='none' to turn it off",
                  level=20)
     return dataclasses.replace(cfg, rotate_qk=mode)
+
+
+@functools.lru_cache(maxsize=16)
+def _capability_major(device: "torch.device") -> int:
+    import torch
+
+    return torch.cuda.get_device_capability(device)[0]
+
+
+def prefill_attention_path(cfg: TurboConfig, device: "torch.device", softcap: Optional[float] = None) -> str:
+    """``"int8"`` or ``"exact"``: how a prompt attends over its own K/V on ``device`` (``TurboConfig.prefill_attention``;
+    ``auto`` from ``PREFILL_ATTENTION_BY_CAPABILITY``, INT8 with a softcap or off CUDA)."""
+    mode = cfg.prefill_attention
+    if mode != "auto":
+        return mode
+    if softcap or device.type != "cuda":
+        return "int8"
+    return PREFILL_ATTENTION_BY_CAPABILITY.get(_capability_major(device), "int8")

@@ -194,7 +194,7 @@ class _Attn(torch.nn.Module):
 
 
 def run_config(preset: str, *, batch: int, context: int, steps: int, reps: int, layers: int, hq: int, hk: int,
-               d: int, padded: bool, profile: bool = False, sdpa: bool = False) -> dict:
+               d: int, padded: bool, profile: bool = False, sdpa: bool = False, device: str = "cpu") -> dict:
     from turbo_attn_hf.attention import turbo_attention_forward
     from turbo_attn_hf.cache import TurboCache
     from turbo_attn_hf.masks import turbo_mask
@@ -212,6 +212,9 @@ def run_config(preset: str, *, batch: int, context: int, steps: int, reps: int, 
     am = torch.ones(batch, context + steps + 1, dtype=torch.long)
     if padded:
         am[0, :3] = 0
+    kp, vp, qp, q1, k1, v1, am = (x.to(device) for x in (kp, vp, qp, q1, k1, v1, am))
+    # on a GPU: real launches, the queue drained before each timed loop (the loops do not wait for the GPU)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     scaling = d ** -0.5
     from transformers.masking_utils import causal_mask_function
 
@@ -255,11 +258,14 @@ def run_config(preset: str, *, batch: int, context: int, steps: int, reps: int, 
     pre, dec = [], []
     for _ in range(reps):
         c = new_cache()
+        sync()
         t0 = time.perf_counter()
         prefill(c)
         t1 = time.perf_counter()
+        sync()
+        t1s = time.perf_counter()
         decode(c, steps)
-        t2 = time.perf_counter()
+        t2 = time.perf_counter() - (t1s - t1)
         pre.append((t1 - t0) / layers * 1e6)
         dec.append((t2 - t1) / (layers * max(steps, 1)) * 1e6)
     out = dict(preset="sdpa" if sdpa else preset, prefill_us_per_layer=round(statistics.median(pre), 1),
@@ -271,6 +277,7 @@ def run_config(preset: str, *, batch: int, context: int, steps: int, reps: int, 
 
         means = []
         for _ in range(reps):
+            sync()
             t0 = time.perf_counter()
             for _ in range(layers):
                 k_smooth_mean(kp)
@@ -296,6 +303,7 @@ def run_config(preset: str, *, batch: int, context: int, steps: int, reps: int, 
         pr = cProfile.Profile()
         for _ in range(reps):
             c = new_cache()
+            sync()
             pr.enable()
             prefill(c)
             pr.disable()
@@ -319,13 +327,16 @@ def main(argv=None) -> None:
                     help="time the first prefill's host pieces alone (prefill, kv_stats, store_kv, one layer)")
     ap.add_argument("--no-binder", action="store_true",
                     help="stub Triton's JITFunction.run itself (its binder untimed; the mode before the binder stub)")
+    ap.add_argument("--device", default="cpu",
+                    help="cuda: real tensors and launches on the GPU, no stubs (the GPU host's own cost)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
-    install_stubs(binder=not a.no_binder)
+    if a.device == "cpu":
+        install_stubs(binder=not a.no_binder)
     hq, hk, d = map(int, a.heads.split(","))
     kw = dict(batch=a.batch, context=a.context, steps=a.steps, reps=a.reps, layers=a.layers, hq=hq, hk=hk, d=d,
-              padded=a.padded)
+              padded=a.padded, device=a.device)
     rows = []
     if a.components:
         for p in a.presets.split(","):
@@ -334,7 +345,7 @@ def main(argv=None) -> None:
             print(json.dumps(rows[-1]), flush=True)
         a.presets = ""
     if a.sdpa:
-        rows.append(run_config("sdpa", sdpa=True, **kw))
+        rows.append(run_config("sdpa", sdpa=True, profile=(a.profile == "sdpa"), **kw))
         print(json.dumps(rows[-1]), flush=True)
     for p in filter(None, a.presets.split(",")):
         rows.append(run_config(p, profile=(p == a.profile), **kw))

@@ -1,9 +1,9 @@
 """TTFT diagnosis (issue 19): Llama-3-8B shape, L layers, 1 x T, plain generate(max_new_tokens=1) (GPU).
 
     python -m eval.experiments.ttft_rounds LAYERS T1,T2 ROUNDS OUT.json [CONFIGS]   # e.g. 32 1024,4096 7 x.json
-CONFIGS: sdpa,int8,int4,mixed (default); a suffix ``@8`` runs the preset with the stats pass's old fixed chunks
-of 8 blocks (``store.stats_chunk_blocks`` patched), in the same process (session 15 also had ``@alloc``, for a
-reverted scratch reuse: tree 3f56f35). ``TTFT_STATIC=1``: the static cache
+CONFIGS: sdpa,int8,int4,mixed (default); a suffix ``@int8`` / ``@exact`` sets the preset's ``prefill_attention``
+(session 16), in the same process (session 15's ``@8``, the stats pass's old fixed chunks, and ``@alloc``, a
+reverted scratch reuse: trees ba483a5 and 3f56f35). ``TTFT_STATIC=1``: the static cache
 (``cache_implementation="static"``, the compiled path's prefill; one token, so nothing is compiled), no forward-only
 timing.
 Per shape: R rounds, each round one generate(1) per config in turn (alternating, same process); then a
@@ -12,26 +12,26 @@ first forward, launches, top kernels; and the forward alone (model(ids, past_key
 import json, statistics, sys, time, os, tempfile
 import torch
 from eval.bench_e2e import build_model, LLAMA3_8B, set_impl, new_cache
+from turbo_attn_hf import TurboCache
 from eval.bench_generate import generate_timed
 L = int(sys.argv[1]); shapes = [int(x) for x in sys.argv[2].split(",")]; R = int(sys.argv[3]); out = sys.argv[4]
 STATIC = os.environ.get("TTFT_STATIC") == "1"
 cfgs = sys.argv[5].split(",") if len(sys.argv) > 5 else ["sdpa", "int8", "int4", "mixed"]
-import turbo_attn_hf.kernels.store as _st
-_rule = _st.stats_chunk_blocks
-_mode = [None]
+import dataclasses
+from turbo_attn_hf import TurboConfig
 def use(c):
-    mode = c.endswith("@8")
-    if mode != _mode[0]:  # the stats plans hold the chunking: re-plan only when the variant changes
-        _st._STATS_PLANS.clear()
-        _mode[0] = mode
-    _st.stats_chunk_blocks = (lambda *a: 8) if mode else _rule
-    set_impl(model, c.split("@")[0])
+    name, _, path = c.partition("@")
+    if name == "sdpa" or not path:
+        set_impl(model, name)
+    else:
+        set_impl(model, dataclasses.replace(TurboConfig.preset(name), prefill_attention=path))
 model = build_model(L, LLAMA3_8B, "cuda", torch.bfloat16)
 g = model.generation_config; g.eos_token_id = g.pad_token_id = g.cache_implementation = None
 res = {}
 def sync(): torch.cuda.synchronize()
 def fwd(impl, ids):
-    c = new_cache(model, impl.split('@')[0])
+    c = None if impl == "sdpa" else TurboCache(config=model.config)  # the model's TurboConfig (``use``)
+    c = c or new_cache(model, "sdpa")
     sync(); t0 = time.perf_counter()
     with torch.no_grad():
         model(ids, past_key_values=c, logits_to_keep=1, use_cache=True)

@@ -358,3 +358,89 @@ def test_module_checks_run_once_and_expire_on_set_turbo_config():
     turbo_attn_hf.set_turbo_config(mod, "mixed")
     turbo_attention_forward(mod, q, k, v, None)
     assert mod._turbo_attn_state is not st and mod._turbo_attn_state.turbo.name == "mixed"
+
+
+# ------------------------------------------------------------------------------------------ prefill_attention
+def _fp64_attention(q, k, v, scale, causal, window, key_valid):
+    """Exact attention in fp64 with the kernels' semantics (bottom-right causal; a row with no key is 0)."""
+    q, k, v = q.double(), k.double(), v.double()
+    hq, hk = q.shape[1], k.shape[1]
+    k, v = k.repeat_interleave(hq // hk, 1), v.repeat_interleave(hq // hk, 1)
+    lq, lk = q.shape[2], k.shape[2]
+    s = q @ k.transpose(-1, -2) * scale
+    qpos = torch.arange(lq)[:, None] + (lk - lq)
+    kpos = torch.arange(lk)[None, :]
+    ok = torch.ones(lq, lk, dtype=torch.bool)
+    if causal:
+        ok &= kpos <= qpos
+    if window is not None:
+        ok &= (qpos - kpos) < window
+    ok = ok[None, None]
+    if key_valid is not None:
+        ok = ok & key_valid[:, None, None, :]
+    p = torch.softmax(s.masked_fill(~ok, float("-inf")), -1).nan_to_num(0.0)
+    return (p @ v).transpose(1, 2)
+
+
+@pytest.mark.parametrize("lq,lk", [(21, 21), (5, 21), (1, 9)])
+@pytest.mark.parametrize("causal,window,padded", [(True, None, False), (True, 6, False), (True, None, True),
+                                                  (False, None, True), (True, 6, True)])
+def test_exact_attention_equals_fp64_attention(lq, lk, causal, window, padded):
+    """``prefill_attention: exact`` keeps the kernels' semantics: GQA, bottom-right causal, window, padding, and
+    a row with no valid key is 0 (SDPA gives NaN there); fp32 inputs, so the bound is fp32 rounding."""
+    from turbo_attn_hf.attention import exact_attention
+
+    q, k, v = _qkv(lq=lq, lk=lk, dtype=torch.float32)
+    kv = None
+    if padded:
+        kv = torch.ones(2, lk, dtype=torch.bool)
+        kv[0, : lk - 1] = False  # row 0: only the last key is valid, so early causal rows have none
+    out = exact_attention(q, k, v, scale=0.11, causal=causal, window=window, key_valid=kv)
+    exp = _fp64_attention(q, k, v, 0.11, causal, window, kv)
+    assert out.shape == (2, lq, 4, 64) and out.is_contiguous()
+    assert torch.isfinite(out).all()
+    assert (out.double() - exp).abs().max() < 1e-5
+
+
+def test_exact_attention_with_softcap_is_torch_attention():
+    from turbo_attn_hf.attention import exact_attention
+
+    q, k, v = _qkv(lq=7, lk=7, dtype=torch.float32)
+    out = exact_attention(q, k, v, scale=0.2, softcap=3.0)
+    assert torch.equal(out, torch_attention(q, k, v, scale=0.2, softcap=3.0))
+
+
+def test_prefill_attention_resolution(monkeypatch):
+    """``auto``: exact on sm_90 CUDA devices (where it is the faster path), INT8 on other GPUs, on CPU and with a
+    softcap; explicit values are kept; a bad value is a one-line error naming the field."""
+    from turbo_attn_hf import config as C
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    auto = TurboConfig()
+    assert auto.prefill_attention == "auto"
+    assert C.prefill_attention_path(auto, cpu) == "int8"
+    monkeypatch.setattr(C, "_capability_major", lambda device: 9)
+    assert C.prefill_attention_path(auto, cuda) == "exact"
+    assert C.prefill_attention_path(auto, cuda, softcap=30.0) == "int8"
+    monkeypatch.setattr(C, "_capability_major", lambda device: 8)
+    assert C.prefill_attention_path(auto, cuda) == "int8"
+    assert C.prefill_attention_path(TurboConfig(prefill_attention="exact"), cpu) == "exact"
+    assert C.prefill_attention_path(TurboConfig(prefill_attention="int8"), cuda) == "int8"
+    with pytest.raises(C.TurboConfigError, match="prefill_attention='fp8' must be one of"):
+        TurboConfig(prefill_attention="fp8")
+    assert TurboConfig.from_dict(TurboConfig(prefill_attention="exact").to_dict()).prefill_attention == "exact"
+
+
+def test_prefill_attention_exact_skips_the_int8_kernel(monkeypatch):
+    """Without a TurboCache, ``exact`` runs SDPA on the given K/V (the INT8 path is never asked for)."""
+    from turbo_attn_hf import attention
+    from turbo_attn_hf.attention import exact_attention
+
+    monkeypatch.setattr(attention, "_prefill_fn", lambda device, model: pytest.fail("INT8 prefill called"))
+    mod = _module()
+    turbo_attn_hf.set_turbo_config(mod, TurboConfig(prefill_attention="exact"))
+    q, k, v = _qkv(lq=9, lk=9)
+    kv = torch.ones(2, 9, dtype=torch.bool)
+    kv[1, :2] = False
+    out, _ = turbo_attention_forward(mod, q, k, v, kv, scaling=0.3, sliding_window=5)
+    assert torch.equal(out, exact_attention(q, k, v, scale=0.3, causal=True, window=5, key_valid=kv))

@@ -600,3 +600,44 @@ def test_tensor_parallel_ranks_take_their_slice_of_the_head_map(monkeypatch):
     assert C.tp_shard(4, 8) == (1, 2)
     with pytest.raises(TurboConfigError, match="evenly"):
         C.tp_shard(3, 8)
+
+
+def test_first_prefill_exact_attention_stores_the_same_cache():
+    """``prefill_attention: exact``: the first prefill attends with SDPA over the prompt's own K/V, and the cache
+    holds exactly what the INT8 path stores (the store does not depend on the prefill's attention), so the decode
+    steps after it are identical too."""
+    import dataclasses
+
+    from turbo_attn_hf.attention import exact_attention
+
+    g = torch.Generator().manual_seed(3)
+    b, hq, hk, T, d = 2, 4, 2, 150, 64
+    q = torch.randn(b, hq, T, d, generator=g).bfloat16()
+    k = torch.randn(b, hk, T, d, generator=g).bfloat16()
+    v = torch.randn(b, hk, T, d, generator=g).bfloat16()
+    kv = torch.ones(b, T, dtype=torch.bool)
+    kv[0, :5] = False
+    q1, k1, v1 = (torch.randn(b, h, 1, d, generator=g).bfloat16() for h in (hq, hk, hk))
+    outs, caches = {}, {}
+    for path in ("int8", "exact"):
+        cfg = dataclasses.replace(TurboConfig.preset("int4"), prefill_attention=path, block_size=16)
+        cache = TurboCache(cfg)
+        kk, vv = cache.update(k, v, 0)
+        outs[path] = cache.layers[0].attention(q, kk, vv, scale=0.125, key_valid=kv)
+        kk, vv = cache.update(k1, v1, 0)
+        outs[path + "_step"] = cache.layers[0].attention(q1, kk, vv, scale=0.125,
+                                                         key_valid=torch.cat([kv, kv[:, :1]], 1))
+        caches[path] = cache
+    assert torch.equal(outs["exact"], exact_attention(q, k, v, scale=0.125, key_valid=kv))
+    diff = (outs["int8"].double() - outs["exact"].double()).norm() / outs["exact"].double().norm()
+    assert diff < 0.05  # the INT8 prefill's own quantization error
+    la, lb = caches["int8"].layers[0], caches["exact"].layers[0]
+    assert la.n_tail == lb.n_tail and la.n_blocks == lb.n_blocks > 0
+    n = la.n_tail  # slots past n_tail are never written (nor read)
+    assert torch.equal(la.k_tail[:, :, :n], lb.k_tail[:, :, :n]) and torch.equal(la.v_tail[..., :n], lb.v_tail[..., :n])
+    for name in ("k_scale", "v_scale", "k_mean"):
+        assert torch.equal(getattr(la, name), getattr(lb, name)), name
+    for ga, gb in zip(la.groups, lb.groups):
+        for (n, ta), (_, tb) in zip(ga._tensors(), gb._tensors()):
+            assert torch.equal(ta[:, :, : ga.n_blocks], tb[:, :, : gb.n_blocks]), n
+    assert torch.equal(outs["int8_step"], outs["exact_step"])
