@@ -68,6 +68,12 @@ def info() -> int:
     print(f"turbo_attn_hf {turbo_attn_hf.__version__} | python {platform.python_version()} | torch {torch.__version__} "
           f"| triton {triton.__version__} | transformers {tv} | CUDA {torch.version.cuda}")
     print(f"device: {dev}")
+    from turbo_attn_hf.config import PREFILL_ATTENTION_BY_CAPABILITY, TurboConfig, prefill_attention_path
+
+    here = prefill_attention_path(TurboConfig(), torch.device("cuda", 0) if torch.cuda.is_available()
+                                  else torch.device("cpu"))
+    table = ", ".join(f"sm_{k}x: {v}" for k, v in sorted(PREFILL_ATTENTION_BY_CAPABILITY.items()))
+    print(f"prefill attention (auto): {here} here | {table} | other GPUs and CPU: int8")
     print(f"attn_implementation: {turbo_attn_hf.ATTN_NAME!r} registered: {turbo_attn_hf.REGISTERED}")
     print(f"head dims: {SUPPORTED_HEAD_DIMS}")
     print("presets: " + ", ".join(f"{k} ({v})" for k, v in sorted(available_presets().items())))

@@ -39,6 +39,7 @@ def test_info(capsys):
     assert cli.main(["info"]) == 0
     text = capsys.readouterr().out
     assert "turbo_int8" in text and "registered: True" in text and "int4" in text
+    assert "prefill attention (auto): int8 here | sm_9x: exact" in text  # this CPU machine
 
 
 def test_info_help_prints_help(capsys):
