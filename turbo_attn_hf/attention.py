@@ -133,6 +133,18 @@ def _key_valid(mask: Optional[torch.Tensor], b: int, lk: int, model: str) -> Opt
 
 
 # ---------------------------------------------------------------------------------------------- fallbacks
+def _allowed(lq: int, lk: int, causal: bool, window: Optional[int], key_valid: Optional[torch.Tensor],
+             device: torch.device) -> torch.Tensor:
+    """bool ``[1 or b, 1, Lq, Lk]``: which keys each query sees (bottom-right causal, ``window``, ``key_valid``)."""
+    qpos = torch.arange(lq, device=device)[:, None] + (lk - lq)
+    kpos = torch.arange(lk, device=device)[None, :]
+    allowed = kpos <= qpos if causal else torch.ones(lq, lk, dtype=torch.bool, device=device)
+    if window is not None:
+        allowed = allowed & ((qpos - kpos) < window)
+    allowed = allowed[None, None]
+    return allowed & key_valid[:, None, None, :] if key_valid is not None else allowed
+
+
 def torch_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -156,16 +168,7 @@ def torch_attention(
         k = k.repeat_interleave(hq // hk, dim=1)
         v = v.repeat_interleave(hq // hk, dim=1)
     scale = d ** -0.5 if scale is None else scale
-    allowed = torch.ones(lq, lk, dtype=torch.bool, device=q.device)
-    qpos = torch.arange(lq, device=q.device)[:, None] + (lk - lq)
-    kpos = torch.arange(lk, device=q.device)[None, :]
-    if causal:
-        allowed &= kpos <= qpos
-    if window is not None:
-        allowed &= (qpos - kpos) < window
-    allowed = allowed[None, None].expand(b, 1, lq, lk)
-    if key_valid is not None:
-        allowed = allowed & key_valid[:, None, None, :]
+    allowed = _allowed(lq, lk, causal, window, key_valid, q.device).expand(b, 1, lq, lk)
     neg = torch.finfo(q.dtype).min
     if softcap is None:
         bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, neg)
@@ -208,14 +211,7 @@ def exact_attention(
     if hq != hk:
         k = k.repeat_interleave(hq // hk, dim=1)
         v = v.repeat_interleave(hq // hk, dim=1)
-    qpos = torch.arange(lq, device=q.device)[:, None] + (lk - lq)
-    kpos = torch.arange(lk, device=q.device)[None, :]
-    allowed = kpos <= qpos if causal else torch.ones(lq, lk, dtype=torch.bool, device=q.device)
-    if window is not None:
-        allowed = allowed & ((qpos - kpos) < window)
-    allowed = allowed[None, None]
-    if key_valid is not None:
-        allowed = allowed & key_valid[:, None, None, :]
+    allowed = _allowed(lq, lk, causal, window, key_valid, q.device)
     o = sdpa(q, k, v, attn_mask=allowed, scale=scale)
     # a row with no allowed key (a left-padded query) is NaN or 0 by SDPA backend; the kernels give 0 there
     o = o.masked_fill(~allowed.any(-1, keepdim=True), 0.0)
