@@ -65,6 +65,25 @@ class _ModuleState:
     turbo: TurboConfig
 
 
+#: (id(model config), settings version) -> (config, model name, resolved TurboConfig): the attention modules of one
+#: model share its config, so a set_turbo_config costs the next forward one resolution (~40 reads of the config's
+#: slow ``__getattribute__``), not one per layer (eval/PERF_NOTES.md, session 16)
+_SETTINGS: dict = {}
+
+
+def _model_settings(config: Any, who: Any, version: int) -> tuple[str, TurboConfig]:
+    key = (id(config), version)
+    hit = _SETTINGS.get(key) if config is not None else None
+    if hit is not None and hit[0] is config:
+        return hit[1], hit[2]
+    out = model_name(who), resolve_rotate_qk(caps.get_turbo_config(config), config)
+    if config is not None:
+        if len(_SETTINGS) >= 64:
+            _SETTINGS.clear()
+        _SETTINGS[key] = (config, *out)
+    return out
+
+
 def _module_state(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> _ModuleState:
     st = getattr(module, "_turbo_attn_state", None)
     version = caps.settings_version()
@@ -87,7 +106,7 @@ def _module_state(module: Any, query: torch.Tensor, key: torch.Tensor, value: to
             f"{ATTN_NAME}: {model_name(who)} has {hq} query heads and {hk} KV heads; the query heads must be "
             "a multiple of the KV heads (GQA/MQA)."
         )
-    st = _ModuleState(version, d, model_name(who), resolve_rotate_qk(caps.get_turbo_config(config), config))
+    st = _ModuleState(version, d, *_model_settings(config, who, version))
     try:
         object.__setattr__(module, "_turbo_attn_state", st)  # plain attribute, not a submodule/buffer
     except Exception:  # pragma: no cover - exotic modules with __slots__
