@@ -17,7 +17,7 @@ Under ``TRITON_INTERPRET=1`` every call is the ordinary ``fn[grid](...)``.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 from triton import knobs
@@ -138,8 +138,35 @@ class LeanLaunch:
         ``== 1``, int32 range) and that no launch hooks are set (:meth:`hooks_active`)."""
         kernel, tail = hit
         g = tuple(grid) + (1, 1)
+        direct = kernel.__dict__.get("_turbo_direct", _UNSET) if hasattr(kernel, "__dict__") else None
+        if direct is _UNSET:
+            direct = kernel.__dict__["_turbo_direct"] = _direct_launch(kernel)
+        if direct is not None:  # Triton's C launcher itself, the CUDA stream read in C (PERF_NOTES, session 16)
+            launch, coop, pdl = direct
+            launch(g[0], g[1], g[2], _raw_stream(_cuda_device()), kernel.function, coop, pdl, None, None,
+                   kernel.packed_metadata, None, None, None, *call, *tail)
+            return
         stream = driver.active.get_current_stream(driver.active.get_current_device())
         kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, None, None, None, *call, *tail)
+
+
+_UNSET = object()
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_cuda_device = getattr(torch._C, "_cuda_getDevice", None)
+
+
+def _direct_launch(kernel: Any) -> Optional[Tuple[Callable, Any, Any]]:
+    """``(launch, cooperative, pdl)`` of a compiled kernel whose launcher is Triton's CUDA one and needs no scratch
+    allocation per launch: what ``CudaLauncher.__call__`` hands its C ``launch`` besides the grid, stream and
+    arguments (a Python frame, a nested function and two scratch checks fewer per launch); None for anything
+    else (another backend, a kernel with global / profile scratch, a test's stand-in), which launches through
+    ``kernel.run`` on the driver's current stream."""
+    run = kernel.__dict__.get("_run")
+    if (type(run).__name__ != "CudaLauncher" or _raw_stream is None or _cuda_device is None
+            or getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1)
+            or type(driver.active).__name__ != "CudaDriver"):
+        return None
+    return run.launch, run.launch_cooperative_grid, run.launch_pdl
 
 
 _LEANS: Dict[int, Tuple[Any, LeanLaunch]] = {}

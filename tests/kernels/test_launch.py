@@ -131,3 +131,46 @@ def test_interpreter_calls_the_jit_function():
     x = torch.zeros(8)
     LeanLaunch(_add_one)[(1,)](x, 5, BLOCK=8)
     assert x.tolist() == [1.0] * 5 + [0.0] * 3
+
+
+def test_relaunch_calls_tritons_c_launcher_directly(monkeypatch):
+    """A kernel whose launcher is Triton's CUDA one (no scratch) is relaunched through its C ``launch`` with the
+    arguments ``CudaLauncher.__call__`` would pass, on the current device's raw stream; one with a global
+    scratch buffer keeps ``kernel.run``."""
+    from triton.runtime.driver import driver
+
+    class CudaLauncher:  # the name is what the fast path checks, with its attributes
+        global_scratch_size = profile_scratch_size = 0
+        launch_cooperative_grid, launch_pdl = "coop", "pdl"
+
+        def __init__(self):
+            self.calls = []
+
+        def launch(self, *a):
+            self.calls.append(a)
+
+    class CudaDriver(_FakeDriver):
+        pass
+
+    class Compiled:
+        function, packed_metadata = "fn", "meta"
+
+        def __init__(self, run):
+            self._run = run
+            self.run_calls = []
+
+        def run(self, *a):
+            self.run_calls.append(a)
+
+    monkeypatch.setattr(driver, "_active", CudaDriver())
+    monkeypatch.setattr(launch_mod, "_raw_stream", lambda device: 100 + device)
+    monkeypatch.setattr(launch_mod, "_cuda_device", lambda: 3)
+    fast = Compiled(CudaLauncher())
+    LeanLaunch.relaunch((fast, (16, True)), (4, 2), (1234, 9))
+    assert fast._run.calls == [(4, 2, 1, 103, "fn", "coop", "pdl", None, None, "meta", None, None, None,
+                                1234, 9, 16, True)]
+    scratch = CudaLauncher()
+    scratch.global_scratch_size = 128
+    slow = Compiled(scratch)
+    LeanLaunch.relaunch((slow, ()), (1,), (5,))
+    assert scratch.calls == [] and slow.run_calls == [(1, 1, 1, 7, "fn", "meta", None, None, None, 5)]
