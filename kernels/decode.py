@@ -49,6 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .device import current_cuda_device
 from .hadamard import hadamard_rows
 from .interpreter import interpreting
 from .launch import LeanLaunch
@@ -1240,7 +1241,7 @@ class _DecodeStatic:
         head = self.head(stor)
         sv = head[4]
         ln = lens if lens is not None else sv
-        cur = torch.cuda.current_device() if self.device.type == "cuda" else -1
+        cur = current_cuda_device() if self.device.type == "cuda" else -1
         kv = kvalid if kvalid is not None else head[2]
         # the launch's specialisation facts beyond the entry's: the query's and key_valid's 16-byte alignment
         # (o and the workspace are fresh allocations; the integers that change are not specialised)

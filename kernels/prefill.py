@@ -67,6 +67,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .device import current_cuda_device
 from .launch import LeanLaunch, lean
 from .quant import (_check_device, _mean_arg, _pow2, _qk_spec, _quant_qk_kernel, _quant_v_kernel, _v_channel_amax,
                     _v_spec, check_qk_smooth, factor_arg, interpreting, k_smooth_mean, quantize_per_token, quantize_v_blocks, quantize_v_channels)
@@ -779,7 +780,7 @@ class _AttnPlan:
         kv = _key_valid_arg(key_valid, q)[0] if self.kv_arg else sq
         f = factor_arg(qk_smooth, sk)
         hooks = LeanLaunch.hooks_active()
-        dev_key = torch.cuda.current_device() if self.cuda else -1  # the rest of the key is the plan's
+        dev_key = current_cuda_device() if self.cuda else -1  # the rest of the key is the plan's
         memo_qk, memo_v, memo_attn = self.memo
         grid, scalars, kw = self.qk
         lean(_quant_qk_kernel).launch_memo(memo_qk, dev_key, grid, (q, k, m, f, q8, k8, sq, sk), scalars, kw, hooks)

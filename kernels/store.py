@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from .decode import _pow2
-from .device import sm_count
+from .device import current_cuda_device, sm_count
 from .hadamard import hadamard_rows
 from .interpreter import interpreting
 from .launch import LeanLaunch, lean
@@ -177,7 +177,7 @@ def store_int8_tokens(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, k
         kw = _STORE_KW[key] = dict(D=D, BD=_pow2(D), BT=_pow2(T), HAS_MEAN=k_mean is not None,
                                    COUNT=nonfinite is not None, **_rotate_kw(k, rotate, qk_smooth), num_warps=4,
                                    **_no_fma(rotate))
-    dev_key = torch.cuda.current_device() if k.is_cuda else -1
+    dev_key = current_cuda_device() if k.is_cuda else -1
     _STORE.launch_memo(_STORE_MEMO, (key, dev_key), (b * H,), tensors, (int(slot), T, *strides, H, C), kw,
                        LeanLaunch.hooks_active())
 
@@ -453,7 +453,7 @@ def kv_stats(k: torch.Tensor, v: torch.Tensor, k_mean: Optional[torch.Tensor], b
     mrot = torch.empty(s_shape, dtype=torch.float32, device=dev) if rotate and k_mean is not None else None
     f = factor_arg(qk_smooth, ks)
     hooks = LeanLaunch.hooks_active()
-    dev_key = torch.cuda.current_device() if dev.type == "cuda" else -1
+    dev_key = current_cuda_device() if dev.type == "cuda" else -1
     grid, scalars, kw = stats
     lean(_stats_kernel).launch_memo(memo[0], dev_key, grid, (k, v, part, cnt, f), scalars, kw, hooks)
     hi, lo, _ = select if select is not None else (ks, ks, 0)
@@ -765,7 +765,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, k_mean: Op
     common, memo = hit
     plans = [(True, True)] if c == 0 or npp == 0 else [(True, False), (False, True)]
     hooks = LeanLaunch.hooks_active()
-    dev_key = torch.cuda.current_device() if k.is_cuda else -1
+    dev_key = current_cuda_device() if k.is_cuda else -1
     for pack, tail in plans:
         n_prog = npp if pack else 0
         kw = dict(common, PACK=pack and npp > 0, TAIL=tail, COUNT=nonfinite is not None, VEC=vec,

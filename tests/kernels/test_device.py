@@ -14,7 +14,7 @@ def test_switches_only_to_another_cuda_device(monkeypatch):
         entered.append(dev)
         yield
 
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(D, "current_cuda_device", lambda: 0)  # the C read on_device uses
     monkeypatch.setattr(torch.cuda, "device", fake_device)
     for dev in (torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda")):
         with D.on_device(dev):
