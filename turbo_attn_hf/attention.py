@@ -224,7 +224,7 @@ def exact_attention(
         return torch_attention(q, k, v, scale=scale, causal=causal, window=window, softcap=softcap,
                                key_valid=key_valid)
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    if key_valid is None and window is None and (not causal or lq == lk):
+    if not exact_mask_elems(q, k, causal, window, key_valid):
         o = sdpa(q, k, v, is_causal=causal and lq > 1, scale=scale, enable_gqa=hq != hk)
         return o.transpose(1, 2).contiguous()
     if hq != hk:
@@ -235,6 +235,15 @@ def exact_attention(
     # a row with no allowed key (a left-padded query) is NaN or 0 by SDPA backend; the kernels give 0 there
     o = o.masked_fill(~allowed.any(-1, keepdim=True), 0.0)
     return o.transpose(1, 2).contiguous()
+
+
+def exact_mask_elems(q: torch.Tensor, k: torch.Tensor, causal: bool, window: Optional[int],
+                     key_valid: Optional[torch.Tensor]) -> int:
+    """Elements of the bool mask :func:`exact_attention` builds for these arguments (0: none, SDPA's own causal)."""
+    b, lq, lk = q.shape[0], q.shape[2], k.shape[2]
+    if key_valid is None and window is None and (not causal or lq == lk):
+        return 0
+    return (b if key_valid is not None else 1) * lq * lk
 
 
 def _prefill_fn(device: torch.device, model: str) -> Callable[..., torch.Tensor]:
@@ -327,7 +336,8 @@ def turbo_attention_forward(
     # 3. Attention over the given K/V (prefill, or decode over a DynamicCache): exact where that path is the faster
     # one (TurboConfig.prefill_attention), else INT8 flash attention.
     cfg = st.turbo
-    if prefill_attention_path(cfg, query.device, softcap) == "exact":
+    if prefill_attention_path(cfg, query.device, softcap, exact_mask_elems(query, key, is_causal, sliding_window,
+                                                                           key_valid)) == "exact":
         return exact_attention(query, key, value, scale=scaling, causal=is_causal, window=sliding_window,
                                softcap=softcap, key_valid=key_valid), None
     if lq < lk:

@@ -597,9 +597,10 @@ class TurboLayer(CacheLayerMixin):
         if self.rotated:
             self._check_keys(key)
         if self._first_prefill and key.shape[2] == query.shape[2] and key.stride(-1) == 1:
-            if prefill_attention_path(cfg, query.device, softcap) == "exact":
-                from .attention import exact_attention  # the prompt's own K/V, unquantized (raw K: not rotated)
+            from .attention import exact_attention, exact_mask_elems  # the prompt's own K/V (raw K: not rotated)
 
+            if prefill_attention_path(cfg, query.device, softcap,
+                                      exact_mask_elems(query, key, causal, window, key_valid)) == "exact":
                 return exact_attention(query, key, value, scale=scale, causal=causal, window=window,
                                        softcap=softcap, key_valid=key_valid)
             from .kernels import reference

@@ -295,12 +295,20 @@ def _capability_major(device: "torch.device") -> int:
     return torch.cuda.get_device_capability(device)[0]
 
 
-def prefill_attention_path(cfg: TurboConfig, device: "torch.device", softcap: Optional[float] = None) -> str:
+#: ``auto`` keeps the INT8 kernel where the exact path would build a mask of more elements than this (padding or a
+#: sliding window: SDPA takes a bool ``[b, 1, Lq, Lk]``, and GQA's K/V repeated per query head): 8 x 32k padded
+#: prompts would need 8 GiB for the mask alone, where the INT8 kernel masks in registers
+EXACT_MASK_LIMIT = 1 << 28
+
+
+def prefill_attention_path(cfg: TurboConfig, device: "torch.device", softcap: Optional[float] = None,
+                           mask_elems: int = 0) -> str:
     """``"int8"`` or ``"exact"``: how a prompt attends over its own K/V on ``device`` (``TurboConfig.prefill_attention``;
-    ``auto`` from ``PREFILL_ATTENTION_BY_CAPABILITY``, INT8 with a softcap or off CUDA)."""
+    ``auto`` from ``PREFILL_ATTENTION_BY_CAPABILITY``; INT8 with a softcap, off CUDA, or where the exact path's mask
+    would hold more than ``EXACT_MASK_LIMIT`` elements: ``mask_elems``, 0 for a plain causal prompt)."""
     mode = cfg.prefill_attention
     if mode != "auto":
         return mode
-    if softcap or device.type != "cuda":
+    if softcap or device.type != "cuda" or mask_elems > EXACT_MASK_LIMIT:
         return "int8"
     return PREFILL_ATTENTION_BY_CAPABILITY.get(_capability_major(device), "int8")

@@ -424,6 +424,11 @@ def test_prefill_attention_resolution(monkeypatch):
     assert C.prefill_attention_path(auto, cuda, softcap=30.0) == "int8"
     monkeypatch.setattr(C, "_capability_major", lambda device: 8)
     assert C.prefill_attention_path(auto, cuda) == "int8"
+    monkeypatch.setattr(C, "_capability_major", lambda device: 9)
+    # a mask of more than EXACT_MASK_LIMIT elements (padding / window at long prompts): the INT8 kernel, unless asked
+    assert C.prefill_attention_path(auto, cuda, mask_elems=C.EXACT_MASK_LIMIT) == "exact"
+    assert C.prefill_attention_path(auto, cuda, mask_elems=C.EXACT_MASK_LIMIT + 1) == "int8"
+    assert C.prefill_attention_path(TurboConfig(prefill_attention="exact"), cuda, mask_elems=1 << 40) == "exact"
     assert C.prefill_attention_path(TurboConfig(prefill_attention="exact"), cpu) == "exact"
     assert C.prefill_attention_path(TurboConfig(prefill_attention="int8"), cuda) == "int8"
     with pytest.raises(C.TurboConfigError, match="prefill_attention='fp8' must be one of"):
@@ -444,3 +449,16 @@ def test_prefill_attention_exact_skips_the_int8_kernel(monkeypatch):
     kv[1, :2] = False
     out, _ = turbo_attention_forward(mod, q, k, v, kv, scaling=0.3, sliding_window=5)
     assert torch.equal(out, exact_attention(q, k, v, scale=0.3, causal=True, window=5, key_valid=kv))
+
+
+def test_exact_mask_elems_counts_what_exact_attention_builds():
+    from turbo_attn_hf.attention import exact_mask_elems
+
+    q, k, _ = _qkv(b=2, lq=5, lk=21)
+    q2, k2, _ = _qkv(b=2, lq=21, lk=21)
+    kv = torch.ones(2, 21, dtype=torch.bool)
+    assert exact_mask_elems(q2, k2, True, None, None) == 0  # SDPA's is_causal, no mask
+    assert exact_mask_elems(q2, k2, False, None, None) == 0
+    assert exact_mask_elems(q, k, True, None, None) == 5 * 21  # bottom-right causal: a mask
+    assert exact_mask_elems(q2, k2, True, 4, None) == 21 * 21
+    assert exact_mask_elems(q2, k2, True, None, kv) == 2 * 21 * 21

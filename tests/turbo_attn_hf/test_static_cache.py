@@ -7,6 +7,8 @@ tokens are compared for equality against the dynamic cache, and the storage byte
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -68,8 +70,9 @@ def test_step_store_matches_the_dynamic_store(cfg, device):
             assert torch.equal(ts[:, :, :dyn.n_blocks], td[:, :, :dyn.n_blocks]), name
 
 
-@pytest.mark.parametrize("arch,cfg", [("llama", INT4_B16), ("mistral", MIXED_B16), ("gemma2", INT4_B16)],
-                         ids=["llama-int4", "mistral-mixed", "gemma2-int4"])
+@pytest.mark.parametrize("arch,cfg", [("llama", INT4_B16), ("mistral", MIXED_B16), ("gemma2", INT4_B16),
+                                      ("mistral", dataclasses.replace(MIXED_B16, prefill_attention="exact"))],
+                         ids=["llama-int4", "mistral-mixed", "gemma2-int4", "mistral-mixed-exact-prefill"])
 def test_static_decode_matches_dynamic(arch, cfg, tm, pytorch_reference_kernels):
     """Left-padded greedy decoding over the static cache = over the dynamic one (mistral: sliding window;
     gemma2: softcap, sliding + full layers)."""
