@@ -335,18 +335,18 @@ def turbo_attention_forward(
 
     # 3. Attention over the given K/V (prefill, or decode over a DynamicCache): exact where that path is the faster
     # one (TurboConfig.prefill_attention), else INT8 flash attention.
+    if lq < lk:
+        log_once(
+            "decode-unquantized-cache",
+            f"{ATTN_NAME}: {st.model} decodes over a cache that is not a TurboCache (e.g. a DynamicCache): the KV "
+            "cache stays unquantized (no memory saving) and attention reads all of it every step. Use plain "
+            "generate() (it builds a TurboCache) or pass turbo_attn_hf.TurboCache(...) as the cache.",
+        )
     cfg = st.turbo
     if prefill_attention_path(cfg, query.device, softcap, exact_mask_elems(query, key, is_causal, sliding_window,
                                                                            key_valid)) == "exact":
         return exact_attention(query, key, value, scale=scaling, causal=is_causal, window=sliding_window,
                                softcap=softcap, key_valid=key_valid), None
-    if lq < lk:
-        log_once(
-            "decode-unquantized-cache",
-            f"{ATTN_NAME}: {st.model} decodes over a cache that is not a TurboCache (e.g. a DynamicCache): the KV "
-            "cache stays unquantized (no memory saving) and attention re-quantizes it every step. Use plain "
-            "generate() (it builds a TurboCache) or pass turbo_attn_hf.TurboCache(...) as the cache.",
-        )
     in_dtype = query.dtype
     if in_dtype not in caps.KERNEL_DTYPES:
         cast = caps.CAST_DTYPES.get(in_dtype)

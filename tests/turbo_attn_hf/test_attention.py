@@ -462,3 +462,18 @@ def test_exact_mask_elems_counts_what_exact_attention_builds():
     assert exact_mask_elems(q, k, True, None, None) == 5 * 21  # bottom-right causal: a mask
     assert exact_mask_elems(q2, k2, True, 4, None) == 21 * 21
     assert exact_mask_elems(q2, k2, True, None, kv) == 2 * 21 * 21
+
+
+@pytest.mark.parametrize("path", ["int8", "exact"])
+def test_decoding_over_a_dynamic_cache_is_logged_on_either_path(path, caplog):
+    """One query over more keys without a TurboCache (a DynamicCache): one log line that the cache is not
+    quantized, whichever attention path runs."""
+    caps._logged.discard("decode-unquantized-cache")
+    mod = _module()
+    turbo_attn_hf.set_turbo_config(mod, TurboConfig(prefill_attention=path))
+    q, k, v = _qkv(lq=1, lk=9)
+    with caplog.at_level(logging.INFO, logger="turbo_attn_hf"):
+        for _ in range(2):
+            out, _ = turbo_attention_forward(mod, q, k, v, None)
+    assert out.shape == (2, 1, 4, 64)
+    assert sum("not a TurboCache" in r.getMessage() for r in caplog.records) == 1
