@@ -246,6 +246,14 @@ def exact_mask_elems(q: torch.Tensor, k: torch.Tensor, causal: bool, window: Opt
     return (b if key_valid is not None else 1) * lq * lk
 
 
+def takes_exact_path(cfg: TurboConfig, q: torch.Tensor, k: torch.Tensor, *, causal: bool, window: Optional[int],
+                     softcap: Optional[float], key_valid: Optional[torch.Tensor]) -> bool:
+    """Whether attention of ``q`` over the given ``k`` runs :func:`exact_attention` (``TurboConfig.prefill_attention``
+    resolved for this device, softcap and mask size) — the one rule for the first prefill of a TurboCache layer and
+    for calls without a cache."""
+    return prefill_attention_path(cfg, q.device, softcap, exact_mask_elems(q, k, causal, window, key_valid)) == "exact"
+
+
 def _prefill_fn(device: torch.device, model: str) -> Callable[..., torch.Tensor]:
     """The INT8 flash-attention implementation for tensors on ``device``."""
     if device.type == "cuda" or (device.type == "cpu" and caps.triton_interpret()):
@@ -343,8 +351,7 @@ def turbo_attention_forward(
             "generate() (it builds a TurboCache) or pass turbo_attn_hf.TurboCache(...) as the cache.",
         )
     cfg = st.turbo
-    if prefill_attention_path(cfg, query.device, softcap, exact_mask_elems(query, key, is_causal, sliding_window,
-                                                                           key_valid)) == "exact":
+    if takes_exact_path(cfg, query, key, causal=is_causal, window=sliding_window, softcap=softcap, key_valid=key_valid):
         return exact_attention(query, key, value, scale=scaling, causal=is_causal, window=sliding_window,
                                softcap=softcap, key_valid=key_valid), None
     in_dtype = query.dtype

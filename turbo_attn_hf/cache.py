@@ -43,7 +43,7 @@ from typing import Any, Optional
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
-from .config import TurboConfig, TurboConfigError, prefill_attention_path, resolve_rotate_qk
+from .config import TurboConfig, TurboConfigError, resolve_rotate_qk
 from .kernels.device import on_device
 from .kernels.interpreter import use_triton
 from .kernels.pack import PackedKV, kv_bytes_per_token, quantize_int8
@@ -597,10 +597,9 @@ class TurboLayer(CacheLayerMixin):
         if self.rotated:
             self._check_keys(key)
         if self._first_prefill and key.shape[2] == query.shape[2] and key.stride(-1) == 1:
-            from .attention import exact_attention, exact_mask_elems  # the prompt's own K/V (raw K: not rotated)
+            from .attention import exact_attention, takes_exact_path  # the prompt's own K/V (raw K: not rotated)
 
-            if prefill_attention_path(cfg, query.device, softcap,
-                                      exact_mask_elems(query, key, causal, window, key_valid)) == "exact":
+            if takes_exact_path(cfg, query, key, causal=causal, window=window, softcap=softcap, key_valid=key_valid):
                 return exact_attention(query, key, value, scale=scale, causal=causal, window=window,
                                        softcap=softcap, key_valid=key_valid)
             from .kernels import reference
