@@ -53,6 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .arena import carve
 from .interpreter import use_triton
 from .quant import _multiple, _tile_rows, _to_int8_half_away, _vec
 
@@ -373,6 +374,7 @@ class PackedKV:
             v_sz = torch.stack((v_scale, v_zero), 3)
         self.bits, self.heads, self.k, self.v = bits, heads, k, v
         self.k_scale, self.k_zero, self.v_sz, self.n_blocks = k_scale, k_zero, v_sz, n_blocks
+        self.flat: Optional[torch.Tensor] = None  # the byte buffer the tensors are views of (empty / reserve)
 
     def __repr__(self) -> str:
         return (f"PackedKV(bits={self.bits}, heads={self.heads.tolist()}, n_blocks={self.n_blocks}, "
@@ -391,21 +393,30 @@ class PackedKV:
     @classmethod
     def empty(cls, bits: int, heads: torch.Tensor, batch: int, head_dim: int, block_size: int,
               device, capacity: int = 1, alloc: Optional[Callable] = None) -> "PackedKV":
-        """No blocks, room for ``capacity``; ``alloc(name, shape, dtype)`` makes each tensor (default
-        ``torch.empty`` on ``device``)."""
+        """No blocks, room for ``capacity``; every tensor is a view of one byte buffer (``arena.carve``), made by
+        ``alloc(shape, dtype)`` (default ``torch.empty`` on ``device``)."""
         if alloc is None:
-            def alloc(name, shape, dtype):
+            def alloc(shape, dtype):
                 return torch.empty(shape, dtype=dtype, device=device)
-        H, D, BS = len(heads), head_dim, block_size
-        pb = 8 // bits
-        dt = torch.int8 if bits == 8 else torch.uint8
-        g = cls(bits=bits, heads=heads.to(device=device, dtype=torch.int32),
-                k=alloc("k", (batch, H, capacity, BS, D // pb), dt),
-                v=alloc("v", (batch, H, capacity, D, BS // pb), dt))
-        if bits != 8:
-            for name, shape in (("k_scale", (D,)), ("k_zero", (D,)), ("v_sz", (2, BS))):
-                setattr(g, name, alloc(name, (batch, H, capacity, *shape), torch.int8))
+        g = cls(bits=bits, heads=heads if heads.dtype == torch.int32 and heads.device == torch.device(device)
+                else heads.to(device=device, dtype=torch.int32), k=None, v=None)
+        g._carve(batch, len(heads), capacity, block_size, head_dim, alloc)
         return g
+
+    def _specs(self, batch: int, H: int, capacity: int, BS: int, D: int) -> tuple:
+        pb = 8 // self.bits
+        dt = torch.int8 if self.bits == 8 else torch.uint8
+        specs = (("k", (batch, H, capacity, BS, D // pb), dt), ("v", (batch, H, capacity, D, BS // pb), dt))
+        if self.bits != 8:
+            specs += tuple((name, (batch, H, capacity, *shape), torch.int8)
+                           for name, shape in (("k_scale", (D,)), ("k_zero", (D,)), ("v_sz", (2, BS))))
+        return specs
+
+    def _carve(self, batch: int, H: int, capacity: int, BS: int, D: int, alloc: Callable) -> None:
+        views = carve(self._specs(batch, H, capacity, BS, D), alloc)
+        self.flat = views.pop("flat")
+        for name, t in views.items():
+            setattr(self, name, t)
 
     @property
     def capacity(self) -> int:
@@ -419,14 +430,17 @@ class PackedKV:
         return [(n, getattr(self, n)) for n in self.TENSORS if getattr(self, n) is not None]
 
     def reserve(self, n_blocks: int) -> None:
-        """Grow the capacity (doubling) to hold ``n_blocks``; the valid blocks are copied once."""
+        """Grow the capacity (doubling) to hold ``n_blocks``: one new buffer, the valid blocks copied once."""
         if n_blocks <= self.capacity:
             return
         cap = max(n_blocks, 2 * self.capacity)
-        for name, t in self._tensors():
-            new = t.new_empty(t.shape[:2] + (cap,) + t.shape[3:])
-            new[:, :, : self.n_blocks] = t[:, :, : self.n_blocks]
-            setattr(self, name, new)
+        old = self._tensors()
+        b, H, _, BS = self.k.shape[:4]
+        D = self.k.shape[4] * 8 // self.bits
+        dev = self.k.device
+        self._carve(b, H, cap, BS, D, lambda shape, dtype: torch.empty(shape, dtype=dtype, device=dev))
+        for name, t in old:
+            getattr(self, name)[:, :, : self.n_blocks] = t[:, :, : self.n_blocks]
 
     def append(self, k8: torch.Tensor, v8: torch.Tensor) -> None:
         """Append full blocks of INT8 codes (never re-quantizes stored blocks).
@@ -469,8 +483,14 @@ class PackedKV:
 
     def index_batch(self, idx: torch.Tensor) -> None:
         """Keep/reorder/repeat batch rows: ``t = t[idx]`` for every buffer (beam search, batch select)."""
-        for name, t in self._tensors():
-            setattr(self, name, t.index_select(0, idx.to(t.device)))
+        old = self._tensors()
+        idx = idx.to(self.k.device)
+        b, H, cap, BS = self.k.shape[:4]
+        D = self.k.shape[4] * 8 // self.bits
+        dev = self.k.device
+        self._carve(idx.numel(), H, cap, BS, D, lambda shape, dtype: torch.empty(shape, dtype=dtype, device=dev))
+        for name, t in old:
+            torch.index_select(t, 0, idx, out=getattr(self, name))
 
     def used_bytes(self) -> int:
         """Bytes of the ``n_blocks`` valid blocks (data + scales/zeros)."""

@@ -407,7 +407,7 @@ def _finish_kernel(
 
 def kv_stats(k: torch.Tensor, v: torch.Tensor, k_mean: Optional[torch.Tensor], block_size: int, headroom: float,
              nonfinite: torch.Tensor, select: Optional[tuple] = None, rope_dims: int = 0, rotate: bool = False,
-             qk_smooth: Optional[torch.Tensor] = None) -> tuple:
+             qk_smooth: Optional[torch.Tensor] = None, out: Optional[tuple] = None) -> tuple:
     """Universal scales of a first prefill ``k, v [b, H, T, D]`` in two launches, no host sync.
 
     Args:
@@ -426,6 +426,8 @@ def kv_stats(k: torch.Tensor, v: torch.Tensor, k_mean: Optional[torch.Tensor], b
             itself); the stored basis' mean ``reference.rotate_mean_ref(k_mean, qk_smooth)`` is a third output,
             the ``k_mean`` to pass to ``store_kv`` / ``store_int8_tokens`` (with ``rotate=True``). Not with
             ``rope_dims`` (a rotated basis has no RoPE pairs).
+        out: ``(k_scale, v_scale, k_mean_rotated or None)`` contiguous fp32 ``[b, H, D]`` to write (the cache's
+            storage views), else new tensors.
     Returns ``(k_scale, v_scale)`` fp32 ``[b, H, D]``; with ``rotate`` ``(k_scale, v_scale, k_mean_rotated)``
     (the last None without ``k_mean``).
     """
@@ -446,11 +448,12 @@ def kv_stats(k: torch.Tensor, v: torch.Tensor, k_mean: Optional[torch.Tensor], b
                                                _rotate_kw(k, rotate, qk_smooth))
     part_shape, cnt_shape, s_shape, stats, finish, memo = plan
     dev = k.device
-    part = torch.empty(part_shape, dtype=torch.float32, device=dev)
-    cnt = torch.empty(cnt_shape, dtype=torch.int32, device=dev)
-    ks = torch.empty(s_shape, dtype=torch.float32, device=dev)
-    vs = torch.empty(s_shape, dtype=torch.float32, device=dev)
-    mrot = torch.empty(s_shape, dtype=torch.float32, device=dev) if rotate and k_mean is not None else None
+    part, cnt = _stats_workspace(dev, part_shape, cnt_shape)
+    if out is None:
+        out = (torch.empty(s_shape, dtype=torch.float32, device=dev),
+               torch.empty(s_shape, dtype=torch.float32, device=dev),
+               torch.empty(s_shape, dtype=torch.float32, device=dev) if rotate and k_mean is not None else None)
+    ks, vs, mrot = out
     f = factor_arg(qk_smooth, ks)
     hooks = LeanLaunch.hooks_active()
     dev_key = current_cuda_device() if dev.type == "cuda" else -1
@@ -466,6 +469,29 @@ def kv_stats(k: torch.Tensor, v: torch.Tensor, k_mean: Optional[torch.Tensor], b
 
 #: kv_stats' plans by key (shapes, strides, dtypes, device, options)
 _STATS_PLANS: dict = {}
+_STATS_WORKSPACE: dict = {}
+
+
+def _stats_workspace(device: torch.device, part_shape: tuple, cnt_shape: tuple) -> tuple:
+    """The stats kernel's partials and counts: views of a buffer kept per device and grown on demand (as the decode
+    split's, ``decode._workspace``), the views kept per shape: no allocation or view per layer. Launches on one
+    device's stream run in order, so the next layer's stats never overwrite partials a finish kernel still reads;
+    not for concurrent streams."""
+    key = (device.type, device.index)
+    ws = _STATS_WORKSPACE.get(key)
+    hit = None if ws is None else ws[1].get((part_shape, cnt_shape))
+    if hit is not None:
+        return hit
+    n_part = math.prod(part_shape)
+    n = n_part + math.prod(cnt_shape)
+    if ws is None or ws[0].numel() < n:
+        flat = torch.empty(max(n, 0 if ws is None else 2 * ws[0].numel()), dtype=torch.float32, device=device)
+        ws = _STATS_WORKSPACE[key] = (flat, {})
+    if len(ws[1]) >= 64:
+        ws[1].clear()
+    hit = ws[1][(part_shape, cnt_shape)] = (ws[0][:n_part].view(part_shape),
+                                            ws[0][n_part:n].view(torch.int32).view(cnt_shape))
+    return hit
 
 
 def stats_chunk_blocks(n_blocks: int, n_rows: int, n_sm: int) -> int:

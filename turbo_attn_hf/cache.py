@@ -44,6 +44,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
 from .config import TurboConfig, TurboConfigError, resolve_rotate_qk
+from .kernels.arena import carve
 from .kernels.device import on_device
 from .kernels.interpreter import use_triton
 from .kernels.pack import PackedKV, kv_bytes_per_token, quantize_int8
@@ -223,6 +224,8 @@ class TurboLayer(CacheLayerMixin):
         self.groups: list[PackedKV] = []
         self._plan_bits: list[int] = []  # the config's per-head bits (provisional with head_select "prompt")
         self.k_tail = self.v_tail = None
+        self._flat: Optional[torch.Tensor] = None  # the byte buffer of the layer's storage views (lazy_initialization)
+        self._fresh: dict = {}  # views of it the fused first store writes (scales, counter, head maps)
         self._base: Optional[torch.Tensor] = None  # the placeholders' one element (update() returns views of it)
         self.nonfinite: Optional[torch.Tensor] = None  # int32 [1]: stored token vectors with an inf/NaN
         self.n_tail = 0
@@ -257,10 +260,26 @@ class TurboLayer(CacheLayerMixin):
         self.groups = []  # made by the first prefill's store, at the capacity it needs (none allocated twice)
         cap = (self.turbo_config.sink_blocks + self.turbo_config.recent_blocks + 1) * bs
         # no fill: slots at or past n_tail are never read (the decode kernel masks them; any int8 is finite)
-        self.k_tail = self._empty(("layer", "k_tail"), (b, hk, cap, d), torch.int8)
-        self.v_tail = self._empty(("layer", "v_tail"), (b, hk, d, cap), torch.int8)
+        specs = [("k_tail", (b, hk, cap, d), torch.int8), ("v_tail", (b, hk, d, cap), torch.int8)]
+        if self._fused(key_states):  # what the fused first store writes, in the same allocation
+            f32 = torch.float32
+            specs += [("nonfinite", (1,), torch.int32), ("k_scale", (b, hk, d), f32), ("v_scale", (b, hk, d), f32)]
+            if self.rotated and self.turbo_config.smooth_k:
+                specs.append(("k_mean_rot", (b, hk, d), f32))
+            if self._prompt_select():
+                n2 = self._plan_bits.count(2)
+                specs += [("heads_hi", (hk - n2,), torch.int32), ("heads_lo", (n2,), torch.int32)]
+        views = carve(tuple(specs) + self._extra_specs(), lambda shape, dtype: self._empty(("layer", "_flat"), shape,
+                                                                                            dtype))
+        self._flat = views.pop("flat")
+        self.k_tail, self.v_tail = views.pop("k_tail"), views.pop("v_tail")
+        self._fresh = views
         self.n_tail = 0
         self.is_initialized = True
+
+    def _extra_specs(self) -> tuple:
+        """More ``(name, shape, dtype)`` of the layer's one storage allocation (left in ``_fresh``)."""
+        return ()
 
     def _empty(self, key: tuple, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
         """A new storage tensor; ``key`` names it as :meth:`TurboStaticLayer._storage` does (the static layout
@@ -278,7 +297,7 @@ class TurboLayer(CacheLayerMixin):
                 i = len(self.groups)
                 self.groups.append(PackedKV.empty(
                     bits, hm, self.batch, self.head_dim, self.turbo_config.block_size, self.device, capacity=capacity,
-                    alloc=lambda name, shape, dtype, i=i: self._empty(("group", i, name), shape, dtype)))
+                    alloc=lambda shape, dtype, i=i: self._empty(("group", i, "flat"), shape, dtype)))
 
     def _prompt_select(self) -> bool:
         """Whether the first prefill chooses this layer's 2-bit heads (``head_select: prompt``)."""
@@ -472,22 +491,23 @@ class TurboLayer(CacheLayerMixin):
         h = self.scale_headroom
         self.headroom = h = auto_headroom(T) if h == "auto" else float(h)
         mean = k_smooth_mean(key_states) if cfg.smooth_k else None
-        self.nonfinite = self._empty(("layer", "nonfinite"), (1,), torch.int32)
+        fresh = self._fresh
+        self.nonfinite = fresh["nonfinite"]
         select = None
         bs = cfg.block_size
         n = T - min(self.n_sink, T)  # tokens after the sinks; the first prefill's blocks are reserved at once
         nb = (n - cfg.recent_blocks * bs) // bs if n >= (cfg.recent_blocks + 1) * bs else 0
         if self._prompt_select():
             n2 = self._plan_bits.count(2)
-            order = [bits for bits in _BITS_ORDER if bits in (cfg.bits, 2)]  # the groups' order (_make_groups)
-            maps = {bits: self._empty(("group", order.index(bits), "heads"), (n,), torch.int32)
-                    for bits, n in ((cfg.bits, hk - n2), (2, n2))}
+            maps = {cfg.bits: fresh["heads_hi"], 2: fresh["heads_lo"]}
             self._make_groups(self._plan_bits, capacity=max(nb, 1), maps=maps)
             select = (maps[cfg.bits], maps[2], n2)
         else:
             self._make_groups(self._plan_bits, capacity=max(nb, 1))
         rot = self._k_rope_dims(key_states.shape[-1])
-        out = kv_stats(key_states, value_states, mean, bs, h, self.nonfinite, select, rot, **self._rot_kw)
+        out = kv_stats(key_states, value_states, mean, bs, h, self.nonfinite, select, rot, **self._rot_kw,
+                       out=(fresh["k_scale"], fresh["v_scale"], fresh.get("k_mean_rot")))
+        self._fresh = {}
         self.k_scale, self.v_scale = out[:2]
         self._cache_k_mean(mean, rot)  # after kv_stats: it fixes non-finite channels of the mean in place
         if self.rotated:  # the stores subtract the mean in the stored basis; the prefill rotates the raw one
@@ -660,6 +680,9 @@ class TurboLayer(CacheLayerMixin):
         idx = idx.to(self.device)
         for name, t in self._tensors():
             setattr(self, name, t.index_select(0, idx))
+        if self.nonfinite is not None:  # off the old storage buffer, which then goes
+            self.nonfinite = self.nonfinite.clone()
+        self._flat = None
         for grp in self.groups:
             grp.index_batch(idx)
         self.batch = int(idx.numel())
@@ -730,7 +753,7 @@ class TurboLayer(CacheLayerMixin):
         for grp in self.groups:
             for name, t in grp._tensors():
                 setattr(grp, name, t.to(device, non_blocking=True))
-            grp.heads = grp.heads.to(device)
+            grp.heads, grp.flat = grp.heads.to(device), None
         if self.nonfinite is not None:
             self.nonfinite = self.nonfinite.to(device, non_blocking=True)
 
@@ -816,12 +839,14 @@ class TurboStaticLayer(TurboLayer):
     def _storage(self) -> dict:
         """Every tensor a compiled decode step reads or writes by address, keyed by where it lives."""
         out = {("layer", n): t for n, t in self._tensors()}
-        for n in ("lens", "counters", "nonfinite", "_base"):
+        for n in ("lens", "counters", "nonfinite", "_base", "_flat"):
             if getattr(self, n, None) is not None:
                 out[("layer", n)] = getattr(self, n)
         for i, grp in enumerate(self.groups):
             out[("group", i, "heads")] = grp.heads
             out.update({("group", i, n): t for n, t in grp._tensors()})
+            if grp.flat is not None:
+                out[("group", i, "flat")] = grp.flat
         return out
 
     def _empty(self, key: tuple, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
@@ -852,8 +877,9 @@ class TurboStaticLayer(TurboLayer):
         for key, t in cur.items():
             old = kept[key]
             if old is not t:
-                olds.append(old)
-                news.append(t)
+                if old.data_ptr() != t.data_ptr():  # a view of the kept buffer (_empty) holds its data already
+                    olds.append(old)
+                    news.append(t)
                 setattr(self if key[0] == "layer" else self.groups[key[1]], key[-1], old)
         if olds:
             torch._foreach_copy_(olds, news)
@@ -867,10 +893,13 @@ class TurboStaticLayer(TurboLayer):
         self._cap_blocks = max(1, int8_buffer_layout(self.max_cache_len, cfg.block_size, cfg.sink_blocks,
                                                      cfg.recent_blocks)[0])
         super().lazy_initialization(key_states, value_states)
-        self.lens = self._empty(("layer", "lens"), (2,), torch.int32)  # written by _push_lens
-        # arrival (0 between steps), overflow
-        self.counters = self._empty(("layer", "counters"), (2,), torch.int32).zero_()
-        self._base = self._empty(("layer", "_base"), (1,), self.dtype)  # made here: not inside a compiled step
+        fresh = self._fresh
+        self.lens = fresh.pop("lens")  # written by _push_lens
+        self.counters = fresh.pop("counters").zero_()  # arrival (0 between steps), overflow
+        self._base = fresh.pop("_base")  # made here: not inside a compiled step
+
+    def _extra_specs(self) -> tuple:
+        return (("lens", (2,), torch.int32), ("counters", (2,), torch.int32), ("_base", (1,), self.dtype))
 
     def _make_groups(self, head_bits: list[int], capacity: int = 1, maps: Optional[dict] = None) -> None:
         super()._make_groups(head_bits, max(capacity, self._cap_blocks), maps)

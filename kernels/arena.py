@@ -1,0 +1,58 @@
+"""Several storage tensors of different dtypes carved out of one byte allocation.
+
+A first prefill made 12 (int4) to 19 (mixed) ``torch.empty`` calls a layer, ~4-8 us each of host time on the GPU
+machine, where ``as_strided`` over an existing buffer costs ~1.5 us (eval/PERF_NOTES.md, session 17): the cache
+asks for one buffer per layer and one per bit group and takes typed views of it. Every view starts on an
+``ALIGN``-byte boundary (Triton specialises pointers on 16-byte alignment) and is contiguous.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Sequence
+
+import torch
+
+__all__ = ["ALIGN", "carve", "layout"]
+
+#: byte alignment of every view (Triton's pointer specialisation needs 16; 128 keeps rows on cache-line starts)
+ALIGN = 128
+
+
+@functools.lru_cache(maxsize=1024)
+def layout(specs: tuple) -> tuple[int, tuple]:
+    """``specs``: ``((name, shape, dtype), ...)`` -> ``(total bytes, ((name, shape, dtype, element offset), ...))``
+    (offsets in units of the view's own element size)."""
+    off, out = 0, []
+    for name, shape, dtype in specs:
+        size = torch.empty((), dtype=dtype).element_size()
+        n = 1
+        for s in shape:
+            n *= int(s)
+        out.append((name, tuple(int(s) for s in shape), dtype, off // size))
+        off += -(-n * size // ALIGN) * ALIGN
+    return max(off, ALIGN), tuple(out)
+
+
+@functools.lru_cache(maxsize=1024)
+def _strides(shape: tuple) -> tuple:
+    st, acc = [], 1
+    for s in reversed(shape):
+        st.append(acc)
+        acc *= max(int(s), 1)
+    return tuple(reversed(st))
+
+
+def carve(specs: Sequence[tuple], alloc: Callable[[tuple, torch.dtype], torch.Tensor]) -> dict:
+    """One ``alloc((nbytes,), torch.uint8)`` for every ``(name, shape, dtype)`` of ``specs``; returns
+    ``{name: contiguous view}`` plus ``"flat"``: the byte buffer they share."""
+    nbytes, parts = layout(tuple(specs))
+    flat = alloc((nbytes,), torch.uint8)
+    out = {"flat": flat}
+    typed = {}
+    for name, shape, dtype, off in parts:
+        base = typed.get(dtype)
+        if base is None:
+            base = typed[dtype] = flat.view(dtype)  # ALIGN-multiple byte size: every dtype divides it
+        out[name] = base.as_strided(shape, _strides(shape), off)
+    return out
