@@ -21,38 +21,31 @@ ALIGN = 128
 
 @functools.lru_cache(maxsize=1024)
 def layout(specs: tuple) -> tuple[int, tuple]:
-    """``specs``: ``((name, shape, dtype), ...)`` -> ``(total bytes, ((name, shape, dtype, element offset), ...))``
-    (offsets in units of the view's own element size)."""
+    """``specs``: ``((name, shape, dtype), ...)`` -> ``(total bytes, ((name, shape, strides, dtype, element offset),
+    ...))`` (contiguous strides; offsets in units of the view's own element size)."""
     off, out = 0, []
     for name, shape, dtype in specs:
         size = torch.empty((), dtype=dtype).element_size()
-        n = 1
-        for s in shape:
-            n *= int(s)
-        out.append((name, tuple(int(s) for s in shape), dtype, off // size))
+        shape = tuple(int(s) for s in shape)
+        strides, n = [], 1
+        for s in reversed(shape):
+            strides.append(n)
+            n *= s
+        out.append((name, shape, tuple(reversed(strides)), dtype, off // size))
         off += -(-n * size // ALIGN) * ALIGN
     return max(off, ALIGN), tuple(out)
 
 
-@functools.lru_cache(maxsize=1024)
-def _strides(shape: tuple) -> tuple:
-    st, acc = [], 1
-    for s in reversed(shape):
-        st.append(acc)
-        acc *= max(int(s), 1)
-    return tuple(reversed(st))
-
-
 def carve(specs: Sequence[tuple], alloc: Callable[[tuple, torch.dtype], torch.Tensor]) -> dict:
-    """One ``alloc((nbytes,), torch.uint8)`` for every ``(name, shape, dtype)`` of ``specs``; returns
+    """One ``alloc((nbytes,), torch.uint8)`` for every ``(name, shape, dtype)`` of ``specs`` (a tuple); returns
     ``{name: contiguous view}`` plus ``"flat"``: the byte buffer they share."""
-    nbytes, parts = layout(tuple(specs))
+    nbytes, parts = layout(specs)
     flat = alloc((nbytes,), torch.uint8)
     out = {"flat": flat}
-    typed = {}
-    for name, shape, dtype, off in parts:
+    typed = {torch.uint8: flat}
+    for name, shape, strides, dtype, off in parts:
         base = typed.get(dtype)
         if base is None:
             base = typed[dtype] = flat.view(dtype)  # ALIGN-multiple byte size: every dtype divides it
-        out[name] = base.as_strided(shape, _strides(shape), off)
+        out[name] = base.as_strided(shape, strides, off)
     return out

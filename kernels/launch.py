@@ -17,6 +17,8 @@ Under ``TRITON_INTERPRET=1`` every call is the ordinary ``fn[grid](...)``.
 
 from __future__ import annotations
 
+import functools
+import operator
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
@@ -114,8 +116,8 @@ class LeanLaunch:
         device. ``memo`` (the caller's dict) maps ``key`` to the kernel compiled for 16-byte aligned tensors; a
         hit with every tensor so aligned is relaunched with the addresses — no per-argument facts, no binder.
         ``hooks``: :meth:`hooks_active`, read once by the caller. Anything else is an ordinary :meth:`launch`."""
-        ptrs = [t.data_ptr() for t in tensors]
-        aligned = not any(p & 15 for p in ptrs)
+        ptrs = list(map(_data_ptr, tensors))
+        aligned = not (functools.reduce(operator.or_, ptrs, 0) & 15)
         hit = memo.get(key) if aligned and not hooks else None
         if hit is not None:
             self.relaunch(hit, grid, ptrs + list(scalars))
@@ -151,6 +153,7 @@ class LeanLaunch:
 
 
 _UNSET = object()
+_data_ptr = torch.Tensor.data_ptr
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _cuda_device = getattr(torch._C, "_cuda_getDevice", None)
 
