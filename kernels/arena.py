@@ -36,11 +36,17 @@ def layout(specs: tuple) -> tuple[int, tuple]:
     return max(off, ALIGN), tuple(out)
 
 
-def carve(specs: Sequence[tuple], alloc: Callable[[tuple, torch.dtype], torch.Tensor]) -> dict:
-    """One ``alloc((nbytes,), torch.uint8)`` for every ``(name, shape, dtype)`` of ``specs`` (a tuple); returns
-    ``{name: contiguous view}`` plus ``"flat"``: the byte buffer they share."""
+def carve(specs: tuple, alloc: Callable[[str, tuple, torch.dtype], torch.Tensor], one_buffer: bool = True) -> dict:
+    """One ``alloc("flat", (nbytes,), torch.uint8)`` for every ``(name, shape, dtype)`` of ``specs``; returns
+    ``{name: contiguous view}`` plus ``"flat"``: the byte buffer they share. ``one_buffer=False``: one
+    ``alloc(name, shape, dtype)`` each and ``"flat"`` None (storage a compiled graph mutates: aot_autograd takes no
+    mutation of views of one buffer in different dtypes)."""
+    if not one_buffer:
+        out = {name: alloc(name, shape, dtype) for name, shape, dtype in specs}
+        out["flat"] = None
+        return out
     nbytes, parts = layout(specs)
-    flat = alloc((nbytes,), torch.uint8)
+    flat = alloc("flat", (nbytes,), torch.uint8)
     out = {"flat": flat}
     typed = {torch.uint8: flat}
     for name, shape, strides, dtype, off in parts:

@@ -392,15 +392,16 @@ class PackedKV:
 
     @classmethod
     def empty(cls, bits: int, heads: torch.Tensor, batch: int, head_dim: int, block_size: int,
-              device, capacity: int = 1, alloc: Optional[Callable] = None) -> "PackedKV":
-        """No blocks, room for ``capacity``; every tensor is a view of one byte buffer (``arena.carve``), made by
-        ``alloc(shape, dtype)`` (default ``torch.empty`` on ``device``)."""
+              device, capacity: int = 1, alloc: Optional[Callable] = None, one_buffer: bool = True) -> "PackedKV":
+        """No blocks, room for ``capacity``; every tensor is a view of one byte buffer (``arena.carve``; separate
+        tensors with ``one_buffer=False``), made by ``alloc(name, shape, dtype)`` (default ``torch.empty`` on
+        ``device``)."""
         if alloc is None:
-            def alloc(shape, dtype):
+            def alloc(name, shape, dtype):
                 return torch.empty(shape, dtype=dtype, device=device)
         g = cls(bits=bits, heads=heads if heads.dtype == torch.int32 and heads.device == torch.device(device)
                 else heads.to(device=device, dtype=torch.int32), k=None, v=None)
-        g._carve(batch, len(heads), capacity, block_size, head_dim, alloc)
+        g._carve(batch, len(heads), capacity, block_size, head_dim, alloc, one_buffer)
         return g
 
     def _specs(self, batch: int, H: int, capacity: int, BS: int, D: int) -> tuple:
@@ -412,8 +413,17 @@ class PackedKV:
                            for name, shape in (("k_scale", (D,)), ("k_zero", (D,)), ("v_sz", (2, BS))))
         return specs
 
-    def _carve(self, batch: int, H: int, capacity: int, BS: int, D: int, alloc: Callable) -> None:
-        views = carve(self._specs(batch, H, capacity, BS, D), alloc)
+    def _carve(self, batch: int, H: int, capacity: int, BS: int, D: int, alloc: Optional[Callable] = None,
+               one_buffer: Optional[bool] = None) -> None:
+        """(Re)make the tensors for ``capacity`` blocks: one buffer unless ``one_buffer`` is False (None: as now)."""
+        if one_buffer is None:
+            one_buffer = self.k is None or self.flat is not None
+        if alloc is None:
+            dev = self.k.device
+
+            def alloc(name, shape, dtype):
+                return torch.empty(shape, dtype=dtype, device=dev)
+        views = carve(self._specs(batch, H, capacity, BS, D), alloc, one_buffer)
         self.flat = views.pop("flat")
         for name, t in views.items():
             setattr(self, name, t)
@@ -437,8 +447,7 @@ class PackedKV:
         old = self._tensors()
         b, H, _, BS = self.k.shape[:4]
         D = self.k.shape[4] * 8 // self.bits
-        dev = self.k.device
-        self._carve(b, H, cap, BS, D, lambda shape, dtype: torch.empty(shape, dtype=dtype, device=dev))
+        self._carve(b, H, cap, BS, D)
         for name, t in old:
             getattr(self, name)[:, :, : self.n_blocks] = t[:, :, : self.n_blocks]
 
@@ -487,8 +496,7 @@ class PackedKV:
         idx = idx.to(self.k.device)
         b, H, cap, BS = self.k.shape[:4]
         D = self.k.shape[4] * 8 // self.bits
-        dev = self.k.device
-        self._carve(idx.numel(), H, cap, BS, D, lambda shape, dtype: torch.empty(shape, dtype=dtype, device=dev))
+        self._carve(idx.numel(), H, cap, BS, D)
         for name, t in old:
             torch.index_select(t, 0, idx, out=getattr(self, name))
 

@@ -205,6 +205,9 @@ class TurboLayer(CacheLayerMixin):
     #: 0 = unknown: ``k_scale_range: rope_pair`` then keeps per-channel scales
     rope_dims: int = 0
     is_compileable = False
+    #: the storage of a layer / of a bit group is views of one allocation each (``arena.carve``): ~4-8 us of host
+    #: per ``torch.empty`` on the GPU machine, 12-19 of them a first prefill
+    _one_buffer = True
 
     def __init__(self, turbo_config: TurboConfig, layer_idx: int = 0, n_layers: Optional[int] = None, **kwargs):
         super().__init__()
@@ -269,8 +272,8 @@ class TurboLayer(CacheLayerMixin):
             if self._prompt_select():
                 n2 = self._plan_bits.count(2)
                 specs += [("heads_hi", (hk - n2,), torch.int32), ("heads_lo", (n2,), torch.int32)]
-        views = carve(tuple(specs) + self._extra_specs(), lambda shape, dtype: self._empty(("layer", "_flat"), shape,
-                                                                                            dtype))
+        views = carve(tuple(specs) + self._extra_specs(),
+                      lambda name, shape, dtype: self._empty(self._storage_key(name), shape, dtype), self._one_buffer)
         self._flat = views.pop("flat")
         self.k_tail, self.v_tail = views.pop("k_tail"), views.pop("v_tail")
         self._fresh = views
@@ -280,6 +283,13 @@ class TurboLayer(CacheLayerMixin):
     def _extra_specs(self) -> tuple:
         """More ``(name, shape, dtype)`` of the layer's one storage allocation (left in ``_fresh``)."""
         return ()
+
+    def _storage_key(self, name: str) -> tuple:
+        """Where a tensor ``lazy_initialization`` makes lives once stored (``TurboStaticLayer._storage``)."""
+        if name in ("heads_hi", "heads_lo"):  # the groups' head maps, in _make_groups' order
+            order = [bits for bits in _BITS_ORDER if bits in (self.turbo_config.bits, 2)]
+            return ("group", order.index(self.turbo_config.bits if name == "heads_hi" else 2), "heads")
+        return ("layer", {"flat": "_flat", "k_mean_rot": "k_mean"}.get(name, name))
 
     def _empty(self, key: tuple, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
         """A new storage tensor; ``key`` names it as :meth:`TurboStaticLayer._storage` does (the static layout
@@ -297,7 +307,8 @@ class TurboLayer(CacheLayerMixin):
                 i = len(self.groups)
                 self.groups.append(PackedKV.empty(
                     bits, hm, self.batch, self.head_dim, self.turbo_config.block_size, self.device, capacity=capacity,
-                    alloc=lambda shape, dtype, i=i: self._empty(("group", i, "flat"), shape, dtype)))
+                    alloc=lambda name, shape, dtype, i=i: self._empty(("group", i, name), shape, dtype),
+                    one_buffer=self._one_buffer))
 
     def _prompt_select(self) -> bool:
         """Whether the first prefill chooses this layer's 2-bit heads (``head_select: prompt``)."""
@@ -814,6 +825,7 @@ class TurboStaticLayer(TurboLayer):
     """
 
     is_compileable = True
+    _one_buffer = False  # a compiled step mutates the storage: no views of one buffer in several dtypes (aot_autograd)
 
     def __init__(self, turbo_config: TurboConfig, layer_idx: int = 0, n_layers: Optional[int] = None,
                  max_cache_len: Optional[int] = None, **kwargs):
