@@ -577,7 +577,7 @@ def attention_fp64(q, k, v, *, scale=None, causal=True, window=None, softcap=Non
 def kv_finite_mean_ref(k: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
     """The K mean with non-finite keys left out, where ``mean`` (``k_smooth_mean``) is not finite:
     ``sum(finite k) / count(finite k)`` per channel (0 for a channel with none). Finite inputs keep ``mean``
-    bit for bit; the fused store (``store._stats_finish_kernel``) sums in its own order (same value to fp32
+    bit for bit; the fused store (``store._finish_head``) sums in its own order (same value to fp32
     rounding)."""
     fin = torch.isfinite(k)
     s = torch.where(fin, k.float(), torch.zeros((), device=k.device)).sum(dim=2)
@@ -612,7 +612,7 @@ def rotate_keys_ref(k: torch.Tensor, qk_smooth: Optional[torch.Tensor] = None) -
 
 def rotate_mean_ref(mean: torch.Tensor, qk_smooth: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The raw keys' mean ``[b, H, d]`` in the stored basis: ``fwht_rows(mean · diag(1/s)) · fl32(1/sqrt(n))``, fp32
-    (``store._finish_kernel``, bit for bit)."""
+    (``store._finish_head``, bit for bit)."""
     m = mean.float()
     if qk_smooth is not None:
         m = m * (torch.ones_like(qk_smooth, dtype=torch.float32) / qk_smooth.float())

@@ -10,25 +10,26 @@ and the two writes in one launch:
     v8 = clamp(round_half_away(v / s_v), ±127)           -> v_tail[b, h, :, slot + t]   (V transposed)
 
 The first prefill's store and every store that packs a block (issue 19: it was ~60-110 small PyTorch launches
-per layer with host syncs for mixed's head choice) are three more kernels here, none with a host sync:
+per layer with host syncs for mixed's head choice) are two more kernels here, none with a host sync:
 
 * ``_stats_kernel`` (grid: chunks of blocks x (b, h)): per chunk and channel the min/max of K and V over the
   finite elements, the calibration's per-block gaps (``calibrate.prompt_head_priority``), the finite K sum and
-  count (a fallback mean where K holds inf/NaN) and the number of token vectors with a non-finite element;
-* ``_finish_kernel`` (grid: b*H + 1): per (b, h) the chunks' partials -> universal scales (the fp32 formula of
-  ``TurboLayer._fix_scales``, bit for bit); the last program writes the non-finite count and, for
-  ``head_select: prompt``, ranks the heads (gap x std) and writes each bit group's ``heads`` map on the device;
+  count (a fallback mean where K holds inf/NaN) and the number of token vectors with a non-finite element. The
+  last chunk of a (b, h) to finish (an arrival counter) turns that head's partials into its universal scales
+  (``_finish_head``: the fp32 formula of ``TurboLayer._fix_scales``, bit for bit); the last head to finish writes
+  the non-finite count and, for ``head_select: prompt``, ranks the heads (gap x std) and writes each bit group's
+  ``heads`` map on the device (``_finish_layer``);
 * ``_store_kv_kernel`` (grid: blocks to pack + 1, b*H): quantizes the tokens with the universal scales, packs
   each full block straight into its group's storage (INT8/INT4/INT2 by the group's constexpr bits) and writes
   sink / recent / tail tokens into the INT8 buffer (``reference.int8_buffer_layout``).
 
 With K smoothing the mean stays the torch reduction ``reference.k_smooth_mean`` (bit for bit the prefill's and
-the reference's; one launch): first prefill = mean + stats + finish + store = 4 launches per layer.
+the reference's; one launch): first prefill = mean + stats + store = 3 launches per layer.
 
 ``rotate_qk`` (issue 23): a rotated layer passes its keys unrotated with ``rotate=True`` (and the smooth_hadamard
 factors): each kernel rotates the K rows it loads (``_rotate_keys``: x 1/s, the in-register butterfly
 ``hadamard.hadamard_rows``, x fp32 1/sqrt(n)) before any statistic, code or pack, so no rotated copy of K
-is written and read back; ``kv_stats`` also returns the raw mean's rotation (the finish kernel), the mean the
+is written and read back; ``kv_stats`` also returns the raw mean's rotation (the finisher), the mean the
 stores subtract. Twin: ``reference.rotate_keys_ref`` / ``rotate_mean_ref``. ``rotate=False`` compiles today's code.
 
 Host path (issue 19): ``kv_stats`` keeps its grids, scalars and constexprs per key (shapes, strides, dtypes, options)
@@ -220,19 +221,22 @@ N_PART = 8  # rows of a stats partial: K min, K max, V min, V max, K gap sum, V 
 @triton.jit(do_not_specialize=["T", "NC", "stride_kb", "stride_kh", "stride_kt", "stride_vb", "stride_vh",
                                "stride_vt"])
 def _stats_kernel(
-    k, v, part, cnt, smf, T, NC, H,
+    k, v, part, cnt, arrive, mean, ks, vs, flag, heads_hi, heads_lo, mrot, smf, T, NC, B, H, hs, n_gap,
     stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, NSUB: tl.constexpr, VEC: tl.constexpr, ROT: tl.constexpr,
     ROTATE: tl.constexpr, ROT_N: tl.constexpr, HAS_FACTOR: tl.constexpr,
-    ROT_C: tl.constexpr,
+    ROT_C: tl.constexpr, BC: tl.constexpr, HP: tl.constexpr, HC: tl.constexpr, N2: tl.constexpr,
+    HAS_MEAN: tl.constexpr, SELECT: tl.constexpr,
 ):
     """grid (NC, b*H): tokens ``[i_c*NSUB*BS, (i_c+1)*NSUB*BS)`` of (b, h) of k, v ``[b, H, T, D]`` (last dim
-    contiguous) -> ``part[b*H, NC, N_PART, BD]`` fp32, ``cnt[b*H, NC]`` int32 (non-finite token vectors).
+    contiguous) -> ``part[b*H, NC, N_PART, BD]`` fp32, ``cnt[b*H, NC]`` int32 (non-finite token vectors); the last
+    chunk of a (b, h) to arrive (``arrive[b*H + 1]`` int32 counters, zero before and after the launch) finishes its
+    scales (``_finish_head``), the last of those the layer's count and head choice (``_finish_layer``).
     Non-finite elements are left out of every statistic. Gaps follow ``calibrate._block_gaps``: per block of BS
     tokens max - min per channel, full blocks only; a sequence shorter than one block is one block. Channels
     ``< ROT`` (RoPE pairs j, j ± ROT/2) put the min/max of the pair's squared norm in the K min/max rows.
     ROTATE: K's min/max and gaps are those of the rotated rows (``_rotate_keys``, factors smf ``[b*H, D]`` with
-    HAS_FACTOR), its finite sum/count stay the raw keys' (they fix the raw mean, ``_finish_kernel``)."""
+    HAS_FACTOR), its finite sum/count stay the raw keys' (they fix the raw mean, ``_finish_head``)."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
     # strides out of the specialization key, multiples of VEC (the launcher checks): 16-byte loads of K/V rows
@@ -298,6 +302,17 @@ def _stats_kernel(
     tl.store(p_p + 6 * BD, b_ksum)
     tl.store(p_p + 7 * BD, b_kn)
     tl.store(cnt + i_bh.to(tl.int64) * NC + i_c, n_bad)
+    # arrival counts, no waiting (decode.py's split merge): a barrier orders every thread's stores before the
+    # program's gpu-scope acq_rel atomic; the finishers read the partials from L2 (.cg)
+    tl.debug_barrier()
+    if tl.atomic_add(arrive + i_bh, 1, sem="acq_rel", scope="gpu") == NC - 1:
+        tl.atomic_xchg(arrive + i_bh, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+        _finish_head(i_bh, part, mean, ks, vs, mrot, smf, NC, hs, D, BD, BC, HAS_MEAN, ROT, ROTATE, ROT_N,
+                     HAS_FACTOR, ROT_C)
+        tl.debug_barrier()
+        if tl.atomic_add(arrive + B * H, 1, sem="acq_rel", scope="gpu") == B * H - 1:
+            tl.atomic_xchg(arrive + B * H, 0, sem="relaxed", scope="gpu")
+            _finish_layer(part, cnt, flag, heads_hi, heads_lo, NC, B, H, n_gap, D, BD, HP, HC, N2, SELECT)
 
 
 @triton.jit
@@ -308,107 +323,109 @@ def _head_prio(b_g, m_d, D: tl.constexpr):
     return b_mu * tl.sqrt_rn(tl.sum(b_dev * b_dev, 1) / D)
 
 
-@triton.jit(do_not_specialize=["NC", "B"])
-def _finish_kernel(
-    part, cnt, mean, ks, vs, flag, heads_hi, heads_lo, mrot, smf, NC, B, H, hs, n_gap,
-    D: tl.constexpr, BD: tl.constexpr, BC: tl.constexpr, HP: tl.constexpr, HC: tl.constexpr, N2: tl.constexpr,
-    HAS_MEAN: tl.constexpr, SELECT: tl.constexpr, ROT: tl.constexpr, ROTATE: tl.constexpr, ROT_N: tl.constexpr,
-    HAS_FACTOR: tl.constexpr, ROT_C: tl.constexpr,
-):
-    """grid (B*H + 1,). Program ``bh < B*H``: the NC chunk partials of (b, h) -> k_scale, v_scale ``[B*H, D]``
-    = amax * hs (K: max(k_max - mean, mean - k_min)), 1 where not > 0; a non-finite ``mean`` channel is replaced
-    by the finite K's mean. Channels ``< ROT`` hold the squared RoPE-pair norm's min/max (``_stats_kernel``):
-    amax = sqrt of its max, mean 0 (``reference.kv_universal_scales_ref``). The last program: ``flag`` = non-finite token vectors; with SELECT the ``N2``
-    lowest-priority heads (gap x std of K and V, each over its mean over the heads; stable ties) -> ``heads_lo``
-    (ascending), the others -> ``heads_hi``. ROTATE: the partials' K min/max are the rotated keys'; the fixed raw
+@triton.jit
+def _finish_head(pid, part, mean, ks, vs, mrot, smf, NC, hs, D: tl.constexpr, BD: tl.constexpr, BC: tl.constexpr,
+                 HAS_MEAN: tl.constexpr, ROT: tl.constexpr, ROTATE: tl.constexpr, ROT_N: tl.constexpr,
+                 HAS_FACTOR: tl.constexpr, ROT_C: tl.constexpr):
+    """(b, h) ``pid``'s NC chunk partials -> k_scale, v_scale ``[B*H, D]`` = amax * hs (K: max(k_max - mean,
+    mean - k_min)), 1 where not > 0; a non-finite ``mean`` channel is replaced by the finite K's mean. Channels
+    ``< ROT`` hold the squared RoPE-pair norm's min/max (``_stats_kernel``): amax = sqrt of its max, mean 0
+    (``reference.kv_universal_scales_ref``). ROTATE: the partials' K min/max are the rotated keys'; the fixed raw
     mean stays in ``mean`` and its rotation ``(mean . diag(1/s) . H+-1) * ROT_C`` (fp32 products, exact; fp32
     sums) goes to ``mrot`` ``[B*H, D]``, the mean the K scale is taken around (and the store's)."""
-    pid = tl.program_id(0)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
     inf = float("inf")
-    if pid < B * H:
-        o_c = tl.arange(0, BC)
-        b_kmin = tl.full([BD], inf, tl.float32)
-        b_kmax = tl.full([BD], -inf, tl.float32)
-        b_vmin = tl.full([BD], inf, tl.float32)
-        b_vmax = tl.full([BD], -inf, tl.float32)
-        b_ksum = tl.zeros([BD], tl.float32)
-        b_kn = tl.zeros([BD], tl.float32)
-        for c0 in range(0, NC, BC):
-            m = ((c0 + o_c) < NC)[:, None] & (o_d < BD)[None, :]
-            p_p = part + (pid.to(tl.int64) * NC + c0 + o_c[:, None]) * (8 * BD) + o_d[None, :]
-            b_kmin = tl.minimum(b_kmin, tl.min(tl.load(p_p, mask=m, other=inf), 0))
-            b_kmax = tl.maximum(b_kmax, tl.max(tl.load(p_p + BD, mask=m, other=-inf), 0))
-            b_vmin = tl.minimum(b_vmin, tl.min(tl.load(p_p + 2 * BD, mask=m, other=inf), 0))
-            b_vmax = tl.maximum(b_vmax, tl.max(tl.load(p_p + 3 * BD, mask=m, other=-inf), 0))
-            b_ksum += tl.sum(tl.load(p_p + 6 * BD, mask=m, other=0.0), 0)
-            b_kn += tl.sum(tl.load(p_p + 7 * BD, mask=m, other=0.0), 0)
-        o_s = pid.to(tl.int64) * D + o_d
-        if HAS_MEAN:
-            b_mu = tl.load(mean + o_s, mask=m_d, other=0.0)
-            b_alt = tl.where(b_kn > 0, tl.math.div_rn(b_ksum, tl.maximum(b_kn, 1.0)), 0.0)
-            b_mu = tl.where(_finite(b_mu), b_mu, b_alt)
-            tl.store(mean + o_s, b_mu, mask=m_d)
-            if ROTATE:  # once per (b, h): the store kernels take the mean in the stored basis
-                b_f = _key_factor(smf, o_s, m_d, BD, HAS_FACTOR)
-                b_mu = tl.reshape(hadamard_rows(tl.reshape(b_mu * b_f, [1, BD]), ROT_N), [BD]) * ROT_C
-                tl.store(mrot + o_s, b_mu, mask=m_d)
-            b_mu = tl.where(o_d < ROT, 0.0, b_mu)
-            b_ka = tl.maximum(b_kmax - b_mu, b_mu - b_kmin)
-        else:
-            b_ka = tl.maximum(b_kmax, -b_kmin)
-        if ROT > 0:
-            b_ka = tl.where(o_d < ROT, tl.sqrt_rn(b_ka), b_ka)
-        b_ks = b_ka * hs
-        b_vs = tl.maximum(b_vmax, -b_vmin) * hs
-        tl.store(ks + o_s, tl.where(b_ks > 0, b_ks, 1.0), mask=m_d)
-        tl.store(vs + o_s, tl.where(b_vs > 0, b_vs, 1.0), mask=m_d)
+    o_c = tl.arange(0, BC)
+    b_kmin = tl.full([BD], inf, tl.float32)
+    b_kmax = tl.full([BD], -inf, tl.float32)
+    b_vmin = tl.full([BD], inf, tl.float32)
+    b_vmax = tl.full([BD], -inf, tl.float32)
+    b_ksum = tl.zeros([BD], tl.float32)
+    b_kn = tl.zeros([BD], tl.float32)
+    for c0 in range(0, NC, BC):
+        m = ((c0 + o_c) < NC)[:, None] & (o_d < BD)[None, :]
+        p_p = part + (pid.to(tl.int64) * NC + c0 + o_c[:, None]) * (8 * BD) + o_d[None, :]
+        b_kmin = tl.minimum(b_kmin, tl.min(tl.load(p_p, mask=m, other=inf, cache_modifier=".cg"), 0))
+        b_kmax = tl.maximum(b_kmax, tl.max(tl.load(p_p + BD, mask=m, other=-inf, cache_modifier=".cg"), 0))
+        b_vmin = tl.minimum(b_vmin, tl.min(tl.load(p_p + 2 * BD, mask=m, other=inf, cache_modifier=".cg"), 0))
+        b_vmax = tl.maximum(b_vmax, tl.max(tl.load(p_p + 3 * BD, mask=m, other=-inf, cache_modifier=".cg"), 0))
+        b_ksum += tl.sum(tl.load(p_p + 6 * BD, mask=m, other=0.0, cache_modifier=".cg"), 0)
+        b_kn += tl.sum(tl.load(p_p + 7 * BD, mask=m, other=0.0, cache_modifier=".cg"), 0)
+    o_s = pid.to(tl.int64) * D + o_d
+    if HAS_MEAN:
+        b_mu = tl.load(mean + o_s, mask=m_d, other=0.0)
+        b_alt = tl.where(b_kn > 0, tl.math.div_rn(b_ksum, tl.maximum(b_kn, 1.0)), 0.0)
+        b_mu = tl.where(_finite(b_mu), b_mu, b_alt)
+        tl.store(mean + o_s, b_mu, mask=m_d)
+        if ROTATE:  # once per (b, h): the store kernels take the mean in the stored basis
+            b_f = _key_factor(smf, o_s, m_d, BD, HAS_FACTOR)
+            b_mu = tl.reshape(hadamard_rows(tl.reshape(b_mu * b_f, [1, BD]), ROT_N), [BD]) * ROT_C
+            tl.store(mrot + o_s, b_mu, mask=m_d)
+        b_mu = tl.where(o_d < ROT, 0.0, b_mu)
+        b_ka = tl.maximum(b_kmax - b_mu, b_mu - b_kmin)
     else:
-        o_n = tl.arange(0, 1024)
-        n_bad = tl.sum(tl.zeros([1024], tl.int32), 0)
-        for i0 in range(0, B * H * NC, 1024):
-            n_bad += tl.sum(tl.load(cnt + i0 + o_n, mask=(i0 + o_n) < B * H * NC, other=0), 0)
-        tl.store(flag, n_bad)
-        if SELECT:
-            o_h = tl.arange(0, HP)
-            m_h = o_h < H
-            b_gk = tl.zeros([HP, BD], tl.float32)
-            b_gv = tl.zeros([HP, BD], tl.float32)
-            # [HP * HC, BD] tiles: HC chunks of every head per load (a load per (row, chunk) was B * NC serial
-            # round trips: 256 at 4 x 32k)
-            o_hc = tl.arange(0, HP * HC)
-            r_h, r_c = o_hc // HC, o_hc % HC
-            for i_b in range(0, B):
-                for c0 in range(0, NC, HC):
-                    m = ((r_h < H) & (c0 + r_c < NC))[:, None]
-                    p_p = part + ((i_b * H + r_h[:, None]).to(tl.int64) * NC + c0 + r_c[:, None]) * (8 * BD) \
-                        + o_d[None, :]
-                    b_gk += tl.sum(tl.reshape(tl.load(p_p + 4 * BD, mask=m, other=0.0), (HP, HC, BD)), 1)
-                    b_gv += tl.sum(tl.reshape(tl.load(p_p + 5 * BD, mask=m, other=0.0), (HP, HC, BD)), 1)
-            b_n = tl.zeros([HP, BD], tl.float32) + n_gap
-            b_pk = _head_prio(tl.math.div_rn(b_gk, b_n), m_d, D)
-            b_pv = _head_prio(tl.math.div_rn(b_gv, b_n), m_d, D)
-            b_pk = b_pk / tl.maximum(tl.sum(tl.where(m_h, b_pk, 0.0), 0) / H, 1e-30)
-            b_pv = b_pv / tl.maximum(tl.sum(tl.where(m_h, b_pv, 0.0), 0) / H, 1e-30)
-            b_pr = tl.where(m_h, b_pk + b_pv, inf)
-            # stable ascending rank: heads before h in argsort(prio, stable=True)
-            p_a, p_b = b_pr[:, None], b_pr[None, :]
-            before = (p_b < p_a) | ((p_b == p_a) & (o_h[None, :] < o_h[:, None]))
-            rank = tl.sum((before & m_h[None, :]).to(tl.int32), 1)
-            lo = rank < N2
-            same = (lo[:, None] == lo[None, :]) & (o_h[None, :] < o_h[:, None]) & m_h[None, :]
-            slot = tl.sum(same.to(tl.int32), 1)
-            tl.store(heads_lo + slot, o_h, mask=m_h & lo)
-            tl.store(heads_hi + slot, o_h, mask=m_h & (lo == 0))
+        b_ka = tl.maximum(b_kmax, -b_kmin)
+    if ROT > 0:
+        b_ka = tl.where(o_d < ROT, tl.sqrt_rn(b_ka), b_ka)
+    b_ks = b_ka * hs
+    b_vs = tl.maximum(b_vmax, -b_vmin) * hs
+    tl.store(ks + o_s, tl.where(b_ks > 0, b_ks, 1.0), mask=m_d)
+    tl.store(vs + o_s, tl.where(b_vs > 0, b_vs, 1.0), mask=m_d)
 
 
+@triton.jit
+def _finish_layer(part, cnt, flag, heads_hi, heads_lo, NC, B, H, n_gap, D: tl.constexpr, BD: tl.constexpr,
+                  HP: tl.constexpr, HC: tl.constexpr, N2: tl.constexpr, SELECT: tl.constexpr):
+    """``flag`` = the layer's non-finite token vectors; with SELECT the ``N2`` lowest-priority heads (gap x std of K
+    and V, each over its mean over the heads; stable ties) -> ``heads_lo`` (ascending), the others -> ``heads_hi``."""
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    inf = float("inf")
+    o_n = tl.arange(0, 1024)
+    n_bad = tl.sum(tl.zeros([1024], tl.int32), 0)
+    for i0 in range(0, B * H * NC, 1024):
+        n_bad += tl.sum(tl.load(cnt + i0 + o_n, mask=(i0 + o_n) < B * H * NC, other=0, cache_modifier=".cg"), 0)
+    tl.store(flag, n_bad)
+    if SELECT:
+        o_h = tl.arange(0, HP)
+        m_h = o_h < H
+        b_gk = tl.zeros([HP, BD], tl.float32)
+        b_gv = tl.zeros([HP, BD], tl.float32)
+        # [HP * HC, BD] tiles: HC chunks of every head per load (a load per (row, chunk) was B * NC serial
+        # round trips: 256 at 4 x 32k)
+        o_hc = tl.arange(0, HP * HC)
+        r_h, r_c = o_hc // HC, o_hc % HC
+        for i_b in range(0, B):
+            for c0 in range(0, NC, HC):
+                m = ((r_h < H) & (c0 + r_c < NC))[:, None]
+                p_p = part + ((i_b * H + r_h[:, None]).to(tl.int64) * NC + c0 + r_c[:, None]) * (8 * BD) \
+                    + o_d[None, :]
+                b_gk += tl.sum(tl.reshape(tl.load(p_p + 4 * BD, mask=m, other=0.0, cache_modifier=".cg"),
+                                          (HP, HC, BD)), 1)
+                b_gv += tl.sum(tl.reshape(tl.load(p_p + 5 * BD, mask=m, other=0.0, cache_modifier=".cg"),
+                                          (HP, HC, BD)), 1)
+        b_n = tl.zeros([HP, BD], tl.float32) + n_gap
+        b_pk = _head_prio(tl.math.div_rn(b_gk, b_n), m_d, D)
+        b_pv = _head_prio(tl.math.div_rn(b_gv, b_n), m_d, D)
+        b_pk = b_pk / tl.maximum(tl.sum(tl.where(m_h, b_pk, 0.0), 0) / H, 1e-30)
+        b_pv = b_pv / tl.maximum(tl.sum(tl.where(m_h, b_pv, 0.0), 0) / H, 1e-30)
+        b_pr = tl.where(m_h, b_pk + b_pv, inf)
+        # stable ascending rank: heads before h in argsort(prio, stable=True)
+        p_a, p_b = b_pr[:, None], b_pr[None, :]
+        before = (p_b < p_a) | ((p_b == p_a) & (o_h[None, :] < o_h[:, None]))
+        rank = tl.sum((before & m_h[None, :]).to(tl.int32), 1)
+        lo = rank < N2
+        same = (lo[:, None] == lo[None, :]) & (o_h[None, :] < o_h[:, None]) & m_h[None, :]
+        slot = tl.sum(same.to(tl.int32), 1)
+        tl.store(heads_lo + slot, o_h, mask=m_h & lo)
+        tl.store(heads_hi + slot, o_h, mask=m_h & (lo == 0))
 
 
 def kv_stats(k: torch.Tensor, v: torch.Tensor, k_mean: Optional[torch.Tensor], block_size: int, headroom: float,
              nonfinite: torch.Tensor, select: Optional[tuple] = None, rope_dims: int = 0, rotate: bool = False,
              qk_smooth: Optional[torch.Tensor] = None, out: Optional[tuple] = None) -> tuple:
-    """Universal scales of a first prefill ``k, v [b, H, T, D]`` in two launches, no host sync.
+    """Universal scales of a first prefill ``k, v [b, H, T, D]`` in one launch, no host sync.
 
     Args:
         k_mean: ``[b, H, D]`` fp32 ``k_smooth_mean(k)`` or None; a channel where it is not finite is replaced
@@ -446,24 +463,21 @@ def kv_stats(k: torch.Tensor, v: torch.Tensor, k_mean: Optional[torch.Tensor], b
             _STATS_PLANS.clear()
         plan = _STATS_PLANS[key] = _stats_plan(k, v, k_mean, block_size, headroom, select, rope_dims,
                                                _rotate_kw(k, rotate, qk_smooth))
-    part_shape, cnt_shape, s_shape, stats, finish, memo = plan
+    part_shape, cnt_shape, s_shape, stats, memo = plan
     dev = k.device
-    part, cnt = _stats_workspace(dev, part_shape, cnt_shape)
+    part, cnt, arrive = _stats_workspace(dev, part_shape, cnt_shape)
     if out is None:
         out = (torch.empty(s_shape, dtype=torch.float32, device=dev),
                torch.empty(s_shape, dtype=torch.float32, device=dev),
                torch.empty(s_shape, dtype=torch.float32, device=dev) if rotate and k_mean is not None else None)
     ks, vs, mrot = out
     f = factor_arg(qk_smooth, ks)
-    hooks = LeanLaunch.hooks_active()
-    dev_key = current_cuda_device() if dev.type == "cuda" else -1
-    grid, scalars, kw = stats
-    lean(_stats_kernel).launch_memo(memo[0], dev_key, grid, (k, v, part, cnt, f), scalars, kw, hooks)
     hi, lo, _ = select if select is not None else (ks, ks, 0)
-    grid, scalars, kw = finish
-    lean(_finish_kernel).launch_memo(memo[1], dev_key, grid, (part, cnt, k_mean if k_mean is not None else ks, ks, vs,
-                                                              nonfinite, hi, lo, mrot if mrot is not None else ks, f),
-                                     scalars, kw, hooks)
+    grid, scalars, kw = stats
+    lean(_stats_kernel).launch_memo(
+        memo, current_cuda_device() if dev.type == "cuda" else -1, grid,
+        (k, v, part, cnt, arrive, k_mean if k_mean is not None else ks, ks, vs, nonfinite, hi, lo,
+         mrot if mrot is not None else ks, f), scalars, kw, LeanLaunch.hooks_active())
     return (ks, vs, mrot) if rotate else (ks, vs)
 
 
@@ -473,24 +487,26 @@ _STATS_WORKSPACE: dict = {}
 
 
 def _stats_workspace(device: torch.device, part_shape: tuple, cnt_shape: tuple) -> tuple:
-    """The stats kernel's partials and counts: views of a buffer kept per device and grown on demand (as the decode
-    split's, ``decode._workspace``), the views kept per shape: no allocation or view per layer. Launches on one
-    device's stream run in order, so the next layer's stats never overwrite partials a finish kernel still reads;
-    not for concurrent streams."""
+    """The stats kernel's partials and counts (views of one buffer) and its arrival counters (``cnt_shape[0] + 1``
+    of a zeroed int32 buffer that every launch leaves at zero: the finishers reset them), kept per device and
+    grown on demand (as the decode split's, ``decode._workspace``), the views kept per shape: no allocation or view
+    per layer. Launches on one device's stream run in order, so the next layer's stats never overwrite partials a
+    finisher still reads; not for concurrent streams."""
     key = (device.type, device.index)
     ws = _STATS_WORKSPACE.get(key)
-    hit = None if ws is None else ws[1].get((part_shape, cnt_shape))
+    hit = None if ws is None else ws[2].get((part_shape, cnt_shape))
     if hit is not None:
         return hit
-    n_part = math.prod(part_shape)
-    n = n_part + math.prod(cnt_shape)
-    if ws is None or ws[0].numel() < n:
-        flat = torch.empty(max(n, 0 if ws is None else 2 * ws[0].numel()), dtype=torch.float32, device=device)
-        ws = _STATS_WORKSPACE[key] = (flat, {})
-    if len(ws[1]) >= 64:
-        ws[1].clear()
-    hit = ws[1][(part_shape, cnt_shape)] = (ws[0][:n_part].view(part_shape),
-                                            ws[0][n_part:n].view(torch.int32).view(cnt_shape))
+    n_part, n_cnt, n_arr = math.prod(part_shape), math.prod(cnt_shape), cnt_shape[0] + 1
+    if ws is None or ws[0].numel() < n_part + n_cnt or ws[1].numel() < n_arr:
+        old = (0, 0) if ws is None else (ws[0].numel(), ws[1].numel())
+        ws = _STATS_WORKSPACE[key] = (
+            torch.empty(max(n_part + n_cnt, old[0]), dtype=torch.float32, device=device),
+            torch.zeros(max(n_arr, old[1]), dtype=torch.int32, device=device), {})
+    if len(ws[2]) >= 64:
+        ws[2].clear()
+    hit = ws[2][(part_shape, cnt_shape)] = (ws[0][:n_part].view(part_shape),
+                                            ws[0][n_part:n_part + n_cnt].view(torch.int32).view(cnt_shape), ws[1])
     return hit
 
 
@@ -506,26 +522,23 @@ def stats_chunk_blocks(n_blocks: int, n_rows: int, n_sm: int) -> int:
 
 
 def _stats_plan(k, v, k_mean, block_size, headroom, select, rope_dims, rot):
-    """(partials' shape, counts' shape, scales' shape, stats (grid, scalars, kwargs), finish (...), memos)."""
+    """(partials' shape, counts' shape, scales' shape, (grid, scalars, kwargs), memo) of the one stats launch."""
     b, H, T, D = k.shape
     bs, BD = int(block_size), _pow2(D)
     nblocks = -(-T // bs)
     nsub = _pow2(nblocks) if interpreting() else stats_chunk_blocks(nblocks, b * H, sm_count(k.device))
     nsub = max(1, min(nsub, _pow2(nblocks)))
     nc = -(-T // (nsub * bs))
-    # rotated stats: 8 warps (sm_90 compile, d 128: 4 warps 255 regs + a 176-208 B stack, 8 warps 247-255 + 0-24 B)
-    stats = ((nc, b * H), (T, nc, H, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2)),
-             dict(D=D, BD=BD, BS=bs, NSUB=nsub, VEC=_vec(k, v), ROT=int(rope_dims), **rot,
-                  num_warps=8 if rot["ROTATE"] else 4,
-                  enable_fp_fusion=False))
     n_lo = select[2] if select is not None else 0
     n_gap = float(b * max(T // bs, 1))
-    finish = ((b * H + 1,), (nc, b, H, float(headroom / 127.0), n_gap),
-              dict(D=D, BD=BD, BC=min(_pow2(nc), 64), HP=max(2, _pow2(H)),
-                   HC=max(1, min(_pow2(nc), 64 // max(2, _pow2(H)))), N2=int(n_lo), HAS_MEAN=k_mean is not None,
-                   SELECT=select is not None, ROT=int(rope_dims), ROTATE=rot["ROTATE"], ROT_N=rot["ROT_N"],
-                   HAS_FACTOR=rot["HAS_FACTOR"], ROT_C=rot["ROT_C"], num_warps=4, **_no_fma(rot["ROTATE"])))
-    return (b * H, nc, N_PART, BD), (b * H, nc), (b, H, D), stats, finish, ({}, {})
+    # rotated stats: 8 warps (sm_90 compile, d 128: 4 warps 255 regs + a 176-208 B stack, 8 warps 247-255 + 0-24 B)
+    stats = ((nc, b * H), (T, nc, b, H, float(headroom / 127.0), n_gap, k.stride(0), k.stride(1), k.stride(2),
+                           v.stride(0), v.stride(1), v.stride(2)),
+             dict(D=D, BD=BD, BS=bs, NSUB=nsub, VEC=_vec(k, v), ROT=int(rope_dims), **rot,
+                  BC=min(_pow2(nc), 64), HP=max(2, _pow2(H)), HC=max(1, min(_pow2(nc), 64 // max(2, _pow2(H)))),
+                  N2=int(n_lo), HAS_MEAN=k_mean is not None, SELECT=select is not None,
+                  num_warps=8 if rot["ROTATE"] else 4, enable_fp_fusion=False))
+    return (b * H, nc, N_PART, BD), (b * H, nc), (b, H, D), stats, {}
 
 
 # ================================================================================ store: INT8 buffer + blocks

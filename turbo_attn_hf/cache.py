@@ -319,7 +319,7 @@ class TurboLayer(CacheLayerMixin):
     def _select_heads(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """``head_select: prompt`` (PyTorch path): the 2-bit heads of this layer are the lowest-priority ones
         (gap × std, ``calibrate.prompt_head_priority``) of the first prefill; the number of 2-bit heads is the
-        config's. The fused path makes the same choice on the device (``store._finish_kernel``)."""
+        config's. The fused path makes the same choice on the device (``store._finish_layer``)."""
         if not self._prompt_select():
             return
         from .calibrate import assign_head_bits, prompt_head_priority

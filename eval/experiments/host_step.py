@@ -194,7 +194,8 @@ class _Attn(torch.nn.Module):
 
 
 def run_config(preset: str, *, batch: int, context: int, steps: int, reps: int, layers: int, hq: int, hk: int,
-               d: int, padded: bool, profile: bool = False, sdpa: bool = False, device: str = "cpu") -> dict:
+               d: int, padded: bool, profile: bool = False, sdpa: bool = False, device: str = "cpu",
+               prefill_attention: str = "") -> dict:
     from turbo_attn_hf.attention import turbo_attention_forward
     from turbo_attn_hf.cache import TurboCache
     from turbo_attn_hf.masks import turbo_mask
@@ -227,8 +228,16 @@ def run_config(preset: str, *, batch: int, context: int, steps: int, reps: int, 
 
         attn_fn = sdpa_attention_forward
     else:
+        import dataclasses
+
+        from turbo_attn_hf.config import TurboConfig
+
+        tcfg = TurboConfig.preset(preset)
+        if prefill_attention:
+            tcfg = dataclasses.replace(tcfg, prefill_attention=prefill_attention)
+
         def new_cache():
-            return TurboCache(preset, config=cfg)
+            return TurboCache(tcfg, config=cfg)
 
         attn_fn = turbo_attention_forward
 
@@ -329,6 +338,8 @@ def main(argv=None) -> None:
                     help="stub Triton's JITFunction.run itself (its binder untimed; the mode before the binder stub)")
     ap.add_argument("--device", default="cpu",
                     help="cuda: real tensors and launches on the GPU, no stubs (the GPU host's own cost)")
+    ap.add_argument("--prefill-attention", default="",
+                    help="the presets' prefill_attention (exact: the H100 default, profiled on CPU)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -348,7 +359,7 @@ def main(argv=None) -> None:
         rows.append(run_config("sdpa", sdpa=True, profile=(a.profile == "sdpa"), **kw))
         print(json.dumps(rows[-1]), flush=True)
     for p in filter(None, a.presets.split(",")):
-        rows.append(run_config(p, profile=(p == a.profile), **kw))
+        rows.append(run_config(p, profile=(p == a.profile), prefill_attention=a.prefill_attention, **kw))
         print(json.dumps(rows[-1]), flush=True)
     if a.json:
         with open(a.json, "w") as f:
