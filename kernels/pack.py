@@ -399,9 +399,11 @@ class PackedKV:
         if alloc is None:
             def alloc(name, shape, dtype):
                 return torch.empty(shape, dtype=dtype, device=device)
-        g = cls(bits=bits, heads=heads if heads.dtype == torch.int32 and heads.device == torch.device(device)
-                else heads.to(device=device, dtype=torch.int32), k=None, v=None)
-        g._carve(batch, len(heads), capacity, block_size, head_dim, alloc, one_buffer)
+        if heads.dtype != torch.int32 or heads.device != (device if isinstance(device, torch.device)
+                                                            else torch.device(device)):
+            heads = heads.to(device=device, dtype=torch.int32)
+        g = cls(bits=bits, heads=heads, k=None, v=None)
+        g._carve(batch, heads.shape[0], capacity, block_size, head_dim, alloc, one_buffer)
         return g
 
     def _specs(self, batch: int, H: int, capacity: int, BS: int, D: int) -> tuple:

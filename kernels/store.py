@@ -780,8 +780,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, k_mean: Op
         tensors += (g.heads, g.k, g.v, g.k_scale if g.k_scale is not None else g.k,
                     g.k_zero if g.k_zero is not None else g.k, g.v_sz if g.v_sz is not None else g.k)
     tensors.append(factor_arg(qk_smooth, k_scale))
-    for g in groups:
-        if not all(t.is_contiguous() for _, t in g._tensors()):
+    for g in groups:  # views carved out of one buffer (g.flat) are contiguous by construction
+        if g.flat is None and not all(t.is_contiguous() for _, t in g._tensors()):
             raise ValueError("the packed groups' buffers must be contiguous")
     npp = n_pack // bs
     strides = (k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2))

@@ -36,6 +36,7 @@ in attention), so their ``get_mask_sizes`` offset is 0.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from typing import Any, Optional
@@ -97,11 +98,33 @@ def _kernels(name: str):
 def _head_map(heads: tuple, device) -> torch.Tensor:
     """A read-only int32 device tensor of ``heads``, made once per (heads, device): a layer's fixed head map
     then costs no host-to-device copy per layer and prefill."""
-    key = (heads, str(device))
+    key = (heads, device)
     t = _HEAD_MAPS.get(key)
     if t is None:
         t = _HEAD_MAPS[key] = torch.tensor(heads, dtype=torch.int32, device=device)
     return t
+
+
+@functools.lru_cache(maxsize=256)
+def _layer_specs(b: int, hk: int, d: int, cap: int, fused: bool, rotated_mean: bool, n2: int) -> tuple:
+    """A layer's storage for ``arena.carve``: the INT8 buffer and, for the fused first store, what it writes (the
+    non-finite counter, the scales, the rotated mean, ``head_select: prompt``'s head maps with ``n2`` 2-bit heads)."""
+    specs = (("k_tail", (b, hk, cap, d), torch.int8), ("v_tail", (b, hk, d, cap), torch.int8))
+    if fused:
+        f32 = torch.float32
+        specs += (("nonfinite", (1,), torch.int32), ("k_scale", (b, hk, d), f32), ("v_scale", (b, hk, d), f32))
+        if rotated_mean:
+            specs += (("k_mean_rot", (b, hk, d), f32),)
+        if n2:
+            specs += (("heads_hi", (hk - n2,), torch.int32), ("heads_lo", (n2,), torch.int32))
+    return specs
+
+
+@functools.lru_cache(maxsize=256)
+def _bit_groups(head_bits: tuple) -> tuple:
+    """``((bits, heads of that width), ...)`` in ``_BITS_ORDER``, widths present only."""
+    return tuple((bits, tuple(h for h, hb in enumerate(head_bits) if hb == bits)) for bits in _BITS_ORDER
+                 if bits in head_bits)
 
 
 def auto_headroom(n_tokens: int) -> float:
@@ -139,9 +162,11 @@ def _given_config(turbo_config: TurboConfig | str | None, model_config: Any = No
 def tp_shard(n_kv_heads: int, total: Optional[int]) -> tuple[int, int]:
     """``(rank, world)`` of a layer whose KV heads are split over tensor-parallel ranks (it sees ``n_kv_heads`` of
     the model's ``total``); ``(0, 1)`` when it sees them all or the total is unknown."""
+    if total is None or n_kv_heads == total:
+        return 0, 1
     import torch.distributed as dist
 
-    if total is None or n_kv_heads == total or not (dist.is_available() and dist.is_initialized()):
+    if not (dist.is_available() and dist.is_initialized()):
         return 0, 1  # without a process group the layer's own head count is the model's (as before TP)
     if total % n_kv_heads:
         raise TurboConfigError(
@@ -263,17 +288,11 @@ class TurboLayer(CacheLayerMixin):
         self.groups = []  # made by the first prefill's store, at the capacity it needs (none allocated twice)
         cap = (self.turbo_config.sink_blocks + self.turbo_config.recent_blocks + 1) * bs
         # no fill: slots at or past n_tail are never read (the decode kernel masks them; any int8 is finite)
-        specs = [("k_tail", (b, hk, cap, d), torch.int8), ("v_tail", (b, hk, d, cap), torch.int8)]
-        if self._fused(key_states):  # what the fused first store writes, in the same allocation
-            f32 = torch.float32
-            specs += [("nonfinite", (1,), torch.int32), ("k_scale", (b, hk, d), f32), ("v_scale", (b, hk, d), f32)]
-            if self.rotated and self.turbo_config.smooth_k:
-                specs.append(("k_mean_rot", (b, hk, d), f32))
-            if self._prompt_select():
-                n2 = self._plan_bits.count(2)
-                specs += [("heads_hi", (hk - n2,), torch.int32), ("heads_lo", (n2,), torch.int32)]
-        views = carve(tuple(specs) + self._extra_specs(),
-                      lambda name, shape, dtype: self._empty(self._storage_key(name), shape, dtype), self._one_buffer)
+        fused = self._fused(key_states)
+        specs = _layer_specs(b, hk, d, cap, fused, fused and self.rotated and self.turbo_config.smooth_k,
+                             self._plan_bits.count(2) if fused and self._prompt_select() else 0) + self._extra_specs()
+        views = carve(specs, lambda name, shape, dtype: self._empty(self._storage_key(name), shape, dtype),
+                      self._one_buffer)
         self._flat = views.pop("flat")
         self.k_tail, self.v_tail = views.pop("k_tail"), views.pop("v_tail")
         self._fresh = views
@@ -300,10 +319,9 @@ class TurboLayer(CacheLayerMixin):
         """One empty PackedKV per bit width present in ``head_bits``; ``maps``: bits -> a device head map to use
         (written by the first prefill's head choice) instead of the list's."""
         self.groups = []
-        for bits in _BITS_ORDER:
-            heads = [h for h, hb in enumerate(head_bits) if hb == bits]
+        for bits, heads in _bit_groups(tuple(head_bits)):
             if heads:
-                hm = maps[bits] if maps and bits in maps else _head_map(tuple(heads), self.device)
+                hm = maps[bits] if maps and bits in maps else _head_map(heads, self.device)
                 i = len(self.groups)
                 self.groups.append(PackedKV.empty(
                     bits, hm, self.batch, self.head_dim, self.turbo_config.block_size, self.device, capacity=capacity,
