@@ -66,7 +66,7 @@ AUTO_HEADROOM_CONTEXT = 32768
 AUTO_HEADROOM_RANGE = (1.25, 2.0)
 DEFAULT_SCALE_HEADROOM = "auto"
 #: True: every store runs the Triton kernels of kernels/store.py: a decode step that packs no block is one
-#: launch (instead of ~22 PyTorch launches), the first prefill 3-4 (K mean, stats, scales + head choice, store;
+#: launch (instead of ~22 PyTorch launches), the first prefill 2-3 (K mean, stats + scales + head choice, store;
 #: was ~60-110 with host syncs for mixed's head choice), a store that packs blocks 1-2. False = the PyTorch path
 #: (kept to measure against: eval/bench_layer_step.py, eval/bench_store.py; CPU tensors without
 #: TRITON_INTERPRET=1 always take it). Both store the same codes, scales and head choice (tests).
@@ -510,8 +510,9 @@ class TurboLayer(CacheLayerMixin):
         self.k_mean = mean
 
     def _first_store_fused(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """The first prefill in 3-4 launches, no host sync: K mean (torch, with smoothing), stats, scales + head
-        choice (``kernels.store.kv_stats``), store (``_store``). Bit for bit the PyTorch path's codes, scales and
+        """The first prefill in 2-3 launches, no host sync: K mean (torch, with smoothing), stats with the scales and
+        head choice (``kernels.store.kv_stats``, one launch), store (``_store``); the layer's storage is one
+        allocation (``lazy_initialization``) and each bit group's one more (``arena.carve``). Bit for bit the PyTorch path's codes, scales and
         mean; the same head choice (priorities equal to fp32 rounding)."""
         from .kernels.store import kv_stats
 
