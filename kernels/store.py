@@ -247,14 +247,9 @@ def _stats_kernel(
     m_d = o_d < D
     o_p = tl.where(o_d < ROT // 2, o_d + ROT // 2, tl.where(o_d < ROT, o_d - ROT // 2, o_d))  # RoPE partner
     inf = float("inf")
-    b_kmin = tl.full([BD], inf, tl.float32)
-    b_kmax = tl.full([BD], -inf, tl.float32)
-    b_vmin = tl.full([BD], inf, tl.float32)
-    b_vmax = tl.full([BD], -inf, tl.float32)
+    b_kmin, b_kmax, b_vmin, b_vmax, b_ksum, b_kn = _empty_stats(BD)
     b_kgap = tl.zeros([BD], tl.float32)
     b_vgap = tl.zeros([BD], tl.float32)
-    b_ksum = tl.zeros([BD], tl.float32)
-    b_kn = tl.zeros([BD], tl.float32)
     n_bad = tl.sum(tl.zeros([BS], tl.int32), 0)
     p_k = k + i_b * stride_kb + i_h * stride_kh
     p_v = v + i_b * stride_vb + i_h * stride_vh
@@ -316,6 +311,14 @@ def _stats_kernel(
 
 
 @triton.jit
+def _empty_stats(BD: tl.constexpr):
+    """Channel accumulators before any token: K min, K max, V min, V max (+-inf), finite K sum and count (0)."""
+    inf = float("inf")
+    return (tl.full([BD], inf, tl.float32), tl.full([BD], -inf, tl.float32), tl.full([BD], inf, tl.float32),
+            tl.full([BD], -inf, tl.float32), tl.zeros([BD], tl.float32), tl.zeros([BD], tl.float32))
+
+
+@triton.jit
 def _head_prio(b_g, m_d, D: tl.constexpr):
     """``calibrate.head_priority`` of channel gaps ``b_g [HP, BD]``: mean_c x std_c (population) per row."""
     b_mu = tl.sum(tl.where(m_d[None, :], b_g, 0.0), 1) / D
@@ -337,12 +340,7 @@ def _finish_head(pid, part, mean, ks, vs, mrot, smf, NC, hs, D: tl.constexpr, BD
     m_d = o_d < D
     inf = float("inf")
     o_c = tl.arange(0, BC)
-    b_kmin = tl.full([BD], inf, tl.float32)
-    b_kmax = tl.full([BD], -inf, tl.float32)
-    b_vmin = tl.full([BD], inf, tl.float32)
-    b_vmax = tl.full([BD], -inf, tl.float32)
-    b_ksum = tl.zeros([BD], tl.float32)
-    b_kn = tl.zeros([BD], tl.float32)
+    b_kmin, b_kmax, b_vmin, b_vmax, b_ksum, b_kn = _empty_stats(BD)
     for c0 in range(0, NC, BC):
         m = ((c0 + o_c) < NC)[:, None] & (o_d < BD)[None, :]
         p_p = part + (pid.to(tl.int64) * NC + c0 + o_c[:, None]) * (8 * BD) + o_d[None, :]
