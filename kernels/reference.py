@@ -198,12 +198,14 @@ def _check_head_dim(d: int) -> None:
 
 # ------------------------------------------------------------------------------------------ quantizers
 def k_smooth_mean(k: torch.Tensor) -> torch.Tensor:
-    """Per-(..., channel) mean of K over its tokens in fp32: ``[..., L, d] -> [..., d]``.
+    """Per-(..., channel) mean of K over its tokens: ``[..., L, d] -> [..., d]`` fp32, the sum taken in fp64 and
+    ``fl32(sum / L)`` (one fp64 division, one rounding to fp32).
 
-    The kernels' pipeline computes the mean with this same torch reduction, so reference and kernel
-    quantize K against an identical mean (bit-exact K codes on the same device).
+    A 16-bit key's fp64 sum over up to 2^13 (fp16) or, for real data, far more (bf16) tokens is exact, so it does not
+    depend on the order of the additions: the store's stats kernel (``store._finish_head``, sums in its own tile
+    order) and this reduction give the same mean bit for bit on any device.
     """
-    return k.mean(dim=-2, dtype=torch.float32)
+    return (k.sum(dim=-2, dtype=torch.float64) / k.shape[-2]).float()
 
 
 def _finite_or_zero(x: torch.Tensor) -> torch.Tensor:
@@ -576,13 +578,13 @@ def attention_fp64(q, k, v, *, scale=None, causal=True, window=None, softcap=Non
 
 def kv_finite_mean_ref(k: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
     """The K mean with non-finite keys left out, where ``mean`` (``k_smooth_mean``) is not finite:
-    ``sum(finite k) / count(finite k)`` per channel (0 for a channel with none). Finite inputs keep ``mean``
-    bit for bit; the fused store (``store._finish_head``) sums in its own order (same value to fp32
-    rounding)."""
+    ``fl32(sum(finite k) / count(finite k))`` per channel with the sum in fp64 (0 for a channel with none), as
+    ``k_smooth_mean`` computes it for a channel without one; the fused store (``store._finish_head``) computes this
+    for every channel, bit for bit."""
     fin = torch.isfinite(k)
-    s = torch.where(fin, k.float(), torch.zeros((), device=k.device)).sum(dim=2)
-    n = fin.sum(dim=2).float()
-    alt = torch.where(n > 0, s / n.clamp_min(1.0), torch.zeros_like(s))
+    s = torch.where(fin, k, torch.zeros((), dtype=k.dtype, device=k.device)).sum(dim=2, dtype=torch.float64)
+    n = fin.sum(dim=2).double()
+    alt = torch.where(n > 0, s / n.clamp_min(1.0), torch.zeros_like(s)).float()
     return torch.where(torch.isfinite(mean), mean, alt)
 
 

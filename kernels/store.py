@@ -215,21 +215,23 @@ def rot_scale(n: int) -> float:
 #: heads); fewer while that leaves SMs idle (``stats_chunk_blocks``); the interpreter takes whole sequences per
 #: program (its cost is per operation, not per element)
 STATS_CHUNK_BLOCKS = 8
-N_PART = 8  # rows of a stats partial: K min, K max, V min, V max, K gap sum, V gap sum, finite K sum, finite K count
+N_PART = 7  # rows of a stats partial: K min, K max, V min, V max, K gap sum, V gap sum, finite K count (the finite
+#: K sum is fp64, ``psum``: exact for 16-bit keys, so the mean does not depend on the order of the sums)
 
 
 @triton.jit(do_not_specialize=["T", "NC", "stride_kb", "stride_kh", "stride_kt", "stride_vb", "stride_vh",
                                "stride_vt"])
 def _stats_kernel(
-    k, v, part, cnt, arrive, mean, ks, vs, flag, heads_hi, heads_lo, mrot, smf, T, NC, B, H, hs, n_gap,
+    k, v, part, psum, cnt, arrive, mean, ks, vs, flag, heads_hi, heads_lo, mrot, smf, T, NC, B, H, hs, n_gap,
     stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, NSUB: tl.constexpr, VEC: tl.constexpr, ROT: tl.constexpr,
     ROTATE: tl.constexpr, ROT_N: tl.constexpr, HAS_FACTOR: tl.constexpr,
     ROT_C: tl.constexpr, BC: tl.constexpr, HP: tl.constexpr, HC: tl.constexpr, N2: tl.constexpr,
-    HAS_MEAN: tl.constexpr, SELECT: tl.constexpr,
+    HAS_MEAN: tl.constexpr, SELECT: tl.constexpr, MEAN_IN: tl.constexpr,
 ):
     """grid (NC, b*H): tokens ``[i_c*NSUB*BS, (i_c+1)*NSUB*BS)`` of (b, h) of k, v ``[b, H, T, D]`` (last dim
-    contiguous) -> ``part[b*H, NC, N_PART, BD]`` fp32, ``cnt[b*H, NC]`` int32 (non-finite token vectors); the last
+    contiguous) -> ``part[b*H, NC, N_PART, BD]`` fp32, ``psum[b*H, NC, BD]`` fp64 (the finite keys' sum),
+    ``cnt[b*H, NC]`` int32 (non-finite token vectors); the last
     chunk of a (b, h) to arrive (``arrive[b*H + 1]`` int32 counters, zero before and after the launch) finishes its
     scales (``_finish_head``), the last of those the layer's count and head choice (``_finish_layer``).
     Non-finite elements are left out of every statistic. Gaps follow ``calibrate._block_gaps``: per block of BS
@@ -263,7 +265,7 @@ def _stats_kernel(
         b_v = tl.load(p_v + o_t[:, None] * stride_vt + o_d[None, :], mask=m, other=0.0).to(tl.float32)
         f_k = m & _finite(b_k)
         f_v = m & _finite(b_v)
-        b_ksum += tl.sum(tl.where(f_k, b_k, 0.0), 0)  # raw keys: the raw mean's fallback
+        b_ksum += tl.sum(tl.where(f_k, b_k, 0.0).to(tl.float64), 0)  # raw keys: the raw mean (exact sum)
         b_kn += tl.sum(f_k.to(tl.float32), 0)
         if ROTATE:  # a key's non-finite element spreads over its Hadamard block: those channels drop out
             b_k = _rotate_keys(b_k, b_f, ROTATE, ROT_N, ROT_C)
@@ -287,22 +289,22 @@ def _stats_kernel(
         b_kgap += tl.where(counted & (k_hi >= k_lo), k_hi - k_lo, 0.0)  # a channel with no finite value: 0
         b_vgap += tl.where(counted & (v_hi >= v_lo), v_hi - v_lo, 0.0)
         n_bad += tl.sum(tl.max((m & ((f_k == 0) | (f_v == 0))).to(tl.int32), 1), 0)
-    p_p = part + (i_bh.to(tl.int64) * NC + i_c) * (8 * BD) + o_d
+    p_p = part + (i_bh.to(tl.int64) * NC + i_c) * (7 * BD) + o_d
     tl.store(p_p, b_kmin)
     tl.store(p_p + BD, b_kmax)
     tl.store(p_p + 2 * BD, b_vmin)
     tl.store(p_p + 3 * BD, b_vmax)
     tl.store(p_p + 4 * BD, b_kgap)
     tl.store(p_p + 5 * BD, b_vgap)
-    tl.store(p_p + 6 * BD, b_ksum)
-    tl.store(p_p + 7 * BD, b_kn)
+    tl.store(p_p + 6 * BD, b_kn)
+    tl.store(psum + (i_bh.to(tl.int64) * NC + i_c) * BD + o_d, b_ksum)
     tl.store(cnt + i_bh.to(tl.int64) * NC + i_c, n_bad)
     # arrival counts, no waiting (decode.py's split merge): a barrier orders every thread's stores before the
     # program's gpu-scope acq_rel atomic; the finishers read the partials from L2 (.cg)
     tl.debug_barrier()
     if tl.atomic_add(arrive + i_bh, 1, sem="acq_rel", scope="gpu") == NC - 1:
         tl.atomic_xchg(arrive + i_bh, 0, sem="relaxed", scope="gpu")  # ready for the next launch
-        _finish_head(i_bh, part, mean, ks, vs, mrot, smf, NC, hs, D, BD, BC, HAS_MEAN, ROT, ROTATE, ROT_N,
+        _finish_head(i_bh, part, psum, mean, ks, vs, mrot, smf, NC, hs, D, BD, BC, HAS_MEAN, MEAN_IN, ROT, ROTATE, ROT_N,
                      HAS_FACTOR, ROT_C)
         tl.debug_barrier()
         if tl.atomic_add(arrive + B * H, 1, sem="acq_rel", scope="gpu") == B * H - 1:
@@ -312,10 +314,11 @@ def _stats_kernel(
 
 @triton.jit
 def _empty_stats(BD: tl.constexpr):
-    """Channel accumulators before any token: K min, K max, V min, V max (+-inf), finite K sum and count (0)."""
+    """Channel accumulators before any token: K min, K max, V min, V max (+-inf), finite K sum (fp64: exact for
+    16-bit keys) and count (0)."""
     inf = float("inf")
     return (tl.full([BD], inf, tl.float32), tl.full([BD], -inf, tl.float32), tl.full([BD], inf, tl.float32),
-            tl.full([BD], -inf, tl.float32), tl.zeros([BD], tl.float32), tl.zeros([BD], tl.float32))
+            tl.full([BD], -inf, tl.float32), tl.zeros([BD], tl.float64), tl.zeros([BD], tl.float32))
 
 
 @triton.jit
@@ -327,11 +330,11 @@ def _head_prio(b_g, m_d, D: tl.constexpr):
 
 
 @triton.jit
-def _finish_head(pid, part, mean, ks, vs, mrot, smf, NC, hs, D: tl.constexpr, BD: tl.constexpr, BC: tl.constexpr,
-                 HAS_MEAN: tl.constexpr, ROT: tl.constexpr, ROTATE: tl.constexpr, ROT_N: tl.constexpr,
+def _finish_head(pid, part, psum, mean, ks, vs, mrot, smf, NC, hs, D: tl.constexpr, BD: tl.constexpr, BC: tl.constexpr,
+                 HAS_MEAN: tl.constexpr, MEAN_IN: tl.constexpr, ROT: tl.constexpr, ROTATE: tl.constexpr, ROT_N: tl.constexpr,
                  HAS_FACTOR: tl.constexpr, ROT_C: tl.constexpr):
-    """(b, h) ``pid``'s NC chunk partials -> k_scale, v_scale ``[B*H, D]`` = amax * hs (K: max(k_max - mean,
-    mean - k_min)), 1 where not > 0; a non-finite ``mean`` channel is replaced by the finite K's mean. Channels
+    """(b, h) ``pid``'s NC chunk partials -> the K mean (HAS_MEAN: finite sum / count, written to ``mean``),
+    k_scale, v_scale ``[B*H, D]`` = amax * hs (K: max(k_max - mean, mean - k_min)), 1 where not > 0. Channels
     ``< ROT`` hold the squared RoPE-pair norm's min/max (``_stats_kernel``): amax = sqrt of its max, mean 0
     (``reference.kv_universal_scales_ref``). ROTATE: the partials' K min/max are the rotated keys'; the fixed raw
     mean stays in ``mean`` and its rotation ``(mean . diag(1/s) . H+-1) * ROT_C`` (fp32 products, exact; fp32
@@ -343,18 +346,20 @@ def _finish_head(pid, part, mean, ks, vs, mrot, smf, NC, hs, D: tl.constexpr, BD
     b_kmin, b_kmax, b_vmin, b_vmax, b_ksum, b_kn = _empty_stats(BD)
     for c0 in range(0, NC, BC):
         m = ((c0 + o_c) < NC)[:, None] & (o_d < BD)[None, :]
-        p_p = part + (pid.to(tl.int64) * NC + c0 + o_c[:, None]) * (8 * BD) + o_d[None, :]
+        p_p = part + (pid.to(tl.int64) * NC + c0 + o_c[:, None]) * (7 * BD) + o_d[None, :]
         b_kmin = tl.minimum(b_kmin, tl.min(tl.load(p_p, mask=m, other=inf, cache_modifier=".cg"), 0))
         b_kmax = tl.maximum(b_kmax, tl.max(tl.load(p_p + BD, mask=m, other=-inf, cache_modifier=".cg"), 0))
         b_vmin = tl.minimum(b_vmin, tl.min(tl.load(p_p + 2 * BD, mask=m, other=inf, cache_modifier=".cg"), 0))
         b_vmax = tl.maximum(b_vmax, tl.max(tl.load(p_p + 3 * BD, mask=m, other=-inf, cache_modifier=".cg"), 0))
-        b_ksum += tl.sum(tl.load(p_p + 6 * BD, mask=m, other=0.0, cache_modifier=".cg"), 0)
-        b_kn += tl.sum(tl.load(p_p + 7 * BD, mask=m, other=0.0, cache_modifier=".cg"), 0)
+        b_kn += tl.sum(tl.load(p_p + 6 * BD, mask=m, other=0.0, cache_modifier=".cg"), 0)
+        b_ksum += tl.sum(tl.load(psum + (pid.to(tl.int64) * NC + c0 + o_c[:, None]) * BD + o_d[None, :], mask=m,
+                                 other=0.0, cache_modifier=".cg"), 0)
     o_s = pid.to(tl.int64) * D + o_d
-    if HAS_MEAN:
-        b_mu = tl.load(mean + o_s, mask=m_d, other=0.0)
-        b_alt = tl.where(b_kn > 0, tl.math.div_rn(b_ksum, tl.maximum(b_kn, 1.0)), 0.0)
-        b_mu = tl.where(_finite(b_mu), b_mu, b_alt)
+    if HAS_MEAN:  # reference.kv_finite_mean_ref: fp64 sum / count, rounded once to fp32 (0 without a finite key)
+        b_mu = tl.where(b_kn > 0, (b_ksum / tl.maximum(b_kn, 1.0).to(tl.float64)).to(tl.float32), 0.0)
+        if MEAN_IN:  # the caller's mean, where finite
+            b_in = tl.load(mean + o_s, mask=m_d, other=0.0)
+            b_mu = tl.where(_finite(b_in), b_in, b_mu)
         tl.store(mean + o_s, b_mu, mask=m_d)
         if ROTATE:  # once per (b, h): the store kernels take the mean in the stored basis
             b_f = _key_factor(smf, o_s, m_d, BD, HAS_FACTOR)
@@ -397,7 +402,7 @@ def _finish_layer(part, cnt, flag, heads_hi, heads_lo, NC, B, H, n_gap, D: tl.co
         for i_b in range(0, B):
             for c0 in range(0, NC, HC):
                 m = ((r_h < H) & (c0 + r_c < NC))[:, None]
-                p_p = part + ((i_b * H + r_h[:, None]).to(tl.int64) * NC + c0 + r_c[:, None]) * (8 * BD) \
+                p_p = part + ((i_b * H + r_h[:, None]).to(tl.int64) * NC + c0 + r_c[:, None]) * (7 * BD) \
                     + o_d[None, :]
                 b_gk += tl.sum(tl.reshape(tl.load(p_p + 4 * BD, mask=m, other=0.0, cache_modifier=".cg"),
                                           (HP, HC, BD)), 1)
@@ -422,22 +427,24 @@ def _finish_layer(part, cnt, flag, heads_hi, heads_lo, NC, B, H, n_gap, D: tl.co
 
 def kv_stats(k: torch.Tensor, v: torch.Tensor, k_mean: Optional[torch.Tensor], block_size: int, headroom: float,
              nonfinite: torch.Tensor, select: Optional[tuple] = None, rope_dims: int = 0, rotate: bool = False,
-             qk_smooth: Optional[torch.Tensor] = None, out: Optional[tuple] = None) -> tuple:
+             qk_smooth: Optional[torch.Tensor] = None, out: Optional[tuple] = None, mean_in: bool = False) -> tuple:
     """Universal scales of a first prefill ``k, v [b, H, T, D]`` in one launch, no host sync.
 
     Args:
-        k_mean: ``[b, H, D]`` fp32 ``k_smooth_mean(k)`` or None; a channel where it is not finite is replaced
-            in place by the mean of the finite keys.
+        k_mean: a contiguous fp32 ``[b, H, D]`` tensor that receives K's mean over its finite keys
+            (``reference.kv_finite_mean_ref(k, reference.k_smooth_mean(k))`` bit for bit: an fp64 sum, exact for
+            16-bit keys), or None: no K smoothing. Its contents on entry are not read unless ``mean_in``: then
+            they are the mean to use, a non-finite channel replaced by the finite keys' mean.
         headroom: ``h`` of ``scale = h * amax / 127``.
         nonfinite: int32 ``[1]``; set to the number of (row, head, token) vectors with an inf/NaN in K or V.
         select: ``(heads_hi, heads_lo, n_lo)`` for ``head_select: prompt``: int32 ``[H - n_lo]`` / ``[n_lo]``
             filled (ascending) with the heads kept at the layer's bits / stored in 2 bits.
         rope_dims: K channels ``< rope_dims`` get the RoPE-pair scale (``reference.rope_pair_amax_ref``; their
-            mean is not subtracted, ``k_mean`` is still fixed for the prefill).
+            mean is not subtracted, ``k_mean`` is still written for the prefill).
         rotate: ``rotate_qk`` (hadamard / smooth_hadamard): ``k`` is the caller's unrotated K and the scales are
             those of the stored K, ``reference.rotate_keys_ref(k, qk_smooth)`` (``qk_smooth``: ``rotation.
             smooth_scales`` factors ``s [b, H, D]``, or None for plain hadamard), rotated in the stats kernel.
-            ``k_mean`` stays the raw keys' mean (fixed in place, for the prefill, whose quantizer rotates it
+            ``k_mean`` gets the raw keys' mean (for the prefill, whose quantizer rotates it
             itself); the stored basis' mean ``reference.rotate_mean_ref(k_mean, qk_smooth)`` is a third output,
             the ``k_mean`` to pass to ``store_kv`` / ``store_int8_tokens`` (with ``rotate=True``). Not with
             ``rope_dims`` (a rotated basis has no RoPE pairs).
@@ -454,16 +461,16 @@ def kv_stats(k: torch.Tensor, v: torch.Tensor, k_mean: Optional[torch.Tensor], b
     if v.stride(-1) != 1:
         v = v.contiguous()
     key = (k.shape, k.stride(), v.shape, v.stride(), k.dtype, v.dtype, k.device, k_mean is None, block_size,
-           headroom, None if select is None else select[2], rope_dims, rotate, qk_smooth is None)
+           headroom, None if select is None else select[2], rope_dims, rotate, qk_smooth is None, mean_in)
     plan = _STATS_PLANS.get(key)
     if plan is None:
         if len(_STATS_PLANS) >= 256:
             _STATS_PLANS.clear()
         plan = _STATS_PLANS[key] = _stats_plan(k, v, k_mean, block_size, headroom, select, rope_dims,
-                                               _rotate_kw(k, rotate, qk_smooth))
+                                               _rotate_kw(k, rotate, qk_smooth), mean_in)
     part_shape, cnt_shape, s_shape, stats, memo = plan
     dev = k.device
-    part, cnt, arrive = _stats_workspace(dev, part_shape, cnt_shape)
+    part, psum, cnt, arrive = _stats_workspace(dev, part_shape, cnt_shape)
     if out is None:
         out = (torch.empty(s_shape, dtype=torch.float32, device=dev),
                torch.empty(s_shape, dtype=torch.float32, device=dev),
@@ -474,7 +481,7 @@ def kv_stats(k: torch.Tensor, v: torch.Tensor, k_mean: Optional[torch.Tensor], b
     grid, scalars, kw = stats
     lean(_stats_kernel).launch_memo(
         memo, current_cuda_device() if dev.type == "cuda" else -1, grid,
-        (k, v, part, cnt, arrive, k_mean if k_mean is not None else ks, ks, vs, nonfinite, hi, lo,
+        (k, v, part, psum, cnt, arrive, k_mean if k_mean is not None else ks, ks, vs, nonfinite, hi, lo,
          mrot if mrot is not None else ks, f), scalars, kw, LeanLaunch.hooks_active())
     return (ks, vs, mrot) if rotate else (ks, vs)
 
@@ -485,26 +492,29 @@ _STATS_WORKSPACE: dict = {}
 
 
 def _stats_workspace(device: torch.device, part_shape: tuple, cnt_shape: tuple) -> tuple:
-    """The stats kernel's partials and counts (views of one buffer) and its arrival counters (``cnt_shape[0] + 1``
-    of a zeroed int32 buffer that every launch leaves at zero: the finishers reset them), kept per device and
-    grown on demand (as the decode split's, ``decode._workspace``), the views kept per shape: no allocation or view
-    per layer. Launches on one device's stream run in order, so the next layer's stats never overwrite partials a
-    finisher still reads; not for concurrent streams."""
+    """The stats kernel's partials (fp32), finite K sums (fp64) and counts (views of two buffers) and its arrival
+    counters (``cnt_shape[0] + 1`` of a zeroed int32 buffer that every launch leaves at zero: the finishers reset
+    them), kept per device and grown on demand (as the decode split's, ``decode._workspace``), the views kept per
+    shape: no allocation or view per layer. Launches on one device's stream run in order, so the next layer's stats
+    never overwrite partials a finisher still reads; not for concurrent streams."""
     key = (device.type, device.index)
     ws = _STATS_WORKSPACE.get(key)
-    hit = None if ws is None else ws[2].get((part_shape, cnt_shape))
+    hit = None if ws is None else ws[3].get((part_shape, cnt_shape))
     if hit is not None:
         return hit
     n_part, n_cnt, n_arr = math.prod(part_shape), math.prod(cnt_shape), cnt_shape[0] + 1
-    if ws is None or ws[0].numel() < n_part + n_cnt or ws[1].numel() < n_arr:
-        old = (0, 0) if ws is None else (ws[0].numel(), ws[1].numel())
+    n_sum = n_part // N_PART  # [b*H, NC, BD]
+    if ws is None or ws[0].numel() < n_part + n_cnt or ws[1].numel() < n_sum or ws[2].numel() < n_arr:
+        old = (0, 0, 0) if ws is None else tuple(t.numel() for t in ws[:3])
         ws = _STATS_WORKSPACE[key] = (
             torch.empty(max(n_part + n_cnt, old[0]), dtype=torch.float32, device=device),
-            torch.zeros(max(n_arr, old[1]), dtype=torch.int32, device=device), {})
-    if len(ws[2]) >= 64:
-        ws[2].clear()
-    hit = ws[2][(part_shape, cnt_shape)] = (ws[0][:n_part].view(part_shape),
-                                            ws[0][n_part:n_part + n_cnt].view(torch.int32).view(cnt_shape), ws[1])
+            torch.empty(max(n_sum, old[1]), dtype=torch.float64, device=device),
+            torch.zeros(max(n_arr, old[2]), dtype=torch.int32, device=device), {})
+    if len(ws[3]) >= 64:
+        ws[3].clear()
+    hit = ws[3][(part_shape, cnt_shape)] = (
+        ws[0][:n_part].view(part_shape), ws[1][:n_sum].view(*part_shape[:2], part_shape[3]),
+        ws[0][n_part:n_part + n_cnt].view(torch.int32).view(cnt_shape), ws[2])
     return hit
 
 
@@ -519,7 +529,7 @@ def stats_chunk_blocks(n_blocks: int, n_rows: int, n_sm: int) -> int:
     return nsub
 
 
-def _stats_plan(k, v, k_mean, block_size, headroom, select, rope_dims, rot):
+def _stats_plan(k, v, k_mean, block_size, headroom, select, rope_dims, rot, mean_in):
     """(partials' shape, counts' shape, scales' shape, (grid, scalars, kwargs), memo) of the one stats launch."""
     b, H, T, D = k.shape
     bs, BD = int(block_size), _pow2(D)
@@ -534,7 +544,7 @@ def _stats_plan(k, v, k_mean, block_size, headroom, select, rope_dims, rot):
                            v.stride(0), v.stride(1), v.stride(2)),
              dict(D=D, BD=BD, BS=bs, NSUB=nsub, VEC=_vec(k, v), ROT=int(rope_dims), **rot,
                   BC=min(_pow2(nc), 64), HP=max(2, _pow2(H)), HC=max(1, min(_pow2(nc), 64 // max(2, _pow2(H)))),
-                  N2=int(n_lo), HAS_MEAN=k_mean is not None, SELECT=select is not None,
+                  N2=int(n_lo), HAS_MEAN=k_mean is not None, SELECT=select is not None, MEAN_IN=bool(mean_in),
                   num_warps=8 if rot["ROTATE"] else 4, enable_fp_fusion=False))
     return (b * H, nc, N_PART, BD), (b * H, nc), (b, H, D), stats, {}
 

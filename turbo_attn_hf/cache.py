@@ -66,7 +66,7 @@ AUTO_HEADROOM_CONTEXT = 32768
 AUTO_HEADROOM_RANGE = (1.25, 2.0)
 DEFAULT_SCALE_HEADROOM = "auto"
 #: True: every store runs the Triton kernels of kernels/store.py: a decode step that packs no block is one
-#: launch (instead of ~22 PyTorch launches), the first prefill 2-3 (K mean, stats + scales + head choice, store;
+#: launch (instead of ~22 PyTorch launches), the first prefill 2 (stats + K mean, scales and head choice; store;
 #: was ~60-110 with host syncs for mixed's head choice), a store that packs blocks 1-2. False = the PyTorch path
 #: (kept to measure against: eval/bench_layer_step.py, eval/bench_store.py; CPU tensors without
 #: TRITON_INTERPRET=1 always take it). Both store the same codes, scales and head choice (tests).
@@ -106,13 +106,16 @@ def _head_map(heads: tuple, device) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=256)
-def _layer_specs(b: int, hk: int, d: int, cap: int, fused: bool, rotated_mean: bool, n2: int) -> tuple:
+def _layer_specs(b: int, hk: int, d: int, cap: int, fused: bool, mean: bool, rotated_mean: bool, n2: int) -> tuple:
     """A layer's storage for ``arena.carve``: the INT8 buffer and, for the fused first store, what it writes (the
-    non-finite counter, the scales, the rotated mean, ``head_select: prompt``'s head maps with ``n2`` 2-bit heads)."""
+    non-finite counter, the scales, the K mean and its rotation, ``head_select: prompt``'s head maps with ``n2``
+    2-bit heads)."""
     specs = (("k_tail", (b, hk, cap, d), torch.int8), ("v_tail", (b, hk, d, cap), torch.int8))
     if fused:
         f32 = torch.float32
         specs += (("nonfinite", (1,), torch.int32), ("k_scale", (b, hk, d), f32), ("v_scale", (b, hk, d), f32))
+        if mean:
+            specs += (("k_mean", (b, hk, d), f32),)
         if rotated_mean:
             specs += (("k_mean_rot", (b, hk, d), f32),)
         if n2:
@@ -289,7 +292,8 @@ class TurboLayer(CacheLayerMixin):
         cap = (self.turbo_config.sink_blocks + self.turbo_config.recent_blocks + 1) * bs
         # no fill: slots at or past n_tail are never read (the decode kernel masks them; any int8 is finite)
         fused = self._fused(key_states)
-        specs = _layer_specs(b, hk, d, cap, fused, fused and self.rotated and self.turbo_config.smooth_k,
+        smooth = self.turbo_config.smooth_k
+        specs = _layer_specs(b, hk, d, cap, fused, fused and smooth, fused and self.rotated and smooth,
                              self._plan_bits.count(2) if fused and self._prompt_select() else 0) + self._extra_specs()
         views = carve(specs, lambda name, shape, dtype: self._empty(self._storage_key(name), shape, dtype),
                       self._one_buffer)
@@ -308,6 +312,8 @@ class TurboLayer(CacheLayerMixin):
         if name in ("heads_hi", "heads_lo"):  # the groups' head maps, in _make_groups' order
             order = [bits for bits in _BITS_ORDER if bits in (self.turbo_config.bits, 2)]
             return ("group", order.index(self.turbo_config.bits if name == "heads_hi" else 2), "heads")
+        if name == "k_mean" and self.rotated:  # the raw mean (the prefill's); the stored one is k_mean_rot
+            return ("layer", "prefill_k_mean")
         return ("layer", {"flat": "_flat", "k_mean_rot": "k_mean"}.get(name, name))
 
     def _empty(self, key: tuple, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
@@ -510,9 +516,9 @@ class TurboLayer(CacheLayerMixin):
         self.k_mean = mean
 
     def _first_store_fused(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """The first prefill in 2-3 launches, no host sync: K mean (torch, with smoothing), stats with the scales and
-        head choice (``kernels.store.kv_stats``, one launch), store (``_store``); the layer's storage is one
-        allocation (``lazy_initialization``) and each bit group's one more (``arena.carve``). Bit for bit the PyTorch path's codes, scales and
+        """The first prefill in 2 launches, no host sync: stats with the K mean, the scales and the head choice
+        (``kernels.store.kv_stats``), store (``_store``); the layer's storage is one allocation
+        (``lazy_initialization``) and each bit group's one more (``arena.carve``). Bit for bit the PyTorch path's codes, scales and
         mean; the same head choice (priorities equal to fp32 rounding)."""
         from .kernels.store import kv_stats
 
@@ -520,8 +526,8 @@ class TurboLayer(CacheLayerMixin):
         b, hk, T, d = key_states.shape
         h = self.scale_headroom
         self.headroom = h = auto_headroom(T) if h == "auto" else float(h)
-        mean = k_smooth_mean(key_states) if cfg.smooth_k else None
         fresh = self._fresh
+        mean = fresh.get("k_mean")  # written by kv_stats
         self.nonfinite = fresh["nonfinite"]
         select = None
         bs = cfg.block_size
@@ -539,7 +545,7 @@ class TurboLayer(CacheLayerMixin):
                        out=(fresh["k_scale"], fresh["v_scale"], fresh.get("k_mean_rot")))
         self._fresh = {}
         self.k_scale, self.v_scale = out[:2]
-        self._cache_k_mean(mean, rot)  # after kv_stats: it fixes non-finite channels of the mean in place
+        self._cache_k_mean(mean, rot)
         if self.rotated:  # the stores subtract the mean in the stored basis; the prefill rotates the raw one
             self.k_mean = out[2]
         self._store(key_states, value_states, first=True)
@@ -558,13 +564,8 @@ class TurboLayer(CacheLayerMixin):
         k_min, k_max = _finite_aminmax(key_states)
         rot = self._k_rope_dims(key_states.shape[-1])
         if self.turbo_config.smooth_k:
-            # k.mean(dim=2, dtype=fp32) == k.float().mean(dim=2) bit for bit, without the fp32 copy. CPU: both are
-            # sum(dtype=fp32) / T, the 16-bit values widened as they are added, in the same order (the test). CUDA:
-            # the 16-bit -> fp32 mean is the float reduction reading 16-bit values (mean_kernel_impl<bf16, float,
-            # float>: the same MeanOps and vt0) under a launch config (Reduce.cuh setReduceConfig) set by the shape,
-            # the element strides and the element alignment: the fp32 copy's, while K's pointer and strides are
-            # multiples of 4 elements (HF's layouts) and the copy stays under 2^31 bytes (32-bit indexing).
-            # k_smooth_mean is also the reference's and the prefill's mean.
+            # k_smooth_mean: an fp64 sum read from the 16-bit keys (no copy), exact, so the same bits as the fused
+            # store's (which sums in its own order) and the prefill's; also the reference's mean
             mean = kv_finite_mean_ref(key_states, k_smooth_mean(key_states))
             # max_i |fl(k_i - mu)| = max(fl(k_max - mu), fl(mu - k_min)) exactly: fl(x - mu) is monotone in x
             # and round-to-nearest is symmetric (fl(-y) = -fl(y)), so the extreme differences come from the

@@ -46,14 +46,14 @@ def _groups(head_bits, b, d, bs, nb, device):
                            capacity=max(nb, 1)) for bits in (8, 4, 2) if bits in head_bits]
 
 
-def _first_store(k, v, mean, head_bits, bs, sink, recent, rotate, qk_smooth, headroom=1.5):
+def _first_store(k, v, mean, head_bits, bs, sink, recent, rotate, qk_smooth, headroom=1.5, mean_in=False):
     """A first prefill as TurboLayer._first_store_fused plans it (kv_stats, then one store_kv that packs blocks):
     (k_scale, v_scale, mean of the stored basis, k_tail, v_tail, groups, n_tail, nonfinite)."""
     from turbo_attn_hf.kernels.store import kv_stats, store_kv
 
     b, H, T, d = k.shape
     nf = torch.zeros(1, dtype=torch.int32, device=k.device)
-    out = kv_stats(k, v, mean, bs, headroom, nf, None, 0, rotate=rotate, qk_smooth=qk_smooth)
+    out = kv_stats(k, v, mean, bs, headroom, nf, None, 0, rotate=rotate, qk_smooth=qk_smooth, mean_in=mean_in)
     ks, vs, mk = out if rotate else (*out, mean)
     n_sink, C = sink * bs, (sink + recent + 1) * bs
     n = T - n_sink
@@ -98,9 +98,10 @@ def test_first_store_rotates_keys_in_kernel(d, dtype, smooth, head_bits, device)
     mean = R.k_smooth_mean(k)
     assert not torch.isfinite(mean).all()
     a = _first_store(k, v, mean, head_bits, bs, sink, recent, True, s)
-    assert torch.isfinite(mean).all()  # fixed in place (the prefill's raw mean)
+    assert torch.isfinite(mean).all()  # written by the stats kernel (the prefill's raw mean)
+    assert torch.equal(mean.cpu(), R.kv_finite_mean_ref(k.cpu(), R.k_smooth_mean(k.cpu())))
     kr = R.rotate_keys_ref(k.cpu(), None if s is None else s.cpu()).to(device)
-    c = _first_store(kr, v, a[2].clone(), head_bits, bs, sink, recent, False, None)
+    c = _first_store(kr, v, a[2].clone(), head_bits, bs, sink, recent, False, None, mean_in=True)
     bits = lambda t: t.view(torch.int32)  # noqa: E731
     for x, y in zip(a[:3], c[:3]):
         assert torch.equal(bits(x), bits(y))
