@@ -8,7 +8,8 @@ V is written transposed, ``[d, tokens]``, tokens contiguous.
 
 Each kernel reads its bf16/fp16 input once (any strides: HF hands over transposed views) and writes the
 int8 codes and fp32 scales once. The K mean is the torch reduction ``reference.k_smooth_mean`` (one
-read of K, shared with the reference so that both quantize against the same mean, bit for bit). K and V
+read of K, an exact fp64 sum shared with the reference and the cache's store, so all quantize against the same
+mean, bit for bit). K and V
 stay two passes: a fused K+V pass measured no faster on the H100 once the passes load 16 bytes (0.96-1.00x,
 eval/results/bench_quant_h100.json). The prefill launches Q's and K's passes as one (``_quant_qk_kernel``: Q's
 programs, then K's, each the same row helper; ``quantize_qk``): one launch fewer per layer, the same bits. V stays

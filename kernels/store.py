@@ -23,8 +23,9 @@ per layer with host syncs for mixed's head choice) are two more kernels here, no
   each full block straight into its group's storage (INT8/INT4/INT2 by the group's constexpr bits) and writes
   sink / recent / tail tokens into the INT8 buffer (``reference.int8_buffer_layout``).
 
-With K smoothing the mean stays the torch reduction ``reference.k_smooth_mean`` (bit for bit the prefill's and
-the reference's; one launch): first prefill = mean + stats + store = 3 launches per layer.
+With K smoothing the stats kernel also sums the finite keys in fp64 and the head finisher writes the mean: exact for
+16-bit keys, so bit for bit ``reference.k_smooth_mean`` (the prefill's and the reference's) in any summation order.
+First prefill = stats + store = 2 launches per layer.
 
 ``rotate_qk`` (issue 23): a rotated layer passes its keys unrotated with ``rotate=True`` (and the smooth_hadamard
 factors): each kernel rotates the K rows it loads (``_rotate_keys``: x 1/s, the in-register butterfly

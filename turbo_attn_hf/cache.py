@@ -661,7 +661,7 @@ class TurboLayer(CacheLayerMixin):
             q, k, v = query, key, value
             if q.dtype not in (torch.bfloat16, torch.float16) and fn is not reference.turbo_attention:
                 q, k, v = q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16)
-            # k_mean: the store's mean of these keys (same reduction), so K is reduced once per prefill
+            # k_mean: the store's mean of these keys (the same bits as k_smooth_mean), so K is reduced once per prefill
             out = fn(q, k, v, scale=scale, causal=causal, window=window, softcap=softcap, key_valid=key_valid,
                      softmax=cfg.softmax, sas_threshold=cfg.sas_threshold, smooth_k=cfg.smooth_k,
                      k_mean=self.prefill_k_mean, rotate_qk=self.rotated, qk_smooth=self.qk_smooth)
