@@ -10,6 +10,7 @@ def test_bench_store_dry_run(tmp_path):
     assert len(rows) == 24
     for r in rows:
         if r["fused"]:
-            assert r["triton_launches"] == 3 and r["launches"] <= 4 and r["host_syncs"] == 0, r
+            # the first prefill's store: stats (K mean, scales, head choice) + store, nothing else
+            assert r["triton_launches"] == 2 and r["launches"] == 2 and r["host_syncs"] == 0, r
         else:
             assert r["launches"] > 20, r
