@@ -356,6 +356,11 @@ def kv_bytes_per_token(head_dim: int, bits: int, block_size: int) -> float:
 
 
 # ----------------------------------------------------------------------------------------- storage
+def _torch_alloc(device) -> Callable:
+    """``alloc(name, shape, dtype)`` for ``PackedKV``: a new ``torch.empty`` on ``device``."""
+    return lambda name, shape, dtype: torch.empty(shape, dtype=dtype, device=device)
+
+
 class PackedKV:
     """Packed full blocks of one bit-width group of KV heads of one layer (format in the module doc).
 
@@ -396,14 +401,11 @@ class PackedKV:
         """No blocks, room for ``capacity``; every tensor is a view of one byte buffer (``arena.carve``; separate
         tensors with ``one_buffer=False``), made by ``alloc(name, shape, dtype)`` (default ``torch.empty`` on
         ``device``)."""
-        if alloc is None:
-            def alloc(name, shape, dtype):
-                return torch.empty(shape, dtype=dtype, device=device)
         if heads.dtype != torch.int32 or heads.device != (device if isinstance(device, torch.device)
                                                             else torch.device(device)):
             heads = heads.to(device=device, dtype=torch.int32)
         g = cls(bits=bits, heads=heads, k=None, v=None)
-        g._carve(batch, heads.shape[0], capacity, block_size, head_dim, alloc, one_buffer)
+        g._carve(batch, heads.shape[0], capacity, block_size, head_dim, alloc or _torch_alloc(device), one_buffer)
         return g
 
     def _specs(self, batch: int, H: int, capacity: int, BS: int, D: int) -> tuple:
@@ -420,11 +422,7 @@ class PackedKV:
         """(Re)make the tensors for ``capacity`` blocks: one buffer unless ``one_buffer`` is False (None: as now)."""
         if one_buffer is None:
             one_buffer = self.k is None or self.flat is not None
-        if alloc is None:
-            dev = self.k.device
-
-            def alloc(name, shape, dtype):
-                return torch.empty(shape, dtype=dtype, device=dev)
+        alloc = alloc or _torch_alloc(self.k.device)
         views = carve(self._specs(batch, H, capacity, BS, D), alloc, one_buffer)
         self.flat = views.pop("flat")
         for name, t in views.items():

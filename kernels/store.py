@@ -14,7 +14,7 @@ per layer with host syncs for mixed's head choice) are two more kernels here, no
 
 * ``_stats_kernel`` (grid: chunks of blocks x (b, h)): per chunk and channel the min/max of K and V over the
   finite elements, the calibration's per-block gaps (``calibrate.prompt_head_priority``), the finite K sum and
-  count (a fallback mean where K holds inf/NaN) and the number of token vectors with a non-finite element. The
+  count (the K mean, inf/NaN left out) and the number of token vectors with a non-finite element. The
   last chunk of a (b, h) to finish (an arrival counter) turns that head's partials into its universal scales
   (``_finish_head``: the fp32 formula of ``TurboLayer._fix_scales``, bit for bit); the last head to finish writes
   the non-finite count and, for ``head_select: prompt``, ranks the heads (gap x std) and writes each bit group's
@@ -239,7 +239,7 @@ def _stats_kernel(
     tokens max - min per channel, full blocks only; a sequence shorter than one block is one block. Channels
     ``< ROT`` (RoPE pairs j, j ± ROT/2) put the min/max of the pair's squared norm in the K min/max rows.
     ROTATE: K's min/max and gaps are those of the rotated rows (``_rotate_keys``, factors smf ``[b*H, D]`` with
-    HAS_FACTOR), its finite sum/count stay the raw keys' (they fix the raw mean, ``_finish_head``)."""
+    HAS_FACTOR), its finite sum/count stay the raw keys' (the raw mean, ``_finish_head``)."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
     # strides out of the specialization key, multiples of VEC (the launcher checks): 16-byte loads of K/V rows

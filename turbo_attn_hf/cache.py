@@ -325,14 +325,12 @@ class TurboLayer(CacheLayerMixin):
         """One empty PackedKV per bit width present in ``head_bits``; ``maps``: bits -> a device head map to use
         (written by the first prefill's head choice) instead of the list's."""
         self.groups = []
-        for bits, heads in _bit_groups(tuple(head_bits)):
-            if heads:
-                hm = maps[bits] if maps and bits in maps else _head_map(heads, self.device)
-                i = len(self.groups)
-                self.groups.append(PackedKV.empty(
-                    bits, hm, self.batch, self.head_dim, self.turbo_config.block_size, self.device, capacity=capacity,
-                    alloc=lambda name, shape, dtype, i=i: self._empty(("group", i, name), shape, dtype),
-                    one_buffer=self._one_buffer))
+        for i, (bits, heads) in enumerate(_bit_groups(tuple(head_bits))):
+            hm = maps[bits] if maps and bits in maps else _head_map(heads, self.device)
+            self.groups.append(PackedKV.empty(
+                bits, hm, self.batch, self.head_dim, self.turbo_config.block_size, self.device, capacity=capacity,
+                alloc=lambda name, shape, dtype, i=i: self._empty(("group", i, name), shape, dtype),
+                one_buffer=self._one_buffer))
 
     def _prompt_select(self) -> bool:
         """Whether the first prefill chooses this layer's 2-bit heads (``head_select: prompt``)."""
@@ -518,8 +516,8 @@ class TurboLayer(CacheLayerMixin):
     def _first_store_fused(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """The first prefill in 2 launches, no host sync: stats with the K mean, the scales and the head choice
         (``kernels.store.kv_stats``), store (``_store``); the layer's storage is one allocation
-        (``lazy_initialization``) and each bit group's one more (``arena.carve``). Bit for bit the PyTorch path's codes, scales and
-        mean; the same head choice (priorities equal to fp32 rounding)."""
+        (``lazy_initialization``) and each bit group's one more (``arena.carve``). Bit for bit the PyTorch path's
+        codes, scales and mean; the same head choice (priorities equal to fp32 rounding)."""
         from .kernels.store import kv_stats
 
         cfg = self.turbo_config
