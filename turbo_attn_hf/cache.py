@@ -190,12 +190,14 @@ ROTATE_HALF_MODEL_TYPES = frozenset((
 _ROPE_FALLBACK_LOGGED: set = set()
 
 
-def rope_dims(config: Any, layer_idx: int, log: bool = False) -> int:
-    """How many leading K channels of layer ``layer_idx`` RoPE turns in rotate_half pairs (``k_scale_range:
-    rope_pair``), from the model's config; 0 (per-channel K scales, logged once per model type) without a config,
-    when the layout is not known to be rotate_half or the layer has no RoPE."""
+def rope_layout(config: Any, log: bool = False) -> tuple[int, Optional[list]]:
+    """``(channels, no_rope_layers)``: how many leading K channels RoPE turns in rotate_half pairs on a layer that
+    applies RoPE (0 when the layout is not known to be rotate_half, logged once per model type), and SmolLM3's
+    per-layer ``no_rope_layers`` (1 = the layer applies RoPE) or None. The config is read once here: a transformers
+    config's attribute access costs microseconds, ~25 us a layer when read per layer (the cache is built per
+    generate())."""
     if config is None:
-        return 0
+        return 0, None
     text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     mt = getattr(text_config, "model_type", None)
     rp = getattr(text_config, "rope_parameters", None) or {}
@@ -206,13 +208,21 @@ def rope_dims(config: Any, layer_idx: int, log: bool = False) -> int:
             _ROPE_FALLBACK_LOGGED.add(mt)
             logger.info("turbo_int8: k_scale_range 'rope_pair' needs HF's rotate_half RoPE layout; model type %r is "
                         "not known to use it, so K keeps per-channel scales", mt)
-        return 0
-    use = getattr(text_config, "no_rope_layers", None)  # SmolLM3: 1 = the layer applies RoPE
-    if use is not None and layer_idx < len(use) and not use[layer_idx]:
-        return 0
+        return 0, None
     hd = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
     f = rp.get("partial_rotary_factor", getattr(text_config, "partial_rotary_factor", None)) or 1.0
-    return int(hd * f) // 2 * 2
+    use = getattr(text_config, "no_rope_layers", None)
+    return int(hd * f) // 2 * 2, None if use is None else list(use)
+
+
+def rope_dims(config: Any, layer_idx: int, log: bool = False, layout: Optional[tuple] = None) -> int:
+    """How many leading K channels of layer ``layer_idx`` RoPE turns in rotate_half pairs (``k_scale_range:
+    rope_pair``), from the model's config (or its ``rope_layout``, read once for all layers); 0 (per-channel K
+    scales) without a config, when the layout is not known to be rotate_half or the layer has no RoPE."""
+    dims, use = layout if layout is not None else rope_layout(config, log)
+    if use is not None and layer_idx < len(use) and not use[layer_idx]:
+        return 0
+    return dims
 
 
 class TurboLayer(CacheLayerMixin):
@@ -1173,10 +1183,11 @@ class TurboCache(Cache):
         elif layers is not None:
             self.n_layers = len(layers)
         if config is not None:
+            kv, rope = _kv_heads(config), rope_layout(config, self.turbo_config.k_scale_range == "rope_pair")
             for i, layer in enumerate(layers or []):
                 if isinstance(layer, TurboLayer):
-                    layer.n_kv_heads_total = _kv_heads(config)
-                    layer.rope_dims = rope_dims(config, i, self.turbo_config.k_scale_range == "rope_pair")
+                    layer.n_kv_heads_total = kv
+                    layer.rope_dims = rope_dims(config, i, layout=rope)
         super().__init__(layers=layers if layers is not None else [])
 
     @classmethod
@@ -1190,6 +1201,7 @@ class TurboCache(Cache):
             return cls(cfg, config=model_config)
         n = len(cache.layers)
         layers = []
+        kv, rope = _kv_heads(model_config), rope_layout(model_config, cfg.k_scale_range == "rope_pair")
         for i, layer in enumerate(cache.layers):
             if type(layer) is DynamicLayer:
                 new = TurboLayer(cfg, i, n)
@@ -1198,8 +1210,8 @@ class TurboCache(Cache):
             else:
                 layers.append(layer)
                 continue
-            new.n_kv_heads_total = _kv_heads(model_config)
-            new.rope_dims = rope_dims(model_config, i, cfg.k_scale_range == "rope_pair")
+            new.n_kv_heads_total = kv
+            new.rope_dims = rope_dims(model_config, i, layout=rope)
             if layer.is_initialized and layer.keys is not None and layer.keys.numel() and layer.get_seq_length():
                 new.update(layer.keys, layer.values)
             layers.append(new)
