@@ -57,7 +57,8 @@ from .pack import _pack_tile, _quantize_universal
 from .quant import _multiple, _vec, check_qk_smooth, factor_arg
 from .rotation import rotation_block
 
-__all__ = ["store_int8_tokens", "kv_stats", "store_kv", "STATS_CHUNK_BLOCKS"]
+__all__ = ["store_int8_tokens", "kv_stats", "store_kv", "STATS_CHUNK_BLOCKS", "StatsLaunch", "StoreKVLaunch",
+           "check_store_kv", "stats_launch", "store_kv_launch"]
 
 
 @triton.jit
@@ -177,7 +178,8 @@ def store_int8_tokens(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, k
             _STORE_KW.clear()
             _STORE_MEMO.clear()
         kw = _STORE_KW[key] = dict(D=D, BD=_pow2(D), BT=_pow2(T), HAS_MEAN=k_mean is not None,
-                                   COUNT=nonfinite is not None, **_rotate_kw(k, rotate, qk_smooth), num_warps=4,
+                                   COUNT=nonfinite is not None, **_rotate_kw(k, rotate, qk_smooth is not None),
+                                   num_warps=4,
                                    **_no_fma(rotate))
     dev_key = current_cuda_device() if k.is_cuda else -1
     _STORE.launch_memo(_STORE_MEMO, (key, dev_key), (b * H,), tensors, (int(slot), T, *strides, H, C), kw,
@@ -189,13 +191,13 @@ _STORE_KW: dict = {}
 _STORE_MEMO: dict = {}
 
 
-def _rotate_kw(k: torch.Tensor, rotate: bool, qk_smooth: Optional[torch.Tensor]) -> dict:
-    """The rotation constexprs of the store kernels for keys ``k [b, H, T, D]``; all off without ``rotate``, which
-    compiles the unrotated kernels."""
+def _rotate_kw(k: torch.Tensor, rotate: bool, has_factor: bool) -> dict:
+    """The rotation constexprs of the store kernels for keys ``k [b, H, T, D]`` (``has_factor``: smooth_hadamard
+    factors given); all off without ``rotate``, which compiles the unrotated kernels."""
     if not rotate:
         return dict(ROTATE=False, ROT_N=16, HAS_FACTOR=False, ROT_C=1.0)
     n = rotation_block(k.shape[-1])
-    return dict(ROTATE=True, ROT_N=n, HAS_FACTOR=qk_smooth is not None, ROT_C=rot_scale(n))
+    return dict(ROTATE=True, ROT_N=n, HAS_FACTOR=bool(has_factor), ROT_C=rot_scale(n))
 
 
 def _no_fma(rotate: bool) -> dict:
@@ -461,30 +463,52 @@ def kv_stats(k: torch.Tensor, v: torch.Tensor, k_mean: Optional[torch.Tensor], b
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
-    key = (k.shape, k.stride(), v.shape, v.stride(), k.dtype, v.dtype, k.device, k_mean is None, block_size,
-           headroom, None if select is None else select[2], rope_dims, rotate, qk_smooth is None, mean_in)
-    plan = _STATS_PLANS.get(key)
-    if plan is None:
+    launch = stats_launch(k, v, k_mean is not None, block_size, headroom, None if select is None else select[2],
+                          rope_dims, rotate, qk_smooth is not None, mean_in)
+    dev = k.device
+    if out is None:
+        out = (torch.empty(launch.s_shape, dtype=torch.float32, device=dev),
+               torch.empty(launch.s_shape, dtype=torch.float32, device=dev),
+               torch.empty(launch.s_shape, dtype=torch.float32, device=dev) if rotate and k_mean is not None else None)
+    ks, vs, mrot = out
+    hi, lo, _ = select if select is not None else (ks, ks, 0)
+    launch(k, v, k_mean, ks, vs, mrot, nonfinite, hi, lo, factor_arg(qk_smooth, ks))
+    return (ks, vs, mrot) if rotate else (ks, vs)
+
+
+class StatsLaunch:
+    """``kv_stats``' one launch for a fixed key (shapes, strides, dtypes, device, options): grid, scalars and
+    constexprs built once; calling it launches over the given tensors, unchecked (``kv_stats`` checks them; the
+    cache's first-store plan replays a launch its first layer made through ``kv_stats``)."""
+
+    __slots__ = ("part_shape", "cnt_shape", "s_shape", "grid", "scalars", "kw", "memo")
+
+    def __init__(self, part_shape, cnt_shape, s_shape, grid, scalars, kw):
+        self.part_shape, self.cnt_shape, self.s_shape = part_shape, cnt_shape, s_shape
+        self.grid, self.scalars, self.kw, self.memo = grid, scalars, kw, {}
+
+    def __call__(self, k, v, k_mean, ks, vs, mrot, nonfinite, hi, lo, f) -> None:
+        dev = k.device
+        part, psum, cnt, arrive = _stats_workspace(dev, self.part_shape, self.cnt_shape)
+        lean(_stats_kernel).launch_memo(
+            self.memo, current_cuda_device() if dev.type == "cuda" else -1, self.grid,
+            (k, v, part, psum, cnt, arrive, k_mean if k_mean is not None else ks, ks, vs, nonfinite, hi, lo,
+             mrot if mrot is not None else ks, f), self.scalars, self.kw, LeanLaunch.hooks_active())
+
+
+def stats_launch(k: torch.Tensor, v: torch.Tensor, has_mean: bool, block_size: int, headroom: float,
+                 n_lo: Optional[int], rope_dims: int, rotate: bool, has_factor: bool, mean_in: bool = False
+                 ) -> StatsLaunch:
+    """The :class:`StatsLaunch` of ``kv_stats`` for these arguments (``n_lo``: ``select[2]`` or None), kept per key."""
+    key = (k.shape, k.stride(), v.shape, v.stride(), k.dtype, v.dtype, k.device, has_mean, block_size, headroom,
+           n_lo, rope_dims, rotate, has_factor, mean_in)
+    launch = _STATS_PLANS.get(key)
+    if launch is None:
         if len(_STATS_PLANS) >= 256:
             _STATS_PLANS.clear()
-        plan = _STATS_PLANS[key] = _stats_plan(k, v, k_mean, block_size, headroom, select, rope_dims,
-                                               _rotate_kw(k, rotate, qk_smooth), mean_in)
-    part_shape, cnt_shape, s_shape, stats, memo = plan
-    dev = k.device
-    part, psum, cnt, arrive = _stats_workspace(dev, part_shape, cnt_shape)
-    if out is None:
-        out = (torch.empty(s_shape, dtype=torch.float32, device=dev),
-               torch.empty(s_shape, dtype=torch.float32, device=dev),
-               torch.empty(s_shape, dtype=torch.float32, device=dev) if rotate and k_mean is not None else None)
-    ks, vs, mrot = out
-    f = factor_arg(qk_smooth, ks)
-    hi, lo, _ = select if select is not None else (ks, ks, 0)
-    grid, scalars, kw = stats
-    lean(_stats_kernel).launch_memo(
-        memo, current_cuda_device() if dev.type == "cuda" else -1, grid,
-        (k, v, part, psum, cnt, arrive, k_mean if k_mean is not None else ks, ks, vs, nonfinite, hi, lo,
-         mrot if mrot is not None else ks, f), scalars, kw, LeanLaunch.hooks_active())
-    return (ks, vs, mrot) if rotate else (ks, vs)
+        launch = _STATS_PLANS[key] = _stats_plan(k, v, has_mean, block_size, headroom, n_lo, rope_dims,
+                                                 _rotate_kw(k, rotate, has_factor), mean_in)
+    return launch
 
 
 #: kv_stats' plans by key (shapes, strides, dtypes, device, options)
@@ -530,24 +554,24 @@ def stats_chunk_blocks(n_blocks: int, n_rows: int, n_sm: int) -> int:
     return nsub
 
 
-def _stats_plan(k, v, k_mean, block_size, headroom, select, rope_dims, rot, mean_in):
-    """(partials' shape, counts' shape, scales' shape, (grid, scalars, kwargs), memo) of the one stats launch."""
+def _stats_plan(k, v, has_mean, block_size, headroom, n_lo, rope_dims, rot, mean_in) -> StatsLaunch:
+    """The one stats launch's shapes (partials, counts, scales), grid, scalars and constexprs."""
     b, H, T, D = k.shape
     bs, BD = int(block_size), _pow2(D)
     nblocks = -(-T // bs)
     nsub = _pow2(nblocks) if interpreting() else stats_chunk_blocks(nblocks, b * H, sm_count(k.device))
     nsub = max(1, min(nsub, _pow2(nblocks)))
     nc = -(-T // (nsub * bs))
-    n_lo = select[2] if select is not None else 0
     n_gap = float(b * max(T // bs, 1))
     # rotated stats: 8 warps (sm_90 compile, d 128: 4 warps 255 regs + a 176-208 B stack, 8 warps 247-255 + 0-24 B)
-    stats = ((nc, b * H), (T, nc, b, H, float(headroom / 127.0), n_gap, k.stride(0), k.stride(1), k.stride(2),
-                           v.stride(0), v.stride(1), v.stride(2)),
-             dict(D=D, BD=BD, BS=bs, NSUB=nsub, VEC=_vec(k, v), ROT=int(rope_dims), **rot,
-                  BC=min(_pow2(nc), 64), HP=max(2, _pow2(H)), HC=max(1, min(_pow2(nc), 64 // max(2, _pow2(H)))),
-                  N2=int(n_lo), HAS_MEAN=k_mean is not None, SELECT=select is not None, MEAN_IN=bool(mean_in),
-                  num_warps=8 if rot["ROTATE"] else 4, enable_fp_fusion=False))
-    return (b * H, nc, N_PART, BD), (b * H, nc), (b, H, D), stats, {}
+    return StatsLaunch(
+        (b * H, nc, N_PART, BD), (b * H, nc), (b, H, D), (nc, b * H),
+        (T, nc, b, H, float(headroom / 127.0), n_gap, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+         v.stride(2)),
+        dict(D=D, BD=BD, BS=bs, NSUB=nsub, VEC=_vec(k, v), ROT=int(rope_dims), **rot, BC=min(_pow2(nc), 64),
+             HP=max(2, _pow2(H)), HC=max(1, min(_pow2(nc), 64 // max(2, _pow2(H)))), N2=int(n_lo or 0),
+             HAS_MEAN=has_mean, SELECT=n_lo is not None, MEAN_IN=bool(mean_in), num_warps=8 if rot["ROTATE"] else 4,
+             enable_fp_fusion=False))
 
 
 # ================================================================================ store: INT8 buffer + blocks
@@ -763,14 +787,25 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, k_mean: Op
     when ``c > 0`` and blocks are packed (the packers read slots the tail program overwrites). Returns the
     number of launches. ``rotate``: as ``store_int8_tokens`` (``k`` unrotated, rotated in the kernel with the
     factors ``qk_smooth``; ``k_scale`` / ``k_mean`` the rotated basis', from ``kv_stats(rotate=True)``)."""
-    b, H, T, D = k.shape
-    C = k_tail.shape[2]
-    bs = groups[0].block_size
     check_qk_smooth(qk_smooth, rotate, k)
     if k.stride(-1) != 1:
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
+    C = k_tail.shape[2]
+    check_store_kv(k, C, groups, take=take, slot_sink=slot_sink, c=c, s0=s0, n_pack=n_pack)
+    launch = store_kv_launch(k, v, groups, take=take, slot_sink=slot_sink, c=c, s0=s0, n_pack=n_pack, C=C,
+                             has_mean=k_mean is not None, count=nonfinite is not None, rotate=rotate,
+                             has_factor=qk_smooth is not None)
+    launch(k, v, k_scale, k_mean, v_scale, k_tail, v_tail, nonfinite, groups, qk_smooth)
+    return len(launch.calls)
+
+
+def check_store_kv(k: torch.Tensor, C: int, groups: list, *, take: int, slot_sink: int, c: int, s0: int,
+                   n_pack: int) -> None:
+    """ValueError unless ``store_kv``'s plan fits a buffer of ``C`` slots and the groups (capacity reserved)."""
+    H, T = k.shape[1], k.shape[2]
+    bs = groups[0].block_size
     n = c + T - take
     if n_pack % bs or n_pack > n or n - n_pack > C - s0 or slot_sink + take > max(s0, slot_sink):
         raise ValueError(f"bad store plan: T={T} take={take} c={c} n_pack={n_pack} s0={s0} C={C} block {bs}")
@@ -780,28 +815,54 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, k_mean: Op
     for g in groups:
         if g.n_blocks != nb0 or g.capacity != cap or g.capacity < nb0 + n_pack // bs:
             raise ValueError("the groups' blocks / capacities disagree or the capacity is not reserved")
-    # an absent group (0 heads) repeats group 0's tensors and bits: never used, but every branch must compile
-    # with the real pointer types (the head map is loaded as int32 on each branch)
-    slots = groups + [groups[0]] * (3 - len(groups))
-    tensors = [k, v, k_scale, k_mean if k_mean is not None else k_scale, v_scale, k_tail, v_tail,
-               nonfinite if nonfinite is not None else k_tail]
-    for g in slots:
-        tensors += (g.heads, g.k, g.v, g.k_scale if g.k_scale is not None else g.k,
-                    g.k_zero if g.k_zero is not None else g.k, g.v_sz if g.v_sz is not None else g.k)
-    tensors.append(factor_arg(qk_smooth, k_scale))
-    for g in groups:  # views carved out of one buffer (g.flat) are contiguous by construction
-        if g.flat is None and not all(t.is_contiguous() for _, t in g._tensors()):
+        if g.flat is None and not all(t.is_contiguous() for _, t in g._tensors()):  # carved views are contiguous
             raise ValueError("the packed groups' buffers must be contiguous")
+
+
+class StoreKVLaunch:
+    """``store_kv``'s one or two launches for a fixed plan: grids, scalars and constexprs built once; calling it
+    launches over the given tensors, unchecked (``store_kv`` checks them; the cache's first-store plan replays what
+    its first layer's ``store_kv`` call checked)."""
+
+    __slots__ = ("calls", "memo")
+
+    def __init__(self, calls: list, memo: dict):
+        self.calls, self.memo = calls, memo  # calls: (memo key, grid, scalars, kwargs) of each launch
+
+    def __call__(self, k, v, k_scale, k_mean, v_scale, k_tail, v_tail, nonfinite, groups, qk_smooth) -> None:
+        # an absent group (0 heads) repeats group 0's tensors: never used, but every branch must compile with the
+        # real pointer types (the head map is loaded as int32 on each branch)
+        tensors = [k, v, k_scale, k_mean if k_mean is not None else k_scale, v_scale, k_tail, v_tail,
+                   nonfinite if nonfinite is not None else k_tail]
+        for g in groups:
+            tensors += (g.heads, g.k, g.v, g.k_scale if g.k_scale is not None else g.k,
+                        g.k_zero if g.k_zero is not None else g.k, g.v_sz if g.v_sz is not None else g.k)
+        tensors += tensors[8:14] * (3 - len(groups))
+        tensors.append(factor_arg(qk_smooth, k_scale))
+        hooks = LeanLaunch.hooks_active()
+        dev_key = current_cuda_device() if k.is_cuda else -1
+        fn = lean(_store_kv_kernel)
+        for key, grid, scalars, kw in self.calls:
+            fn.launch_memo(self.memo, (dev_key, key), grid, tensors, scalars, kw, hooks)
+
+
+def store_kv_launch(k: torch.Tensor, v: torch.Tensor, groups: list, *, take: int, slot_sink: int, c: int, s0: int,
+                    n_pack: int, C: int, has_mean: bool, count: bool, rotate: bool, has_factor: bool) -> StoreKVLaunch:
+    """The :class:`StoreKVLaunch` of a ``store_kv`` call with these arguments (``C``: the INT8 buffer's slots)."""
+    b, H, T, D = k.shape
+    bs = groups[0].block_size
+    nb0, cap = groups[0].n_blocks, groups[0].capacity
+    n = c + T - take
     npp = n_pack // bs
+    slots = groups + [groups[0]] * (3 - len(groups))
     strides = (k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2))
     # everything Triton specialises on, but the pointers' alignment (LeanLaunch.launch_memo): the constexprs (sink
     # / recent rows in tiles of at most TAIL_ROWS: a bigger tile spills the whole kernel, see the kernel), the
     # dtypes (K/V's; the groups' follow their bits), H and C (specialised), whether an int leaves int32
     big = max(T, n, n_pack, cap, *strides) >= 2**31
     vec = _vec(k, v)
-    key = (D, bs, s0, C, H, k.dtype, v.dtype, k.device, k_mean is not None, nonfinite is not None,
-           tuple(g.k.shape[1] for g in groups), tuple(g.bits for g in slots), big, vec, rotate,
-           qk_smooth is None)
+    key = (D, bs, s0, C, H, k.dtype, v.dtype, k.device, has_mean, count, tuple(g.k.shape[1] for g in groups),
+           tuple(g.bits for g in slots), big, vec, rotate, has_factor)
     hit = _STORE_KV_KW.get(key)
     if hit is None:
         hs = [g.k.shape[1] for g in groups] + [0, 0]
@@ -809,16 +870,12 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, k_mean: Op
         hit = _STORE_KV_KW[key] = dict(
             D=D, BD=_pow2(D), BS=bs, HAS_SINK=s0 > 0, BSINK=min(_pow2(max(s0, 2)), TAIL_ROWS),
             BREC=min(_pow2(max(C - s0, 2)), TAIL_ROWS), H0=hs[0], H1=hs[1], BITS0=bits[0], BITS1=bits[1],
-            BITS2=bits[2], HAS_MEAN=k_mean is not None, **_rotate_kw(k, rotate, qk_smooth), **_no_fma(rotate)), {}
+            BITS2=bits[2], HAS_MEAN=has_mean, **_rotate_kw(k, rotate, has_factor), **_no_fma(rotate)), {}
     common, memo = hit
-    plans = [(True, True)] if c == 0 or npp == 0 else [(True, False), (False, True)]
-    hooks = LeanLaunch.hooks_active()
-    dev_key = current_cuda_device() if k.is_cuda else -1
-    for pack, tail in plans:
+    calls = []
+    for pack, tail in ([(True, True)] if c == 0 or npp == 0 else [(True, False), (False, True)]):
         n_prog = npp if pack else 0
-        kw = dict(common, PACK=pack and npp > 0, TAIL=tail, COUNT=nonfinite is not None, VEC=vec,
-                  num_warps=STORE_NUM_WARPS)
-        lean(_store_kv_kernel).launch_memo(
-            memo, (dev_key, kw["PACK"], tail), (n_prog + tail, b * H), tensors,
-            (T, take, slot_sink, c, n, n_prog, n_pack, s0, nb0, cap, *strides, H, C), kw, hooks)
-    return len(plans)
+        kw = dict(common, PACK=pack and npp > 0, TAIL=tail, COUNT=count, VEC=vec, num_warps=STORE_NUM_WARPS)
+        calls.append(((kw["PACK"], tail), (n_prog + tail, b * H),
+                      (T, take, slot_sink, c, n, n_prog, n_pack, s0, nb0, cap, *strides, H, C), kw))
+    return StoreKVLaunch(calls, memo)

@@ -167,6 +167,7 @@ def store_step(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, k_mean: 
         cap, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         H=H, C=C, S0=n_sink, D=D, BD=_pow2(D), BS=bs, BREC=min(_pow2(max(C - n_sink - bs, 2)), TAIL_ROWS),
         H0=hs[0], H1=hs[1], BITS0=slots[0].bits, BITS1=slots[1].bits, BITS2=slots[2].bits,
-        HAS_MEAN=k_mean is not None, COUNT=nonfinite is not None, **_rotate_kw(k, rotate, qk_smooth), num_warps=4,
+        HAS_MEAN=k_mean is not None, COUNT=nonfinite is not None,
+        **_rotate_kw(k, rotate, qk_smooth is not None), num_warps=4,
         **_no_fma(rotate),
     )

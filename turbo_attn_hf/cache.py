@@ -49,6 +49,7 @@ from .kernels.arena import carve
 from .kernels.device import on_device
 from .kernels.interpreter import use_triton
 from .kernels.pack import PackedKV, kv_bytes_per_token, quantize_int8
+from .kernels.quant import check_qk_smooth, factor_arg
 from .kernels.reference import k_smooth_mean, kv_finite_mean_ref, rope_pair_amax_ref
 from .kernels.rotation import rotate
 from .kernels.smooth_factors import smooth_factors
@@ -223,6 +224,25 @@ def rope_dims(config: Any, layer_idx: int, log: bool = False, layout: Optional[t
     if use is not None and layer_idx < len(use) and not use[layer_idx]:
         return 0
     return dims
+
+
+class _FirstStorePlan:
+    """What a fused first prefill of one layer format and K/V shape does besides allocating: the universal scales'
+    headroom, the groups' capacity, ``head_select: prompt``'s 2-bit head count (``n2``, None without it), the RoPE-pair
+    channels, and the prepared stats and store launches (``kernels.store.StatsLaunch`` / ``StoreKVLaunch``; store
+    None: no block to pack) with the lengths after the store. Built by the first layer of the shape, replayed by
+    the others (every layer of a model has the same shape) and by later prompts of that shape: no spec, key, check
+    or constexpr is rebuilt per layer (issue 19: the 1k prompt's time to first token is host-bound)."""
+
+    __slots__ = ("headroom", "capacity", "n2", "rot", "stats", "store", "n_blocks", "n_tail")
+
+    def __init__(self, headroom: float, capacity: int, n2: Optional[int], rot: int, stats: Any):
+        self.headroom, self.capacity, self.n2, self.rot, self.stats = headroom, capacity, n2, rot, stats
+        self.store, self.n_blocks, self.n_tail = None, 0, 0
+
+
+#: ``_FirstStorePlan`` by the layer format and K/V key of ``TurboLayer._first_store_plan``
+_FIRST_STORE_PLANS: dict = {}
 
 
 class TurboLayer(CacheLayerMixin):
@@ -525,38 +545,90 @@ class TurboLayer(CacheLayerMixin):
 
     def _first_store_fused(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """The first prefill in 2 launches, no host sync: stats with the K mean, the scales and the head choice
-        (``kernels.store.kv_stats``), store (``_store``); the layer's storage is one allocation
+        (``kernels.store.kv_stats``' launch), store (``store_kv``'s); the layer's storage is one allocation
         (``lazy_initialization``) and each bit group's one more (``arena.carve``). Bit for bit the PyTorch path's
-        codes, scales and mean; the same head choice (priorities equal to fp32 rounding)."""
-        from .kernels.store import kv_stats
+        codes, scales and mean; the same head choice (priorities equal to fp32 rounding). Everything but the
+        tensors comes from the shape's :class:`_FirstStorePlan`, which the first layer of the shape builds."""
+        if key_states.stride(-1) != 1:
+            key_states = key_states.contiguous()
+        if value_states.stride(-1) != 1:
+            value_states = value_states.contiguous()
+        plan, build = self._first_store_plan(key_states, value_states)
+        fresh, self._fresh = self._fresh, {}
+        self.headroom = plan.headroom
+        self.nonfinite = nonfinite = fresh["nonfinite"]
+        mean, ks, vs, mrot = fresh.get("k_mean"), fresh["k_scale"], fresh["v_scale"], fresh.get("k_mean_rot")
+        if plan.n2 is None:
+            hi = lo = ks
+            self._make_groups(self._plan_bits, capacity=plan.capacity)
+        else:
+            hi, lo = fresh["heads_hi"], fresh["heads_lo"]
+            self._make_groups(self._plan_bits, capacity=plan.capacity, maps={self.turbo_config.bits: hi, 2: lo})
+        plan.stats(key_states, value_states, mean, ks, vs, mrot, nonfinite, hi, lo, factor_arg(self.qk_smooth, ks))
+        self.k_scale, self.v_scale = ks, vs
+        self._cache_k_mean(mean, plan.rot)
+        if self.rotated:  # the stores subtract the mean in the stored basis; the prefill rotates the raw one
+            self.k_mean = mrot
+        if build:
+            plan.store = self._first_store_kv(key_states, plan)
+        if plan.store is None:  # no block to pack: the INT8 buffer alone (one launch)
+            self._store(key_states, value_states, first=True)
+            return
+        plan.store(key_states, value_states, ks, self.k_mean, vs, self.k_tail, self.v_tail, None, self.groups,
+                   self.qk_smooth)
+        for grp in self.groups:
+            grp.n_blocks = plan.n_blocks
+        self.n_tail = plan.n_tail
 
+    def _first_store_plan(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple:
+        """``(plan, new)``: the :class:`_FirstStorePlan` of this layer's format and these K/V (shapes, strides,
+        dtypes, device), new (its ``store`` still to make, once the groups exist) when no layer made it before."""
         cfg = self.turbo_config
-        b, hk, T, d = key_states.shape
+        d = key_states.shape[-1]
+        rot = self._k_rope_dims(d)
+        key = (type(self), tuple(self._plan_bits), self._prompt_select(), cfg.bits, cfg.block_size, cfg.sink_blocks,
+               cfg.recent_blocks, cfg.smooth_k, rot, self.rotated, self.qk_smooth is not None, self.scale_headroom,
+               getattr(self, "_cap_blocks", 0), key_states.shape, key_states.stride(), value_states.shape,
+               value_states.stride(), key_states.dtype, value_states.dtype, key_states.device)
+        plan = _FIRST_STORE_PLANS.get(key)
+        if plan is not None:
+            return plan, False
+        from .kernels.store import stats_launch
+
+        check_qk_smooth(self.qk_smooth, self.rotated, key_states)
+        T = key_states.shape[2]
         h = self.scale_headroom
-        self.headroom = h = auto_headroom(T) if h == "auto" else float(h)
-        fresh = self._fresh
-        mean = fresh.get("k_mean")  # written by kv_stats
-        self.nonfinite = fresh["nonfinite"]
-        select = None
+        h = auto_headroom(T) if h == "auto" else float(h)
         bs = cfg.block_size
         n = T - min(self.n_sink, T)  # tokens after the sinks; the first prefill's blocks are reserved at once
         nb = (n - cfg.recent_blocks * bs) // bs if n >= (cfg.recent_blocks + 1) * bs else 0
-        if self._prompt_select():
-            n2 = self._plan_bits.count(2)
-            maps = {cfg.bits: fresh["heads_hi"], 2: fresh["heads_lo"]}
-            self._make_groups(self._plan_bits, capacity=max(nb, 1), maps=maps)
-            select = (maps[cfg.bits], maps[2], n2)
-        else:
-            self._make_groups(self._plan_bits, capacity=max(nb, 1))
-        rot = self._k_rope_dims(key_states.shape[-1])
-        out = kv_stats(key_states, value_states, mean, bs, h, self.nonfinite, select, rot, **self._rot_kw,
-                       out=(fresh["k_scale"], fresh["v_scale"], fresh.get("k_mean_rot")))
-        self._fresh = {}
-        self.k_scale, self.v_scale = out[:2]
-        self._cache_k_mean(mean, rot)
-        if self.rotated:  # the stores subtract the mean in the stored basis; the prefill rotates the raw one
-            self.k_mean = out[2]
-        self._store(key_states, value_states, first=True)
+        n2 = self._plan_bits.count(2) if self._prompt_select() else None
+        plan = _FirstStorePlan(h, max(nb, 1), n2, rot, stats_launch(
+            key_states, value_states, cfg.smooth_k, bs, h, n2, rot, self.rotated, self.qk_smooth is not None))
+        if len(_FIRST_STORE_PLANS) >= 256:
+            _FIRST_STORE_PLANS.clear()
+        _FIRST_STORE_PLANS[key] = plan
+        return plan, True
+
+    def _first_store_kv(self, key_states: torch.Tensor, plan: "_FirstStorePlan"):
+        """The plan's ``store_kv`` launch (checked as ``store_kv`` checks) and the lengths after it; None when the
+        prompt fills no block to pack (``_store`` writes the INT8 buffer)."""
+        from .kernels.store import check_store_kv, store_kv_launch
+
+        bs = self.turbo_config.block_size
+        T = key_states.shape[2]
+        keep = self.turbo_config.recent_blocks * bs
+        if T < self.n_sink + keep + bs:
+            return None
+        take = min(self.n_sink, T)  # sink slots; then c = 0: no recent token waits in an empty buffer
+        n = T - take
+        n_pack = (n - keep) // bs * bs
+        C = self.k_tail.shape[2]
+        check_store_kv(key_states, C, self.groups, take=take, slot_sink=0, c=0, s0=self.n_sink, n_pack=n_pack)
+        plan.n_blocks, plan.n_tail = n_pack // bs, self.n_sink + n - n_pack
+        return store_kv_launch(key_states, key_states, self.groups, take=take, slot_sink=0, c=0, s0=self.n_sink,
+                               n_pack=n_pack, C=C, has_mean=self.k_mean is not None, count=False,
+                               rotate=self.rotated, has_factor=self.qk_smooth is not None)
 
     def _fix_scales(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """The universal scales (module doc) from the first prefill ``[b, Hk, T, d]``: three reads of K/V in

@@ -83,6 +83,34 @@ def test_first_prefill_equals_pytorch_path(preset, T, sink, recent, device):
     _assert_same(_run(cfg, k, v, [T], True), _run(cfg, k, v, [T], False))
 
 
+@pytest.mark.parametrize("preset", ["int8", "int4", "mixed"])
+@pytest.mark.parametrize("T", [BS - 1, 5 * BS + 3])
+def test_layers_of_one_shape_replay_the_first_layers_plan(preset, T, device, monkeypatch):
+    """Every layer of a model has the same shape: the first builds the first store's plan, the others replay it
+    (``cache._FirstStorePlan``) over their own K/V and storage, bit for bit the PyTorch path of each layer."""
+    monkeypatch.setattr(C, "_FIRST_STORE_PLANS", {})
+    b, hk, n_layers = 2, 4, 3
+    cfg = _cfg(preset, sink_blocks=1, recent_blocks=2)
+    kvs = [_kv(b, hk, T, seed=100 + i, device=device) for i in range(n_layers)]
+
+    def run(fused):
+        old = C.FUSED_STORE
+        C.FUSED_STORE = fused
+        try:
+            cache = TurboCache(cfg, layers=[C.TurboLayer(cfg, i, n_layers) for i in range(n_layers)])
+            for i, (k, v) in enumerate(kvs):
+                cache.update(k, v, i)
+            return cache.layers
+        finally:
+            C.FUSED_STORE = old
+
+    fused = run(True)
+    assert len(C._FIRST_STORE_PLANS) == (1 if preset != "mixed" else len({tuple(l._plan_bits) for l in fused}))
+    for a, b_ in zip(fused, run(False)):
+        _assert_same(a, b_)
+    assert fused[0].k_tail.data_ptr() != fused[1].k_tail.data_ptr()  # each layer its own storage
+
+
 @pytest.mark.parametrize("preset", ["int8", "mixed"])
 @pytest.mark.parametrize("n_sm", [20, 64], ids=["chunks-of-2", "chunks-of-1"])
 def test_first_prefill_in_gpu_chunks_equals_pytorch_path(preset, n_sm, device, monkeypatch):
@@ -93,6 +121,7 @@ def test_first_prefill_in_gpu_chunks_equals_pytorch_path(preset, n_sm, device, m
     monkeypatch.setattr(S, "interpreting", lambda: False)
     monkeypatch.setattr(S, "sm_count", lambda _dev: n_sm)
     monkeypatch.setattr(S, "_STATS_PLANS", {})
+    monkeypatch.setattr(C, "_FIRST_STORE_PLANS", {})
     b, hk, T = 2, 4, 5 * BS + 3
     k, v = _kv(b, hk, T, seed=11, device=device)
     cfg = _cfg(preset, sink_blocks=1, recent_blocks=1)
