@@ -229,7 +229,7 @@ def _stats_kernel(
     stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, NSUB: tl.constexpr, VEC: tl.constexpr, ROT: tl.constexpr,
     ROTATE: tl.constexpr, ROT_N: tl.constexpr, HAS_FACTOR: tl.constexpr,
-    ROT_C: tl.constexpr, BC: tl.constexpr, HP: tl.constexpr, HC: tl.constexpr, N2: tl.constexpr,
+    ROT_C: tl.constexpr, BC: tl.constexpr, HP: tl.constexpr, N2: tl.constexpr,
     HAS_MEAN: tl.constexpr, SELECT: tl.constexpr, MEAN_IN: tl.constexpr,
 ):
     """grid (NC, b*H): tokens ``[i_c*NSUB*BS, (i_c+1)*NSUB*BS)`` of (b, h) of k, v ``[b, H, T, D]`` (last dim
@@ -308,11 +308,11 @@ def _stats_kernel(
     if tl.atomic_add(arrive + i_bh, 1, sem="acq_rel", scope="gpu") == NC - 1:
         tl.atomic_xchg(arrive + i_bh, 0, sem="relaxed", scope="gpu")  # ready for the next launch
         _finish_head(i_bh, part, psum, mean, ks, vs, mrot, smf, NC, hs, D, BD, BC, HAS_MEAN, MEAN_IN, ROT, ROTATE, ROT_N,
-                     HAS_FACTOR, ROT_C)
+                     HAS_FACTOR, ROT_C, SELECT)
         tl.debug_barrier()
         if tl.atomic_add(arrive + B * H, 1, sem="acq_rel", scope="gpu") == B * H - 1:
             tl.atomic_xchg(arrive + B * H, 0, sem="relaxed", scope="gpu")
-            _finish_layer(part, cnt, flag, heads_hi, heads_lo, NC, B, H, n_gap, D, BD, HP, HC, N2, SELECT)
+            _finish_layer(part, cnt, flag, heads_hi, heads_lo, NC, B, H, n_gap, D, BD, HP, N2, SELECT)
 
 
 @triton.jit
@@ -335,18 +335,21 @@ def _head_prio(b_g, m_d, D: tl.constexpr):
 @triton.jit
 def _finish_head(pid, part, psum, mean, ks, vs, mrot, smf, NC, hs, D: tl.constexpr, BD: tl.constexpr, BC: tl.constexpr,
                  HAS_MEAN: tl.constexpr, MEAN_IN: tl.constexpr, ROT: tl.constexpr, ROTATE: tl.constexpr, ROT_N: tl.constexpr,
-                 HAS_FACTOR: tl.constexpr, ROT_C: tl.constexpr):
+                 HAS_FACTOR: tl.constexpr, ROT_C: tl.constexpr, GAPS: tl.constexpr):
     """(b, h) ``pid``'s NC chunk partials -> the K mean (HAS_MEAN: finite sum / count, written to ``mean``),
     k_scale, v_scale ``[B*H, D]`` = amax * hs (K: max(k_max - mean, mean - k_min)), 1 where not > 0. Channels
     ``< ROT`` hold the squared RoPE-pair norm's min/max (``_stats_kernel``): amax = sqrt of its max, mean 0
     (``reference.kv_universal_scales_ref``). ROTATE: the partials' K min/max are the rotated keys'; the fixed raw
     mean stays in ``mean`` and its rotation ``(mean . diag(1/s) . H+-1) * ROT_C`` (fp32 products, exact; fp32
-    sums) goes to ``mrot`` ``[B*H, D]``, the mean the K scale is taken around (and the store's)."""
+    sums) goes to ``mrot`` ``[B*H, D]``, the mean the K scale is taken around (and the store's). GAPS: the chunks' K
+    and V gap sums, summed, replace chunk 0's (``_finish_layer`` reads one row per head, in parallel per head here)."""
     o_d = tl.arange(0, BD)
     m_d = o_d < D
     inf = float("inf")
     o_c = tl.arange(0, BC)
     b_kmin, b_kmax, b_vmin, b_vmax, b_ksum, b_kn = _empty_stats(BD)
+    b_kgap = tl.zeros([BD], tl.float32)
+    b_vgap = tl.zeros([BD], tl.float32)
     for c0 in range(0, NC, BC):
         m = ((c0 + o_c) < NC)[:, None] & (o_d < BD)[None, :]
         p_p = part + (pid.to(tl.int64) * NC + c0 + o_c[:, None]) * (7 * BD) + o_d[None, :]
@@ -355,8 +358,15 @@ def _finish_head(pid, part, psum, mean, ks, vs, mrot, smf, NC, hs, D: tl.constex
         b_vmin = tl.minimum(b_vmin, tl.min(tl.load(p_p + 2 * BD, mask=m, other=inf, cache_modifier=".cg"), 0))
         b_vmax = tl.maximum(b_vmax, tl.max(tl.load(p_p + 3 * BD, mask=m, other=-inf, cache_modifier=".cg"), 0))
         b_kn += tl.sum(tl.load(p_p + 6 * BD, mask=m, other=0.0, cache_modifier=".cg"), 0)
+        if GAPS:
+            b_kgap += tl.sum(tl.load(p_p + 4 * BD, mask=m, other=0.0, cache_modifier=".cg"), 0)
+            b_vgap += tl.sum(tl.load(p_p + 5 * BD, mask=m, other=0.0, cache_modifier=".cg"), 0)
         b_ksum += tl.sum(tl.load(psum + (pid.to(tl.int64) * NC + c0 + o_c[:, None]) * BD + o_d[None, :], mask=m,
                                  other=0.0, cache_modifier=".cg"), 0)
+    if GAPS:
+        p_g = part + pid.to(tl.int64) * NC * (7 * BD) + o_d
+        tl.store(p_g + 4 * BD, b_kgap)
+        tl.store(p_g + 5 * BD, b_vgap)
     o_s = pid.to(tl.int64) * D + o_d
     if HAS_MEAN:  # reference.kv_finite_mean_ref: fp64 sum / count, rounded once to fp32 (0 without a finite key)
         b_mu = tl.where(b_kn > 0, (b_ksum / tl.maximum(b_kn, 1.0).to(tl.float64)).to(tl.float32), 0.0)
@@ -382,7 +392,7 @@ def _finish_head(pid, part, psum, mean, ks, vs, mrot, smf, NC, hs, D: tl.constex
 
 @triton.jit
 def _finish_layer(part, cnt, flag, heads_hi, heads_lo, NC, B, H, n_gap, D: tl.constexpr, BD: tl.constexpr,
-                  HP: tl.constexpr, HC: tl.constexpr, N2: tl.constexpr, SELECT: tl.constexpr):
+                  HP: tl.constexpr, N2: tl.constexpr, SELECT: tl.constexpr):
     """``flag`` = the layer's non-finite token vectors; with SELECT the ``N2`` lowest-priority heads (gap x std of K
     and V, each over its mean over the heads; stable ties) -> ``heads_lo`` (ascending), the others -> ``heads_hi``."""
     o_d = tl.arange(0, BD)
@@ -398,19 +408,12 @@ def _finish_layer(part, cnt, flag, heads_hi, heads_lo, NC, B, H, n_gap, D: tl.co
         m_h = o_h < H
         b_gk = tl.zeros([HP, BD], tl.float32)
         b_gv = tl.zeros([HP, BD], tl.float32)
-        # [HP * HC, BD] tiles: HC chunks of every head per load (a load per (row, chunk) was B * NC serial
-        # round trips: 256 at 4 x 32k)
-        o_hc = tl.arange(0, HP * HC)
-        r_h, r_c = o_hc // HC, o_hc % HC
+        # each head's finisher summed its chunks' gaps into chunk 0 (``_finish_head``, GAPS): one [HP, BD] tile per
+        # batch row here (tiles of every chunk here made the stats launch 66 us a layer, not < 19, at 1 x 1k on an H100)
         for i_b in range(0, B):
-            for c0 in range(0, NC, HC):
-                m = ((r_h < H) & (c0 + r_c < NC))[:, None]
-                p_p = part + ((i_b * H + r_h[:, None]).to(tl.int64) * NC + c0 + r_c[:, None]) * (7 * BD) \
-                    + o_d[None, :]
-                b_gk += tl.sum(tl.reshape(tl.load(p_p + 4 * BD, mask=m, other=0.0, cache_modifier=".cg"),
-                                          (HP, HC, BD)), 1)
-                b_gv += tl.sum(tl.reshape(tl.load(p_p + 5 * BD, mask=m, other=0.0, cache_modifier=".cg"),
-                                          (HP, HC, BD)), 1)
+            p_p = part + ((i_b * H + o_h[:, None]).to(tl.int64) * NC) * (7 * BD) + o_d[None, :]
+            b_gk += tl.load(p_p + 4 * BD, mask=m_h[:, None], other=0.0, cache_modifier=".cg")
+            b_gv += tl.load(p_p + 5 * BD, mask=m_h[:, None], other=0.0, cache_modifier=".cg")
         b_n = tl.zeros([HP, BD], tl.float32) + n_gap
         b_pk = _head_prio(tl.math.div_rn(b_gk, b_n), m_d, D)
         b_pv = _head_prio(tl.math.div_rn(b_gv, b_n), m_d, D)
@@ -569,7 +572,7 @@ def _stats_plan(k, v, has_mean, block_size, headroom, n_lo, rope_dims, rot, mean
         (T, nc, b, H, float(headroom / 127.0), n_gap, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
          v.stride(2)),
         dict(D=D, BD=BD, BS=bs, NSUB=nsub, VEC=_vec(k, v), ROT=int(rope_dims), **rot, BC=min(_pow2(nc), 64),
-             HP=max(2, _pow2(H)), HC=max(1, min(_pow2(nc), 64 // max(2, _pow2(H)))), N2=int(n_lo or 0),
+             HP=max(2, _pow2(H)), N2=int(n_lo or 0),
              HAS_MEAN=has_mean, SELECT=n_lo is not None, MEAN_IN=bool(mean_in), num_warps=8 if rot["ROTATE"] else 4,
              enable_fp_fusion=False))
 
