@@ -668,20 +668,20 @@ def _store_kv_kernel(
     H, C,
     D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, HAS_SINK: tl.constexpr, BSINK: tl.constexpr,
     BREC: tl.constexpr, H0: tl.constexpr, H1: tl.constexpr, BITS0: tl.constexpr, BITS1: tl.constexpr, BITS2: tl.constexpr,
-    HAS_MEAN: tl.constexpr, PACK: tl.constexpr, TAIL: tl.constexpr, COUNT: tl.constexpr, VEC: tl.constexpr,
-    ROTATE: tl.constexpr, ROT_N: tl.constexpr, HAS_FACTOR: tl.constexpr,
-    ROT_C: tl.constexpr,
+    HAS_MEAN: tl.constexpr, PACK: tl.constexpr, TAIL: tl.constexpr, SPLIT: tl.constexpr, COUNT: tl.constexpr,
+    VEC: tl.constexpr, ROTATE: tl.constexpr, ROT_N: tl.constexpr, HAS_FACTOR: tl.constexpr, ROT_C: tl.constexpr,
 ):
-    """grid (NPP + TAIL, b*H). The store stream of one (b, h) is the INT8 buffer's ``c`` waiting slots
+    """grid (NPP + tail programs, b*H). The store stream of one (b, h) is the INT8 buffer's ``c`` waiting slots
     ``s0..`` followed by the new tokens ``take..T`` of k, v ``[b, H, T, D]`` (``n`` rows in all).
     PACK: program ``j < NPP`` packs stream rows ``[j*BS, (j+1)*BS)`` into block ``nb0 + j`` of the bit group of
     row ``pid1 % H`` of the (group 0, 1, 2) slot order: slot s of group g holds head ``h_g[s]`` (a device map).
-    TAIL: program ``NPP`` writes the new tokens ``[0, take)`` to buffer slots ``slot_sink..`` (attention sinks)
-    and stream rows ``[n_pack, n)`` to slots ``s0..`` (NPP = 0 in a launch without PACK). The buffer rows it moves are all read before any is
-    written (a barrier); a launch with both PACK and TAIL must have ``c == 0`` (the packers would read slots
-    the tail program overwrites). COUNT: non-finite new rows are added to ``flag``. ROTATE: every new K row is
-    rotated as it is loaded (``_rotate_keys``; factors smf ``[b*H, D]`` with HAS_FACTOR); sk/mk are the rotated
-    basis' scales and mean."""
+    TAIL: the new tokens ``[0, take)`` go to buffer slots ``slot_sink..`` (attention sinks) and stream rows
+    ``[n_pack, n)`` to slots ``s0..`` (NPP = 0 in a launch without PACK), in tiles: with SPLIT (``c == 0``: no stream
+    row is in the buffer) each tile is a program ``NPP..`` (sink tiles, then recent ones), in parallel; else program
+    ``NPP`` does them in order, every buffer row it moves read before any is written (a barrier). A launch with both
+    PACK and TAIL must have ``c == 0`` (the packers would read slots the tail overwrites). COUNT: non-finite new rows
+    are added to ``flag``. ROTATE: every new K row is rotated as it is loaded (``_rotate_keys``; factors smf
+    ``[b*H, D]`` with HAS_FACTOR); sk/mk are the rotated basis' scales and mean."""
     pid, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, r = i_bh // H, i_bh % H
     # strides out of the specialization key, multiples of VEC (the launcher checks): 16-byte loads of K/V rows
@@ -725,37 +725,64 @@ def _store_kv_kernel(
                            gvsz2, i_gb, o_d, m_d, D, BD, BS, BITS2, HAS_MEAN)
             n_bad = _bad_rows(b_k, b_v, m_new)
     if TAIL:
-        if pid == NPP:
-            # tiles of at most BS rows (BSINK, BREC), in a loop: one [256, D] tile of the recent rows made the
-            # whole kernel (packers included) compile to 32 registers + a 10 KB stack of spills on sm_90
-            if HAS_SINK:
-                o_q = tl.arange(0, BSINK)
-                for q0 in range(0, take, BSINK):
-                    m_q = (q0 + o_q < take)[:, None] & m_d[None, :]
-                    b_k, b_k8 = _new_rows(p_k, stride_kt, b_sk, b_mk, q0 + o_q, m_q, o_d, b_f, HAS_MEAN, D, BD, ROTATE,
-                                          ROT_N, ROT_C)
-                    b_v, b_v8 = _new_rows(p_v, stride_vt, b_sv, b_sv, q0 + o_q, m_q, o_d, b_f, False, D, BD, False,
-                                          ROT_N, ROT_C)
-                    n_bad += _bad_rows(b_k, b_v, m_q)
-                    slot = (slot_sink + q0 + o_q).to(tl.int64)
-                    tl.store(p_kt + slot[:, None] * D + o_d[None, :], b_k8, mask=m_q)
-                    tl.store(p_vt + o_d[None, :].to(tl.int64) * C + slot[:, None], b_v8, mask=m_q)
-            o_w = tl.arange(0, BREC)
-            # rows move down within the buffer (stream row i -> slot s0 + i - n_pack): each chunk reads all its
-            # rows before any is written (a barrier); a later chunk reads higher slots than any earlier chunk
-            # wrote, and writes only after the barrier that follows every earlier chunk's reads
+        # tiles of at most 32 rows (BSINK, BREC): one [256, D] tile of the recent rows made the whole kernel
+        # (packers included) compile to 32 registers + a 10 KB stack of spills on sm_90
+        nq_sink = tl.cdiv(take, BSINK) if HAS_SINK else 0
+        if SPLIT:  # c == 0: no buffer row moves, so every tile is its own program (grid NPP + tiles)
+            q = pid - NPP
+            if q >= 0:
+                if q < nq_sink:
+                    n_bad += _sink_tile(p_k, p_v, p_kt, p_vt, stride_kt, stride_vt, b_sk, b_mk, b_sv, b_f, q * BSINK,
+                                        take, slot_sink, C, o_d, m_d, D, BD, BSINK, HAS_MEAN, ROTATE, ROT_N, ROT_C)
+                else:
+                    n_bad += _recent_tile(p_k, p_v, p_kt, p_vt, stride_kt, stride_vt, b_sk, b_mk, b_sv, b_f,
+                                          n_pack + (q - nq_sink) * BREC, n, c, take, s0, n_pack, C, o_d, m_d, D, BD,
+                                          BREC, HAS_MEAN, ROTATE, ROT_N, ROT_C)
+        elif pid == NPP:
+            for q in range(0, nq_sink):
+                n_bad += _sink_tile(p_k, p_v, p_kt, p_vt, stride_kt, stride_vt, b_sk, b_mk, b_sv, b_f, q * BSINK,
+                                    take, slot_sink, C, o_d, m_d, D, BD, BSINK, HAS_MEAN, ROTATE, ROT_N, ROT_C)
+            # rows move down within the buffer (stream row i -> slot s0 + i - n_pack): each tile reads all its
+            # rows before any is written (a barrier in _recent_tile); a later tile reads higher slots than any
+            # earlier tile wrote, and writes only after the barrier that follows every earlier tile's reads
             for i0 in range(n_pack, n, BREC):
-                b_k8, b_v8, n_bad2 = _stream_rows(p_k, p_v, stride_kt, stride_vt, p_kt, p_vt, b_sk, b_mk, b_sv,
-                                                  i0, o_w, n, c, take, s0, C, o_d, m_d, b_f, D, HAS_MEAN, BD, ROTATE,
-                                                  ROT_N, ROT_C)
-                n_bad += n_bad2
-                tl.debug_barrier()  # every read of this chunk before any write
-                m_w = (i0 + o_w < n)[:, None] & m_d[None, :]
-                slot = (s0 + i0 - n_pack + o_w).to(tl.int64)
-                tl.store(p_kt + slot[:, None] * D + o_d[None, :], b_k8.to(tl.int8), mask=m_w)
-                tl.store(p_vt + o_d[None, :].to(tl.int64) * C + slot[:, None], b_v8.to(tl.int8), mask=m_w)
+                n_bad += _recent_tile(p_k, p_v, p_kt, p_vt, stride_kt, stride_vt, b_sk, b_mk, b_sv, b_f, i0, n, c,
+                                      take, s0, n_pack, C, o_d, m_d, D, BD, BREC, HAS_MEAN, ROTATE, ROT_N, ROT_C)
     if COUNT:
         tl.atomic_add(flag, n_bad)
+
+
+@triton.jit
+def _sink_tile(p_k, p_v, p_kt, p_vt, stride_kt, stride_vt, b_sk, b_mk, b_sv, b_f, q0, take, slot_sink, C, o_d, m_d,
+               D: tl.constexpr, BD: tl.constexpr, BSINK: tl.constexpr, HAS_MEAN: tl.constexpr, ROTATE: tl.constexpr,
+               ROT_N: tl.constexpr, ROT_C: tl.constexpr):
+    """New tokens ``[q0, q0 + BSINK) & [0, take)`` -> INT8 buffer slots ``slot_sink + q0..``; returns the non-finite
+    rows among them."""
+    o_q = tl.arange(0, BSINK)
+    m_q = (q0 + o_q < take)[:, None] & m_d[None, :]
+    b_k, b_k8 = _new_rows(p_k, stride_kt, b_sk, b_mk, q0 + o_q, m_q, o_d, b_f, HAS_MEAN, D, BD, ROTATE, ROT_N, ROT_C)
+    b_v, b_v8 = _new_rows(p_v, stride_vt, b_sv, b_sv, q0 + o_q, m_q, o_d, b_f, False, D, BD, False, ROT_N, ROT_C)
+    slot = (slot_sink + q0 + o_q).to(tl.int64)
+    tl.store(p_kt + slot[:, None] * D + o_d[None, :], b_k8, mask=m_q)
+    tl.store(p_vt + o_d[None, :].to(tl.int64) * C + slot[:, None], b_v8, mask=m_q)
+    return _bad_rows(b_k, b_v, m_q)
+
+
+@triton.jit
+def _recent_tile(p_k, p_v, p_kt, p_vt, stride_kt, stride_vt, b_sk, b_mk, b_sv, b_f, i0, n, c, take, s0, n_pack, C, o_d,
+                 m_d, D: tl.constexpr, BD: tl.constexpr, BREC: tl.constexpr, HAS_MEAN: tl.constexpr,
+                 ROTATE: tl.constexpr, ROT_N: tl.constexpr, ROT_C: tl.constexpr):
+    """Store-stream rows ``[i0, i0 + BREC) & [.., n)`` -> INT8 buffer slots ``s0 + i0 - n_pack..``, every row read
+    before any is written (a barrier); returns the non-finite new rows among them."""
+    o_w = tl.arange(0, BREC)
+    b_k8, b_v8, n_bad = _stream_rows(p_k, p_v, stride_kt, stride_vt, p_kt, p_vt, b_sk, b_mk, b_sv, i0, o_w, n, c, take,
+                                     s0, C, o_d, m_d, b_f, D, HAS_MEAN, BD, ROTATE, ROT_N, ROT_C)
+    tl.debug_barrier()  # every read of this tile before any write
+    m_w = (i0 + o_w < n)[:, None] & m_d[None, :]
+    slot = (s0 + i0 - n_pack + o_w).to(tl.int64)
+    tl.store(p_kt + slot[:, None] * D + o_d[None, :], b_k8.to(tl.int8), mask=m_w)
+    tl.store(p_vt + o_d[None, :].to(tl.int64) * C + slot[:, None], b_v8.to(tl.int8), mask=m_w)
+    return n_bad
 
 
 @triton.jit
@@ -875,10 +902,13 @@ def store_kv_launch(k: torch.Tensor, v: torch.Tensor, groups: list, *, take: int
             BREC=min(_pow2(max(C - s0, 2)), TAIL_ROWS), H0=hs[0], H1=hs[1], BITS0=bits[0], BITS1=bits[1],
             BITS2=bits[2], HAS_MEAN=has_mean, **_rotate_kw(k, rotate, has_factor), **_no_fma(rotate)), {}
     common, memo = hit
+    split = c == 0  # no stream row waits in the buffer: the tail's tiles run as parallel programs
+    n_tail = max(1, (-(-take // common["BSINK"]) if s0 > 0 else 0) + -(-(n - n_pack) // common["BREC"])) if split else 1
     calls = []
     for pack, tail in ([(True, True)] if c == 0 or npp == 0 else [(True, False), (False, True)]):
         n_prog = npp if pack else 0
-        kw = dict(common, PACK=pack and npp > 0, TAIL=tail, COUNT=count, VEC=vec, num_warps=STORE_NUM_WARPS)
-        calls.append(((kw["PACK"], tail), (n_prog + tail, b * H),
+        kw = dict(common, PACK=pack and npp > 0, TAIL=tail, SPLIT=split, COUNT=count, VEC=vec,
+                  num_warps=STORE_NUM_WARPS)
+        calls.append(((kw["PACK"], tail, split), (n_prog + (n_tail if tail else 0), b * H),
                       (T, take, slot_sink, c, n, n_prog, n_pack, s0, nb0, cap, *strides, H, C), kw))
     return StoreKVLaunch(calls, memo)
