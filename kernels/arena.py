@@ -9,11 +9,11 @@ asks for one buffer per layer and one per bit group and takes typed views of it.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
-__all__ = ["ALIGN", "carve", "layout"]
+__all__ = ["ALIGN", "carve", "layout", "lazy_view", "view_spec"]
 
 #: byte alignment of every view (Triton's pointer specialisation needs 16; 128 keeps rows on cache-line starts)
 ALIGN = 128
@@ -55,3 +55,42 @@ def carve(specs: tuple, alloc: Callable[[str, tuple, torch.dtype], torch.Tensor]
             base = typed[dtype] = flat.view(dtype)  # ALIGN-multiple byte size: every dtype divides it
         out[name] = base.as_strided(shape, strides, off)
     return out
+
+
+def view_spec(t: Optional[torch.Tensor], buffers: Sequence[torch.Tensor]) -> Optional[tuple]:
+    """Where the view ``t`` lies in ``buffers`` (byte tensors): ``(buffer index, shape, strides, dtype, element
+    offset)``, ``("none",)`` for None, or None when ``t`` is not a view of one of them."""
+    if t is None:
+        return ("none",)
+    p = t.data_ptr()
+    for i, buf in enumerate(buffers):
+        base = buf.data_ptr()
+        if base <= p < base + buf.numel() and (p - base) % t.element_size() == 0:
+            return i, tuple(t.shape), tuple(t.stride()), t.dtype, (p - base) // t.element_size()
+    return None
+
+
+def lazy_view(obj: object, name: str) -> object:
+    """For ``__getattr__``: make every view ``obj._lazy = (buffers, {attr: view_spec})`` names (``None`` for
+    ``("none",)``) as an attribute of ``obj``, then return ``name``'s; AttributeError when ``name`` is not one.
+    A first prefill replayed per layer (``turbo_attn_hf.first_prefill``) leaves its layer's views to the first
+    use, after the first token: ~11 ``as_strided`` a layer, ~1.5-2 us each on the GPU host. An attribute set since
+    keeps its value."""
+    d = obj.__dict__
+    lazy = d.get("_lazy")
+    if lazy is None or name not in lazy[1]:
+        raise AttributeError(f"{type(obj).__name__!r} object has no attribute {name!r}")
+    buffers, views = d.pop("_lazy")
+    typed: dict = {}
+    for attr, spec in views.items():
+        if attr in d:
+            continue
+        if spec[0] == "none":
+            d[attr] = None
+            continue
+        i, shape, strides, dtype, off = spec
+        base = typed.get((i, dtype))
+        if base is None:
+            base = typed[(i, dtype)] = buffers[i].view(dtype)
+        d[attr] = base.as_strided(shape, strides, off)
+    return d[name]

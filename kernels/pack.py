@@ -53,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .arena import carve
+from .arena import carve, lazy_view
 from .interpreter import use_triton
 from .quant import _multiple, _tile_rows, _to_int8_half_away, _vec
 
@@ -370,6 +370,9 @@ class PackedKV:
     """
 
     TENSORS = ("k", "v", "k_scale", "k_zero", "v_sz")
+
+    def __getattr__(self, name: str):
+        return lazy_view(self, name)  # a group a replayed first prefill made: its views on first use
 
     def __init__(self, bits: int, heads: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  k_scale: Optional[torch.Tensor] = None, k_zero: Optional[torch.Tensor] = None,

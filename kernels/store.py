@@ -58,7 +58,7 @@ from .quant import _multiple, _vec, check_qk_smooth, factor_arg
 from .rotation import rotation_block
 
 __all__ = ["store_int8_tokens", "kv_stats", "store_kv", "STATS_CHUNK_BLOCKS", "StatsLaunch", "StoreKVLaunch",
-           "check_store_kv", "stats_launch", "store_kv_launch"]
+           "check_store_kv", "stats_launch", "stats_workspace", "store_kv_launch"]
 
 
 @triton.jit
@@ -490,13 +490,15 @@ class StatsLaunch:
         self.part_shape, self.cnt_shape, self.s_shape = part_shape, cnt_shape, s_shape
         self.grid, self.scalars, self.kw, self.memo = grid, scalars, kw, {}
 
-    def __call__(self, k, v, k_mean, ks, vs, mrot, nonfinite, hi, lo, f) -> None:
+    def __call__(self, k, v, k_mean, ks, vs, mrot, nonfinite, hi, lo, f) -> tuple:
+        """Launch; returns the tensor arguments (``turbo_attn_hf.first_prefill`` re-addresses them per layer)."""
         dev = k.device
-        part, psum, cnt, arrive = _stats_workspace(dev, self.part_shape, self.cnt_shape)
-        lean(_stats_kernel).launch_memo(
-            self.memo, current_cuda_device() if dev.type == "cuda" else -1, self.grid,
-            (k, v, part, psum, cnt, arrive, k_mean if k_mean is not None else ks, ks, vs, nonfinite, hi, lo,
-             mrot if mrot is not None else ks, f), self.scalars, self.kw, LeanLaunch.hooks_active())
+        part, psum, cnt, arrive = stats_workspace(dev, self.part_shape, self.cnt_shape)
+        tensors = (k, v, part, psum, cnt, arrive, k_mean if k_mean is not None else ks, ks, vs, nonfinite, hi, lo,
+                   mrot if mrot is not None else ks, f)
+        lean(_stats_kernel).launch_memo(self.memo, current_cuda_device() if dev.type == "cuda" else -1, self.grid,
+                                        tensors, self.scalars, self.kw, LeanLaunch.hooks_active())
+        return tensors
 
 
 def stats_launch(k: torch.Tensor, v: torch.Tensor, has_mean: bool, block_size: int, headroom: float,
@@ -519,7 +521,7 @@ _STATS_PLANS: dict = {}
 _STATS_WORKSPACE: dict = {}
 
 
-def _stats_workspace(device: torch.device, part_shape: tuple, cnt_shape: tuple) -> tuple:
+def stats_workspace(device: torch.device, part_shape: tuple, cnt_shape: tuple) -> tuple:
     """The stats kernel's partials (fp32), finite K sums (fp64) and counts (views of two buffers) and its arrival
     counters (``cnt_shape[0] + 1`` of a zeroed int32 buffer that every launch leaves at zero: the finishers reset
     them), kept per device and grown on demand (as the decode split's, ``decode._workspace``), the views kept per
@@ -859,7 +861,8 @@ class StoreKVLaunch:
     def __init__(self, calls: list, memo: dict):
         self.calls, self.memo = calls, memo  # calls: (memo key, grid, scalars, kwargs) of each launch
 
-    def __call__(self, k, v, k_scale, k_mean, v_scale, k_tail, v_tail, nonfinite, groups, qk_smooth) -> None:
+    def __call__(self, k, v, k_scale, k_mean, v_scale, k_tail, v_tail, nonfinite, groups, qk_smooth) -> list:
+        """Launch; returns the tensor arguments (``turbo_attn_hf.first_prefill`` re-addresses them per layer)."""
         # an absent group (0 heads) repeats group 0's tensors: never used, but every branch must compile with the
         # real pointer types (the head map is loaded as int32 on each branch)
         tensors = [k, v, k_scale, k_mean if k_mean is not None else k_scale, v_scale, k_tail, v_tail,
@@ -874,6 +877,7 @@ class StoreKVLaunch:
         fn = lean(_store_kv_kernel)
         for key, grid, scalars, kw in self.calls:
             fn.launch_memo(self.memo, (dev_key, key), grid, tensors, scalars, kw, hooks)
+        return tensors
 
 
 def store_kv_launch(k: torch.Tensor, v: torch.Tensor, groups: list, *, take: int, slot_sink: int, c: int, s0: int,

@@ -44,8 +44,9 @@ from typing import Any, Optional
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
+from . import first_prefill
 from .config import TurboConfig, TurboConfigError, resolve_rotate_qk
-from .kernels.arena import carve
+from .kernels.arena import carve, lazy_view
 from .kernels.device import on_device
 from .kernels.interpreter import use_triton
 from .kernels.pack import PackedKV, kv_bytes_per_token, quantize_int8
@@ -226,25 +227,6 @@ def rope_dims(config: Any, layer_idx: int, log: bool = False, layout: Optional[t
     return dims
 
 
-class _FirstStorePlan:
-    """What a fused first prefill of one layer format and K/V shape does besides allocating: the universal scales'
-    headroom, the groups' capacity, ``head_select: prompt``'s 2-bit head count (``n2``, None without it), the RoPE-pair
-    channels, and the prepared stats and store launches (``kernels.store.StatsLaunch`` / ``StoreKVLaunch``; store
-    None: no block to pack) with the lengths after the store. Built by the first layer of the shape, replayed by
-    the others (every layer of a model has the same shape) and by later prompts of that shape: no spec, key, check
-    or constexpr is rebuilt per layer (issue 19: the 1k prompt's time to first token is host-bound)."""
-
-    __slots__ = ("headroom", "capacity", "n2", "rot", "stats", "store", "n_blocks", "n_tail")
-
-    def __init__(self, headroom: float, capacity: int, n2: Optional[int], rot: int, stats: Any):
-        self.headroom, self.capacity, self.n2, self.rot, self.stats = headroom, capacity, n2, rot, stats
-        self.store, self.n_blocks, self.n_tail = None, 0, 0
-
-
-#: ``_FirstStorePlan`` by the layer format and K/V key of ``TurboLayer._first_store_plan``
-_FIRST_STORE_PLANS: dict = {}
-
-
 class TurboLayer(CacheLayerMixin):
     """One full-attention layer's quantized KV (INT8 tail + packed blocks per bit width).
 
@@ -280,6 +262,7 @@ class TurboLayer(CacheLayerMixin):
         self._clear()
 
     def _clear(self) -> None:
+        self.__dict__.pop("_lazy", None)  # views a replayed first prefill had not made yet
         self.keys = self.values = None  # HF code that probes .keys finds no bf16 copy
         self.is_initialized = False
         self.groups: list[PackedKV] = []
@@ -548,7 +531,8 @@ class TurboLayer(CacheLayerMixin):
         (``kernels.store.kv_stats``' launch), store (``store_kv``'s); the layer's storage is one allocation
         (``lazy_initialization``) and each bit group's one more (``arena.carve``). Bit for bit the PyTorch path's
         codes, scales and mean; the same head choice (priorities equal to fp32 rounding). Everything but the
-        tensors comes from the shape's :class:`_FirstStorePlan`, which the first layer of the shape builds."""
+        tensors comes from the shape's :class:`first_prefill.FirstStorePlan`, which the first layer of the shape
+        builds (and records for the others to replay: ``_replay_first_prefill``)."""
         if key_states.stride(-1) != 1:
             key_states = key_states.contiguous()
         if value_states.stride(-1) != 1:
@@ -564,7 +548,8 @@ class TurboLayer(CacheLayerMixin):
         else:
             hi, lo = fresh["heads_hi"], fresh["heads_lo"]
             self._make_groups(self._plan_bits, capacity=plan.capacity, maps={self.turbo_config.bits: hi, 2: lo})
-        plan.stats(key_states, value_states, mean, ks, vs, mrot, nonfinite, hi, lo, factor_arg(self.qk_smooth, ks))
+        factors = factor_arg(self.qk_smooth, ks)
+        stats_args = plan.stats(key_states, value_states, mean, ks, vs, mrot, nonfinite, hi, lo, factors)
         self.k_scale, self.v_scale = ks, vs
         self._cache_k_mean(mean, plan.rot)
         if self.rotated:  # the stores subtract the mean in the stored basis; the prefill rotates the raw one
@@ -574,27 +559,75 @@ class TurboLayer(CacheLayerMixin):
         if plan.store is None:  # no block to pack: the INT8 buffer alone (one launch)
             self._store(key_states, value_states, first=True)
             return
-        plan.store(key_states, value_states, ks, self.k_mean, vs, self.k_tail, self.v_tail, None, self.groups,
-                   self.qk_smooth)
+        store_args = plan.store(key_states, value_states, ks, self.k_mean, vs, self.k_tail, self.v_tail, None,
+                                self.groups, self.qk_smooth)
         for grp in self.groups:
             grp.n_blocks = plan.n_blocks
         self.n_tail = plan.n_tail
+        if plan.replay is None and plan.records < 2 and self._one_buffer:  # the next layers replay it
+            plan.records += 1  # the first launch of a kernel is not memoised yet: the second layer records
+            plan.replay = first_prefill.record(self, plan, key_states, value_states, factors, stats_args, store_args)
+
+    def _replay_first_prefill(self, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
+        """The first prefill of an uninitialised dynamic layer as a replay of the first store an earlier layer of the
+        same format and K/V shape recorded (``first_prefill``): the layer's and its groups' buffers and two
+        relaunches; their tensors become views on first use (``__getattr__``). False: nothing done (no replay)."""
+        if not (self._one_buffer and key_states.dim() == 4 and value_states.dim() == 4 and self._fused(key_states)):
+            return False
+        b, hk, T, d = key_states.shape
+        if T == 0 or value_states.shape[:2] != key_states.shape[:2] or value_states.shape[3] != d:
+            return False
+        self._plan_bits = self._layer_head_bits(hk)
+        if self.rotated:
+            self._rotate_keys(key_states)  # smooth_hadamard: the factors, fixed by these keys
+        plan = first_prefill.PLANS.get(self._first_store_key(key_states, value_states))
+        rp = plan.replay if plan is not None else None
+        if rp is None:
+            return False
+        factors = None if self.qk_smooth is None else factor_arg(self.qk_smooth, None)
+        bufs = first_prefill.replay(rp, key_states, value_states, factors)
+        if bufs is None:
+            return False
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.batch, self.n_kv_heads, self.head_dim = b, hk, d
+        self.headroom, self.n_tail, self._flat, self._fresh = plan.headroom, plan.n_tail, bufs[0], {}
+        d_ = self.__dict__
+        for name in first_prefill.LAYER_VIEWS:
+            d_.pop(name, None)
+        self._lazy = (bufs, rp.layer_views)
+        groups = []
+        for i, (bits, heads, views) in enumerate(rp.groups):
+            g = PackedKV.__new__(PackedKV)
+            g.bits, g.n_blocks, g.flat, g._lazy = bits, plan.n_blocks, bufs[i + 1], (bufs, views)
+            if heads is not None:
+                g.heads = heads
+            groups.append(g)
+        self.groups = groups
+        self.is_initialized = True
+        return True
+
+    def __getattr__(self, name: str):
+        return lazy_view(self, name)  # a replayed first prefill's storage: its views on first use
+
+    def _first_store_key(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple:
+        """What a fused first store depends on besides the tensors' addresses: the layer's format, K/V's layout."""
+        cfg = self.turbo_config
+        return (type(self), tuple(self._plan_bits), self._prompt_select(), cfg.bits, cfg.block_size, cfg.sink_blocks,
+                cfg.recent_blocks, cfg.smooth_k, self._k_rope_dims(key_states.shape[-1]), self.rotated,
+                self.qk_smooth is not None, self.scale_headroom, getattr(self, "_cap_blocks", 0), key_states.shape,
+                key_states.stride(), value_states.shape, value_states.stride(), key_states.dtype, value_states.dtype,
+                key_states.device)
 
     def _first_store_plan(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple:
-        """``(plan, new)``: the :class:`_FirstStorePlan` of this layer's format and these K/V (shapes, strides,
-        dtypes, device), new (its ``store`` still to make, once the groups exist) when no layer made it before."""
-        cfg = self.turbo_config
-        d = key_states.shape[-1]
-        rot = self._k_rope_dims(d)
-        key = (type(self), tuple(self._plan_bits), self._prompt_select(), cfg.bits, cfg.block_size, cfg.sink_blocks,
-               cfg.recent_blocks, cfg.smooth_k, rot, self.rotated, self.qk_smooth is not None, self.scale_headroom,
-               getattr(self, "_cap_blocks", 0), key_states.shape, key_states.stride(), value_states.shape,
-               value_states.stride(), key_states.dtype, value_states.dtype, key_states.device)
-        plan = _FIRST_STORE_PLANS.get(key)
+        """``(plan, new)``: the :class:`first_prefill.FirstStorePlan` of this layer's format and these K/V, new (its
+        ``store`` still to make, once the groups exist) when no layer made it before."""
+        key = self._first_store_key(key_states, value_states)
+        plan = first_prefill.PLANS.get(key)
         if plan is not None:
             return plan, False
         from .kernels.store import stats_launch
 
+        cfg = self.turbo_config
         check_qk_smooth(self.qk_smooth, self.rotated, key_states)
         T = key_states.shape[2]
         h = self.scale_headroom
@@ -603,14 +636,15 @@ class TurboLayer(CacheLayerMixin):
         n = T - min(self.n_sink, T)  # tokens after the sinks; the first prefill's blocks are reserved at once
         nb = (n - cfg.recent_blocks * bs) // bs if n >= (cfg.recent_blocks + 1) * bs else 0
         n2 = self._plan_bits.count(2) if self._prompt_select() else None
-        plan = _FirstStorePlan(h, max(nb, 1), n2, rot, stats_launch(
+        rot = key[8]
+        plan = first_prefill.FirstStorePlan(h, max(nb, 1), n2, rot, stats_launch(
             key_states, value_states, cfg.smooth_k, bs, h, n2, rot, self.rotated, self.qk_smooth is not None))
-        if len(_FIRST_STORE_PLANS) >= 256:
-            _FIRST_STORE_PLANS.clear()
-        _FIRST_STORE_PLANS[key] = plan
+        if len(first_prefill.PLANS) >= 256:
+            first_prefill.PLANS.clear()
+        first_prefill.PLANS[key] = plan
         return plan, True
 
-    def _first_store_kv(self, key_states: torch.Tensor, plan: "_FirstStorePlan"):
+    def _first_store_kv(self, key_states: torch.Tensor, plan: first_prefill.FirstStorePlan):
         """The plan's ``store_kv`` launch (checked as ``store_kv`` checks) and the lengths after it; None when the
         prompt fills no block to pack (``_store`` writes the INT8 buffer)."""
         from .kernels.store import check_store_kv, store_kv_launch
@@ -669,6 +703,8 @@ class TurboLayer(CacheLayerMixin):
         """Store new K/V ``[b, Hk, T, d]``; return tensors carrying ``turbo_cache_layer = self``: the given
         ones at the first prefill, else zero-memory placeholders ``[b, Hk, seq_len, d]``."""
         if not self.is_initialized:
+            if self._replay_first_prefill(key_states, value_states):
+                return self._first_prefill_keys(key_states, value_states)
             self.lazy_initialization(key_states, value_states)
         b, hk, T, d = key_states.shape
         if (b, hk, d) != (self.batch, self.n_kv_heads, self.head_dim):
@@ -696,12 +732,16 @@ class TurboLayer(CacheLayerMixin):
             self._store(key_states, value_states)
         self._first_prefill = first
         if first:
-            k, v = raw_keys, value_states
-            k.turbo_cache_layer = self
-            v.turbo_cache_layer = self
-            k.turbo_rotated = self.rotated
-            return k, v
+            return self._first_prefill_keys(raw_keys, value_states)
         return self._placeholders(self.get_seq_length())
+
+    def _first_prefill_keys(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple:
+        """The first prefill's own K (raw) / V, marked for the attention function."""
+        self._first_prefill = True
+        key_states.turbo_cache_layer = self
+        value_states.turbo_cache_layer = self
+        key_states.turbo_rotated = self.rotated
+        return key_states, value_states
 
     def _placeholders(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         base = self._base

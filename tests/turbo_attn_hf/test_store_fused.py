@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from turbo_attn_hf import cache as C
+from turbo_attn_hf import first_prefill as FP
 from turbo_attn_hf.cache import TurboCache
 from turbo_attn_hf.config import TurboConfig
 from turbo_attn_hf.kernels import reference as R
@@ -87,8 +88,8 @@ def test_first_prefill_equals_pytorch_path(preset, T, sink, recent, device):
 @pytest.mark.parametrize("T", [BS - 1, 5 * BS + 3])
 def test_layers_of_one_shape_replay_the_first_layers_plan(preset, T, device, monkeypatch):
     """Every layer of a model has the same shape: the first builds the first store's plan, the others replay it
-    (``cache._FirstStorePlan``) over their own K/V and storage, bit for bit the PyTorch path of each layer."""
-    monkeypatch.setattr(C, "_FIRST_STORE_PLANS", {})
+    (``first_prefill.FirstStorePlan``) over their own K/V and storage, bit for bit the PyTorch path of each layer."""
+    monkeypatch.setattr(FP, "PLANS", {})
     b, hk, n_layers = 2, 4, 3
     cfg = _cfg(preset, sink_blocks=1, recent_blocks=2)
     kvs = [_kv(b, hk, T, seed=100 + i, device=device) for i in range(n_layers)]
@@ -105,7 +106,7 @@ def test_layers_of_one_shape_replay_the_first_layers_plan(preset, T, device, mon
             C.FUSED_STORE = old
 
     fused = run(True)
-    assert len(C._FIRST_STORE_PLANS) == (1 if preset != "mixed" else len({tuple(l._plan_bits) for l in fused}))
+    assert len(FP.PLANS) == (1 if preset != "mixed" else len({tuple(l._plan_bits) for l in fused}))
     for a, b_ in zip(fused, run(False)):
         _assert_same(a, b_)
     assert fused[0].k_tail.data_ptr() != fused[1].k_tail.data_ptr()  # each layer its own storage
@@ -121,7 +122,7 @@ def test_first_prefill_in_gpu_chunks_equals_pytorch_path(preset, n_sm, device, m
     monkeypatch.setattr(S, "interpreting", lambda: False)
     monkeypatch.setattr(S, "sm_count", lambda _dev: n_sm)
     monkeypatch.setattr(S, "_STATS_PLANS", {})
-    monkeypatch.setattr(C, "_FIRST_STORE_PLANS", {})
+    monkeypatch.setattr(FP, "PLANS", {})
     b, hk, T = 2, 4, 5 * BS + 3
     k, v = _kv(b, hk, T, seed=11, device=device)
     cfg = _cfg(preset, sink_blocks=1, recent_blocks=1)
