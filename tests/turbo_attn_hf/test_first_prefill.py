@@ -1,0 +1,101 @@
+"""turbo_attn_hf.first_prefill: a first store recorded by one layer and replayed by the next layers of its shape.
+
+Triton's interpreter never memoises a launch, so on CPU the replay only runs with the launches stubbed
+(``eval.experiments.host_step.install_stubs``: every kernel a no-op), which patches Triton for the whole process:
+that part runs in a subprocess. It checks the plumbing — the pointers each replayed launch gets and the views its
+layer makes on first use equal those of the general path for the same layer. The numbers (codes, scales, head
+choice bit for bit the PyTorch path's, replayed layers included) are ``test_store_fused.
+test_layers_of_one_shape_replay_the_first_layers_plan`` on the GPU.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from turbo_attn_hf.kernels.arena import lazy_view, view_spec
+
+ROOT = Path(__file__).resolve().parents[2]
+
+_SCRIPT = r'''
+import torch
+from eval.experiments.host_step import install_stubs, _model_config
+install_stubs()
+from turbo_attn_hf import first_prefill as FP
+from turbo_attn_hf.cache import TurboCache
+from turbo_attn_hf.kernels.arena import view_spec
+from turbo_attn_hf.kernels.launch import LeanLaunch
+
+calls = []
+orig = LeanLaunch.relaunch
+LeanLaunch.relaunch = staticmethod(lambda hit, grid, call: (calls.append((tuple(grid), list(call))),
+                                                             orig(hit, grid, call)))
+cfg = _model_config(4, 8, 4, 64)
+g = torch.Generator().manual_seed(0)
+kvs = [tuple(torch.randn(1, 700, 4, 64, generator=g).to(torch.bfloat16).transpose(1, 2) for _ in "kv")
+       for _ in range(4)]
+
+def run(preset, replay):
+    saved = FP.replay
+    if not replay:
+        FP.replay = lambda *a: None
+    try:
+        c = TurboCache(preset, config=cfg)
+        out = []
+        for i, (k, v) in enumerate(kvs):
+            n = len(calls)
+            c.update(k, v, i)
+            lay = c.layers[i]
+            replayed = "_lazy" in lay.__dict__
+            bufs = [lay._flat] + [grp.flat for grp in lay.groups]
+            def rel(x):
+                for j, b in enumerate(bufs):
+                    if b.data_ptr() <= x < b.data_ptr() + b.numel():
+                        return ("buf", j, x - b.data_ptr())
+                return {k.data_ptr(): "k", v.data_ptr(): "v"}.get(x, x)
+            launched = [(grid, [rel(x) for x in call]) for grid, call in calls[n:]]
+            views = {name: view_spec(getattr(lay, name), bufs) for name in FP.LAYER_VIEWS}
+            for j, grp in enumerate(lay.groups):
+                views.update({(j, name): view_spec(getattr(grp, name), bufs) for name in grp.TENSORS + ("heads",)})
+            out.append((replayed, launched, views, lay.n_tail, lay.n_blocks, [b.numel() for b in bufs]))
+        return out
+    finally:
+        FP.replay = saved
+
+for preset in ("int8", "int4", "mixed"):
+    FP.PLANS.clear()
+    new, old = run(preset, True), run(preset, False)
+    assert [r[0] for r in new] == [False, False, True, True], (preset, [r[0] for r in new])
+    assert not any(r[0] for r in old)
+    for i in (2, 3):
+        a, b = new[i], old[i]
+        assert len(a[1]) == 2 and a[1] == b[1], (preset, i)
+        assert a[2:] == b[2:], (preset, i)
+print("OK")
+'''
+
+
+def test_replayed_layers_launch_with_the_general_paths_pointers_and_views():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the stubs replace the interpreter
+    r = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout[-2000:] + r.stderr[-4000:]
+
+
+class _Holder:
+    def __getattr__(self, name):
+        return lazy_view(self, name)
+
+
+def test_lazy_views_are_made_on_first_use_and_keep_later_assignments():
+    buf = torch.arange(256, dtype=torch.uint8)
+    a = buf[128:].view(torch.int32).view(4, 8)
+    h = _Holder()
+    h._lazy = ([buf], {"a": view_spec(a, [buf]), "none": ("none",), "b": view_spec(buf[:16], [buf])})
+    h.b = "kept"
+    assert torch.equal(h.a, a) and h.a.data_ptr() == a.data_ptr() and h.a.stride() == a.stride()
+    assert h.none is None and h.b == "kept" and "_lazy" not in h.__dict__
+    with pytest.raises(AttributeError):
+        h.missing
+    assert view_spec(torch.zeros(2), [buf]) is None
