@@ -85,11 +85,14 @@ for T in shapes:
     for c in cfgs:
         row[c] = dict(ttft_med=statistics.median(times[c]), ttft_min=min(times[c]), ttft_all=[round(x, 2) for x in times[c]],
                       fwd_med=statistics.median(ftimes[c]), fwd_min=min(ftimes[c]))
+        if "sdpa" in times:  # each round's ratio to sdpa's call of the same round: pairs away the host's drift
+            row[c]["ttft_paired_med"] = statistics.median(a / b for a, b in zip(times[c], times["sdpa"]))
     for c in cfgs:
         s = row["sdpa"]
         print(f"T={T} {c:6s} ttft med {row[c]['ttft_med']:7.2f} ({row[c]['ttft_med']/s['ttft_med']:.3f}x) min {row[c]['ttft_min']:7.2f} "
               f"({row[c]['ttft_min']/s['ttft_min']:.3f}x) | fwd med {row[c]['fwd_med']:7.2f} ({row[c]['fwd_med']/s['fwd_med']:.3f}x) "
-              f"min {row[c]['fwd_min']:7.2f}  all {row[c]['ttft_all']}", flush=True)
+              f"min {row[c]['fwd_min']:7.2f} | paired {row[c].get('ttft_paired_med', 1.0):.3f}x  all {row[c]['ttft_all']}",
+              flush=True)
     for c in cfgs:
         use(c)
         tr = trace(c, ids, mask, {"impl": c.split("@")[0], "static": STATIC, "compile": False})
