@@ -555,7 +555,7 @@ class TurboLayer(CacheLayerMixin):
         if self.rotated:  # the stores subtract the mean in the stored basis; the prefill rotates the raw one
             self.k_mean = mrot
         if build:
-            plan.store = self._first_store_kv(key_states, plan)
+            plan.store = self._first_store_kv(key_states, value_states, plan)
         if plan.store is None:  # no block to pack: the INT8 buffer alone (one launch)
             self._store(key_states, value_states, first=True)
             return
@@ -636,7 +636,7 @@ class TurboLayer(CacheLayerMixin):
         n = T - min(self.n_sink, T)  # tokens after the sinks; the first prefill's blocks are reserved at once
         nb = (n - cfg.recent_blocks * bs) // bs if n >= (cfg.recent_blocks + 1) * bs else 0
         n2 = self._plan_bits.count(2) if self._prompt_select() else None
-        rot = key[8]
+        rot = self._k_rope_dims(key_states.shape[-1])
         plan = first_prefill.FirstStorePlan(h, max(nb, 1), n2, rot, stats_launch(
             key_states, value_states, cfg.smooth_k, bs, h, n2, rot, self.rotated, self.qk_smooth is not None))
         if len(first_prefill.PLANS) >= 256:
@@ -644,7 +644,8 @@ class TurboLayer(CacheLayerMixin):
         first_prefill.PLANS[key] = plan
         return plan, True
 
-    def _first_store_kv(self, key_states: torch.Tensor, plan: first_prefill.FirstStorePlan):
+    def _first_store_kv(self, key_states: torch.Tensor, value_states: torch.Tensor,
+                        plan: first_prefill.FirstStorePlan):
         """The plan's ``store_kv`` launch (checked as ``store_kv`` checks) and the lengths after it; None when the
         prompt fills no block to pack (``_store`` writes the INT8 buffer)."""
         from .kernels.store import check_store_kv, store_kv_launch
@@ -660,7 +661,7 @@ class TurboLayer(CacheLayerMixin):
         C = self.k_tail.shape[2]
         check_store_kv(key_states, C, self.groups, take=take, slot_sink=0, c=0, s0=self.n_sink, n_pack=n_pack)
         plan.n_blocks, plan.n_tail = n_pack // bs, self.n_sink + n - n_pack
-        return store_kv_launch(key_states, key_states, self.groups, take=take, slot_sink=0, c=0, s0=self.n_sink,
+        return store_kv_launch(key_states, value_states, self.groups, take=take, slot_sink=0, c=0, s0=self.n_sink,
                                n_pack=n_pack, C=C, has_mean=self.k_mean is not None, count=False,
                                rotate=self.rotated, has_factor=self.qk_smooth is not None)
 

@@ -86,13 +86,17 @@ def test_first_prefill_equals_pytorch_path(preset, T, sink, recent, device):
 
 @pytest.mark.parametrize("preset", ["int8", "int4", "mixed"])
 @pytest.mark.parametrize("T", [BS - 1, 5 * BS + 3])
-def test_layers_of_one_shape_replay_the_first_layers_plan(preset, T, device, monkeypatch):
-    """Every layer of a model has the same shape: the first builds the first store's plan, the others replay it
-    (``first_prefill.FirstStorePlan``) over their own K/V and storage, bit for bit the PyTorch path of each layer."""
+@pytest.mark.parametrize("v_layout", ["as_k", "fused_kv"])
+def test_layers_of_one_shape_replay_the_first_layers_plan(preset, T, v_layout, device, monkeypatch):
+    """Every layer of a model has the same shape: the first builds the first store's plan, the second records it,
+    the others replay it (``first_prefill``) over their own K/V and storage, bit for bit the PyTorch path of each
+    layer. ``fused_kv``: V a slice of a fused K/V projection (other strides than K's)."""
     monkeypatch.setattr(FP, "PLANS", {})
-    b, hk, n_layers = 2, 4, 3
+    b, hk, n_layers = 2, 4, 4
     cfg = _cfg(preset, sink_blocks=1, recent_blocks=2)
     kvs = [_kv(b, hk, T, seed=100 + i, device=device) for i in range(n_layers)]
+    if v_layout == "fused_kv":  # [b, T, 2, Hk, d] -> V [b, Hk, T, d] with T stride 2*Hk*d
+        kvs = [(k, torch.stack([v.transpose(1, 2)] * 2, 2)[:, :, 1].transpose(1, 2)) for k, v in kvs]
 
     def run(fused):
         old = C.FUSED_STORE
