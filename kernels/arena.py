@@ -13,7 +13,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-__all__ = ["ALIGN", "carve", "layout", "lazy_view", "view_spec"]
+__all__ = ["ALIGN", "buffer_offset", "carve", "layout", "lazy_view", "view_spec"]
 
 #: byte alignment of every view (Triton's pointer specialisation needs 16; 128 keeps rows on cache-line starts)
 ALIGN = 128
@@ -57,17 +57,25 @@ def carve(specs: tuple, alloc: Callable[[str, tuple, torch.dtype], torch.Tensor]
     return out
 
 
+def buffer_offset(t: torch.Tensor, buffers: Sequence[torch.Tensor]) -> Optional[tuple]:
+    """``(buffer index, byte offset)`` of ``t``'s first element in ``buffers`` (byte tensors), or None."""
+    p = t.data_ptr()
+    for i, buf in enumerate(buffers):
+        base = buf.data_ptr()
+        if base <= p < base + buf.numel():
+            return i, p - base
+    return None
+
+
 def view_spec(t: Optional[torch.Tensor], buffers: Sequence[torch.Tensor]) -> Optional[tuple]:
     """Where the view ``t`` lies in ``buffers`` (byte tensors): ``(buffer index, shape, strides, dtype, element
     offset)``, ``("none",)`` for None, or None when ``t`` is not a view of one of them."""
     if t is None:
         return ("none",)
-    p = t.data_ptr()
-    for i, buf in enumerate(buffers):
-        base = buf.data_ptr()
-        if base <= p < base + buf.numel() and (p - base) % t.element_size() == 0:
-            return i, tuple(t.shape), tuple(t.stride()), t.dtype, (p - base) // t.element_size()
-    return None
+    at = buffer_offset(t, buffers)
+    if at is None or at[1] % t.element_size():
+        return None
+    return at[0], tuple(t.shape), tuple(t.stride()), t.dtype, at[1] // t.element_size()
 
 
 def lazy_view(obj: object, name: str) -> object:

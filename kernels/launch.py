@@ -69,8 +69,8 @@ class LeanLaunch:
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
     def launch(self, grid: Sequence[int], args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
-        """Launch; returns ``(compiled kernel, trailing arguments)`` that ran, or None (interpreter, or the
-        first launch of a key): what :meth:`relaunch` takes."""
+        """Launch; returns ``(compiled kernel, trailing arguments)`` that ran, or None (the interpreter, a plain
+        function): what :meth:`relaunch` takes."""
         if self._plain or interpreting():
             self.fn[tuple(grid)](*args, **kwargs)
             return None
@@ -95,8 +95,8 @@ class LeanLaunch:
             kernel = self.fn[tuple(grid)](*args, **kwargs)  # compiles (or Triton's cache) and launches
             kernel = kernel.result() if hasattr(kernel, "result") else kernel  # async compile mode
             tail = tuple(kwargs.get(n, self._defaults[n]) for n in self._names[len(args):])
-            self._kernels[key] = (kernel, tail)
-            return None
+            hit = self._kernels[key] = (kernel, tail)
+            return hit  # what ran: a caller's memo can relaunch it from the next call on
         if not self.hooks_active():
             self.relaunch(hit, grid, call)
             return hit

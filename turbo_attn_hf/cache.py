@@ -564,8 +564,7 @@ class TurboLayer(CacheLayerMixin):
         for grp in self.groups:
             grp.n_blocks = plan.n_blocks
         self.n_tail = plan.n_tail
-        if plan.replay is None and plan.records < 2 and self._one_buffer:  # the next layers replay it
-            plan.records += 1  # the first launch of a kernel is not memoised yet: the second layer records
+        if build and self._one_buffer:  # the next layers of this shape replay it
             plan.replay = first_prefill.record(self, plan, key_states, value_states, factors, stats_args, store_args)
 
     def _replay_first_prefill(self, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:

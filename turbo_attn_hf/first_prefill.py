@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import torch
 
-from .kernels.arena import view_spec
+from .kernels.arena import buffer_offset, view_spec
 from .kernels.device import current_cuda_device
 from .kernels.launch import LeanLaunch
 
@@ -34,13 +34,13 @@ LAYER_VIEWS = ("k_tail", "v_tail", "nonfinite", "k_scale", "v_scale", "k_mean", 
 class FirstStorePlan:
     """What a fused first prefill of one layer format and K/V shape does besides allocating (module doc); ``store``
     None: no block to pack (the INT8 buffer alone), ``n_blocks`` / ``n_tail``: the lengths after it; ``replay``: its
-    :class:`Replay` once a layer recorded one (``records``: the layers that tried)."""
+    :class:`Replay` once the layer that built it recorded one."""
 
-    __slots__ = ("headroom", "capacity", "n2", "rot", "stats", "store", "n_blocks", "n_tail", "replay", "records")
+    __slots__ = ("headroom", "capacity", "n2", "rot", "stats", "store", "n_blocks", "n_tail", "replay")
 
     def __init__(self, headroom: float, capacity: int, n2: Optional[int], rot: int, stats: Any):
         self.headroom, self.capacity, self.n2, self.rot, self.stats = headroom, capacity, n2, rot, stats
-        self.store, self.n_blocks, self.n_tail, self.replay, self.records = None, 0, 0, None, 0
+        self.store, self.n_blocks, self.n_tail, self.replay = None, 0, 0, None
 
 
 #: ``FirstStorePlan`` by the layer format and K/V key of ``TurboLayer._first_store_key``
@@ -78,15 +78,10 @@ def record(layer: Any, plan: FirstStorePlan, k: torch.Tensor, v: torch.Tensor, f
     ins = (k, v, factors, *ws, *fixed)
 
     def where(t: torch.Tensor) -> Optional[tuple]:
-        p = t.data_ptr()
-        for i, buf in enumerate(bufs):
-            base = buf.data_ptr()
-            if base <= p < base + buf.numel():
-                return 0, i, p - base
-        for j, x in enumerate(ins):
-            if t is x:
-                return 1, j, 0
-        return None
+        at = buffer_offset(t, bufs)
+        if at is not None:
+            return 0, *at
+        return next(((1, j, 0) for j, x in enumerate(ins) if t is x), None)
 
     launches = [(plan.stats.memo.get(dev_key), plan.stats.grid, stats_args, plan.stats.scalars)]
     launches += [(plan.store.memo.get((dev_key, key)), grid, store_args, scalars)

@@ -88,8 +88,8 @@ def test_first_prefill_equals_pytorch_path(preset, T, sink, recent, device):
 @pytest.mark.parametrize("T", [BS - 1, 5 * BS + 3])
 @pytest.mark.parametrize("v_layout", ["as_k", "fused_kv"])
 def test_layers_of_one_shape_replay_the_first_layers_plan(preset, T, v_layout, device, monkeypatch):
-    """Every layer of a model has the same shape: the first builds the first store's plan, the second records it,
-    the others replay it (``first_prefill``) over their own K/V and storage, bit for bit the PyTorch path of each
+    """Every layer of a model has the same shape: the first builds and records the first store's plan, the
+    others replay it (``first_prefill``) over their own K/V and storage, bit for bit the PyTorch path of each
     layer. ``fused_kv``: V a slice of a fused K/V projection (other strides than K's)."""
     monkeypatch.setattr(FP, "PLANS", {})
     b, hk, n_layers = 2, 4, 4
