@@ -37,6 +37,7 @@ in attention), so their ``get_mask_sizes`` offset is 0.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import math
 from typing import Any, Optional
@@ -45,6 +46,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
 from . import first_prefill
+from .attention import exact_attention, takes_exact_path
 from .config import TurboConfig, TurboConfigError, resolve_rotate_qk
 from .kernels.arena import carve, lazy_view
 from .kernels.device import on_device
@@ -227,6 +229,14 @@ def rope_dims(config: Any, layer_idx: int, log: bool = False, layout: Optional[t
     return dims
 
 
+#: ``TurboLayer._layer_format``'s memo: (layer class, id(TurboConfig), position, shape facts) -> (config, bits, id)
+_FORMATS: dict = {}
+#: a layer format (the tuple ``_layer_format`` builds) -> its id; ids come from a counter, so a cleared memo
+#: never gives an old plan's id to another format
+_FORMAT_IDS: dict = {}
+_NEXT_FORMAT_ID = itertools.count()
+
+
 class TurboLayer(CacheLayerMixin):
     """One full-attention layer's quantized KV (INT8 tail + packed blocks per bit width).
 
@@ -248,6 +258,7 @@ class TurboLayer(CacheLayerMixin):
     #: the storage of a layer / of a bit group is views of one allocation each (``arena.carve``): ~4-8 us of host
     #: per ``torch.empty`` on the GPU machine, 12-19 of them a first prefill
     _one_buffer = True
+    _cap_blocks = 0  # the static layer's preallocated blocks (a class default: no __getattr__ miss on the hot path)
 
     def __init__(self, turbo_config: TurboConfig, layer_idx: int = 0, n_layers: Optional[int] = None, **kwargs):
         super().__init__()
@@ -576,7 +587,6 @@ class TurboLayer(CacheLayerMixin):
         b, hk, T, d = key_states.shape
         if T == 0 or value_states.shape[:2] != key_states.shape[:2] or value_states.shape[3] != d:
             return False
-        self._plan_bits = self._layer_head_bits(hk)
         if self.rotated:
             self._rotate_keys(key_states)  # smooth_hadamard: the factors, fixed by these keys
         plan = first_prefill.PLANS.get(self._first_store_key(key_states, value_states))
@@ -609,13 +619,37 @@ class TurboLayer(CacheLayerMixin):
         return lazy_view(self, name)  # a replayed first prefill's storage: its views on first use
 
     def _first_store_key(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple:
-        """What a fused first store depends on besides the tensors' addresses: the layer's format, K/V's layout."""
+        """What a fused first store depends on besides the tensors' addresses: the layer's format (``_layer_format``),
+        K/V's layout. Sets ``_plan_bits``."""
+        bits, fmt = self._layer_format(key_states.shape[1], key_states.shape[3])
+        self._plan_bits = list(bits)
+        return (fmt, self.qk_smooth is not None, key_states.shape, key_states.stride(), value_states.shape,
+                value_states.stride(), key_states.dtype, value_states.dtype, key_states.device)
+
+    def _layer_format(self, hk: int, d: int) -> tuple:
+        """``(head bits, format id)``: this layer's per-head bits for ``hk`` KV heads and an id of everything of its
+        format a first store depends on — ids never reused, one per distinct format. Memoised per layer position and
+        config object (a new cache per generate() makes new layers; a TurboConfig is not changed once in use), except
+        for a tensor-parallel shard (its rank is read at each call)."""
         cfg = self.turbo_config
-        return (type(self), tuple(self._plan_bits), self._prompt_select(), cfg.bits, cfg.block_size, cfg.sink_blocks,
-                cfg.recent_blocks, cfg.smooth_k, self._k_rope_dims(key_states.shape[-1]), self.rotated,
-                self.qk_smooth is not None, self.scale_headroom, getattr(self, "_cap_blocks", 0), key_states.shape,
-                key_states.stride(), value_states.shape, value_states.stride(), key_states.dtype, value_states.dtype,
-                key_states.device)
+        memo = self.n_kv_heads_total in (None, hk)
+        key = (type(self), id(cfg), self.layer_idx, self.n_layers, hk, d, self.rope_dims, self.scale_headroom,
+               self._cap_blocks)
+        hit = _FORMATS.get(key) if memo else None
+        if hit is not None and hit[0] is cfg:
+            return hit[1], hit[2]
+        bits = tuple(self._layer_head_bits(hk))
+        self._plan_bits = list(bits)  # _prompt_select reads it
+        fmt = (type(self), bits, self._prompt_select(), cfg.bits, cfg.block_size, cfg.sink_blocks, cfg.recent_blocks,
+               cfg.smooth_k, self._k_rope_dims(d), self.rotated, self.scale_headroom, self._cap_blocks)
+        fid = _FORMAT_IDS.get(fmt)
+        if fid is None:
+            fid = _FORMAT_IDS[fmt] = next(_NEXT_FORMAT_ID)
+        if memo:
+            if len(_FORMATS) >= 4096:
+                _FORMATS.clear()
+            _FORMATS[key] = (cfg, bits, fid)
+        return bits, fid
 
     def _first_store_plan(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple:
         """``(plan, new)``: the :class:`first_prefill.FirstStorePlan` of this layer's format and these K/V, new (its
@@ -768,8 +802,7 @@ class TurboLayer(CacheLayerMixin):
         if self.rotated:
             self._check_keys(key)
         if self._first_prefill and key.shape[2] == query.shape[2] and key.stride(-1) == 1:
-            from .attention import exact_attention, takes_exact_path  # the prompt's own K/V (raw K: not rotated)
-
+            # the prompt's own K/V (raw K: not rotated)
             if takes_exact_path(cfg, query, key, causal=causal, window=window, softcap=softcap, key_valid=key_valid):
                 return exact_attention(query, key, value, scale=scale, causal=causal, window=window,
                                        softcap=softcap, key_valid=key_valid)
