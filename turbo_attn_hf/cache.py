@@ -582,10 +582,11 @@ class TurboLayer(CacheLayerMixin):
         """The first prefill of an uninitialised dynamic layer as a replay of the first store an earlier layer of the
         same format and K/V shape recorded (``first_prefill``): the layer's and its groups' buffers and two
         relaunches; their tensors become views on first use (``__getattr__``). False: nothing done (no replay)."""
-        if not (self._one_buffer and key_states.dim() == 4 and value_states.dim() == 4 and self._fused(key_states)):
+        ks, vs = key_states.shape, value_states.shape
+        if not self._one_buffer or len(ks) != 4 or len(vs) != 4 or not self._fused(key_states):
             return False
-        b, hk, T, d = key_states.shape
-        if T == 0 or value_states.shape[:2] != key_states.shape[:2] or value_states.shape[3] != d:
+        b, hk, T, d = ks
+        if T == 0 or vs[0] != b or vs[1] != hk or vs[3] != d:
             return False
         if self.rotated:
             self._rotate_keys(key_states)  # smooth_hadamard: the factors, fixed by these keys
@@ -599,7 +600,7 @@ class TurboLayer(CacheLayerMixin):
             return False
         self.dtype, self.device = key_states.dtype, key_states.device
         self.batch, self.n_kv_heads, self.head_dim = b, hk, d
-        self.headroom, self.n_tail, self._flat, self._fresh = plan.headroom, plan.n_tail, bufs[0], {}
+        self.headroom, self.n_tail, self._flat = plan.headroom, plan.n_tail, bufs[0]
         d_ = self.__dict__
         for name in first_prefill.LAYER_VIEWS:
             d_.pop(name, None)
@@ -621,10 +622,11 @@ class TurboLayer(CacheLayerMixin):
     def _first_store_key(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple:
         """What a fused first store depends on besides the tensors' addresses: the layer's format (``_layer_format``),
         K/V's layout. Sets ``_plan_bits``."""
-        bits, fmt = self._layer_format(key_states.shape[1], key_states.shape[3])
+        ks = key_states.shape
+        bits, fmt = self._layer_format(ks[1], ks[3])
         self._plan_bits = list(bits)
-        return (fmt, self.qk_smooth is not None, key_states.shape, key_states.stride(), value_states.shape,
-                value_states.stride(), key_states.dtype, value_states.dtype, key_states.device)
+        return (fmt, self.qk_smooth is not None, ks, key_states.stride(), value_states.shape, value_states.stride(),
+                key_states.dtype, value_states.dtype, key_states.device)
 
     def _layer_format(self, hk: int, d: int) -> tuple:
         """``(head bits, format id)``: this layer's per-head bits for ``hk`` KV heads and an id of everything of its

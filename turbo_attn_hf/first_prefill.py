@@ -49,8 +49,8 @@ PLANS: dict = {}
 
 class Replay:
     """A recorded first store (module doc). ``launches``: ``(compiled kernel, grid, pointer template, scalars)``, a
-    template entry ``(0, buffer, byte offset)`` or ``(1, input, 0)`` with inputs ``(K, V, factors, workspace...,
-    fixed head maps...)`` (``fixed``: the kept head maps' addresses, the groups hold them);
+    template entry ``(i, byte offset)`` into the addresses ``[new buffers..., K, V, factors, workspace..., fixed
+    head maps...]`` (``fixed``: the kept head maps' addresses, the groups hold them);
     ``layer_views`` / ``groups[i][2]``: ``{attribute: arena.view_spec}`` in the buffers ``[layer, group 0, ...]``."""
 
     __slots__ = ("dev_key", "sizes", "launches", "ws_shapes", "workspace", "layer_views", "groups", "fixed")
@@ -77,11 +77,11 @@ def record(layer: Any, plan: FirstStorePlan, k: torch.Tensor, v: torch.Tensor, f
     fixed = tuple(g.heads for g in layer.groups if view_spec(g.heads, bufs) is None)  # kept head maps: fixed
     ins = (k, v, factors, *ws, *fixed)
 
-    def where(t: torch.Tensor) -> Optional[tuple]:
+    def where(t: torch.Tensor) -> Optional[tuple]:  # (index in replay's address list, byte offset)
         at = buffer_offset(t, bufs)
         if at is not None:
-            return 0, *at
-        return next(((1, j, 0) for j, x in enumerate(ins) if t is x), None)
+            return at
+        return next(((len(bufs) + j, 0) for j, x in enumerate(ins) if t is x), None)
 
     launches = [(plan.stats.memo.get(dev_key), plan.stats.grid, stats_args, plan.stats.scalars)]
     launches += [(plan.store.memo.get((dev_key, key)), grid, store_args, scalars)
@@ -118,8 +118,10 @@ def replay(rp: Replay, k: torch.Tensor, v: torch.Tensor, factors: Optional[torch
         return None
     dev = k.device
     bufs = [torch.empty(n, dtype=torch.uint8, device=dev) for n in rp.sizes]
-    bases = [b.data_ptr() for b in bufs]
-    ins = (kp, vp, fp, *[t.data_ptr() for t in rp.workspace(dev, *rp.ws_shapes)], *rp.fixed)
+    at = [b.data_ptr() for b in bufs]  # the template's address list: the new buffers, then the inputs
+    at += (kp, vp, fp)
+    at += [t.data_ptr() for t in rp.workspace(dev, *rp.ws_shapes)]
+    at += rp.fixed
     for hit, grid, tpl, scalars in rp.launches:
-        LeanLaunch.relaunch(hit, grid, [bases[a] + off if kind == 0 else ins[a] for kind, a, off in tpl] + scalars)
+        LeanLaunch.relaunch(hit, grid, [at[i] + off for i, off in tpl] + scalars)
     return bufs
