@@ -7,10 +7,13 @@
 #   one run of up to 600 s: the default (SUITE_BUDGET=520). Runs limited to 300 s: set SUITE_BUDGET=270 and split,
 #   e.g. `tests memcheck` | `accuracy prefill` | `decode e2e chat` (each run returns its own gpu_suite.tar.gz)
 #
-# Steps, in order: setup tests memcheck accuracy prefill decode layer e2e chat  (setup always runs)
+# Steps, in order: setup tests memcheck accuracy prefill decode layer e2e chat  (setup always runs); ``kernels`` only
+# when named (`bash eval/gpu_suite.sh kernels`: one run of its own, ~10 min of Triton compiles)
 #   setup     install the carried wheels (.carry/wh, see ../shared/tools/device-wheels) into /tmp/site and this
 #             project (pip install --no-deps --no-build-isolation -e .), print the machine line
 #   tests     python -m pytest -m gpu tests (the memcheck test is left to the next step)
+#   kernels   python -m pytest -m "device_kernels and not gpu" tests: every kernel test taking the device fixture
+#             (conftest marks them), on CUDA here; `-m gpu` does not select them
 #   memcheck  compute-sanitizer --tool memcheck on one small prefill call and one decode call
 #   accuracy  python -m eval.kernel_accuracy --quick   (MRE tables, FA3 outlier RMSE vs fp64)
 #   prefill   python -m eval.bench_prefill --quick     (FA3 protocol subset, SDPA cuDNN/flash, Sage, turbo)
@@ -96,6 +99,10 @@ PY
 # ------------------------------------------------------------------------------------------------ steps
 if want tests; then
   run_step tests "${TESTS_LIMIT:-170}" $PY -m pytest -m gpu tests -q -k "not memcheck" -p no:cacheprovider
+fi
+
+if want kernels; then
+  run_step kernels "${KERNELS_LIMIT:-560}" $PY -m pytest -m "device_kernels and not gpu" tests -q -p no:cacheprovider
 fi
 
 if want memcheck; then

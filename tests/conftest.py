@@ -14,6 +14,11 @@ import pytest  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
+    # a kernel test taking the ``device`` fixture runs its kernels on CUDA where there is one: on the GPU machine
+    # ``-m "gpu or device_kernels"`` selects both kinds (``-m gpu`` alone would leave these on no device at all)
+    for item in items:
+        if "device" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.device_kernels)
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; run on the GPU machine")
