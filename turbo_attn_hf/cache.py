@@ -1367,6 +1367,11 @@ class TurboCache(Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         while len(self.layers) <= layer_idx:  # no model config given: full-attention layers on first use
             self.layers.append(TurboLayer(self.turbo_config, len(self.layers), self.n_layers))
+        layer = self.layers[layer_idx]
+        # a first prefill replayed (first_prefill): no device switch, replay() launches only on the recorded device
+        if (not layer.is_initialized and not self.offloading and isinstance(layer, TurboLayer)
+                and layer._replay_first_prefill(key_states, value_states)):
+            return layer._first_prefill_keys(key_states, value_states)
         with on_device(key_states.device):  # the store kernels launch on the layer's GPU (device_map="auto")
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
