@@ -99,3 +99,33 @@ def test_lazy_views_are_made_on_first_use_and_keep_later_assignments():
     with pytest.raises(AttributeError):
         h.missing
     assert view_spec(torch.zeros(2), [buf]) is None
+
+
+def test_layer_format_ids_follow_the_format_not_the_objects():
+    """A first store's plan is keyed by ``TurboLayer._layer_format``'s id: equal for the same layer of two caches
+    (and for an equal config object), different where the format differs (preset, RoPE layout, head count)."""
+    import dataclasses
+
+    from transformers import LlamaConfig
+
+    from turbo_attn_hf.cache import TurboCache
+    from turbo_attn_hf.config import TurboConfig
+
+    cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                      num_hidden_layers=2, intermediate_size=32, vocab_size=32)
+    int4 = TurboConfig.preset("int4")
+
+    def fmt(tc, i=0, hk=2, rope=None):
+        lay = TurboCache(tc, config=cfg).layers[i]
+        if rope is not None:
+            lay.rope_dims = rope
+        return lay._layer_format(hk, 64)
+
+    bits, fid = fmt(int4)
+    assert bits == (4, 4) and fmt(int4) == (bits, fid) and fmt(int4, 1) == (bits, fid)
+    assert fmt(dataclasses.replace(int4))[1] == fid  # another object, the same format
+    assert fmt(TurboConfig.preset("int8"))[1] != fid
+    assert fmt(TurboConfig.preset("mixed"))[1] != fid
+    assert fmt(int4, hk=1)[1] != fid
+    assert fmt(dataclasses.replace(int4, k_scale_range="rope_pair"), rope=64)[1] != \
+        fmt(dataclasses.replace(int4, k_scale_range="rope_pair"), rope=0)[1]
