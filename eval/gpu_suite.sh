@@ -8,7 +8,8 @@
 #   e.g. `tests memcheck` | `accuracy prefill` | `decode e2e chat` (each run returns its own gpu_suite.tar.gz)
 #
 # Steps, in order: setup tests memcheck accuracy prefill decode layer e2e chat  (setup always runs); ``kernels`` only
-# when named (`bash eval/gpu_suite.sh kernels`: one run of its own, ~10 min of Triton compiles)
+# when named (`KERNELS_TESTS="tests/kernels/test_decode.py" bash eval/gpu_suite.sh kernels`: ~4 s a test with its
+# Triton compiles, ~550 tests: split the files over several runs)
 #   setup     install the carried wheels (.carry/wh, see ../shared/tools/device-wheels) into /tmp/site and this
 #             project (pip install --no-deps --no-build-isolation -e .), print the machine line
 #   tests     python -m pytest -m gpu tests (the memcheck test is left to the next step)
@@ -102,7 +103,9 @@ if want tests; then
 fi
 
 if want kernels; then
-  run_step kernels "${KERNELS_LIMIT:-560}" $PY -m pytest -m "device_kernels and not gpu" tests -q -p no:cacheprovider
+  # shellcheck disable=SC2086  # KERNELS_TESTS: files / folders, split over runs (~4 s a test with its compiles)
+  run_step kernels "${KERNELS_LIMIT:-560}" $PY -m pytest -m "device_kernels and not gpu" ${KERNELS_TESTS:-tests} -q \
+    -p no:cacheprovider
 fi
 
 if want memcheck; then

@@ -218,7 +218,7 @@ def test_decode_launch_variants_match_reference(merge, fold, block_m, device):
     ref = R.turbo_decode_ref(q, groups, kt, vt, nt, ks, vs, mu, n_splits=3, softmax="sas", fold=fold)
     assert_close(out, ref, ATOL_KERNEL)
     if merge == "fused":
-        assert int(DK._WORKSPACE[(device.type, device.index)][2].abs().sum()) == 0
+        assert int(DK._WORKSPACE[(args[0].device.type, args[0].device.index)][2].abs().sum()) == 0
 
 
 def test_spare_slot_shares_rule():
@@ -261,7 +261,7 @@ def test_decode_per_group_shares_match_reference(per_group, lq, device):
     out = turbo_decode_attention(*args, n_splits=splits)
     ref = R.turbo_decode_ref(q, groups, kt, vt, nt, ks, vs, mu, n_splits=splits)
     assert_close(out, ref, ATOL_KERNEL)
-    assert int(DK._WORKSPACE[(device.type, device.index)][2].abs().sum()) == 0
+    assert int(DK._WORKSPACE[(args[0].device.type, args[0].device.index)][2].abs().sum()) == 0
     with pytest.raises(ValueError, match="merge='fused'"):
         turbo_decode_attention(*args, n_splits=splits, merge="kernel")
 
@@ -284,7 +284,7 @@ def test_decode_two_level_merge_matches_reference(block_m, n_splits, device):
     out = turbo_decode_attention(*args, n_splits=n_splits, block_m=block_m)
     ref = R.turbo_decode_ref(q, groups, kt, vt, nt, ks, vs, mu, n_splits=n_splits)
     assert_close(out, ref, ATOL_KERNEL)
-    assert int(DK._WORKSPACE[(device.type, device.index)][2].abs().sum()) == 0
+    assert int(DK._WORKSPACE[(args[0].device.type, args[0].device.index)][2].abs().sum()) == 0
 
 
 def test_static_part_reused_across_steps_and_rebuilt_for_new_storage(device):
