@@ -112,6 +112,37 @@ def cache_bytes(cache) -> int:
     return total
 
 
+def timed_prefill(model, ids, impl: str, hooks=(None, None)) -> tuple:
+    """One prefill forward of ``ids`` (``logits_to_keep=1``) over a fresh cache of ``impl``, the GPU drained before:
+    ``(host ms to issue it, the thread's CPU ms meanwhile, wall ms)``. ``hooks``: ``(on, off)`` called just inside
+    the host clock's window (a profiler, the garbage collector)."""
+    import torch
+
+    set_impl(model, impl)
+    cache = new_cache(model, impl)
+    _sync()
+    on, off = hooks
+    if on is not None:
+        on()
+    t0, c0 = time.perf_counter(), time.thread_time()
+    with torch.no_grad():
+        model(ids, past_key_values=cache, logits_to_keep=1, use_cache=True)
+    t1, c1 = time.perf_counter(), time.thread_time()
+    if off is not None:
+        off()
+    _sync()
+    return (t1 - t0) * 1e3, (c1 - c0) * 1e3, (time.perf_counter() - t0) * 1e3
+
+
+def alternating(cfgs, rounds: int, fn, warm: int = 3) -> list:
+    """``fn(cfg)`` ``warm`` times per config, then ``rounds`` rounds of one call per config in turn:
+    ``[(round, cfg, result)]`` — the configs alternate, so the host's drift falls on all of them alike."""
+    for c in cfgs:
+        for _ in range(warm):
+            fn(c)
+    return [(r, c, fn(c)) for r in range(rounds) for c in cfgs]
+
+
 def _sync():
     import torch
 

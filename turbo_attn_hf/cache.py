@@ -1368,8 +1368,9 @@ class TurboCache(Cache):
         while len(self.layers) <= layer_idx:  # no model config given: full-attention layers on first use
             self.layers.append(TurboLayer(self.turbo_config, len(self.layers), self.n_layers))
         layer = self.layers[layer_idx]
-        # a first prefill replayed (first_prefill): no device switch, replay() launches only on the recorded device
-        if (not layer.is_initialized and not self.offloading and isinstance(layer, TurboLayer)
+        # a first prefill replayed (first_prefill) needs no device switch: replay() launches only on the device it
+        # recorded on (smooth_hadamard's factors launch before it: those layers take the guarded path)
+        if (not layer.is_initialized and not self.offloading and isinstance(layer, TurboLayer) and not layer.smoothed
                 and layer._replay_first_prefill(key_states, value_states)):
             return layer._first_prefill_keys(key_states, value_states)
         with on_device(key_states.device):  # the store kernels launch on the layer's GPU (device_map="auto")

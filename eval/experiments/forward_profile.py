@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from eval.bench_e2e import LLAMA3_8B, build_model, new_cache, set_impl
+from eval.bench_e2e import LLAMA3_8B, build_model, new_cache, set_impl, timed_prefill
 
 
 def main() -> None:
@@ -27,19 +27,8 @@ def main() -> None:
     ids = torch.randint(0, model.config.vocab_size, (1, T), device="cuda")
 
     def fwd(c, gc_off=False):
-        set_impl(model, c)
-        cache = new_cache(model, c)
-        torch.cuda.synchronize()
-        if gc_off:
-            gc.disable()
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            model(ids, past_key_values=cache, logits_to_keep=1, use_cache=True)
-        t1 = time.perf_counter()  # host time to issue the forward
-        torch.cuda.synchronize()
-        t2 = time.perf_counter()
-        gc.enable()
-        return (t1 - t0) * 1e3, (t2 - t0) * 1e3
+        h, _, w = timed_prefill(model, ids, c, (gc.disable, gc.enable) if gc_off else (None, None))
+        return h, w
 
     for c in cfgs:
         for _ in range(3):

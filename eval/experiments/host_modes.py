@@ -6,7 +6,7 @@ thread's CPU time: equal when nothing else takes the core) and its wall time; ev
 Llama-3-8B shape, random bf16 weights, 1 x T, fresh cache per forward, configs alternating per round."""
 import cProfile, pstats, sys, time, json, os, statistics
 import torch
-from eval.bench_e2e import LLAMA3_8B, build_model, new_cache, set_impl
+from eval.bench_e2e import LLAMA3_8B, build_model, timed_prefill
 L, T, R = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 cfgs = sys.argv[4].split(",")
 out = sys.argv[5]
@@ -15,18 +15,7 @@ if os.environ.get("PIN"):
 model = build_model(L, LLAMA3_8B, "cuda", torch.bfloat16)
 ids = torch.randint(0, model.config.vocab_size, (1, T), device="cuda")
 def fwd(c, prof=None):
-    set_impl(model, c)
-    cache = new_cache(model, c)
-    torch.cuda.synchronize()
-    if prof: prof.enable()
-    t0 = time.perf_counter(); c0 = time.thread_time()
-    with torch.no_grad():
-        model(ids, past_key_values=cache, logits_to_keep=1, use_cache=True)
-    t1 = time.perf_counter(); c1 = time.thread_time()
-    if prof: prof.disable()
-    torch.cuda.synchronize()
-    t2 = time.perf_counter()
-    return (t1 - t0) * 1e3, (c1 - c0) * 1e3, (t2 - t0) * 1e3
+    return timed_prefill(model, ids, c, (prof.enable, prof.disable) if prof else (None, None))
 for c in cfgs:
     for _ in range(3): fwd(c)
 rows = []
