@@ -79,16 +79,20 @@ def view_spec(t: Optional[torch.Tensor], buffers: Sequence[torch.Tensor]) -> Opt
 
 
 def lazy_view(obj: object, name: str) -> object:
-    """For ``__getattr__``: make every view ``obj._lazy = (buffers, {attr: view_spec})`` names (``None`` for
-    ``("none",)``) as an attribute of ``obj``, then return ``name``'s; AttributeError when ``name`` is not one.
-    A first prefill replayed per layer (``turbo_attn_hf.first_prefill``) leaves its layer's views to the first
-    use, after the first token: ~11 ``as_strided`` a layer, ~1.5-2 us each on the GPU host. An attribute set since
-    keeps its value."""
+    """For ``__getattr__``: make every view ``obj._lazy = (buffers, {attr: view_spec}[, byte bases])`` names (``None``
+    for ``("none",)``; a view of buffer ``i`` starts ``bases[i]`` bytes in) as an attribute of ``obj``, then return
+    ``name``'s; AttributeError when ``name`` is not one. A first prefill replayed per layer (``turbo_attn_hf.
+    first_prefill``) leaves its layer's views to the first use, after the first token: ~11 ``as_strided`` a layer,
+    ~1.5-2 us each on the GPU host. An attribute set since keeps its value. A ``_lazy`` that is not a tuple is a queued
+    store (``first_prefill.Queued``): its ``resolve()`` launches the queue if it has not and gives the tuple."""
     d = obj.__dict__
     lazy = d.get("_lazy")
+    if lazy is not None and type(lazy) is not tuple:  # a store queued, maybe not launched yet: where it lies
+        lazy = d["_lazy"] = lazy.resolve()
     if lazy is None or name not in lazy[1]:
         raise AttributeError(f"{type(obj).__name__!r} object has no attribute {name!r}")
-    buffers, views = d.pop("_lazy")
+    buffers, views, *bases = d.pop("_lazy")
+    bases = bases[0] if bases else None
     typed: dict = {}
     for attr, spec in views.items():
         if attr in d:
@@ -100,5 +104,7 @@ def lazy_view(obj: object, name: str) -> object:
         base = typed.get((i, dtype))
         if base is None:
             base = typed[(i, dtype)] = buffers[i].view(dtype)
+        if bases is not None:
+            off += bases[i] // dtype.itemsize
         d[attr] = base.as_strided(shape, strides, off)
     return d[name]

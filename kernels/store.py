@@ -58,7 +58,8 @@ from .quant import _multiple, _vec, check_qk_smooth, factor_arg
 from .rotation import rotation_block
 
 __all__ = ["store_int8_tokens", "kv_stats", "store_kv", "STATS_CHUNK_BLOCKS", "StatsLaunch", "StoreKVLaunch",
-           "check_store_kv", "stats_launch", "stats_workspace", "store_kv_launch"]
+           "check_store_kv", "stats_launch", "stats_workspace", "stats_workspace_steps", "store_kv_launch",
+           "LAYER_ROW_STATS", "LAYER_ROW_STORE"]
 
 
 @triton.jit
@@ -222,17 +223,42 @@ N_PART = 7  # rows of a stats partial: K min, K max, V min, V max, K gap sum, V 
 #: K sum is fp64, ``psum``: exact for 16-bit keys, so the mean does not depend on the order of the sums)
 
 
+#: int64 entries per layer of a batched launch's table (``tbl``): the kernel's pointer arguments before ``tbl``,
+#: rounded up to even (each launch's rows then start 16-byte aligned in one table)
+LAYER_ROW_STATS = 14
+LAYER_ROW_STORE = 28
+_LAYER_ROW_STATS = tl.constexpr(LAYER_ROW_STATS)
+_LAYER_ROW_STORE = tl.constexpr(LAYER_ROW_STORE)
+
+
+@triton.jit
+def _at_layer(p, row, j):
+    """``p`` moved to the program's layer: ``row[j]`` elements (``turbo_attn_hf.first_prefill`` launches a forward's
+    queued first stores on grid axis 2). The host checks every entry is a multiple of 16 bytes; written so that the
+    compiler knows it and the pointer keeps its 16-byte alignment (vector loads)."""
+    n: tl.constexpr = 128 // p.dtype.element_ty.primitive_bitwidth
+    return p + tl.load(row + j) // n * n
+
+
+@triton.jit
+def _group_at_layer(h, gk, gv, gks, gkz, gvsz, row, j):
+    """A bit group's six pointers of ``_store_kv_kernel`` moved to the program's layer (``_at_layer``)."""
+    return (_at_layer(h, row, j), _at_layer(gk, row, j + 1), _at_layer(gv, row, j + 2), _at_layer(gks, row, j + 3),
+            _at_layer(gkz, row, j + 4), _at_layer(gvsz, row, j + 5))
+
+
 @triton.jit(do_not_specialize=["T", "NC", "stride_kb", "stride_kh", "stride_kt", "stride_vb", "stride_vh",
                                "stride_vt"])
 def _stats_kernel(
-    k, v, part, psum, cnt, arrive, mean, ks, vs, flag, heads_hi, heads_lo, mrot, smf, T, NC, B, H, hs, n_gap,
+    k, v, part, psum, cnt, arrive, mean, ks, vs, flag, heads_hi, heads_lo, mrot, smf, tbl, T, NC, B, H, hs, n_gap,
     stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, NSUB: tl.constexpr, VEC: tl.constexpr, ROT: tl.constexpr,
     ROTATE: tl.constexpr, ROT_N: tl.constexpr, HAS_FACTOR: tl.constexpr,
     ROT_C: tl.constexpr, BC: tl.constexpr, HP: tl.constexpr, N2: tl.constexpr,
-    HAS_MEAN: tl.constexpr, SELECT: tl.constexpr, MEAN_IN: tl.constexpr,
+    HAS_MEAN: tl.constexpr, SELECT: tl.constexpr, MEAN_IN: tl.constexpr, LAYERS: tl.constexpr = False,
 ):
-    """grid (NC, b*H): tokens ``[i_c*NSUB*BS, (i_c+1)*NSUB*BS)`` of (b, h) of k, v ``[b, H, T, D]`` (last dim
+    """grid (NC, b*H), with LAYERS (NC, b*H, layers): every pointer moved to the program's layer (``_at_layer``,
+    ``tbl``). Tokens ``[i_c*NSUB*BS, (i_c+1)*NSUB*BS)`` of (b, h) of k, v ``[b, H, T, D]`` (last dim
     contiguous) -> ``part[b*H, NC, N_PART, BD]`` fp32, ``psum[b*H, NC, BD]`` fp64 (the finite keys' sum),
     ``cnt[b*H, NC]`` int32 (non-finite token vectors); the last
     chunk of a (b, h) to arrive (``arrive[b*H + 1]`` int32 counters, zero before and after the launch) finishes its
@@ -242,6 +268,13 @@ def _stats_kernel(
     ``< ROT`` (RoPE pairs j, j ± ROT/2) put the min/max of the pair's squared norm in the K min/max rows.
     ROTATE: K's min/max and gaps are those of the rotated rows (``_rotate_keys``, factors smf ``[b*H, D]`` with
     HAS_FACTOR), its finite sum/count stay the raw keys' (the raw mean, ``_finish_head``)."""
+    if LAYERS:
+        row = tbl + tl.program_id(2).to(tl.int64) * _LAYER_ROW_STATS
+        k, v, part, psum = _at_layer(k, row, 0), _at_layer(v, row, 1), _at_layer(part, row, 2), _at_layer(psum, row, 3)
+        cnt, arrive, mean, ks = _at_layer(cnt, row, 4), _at_layer(arrive, row, 5), _at_layer(mean, row, 6), \
+            _at_layer(ks, row, 7)
+        vs, flag, heads_hi = _at_layer(vs, row, 8), _at_layer(flag, row, 9), _at_layer(heads_hi, row, 10)
+        heads_lo, mrot, smf = _at_layer(heads_lo, row, 11), _at_layer(mrot, row, 12), _at_layer(smf, row, 13)
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
     # strides out of the specialization key, multiples of VEC (the launcher checks): 16-byte loads of K/V rows
@@ -495,7 +528,7 @@ class StatsLaunch:
         dev = k.device
         part, psum, cnt, arrive = stats_workspace(dev, self.part_shape, self.cnt_shape)
         tensors = (k, v, part, psum, cnt, arrive, k_mean if k_mean is not None else ks, ks, vs, nonfinite, hi, lo,
-                   mrot if mrot is not None else ks, f)
+                   mrot if mrot is not None else ks, f, ks)  # ks: no table (LAYERS off)
         lean(_stats_kernel).launch_memo(self.memo, current_cuda_device() if dev.type == "cuda" else -1, self.grid,
                                         tensors, self.scalars, self.kw, LeanLaunch.hooks_active())
         return tensors
@@ -521,31 +554,42 @@ _STATS_PLANS: dict = {}
 _STATS_WORKSPACE: dict = {}
 
 
-def stats_workspace(device: torch.device, part_shape: tuple, cnt_shape: tuple) -> tuple:
+def stats_workspace(device: torch.device, part_shape: tuple, cnt_shape: tuple, layers: int = 1) -> tuple:
     """The stats kernel's partials (fp32), finite K sums (fp64) and counts (views of two buffers) and its arrival
     counters (``cnt_shape[0] + 1`` of a zeroed int32 buffer that every launch leaves at zero: the finishers reset
     them), kept per device and grown on demand (as the decode split's, ``decode._workspace``), the views kept per
     shape: no allocation or view per layer. Launches on one device's stream run in order, so the next layer's stats
-    never overwrite partials a finisher still reads; not for concurrent streams."""
+    never overwrite partials a finisher still reads; not for concurrent streams. ``layers``: room for that many
+    layers' workspaces ``stats_workspace_steps`` bytes apart (one batched launch, ``LAYERS``); the views are the
+    first layer's."""
     key = (device.type, device.index)
     ws = _STATS_WORKSPACE.get(key)
     hit = None if ws is None else ws[3].get((part_shape, cnt_shape))
-    if hit is not None:
-        return hit
     n_part, n_cnt, n_arr = math.prod(part_shape), math.prod(cnt_shape), cnt_shape[0] + 1
     n_sum = n_part // N_PART  # [b*H, NC, BD]
-    if ws is None or ws[0].numel() < n_part + n_cnt or ws[1].numel() < n_sum or ws[2].numel() < n_arr:
+    s0, s1, s2 = (n // size for n, size in zip(stats_workspace_steps(part_shape, cnt_shape), (4, 8, 4)))
+    need = (n_part + n_cnt, n_sum, n_arr) if layers == 1 else (layers * s0, layers * s1, layers * s2)
+    if hit is not None and all(t.numel() >= n for t, n in zip(ws[:3], need)):
+        return hit
+    if ws is None or any(t.numel() < n for t, n in zip(ws[:3], need)):
         old = (0, 0, 0) if ws is None else tuple(t.numel() for t in ws[:3])
         ws = _STATS_WORKSPACE[key] = (
-            torch.empty(max(n_part + n_cnt, old[0]), dtype=torch.float32, device=device),
-            torch.empty(max(n_sum, old[1]), dtype=torch.float64, device=device),
-            torch.zeros(max(n_arr, old[2]), dtype=torch.int32, device=device), {})
+            torch.empty(max(need[0], old[0]), dtype=torch.float32, device=device),
+            torch.empty(max(need[1], old[1]), dtype=torch.float64, device=device),
+            torch.zeros(max(need[2], old[2]), dtype=torch.int32, device=device), {})
     if len(ws[3]) >= 64:
         ws[3].clear()
     hit = ws[3][(part_shape, cnt_shape)] = (
         ws[0][:n_part].view(part_shape), ws[1][:n_sum].view(*part_shape[:2], part_shape[3]),
         ws[0][n_part:n_part + n_cnt].view(torch.int32).view(cnt_shape), ws[2])
     return hit
+
+
+def stats_workspace_steps(part_shape: tuple, cnt_shape: tuple) -> tuple:
+    """Bytes between two layers' partials (and counts), fp64 sums and arrival counters in a batched stats launch's
+    workspace (``stats_workspace(..., layers)``): each a multiple of 128."""
+    n_part, n_cnt, n_arr = math.prod(part_shape), math.prod(cnt_shape), cnt_shape[0] + 1
+    return tuple(-(-n * size // 128) * 128 for n, size in ((n_part + n_cnt, 4), (n_part // N_PART, 8), (n_arr, 4)))
 
 
 def stats_chunk_blocks(n_blocks: int, n_rows: int, n_sm: int) -> int:
@@ -664,7 +708,7 @@ def _store_kv_kernel(
     k, v, sk, mk, sv, kt, vt, flag,
     h0, gk0, gv0, gks0, gkz0, gvsz0,
     h1, gk1, gv1, gks1, gkz1, gvsz1,
-    h2, gk2, gv2, gks2, gkz2, gvsz2, smf,
+    h2, gk2, gv2, gks2, gkz2, gvsz2, smf, tbl,
     T, take, slot_sink, c, n, NPP, n_pack, s0, nb0, CAP,
     stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     H, C,
@@ -672,8 +716,10 @@ def _store_kv_kernel(
     BREC: tl.constexpr, H0: tl.constexpr, H1: tl.constexpr, BITS0: tl.constexpr, BITS1: tl.constexpr, BITS2: tl.constexpr,
     HAS_MEAN: tl.constexpr, PACK: tl.constexpr, TAIL: tl.constexpr, SPLIT: tl.constexpr, COUNT: tl.constexpr,
     VEC: tl.constexpr, ROTATE: tl.constexpr, ROT_N: tl.constexpr, HAS_FACTOR: tl.constexpr, ROT_C: tl.constexpr,
+    LAYERS: tl.constexpr = False,
 ):
-    """grid (NPP + tail programs, b*H). The store stream of one (b, h) is the INT8 buffer's ``c`` waiting slots
+    """grid (NPP + tail programs, b*H), with LAYERS (.., .., layers): every pointer moved to the program's layer
+    (``_at_layer``, ``tbl``). The store stream of one (b, h) is the INT8 buffer's ``c`` waiting slots
     ``s0..`` followed by the new tokens ``take..T`` of k, v ``[b, H, T, D]`` (``n`` rows in all).
     PACK: program ``j < NPP`` packs stream rows ``[j*BS, (j+1)*BS)`` into block ``nb0 + j`` of the bit group of
     row ``pid1 % H`` of the (group 0, 1, 2) slot order: slot s of group g holds head ``h_g[s]`` (a device map).
@@ -684,6 +730,14 @@ def _store_kv_kernel(
     PACK and TAIL must have ``c == 0`` (the packers would read slots the tail overwrites). COUNT: non-finite new rows
     are added to ``flag``. ROTATE: every new K row is rotated as it is loaded (``_rotate_keys``; factors smf
     ``[b*H, D]`` with HAS_FACTOR); sk/mk are the rotated basis' scales and mean."""
+    if LAYERS:
+        row = tbl + tl.program_id(2).to(tl.int64) * _LAYER_ROW_STORE
+        k, v, sk, mk = _at_layer(k, row, 0), _at_layer(v, row, 1), _at_layer(sk, row, 2), _at_layer(mk, row, 3)
+        sv, kt, vt, flag = _at_layer(sv, row, 4), _at_layer(kt, row, 5), _at_layer(vt, row, 6), _at_layer(flag, row, 7)
+        h0, gk0, gv0, gks0, gkz0, gvsz0 = _group_at_layer(h0, gk0, gv0, gks0, gkz0, gvsz0, row, 8)
+        h1, gk1, gv1, gks1, gkz1, gvsz1 = _group_at_layer(h1, gk1, gv1, gks1, gkz1, gvsz1, row, 14)
+        h2, gk2, gv2, gks2, gkz2, gvsz2 = _group_at_layer(h2, gk2, gv2, gks2, gkz2, gvsz2, row, 20)
+        smf = _at_layer(smf, row, 26)
     pid, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, r = i_bh // H, i_bh % H
     # strides out of the specialization key, multiples of VEC (the launcher checks): 16-byte loads of K/V rows
@@ -872,6 +926,7 @@ class StoreKVLaunch:
                         g.k_zero if g.k_zero is not None else g.k, g.v_sz if g.v_sz is not None else g.k)
         tensors += tensors[8:14] * (3 - len(groups))
         tensors.append(factor_arg(qk_smooth, k_scale))
+        tensors.append(k_scale)  # no table (LAYERS off)
         hooks = LeanLaunch.hooks_active()
         dev_key = current_cuda_device() if k.is_cuda else -1
         fn = lean(_store_kv_kernel)

@@ -47,7 +47,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, Dynam
 
 from . import first_prefill
 from .attention import exact_attention, takes_exact_path
-from .config import TurboConfig, TurboConfigError, resolve_rotate_qk
+from .config import TurboConfig, TurboConfigError, prefill_attention_path, resolve_rotate_qk
 from .kernels.arena import carve, lazy_view
 from .kernels.device import on_device
 from .kernels.interpreter import use_triton
@@ -578,10 +578,13 @@ class TurboLayer(CacheLayerMixin):
         if build and self._one_buffer:  # the next layers of this shape replay it
             plan.replay = first_prefill.record(self, plan, key_states, value_states, factors, stats_args, store_args)
 
-    def _replay_first_prefill(self, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
+    def _replay_first_prefill(self, key_states: torch.Tensor, value_states: torch.Tensor,
+                              batch: Optional[first_prefill.Batch] = None) -> bool:
         """The first prefill of an uninitialised dynamic layer as a replay of the first store an earlier layer of the
-        same format and K/V shape recorded (``first_prefill``): the layer's and its groups' buffers and two
-        relaunches; their tensors become views on first use (``__getattr__``). False: nothing done (no replay)."""
+        same format and K/V shape recorded (``first_prefill``): queued in ``batch`` (the cache's, launched with its
+        other layers) where the prompt's attention will not read the cache (``prefill_attention`` exact), else the
+        layer's and its groups' buffers and two relaunches now; their tensors become views on first use
+        (``__getattr__``). False: nothing done (no replay)."""
         ks, vs = key_states.shape, value_states.shape
         if not self._one_buffer or len(ks) != 4 or len(vs) != 4 or not self._fused(key_states):
             return False
@@ -595,20 +598,34 @@ class TurboLayer(CacheLayerMixin):
         if rp is None:
             return False
         factors = None if self.qk_smooth is None else factor_arg(self.qk_smooth, None)
-        bufs = first_prefill.replay(rp, key_states, value_states, factors)
-        if bufs is None:
-            return False
+        gen = None
+        if batch is not None and prefill_attention_path(self.turbo_config, key_states.device) == "exact":
+            gen = batch.add(rp, key_states, value_states, factors)
+        if gen is not None:
+            bufs, j = None, len(gen.items) - 1
+        else:
+            bufs = first_prefill.replay(rp, key_states, value_states, factors)
+            if bufs is None:
+                return False
         self.dtype, self.device = key_states.dtype, key_states.device
         self.batch, self.n_kv_heads, self.head_dim = b, hk, d
-        self.headroom, self.n_tail, self._flat = plan.headroom, plan.n_tail, bufs[0]
+        self.headroom, self.n_tail = plan.headroom, plan.n_tail
         d_ = self.__dict__
         for name in first_prefill.LAYER_VIEWS:
             d_.pop(name, None)
-        self._lazy = (bufs, rp.layer_views)
+        if bufs is None:  # every storage attribute (the buffers too) waits for the queue's launch
+            d_.pop("_flat", None)
+            self._lazy = first_prefill.Queued(gen, j, None)
+        else:
+            self._flat, self._lazy = bufs[0], (bufs, rp.layer_views)
         groups = []
         for i, (bits, heads, views) in enumerate(rp.groups):
             g = PackedKV.__new__(PackedKV)
-            g.bits, g.n_blocks, g.flat, g._lazy = bits, plan.n_blocks, bufs[i + 1], (bufs, views)
+            g.bits, g.n_blocks = bits, plan.n_blocks
+            if bufs is None:
+                g._lazy = first_prefill.Queued(gen, j, i)
+            else:
+                g.flat, g._lazy = bufs[i + 1], (bufs, views)
             if heads is not None:
                 g.heads = heads
             groups.append(g)
@@ -1329,6 +1346,8 @@ class TurboCache(Cache):
                     layers.append(DYNAMIC_LAYER_TYPE_MAPPING.get(t, DynamicLayer)())
         elif layers is not None:
             self.n_layers = len(layers)
+        # the layers' first stores wait for the last layer (first_prefill.Batch), where the layer count is known
+        self._first_stores = first_prefill.Batch() if self.n_layers is not None else None
         if config is not None:
             kv, rope = _kv_heads(config), rope_layout(config, self.turbo_config.k_scale_range == "rope_pair")
             for i, layer in enumerate(layers or []):
@@ -1371,10 +1390,15 @@ class TurboCache(Cache):
         # a first prefill replayed (first_prefill) needs no device switch: replay() launches only on the device it
         # recorded on (smooth_hadamard's factors launch before it: those layers take the guarded path)
         if (not layer.is_initialized and not self.offloading and isinstance(layer, TurboLayer) and not layer.smoothed
-                and layer._replay_first_prefill(key_states, value_states)):
-            return layer._first_prefill_keys(key_states, value_states)
-        with on_device(key_states.device):  # the store kernels launch on the layer's GPU (device_map="auto")
-            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+                and layer._replay_first_prefill(key_states, value_states, self._first_stores)):
+            out = layer._first_prefill_keys(key_states, value_states)
+        else:
+            with on_device(key_states.device):  # the store kernels launch on the layer's GPU (device_map="auto")
+                out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        batch = self._first_stores
+        if batch is not None and batch.items and layer_idx == len(self.layers) - 1:
+            batch.flush()  # the forward's last layer: its queued first stores launch together
+        return out
 
     def nonfinite_tokens(self) -> int:
         """Stored (layer, batch row, KV head, token) vectors whose K or V held an inf/NaN: they were stored as

@@ -261,9 +261,27 @@ def available_presets() -> dict[str, Path]:
 def resolve_rotate_qk(cfg: TurboConfig, model_config=None) -> TurboConfig:
     """``cfg`` with ``rotate_qk: auto`` decided for a model (a copy; other configs are returned as they are):
     ``smooth_hadamard`` when the model type is a q/k-norm family and its head dim has a Hadamard block, unless
-    ``k_scale_range`` is ``rope_pair``; else ``none``. Logged once per decision."""
+    ``k_scale_range`` is ``rope_pair``; else ``none``. Logged once per decision. The copy is kept per (config,
+    model config) object pair: every cache of a model then holds the same resolved object, which keys the layers'
+    memoised formats (``TurboLayer._layer_format``; a new copy per generate() missed that memo every prompt)."""
     if cfg.rotate_qk != "auto":
         return cfg
+    hit = _RESOLVED.get((id(cfg), id(model_config)))
+    if hit is not None and hit[0] is cfg and hit[1] is model_config:
+        return hit[2]
+    out = _resolve_rotate_qk(cfg, model_config)
+    if len(_RESOLVED) >= 64:
+        _RESOLVED.clear()
+    _RESOLVED[(id(cfg), id(model_config))] = (cfg, model_config, out)
+    return out
+
+
+#: resolve_rotate_qk's copies by the ids of (config, model config), with both objects (checked by identity)
+_RESOLVED: dict = {}
+
+
+def _resolve_rotate_qk(cfg: TurboConfig, model_config=None) -> TurboConfig:
+    """``resolve_rotate_qk`` without the memo."""
     text = model_config
     if text is not None and hasattr(text, "get_text_config"):
         text = text.get_text_config(decoder=True)

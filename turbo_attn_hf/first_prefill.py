@@ -13,22 +13,35 @@ prompt, on the path to the first token (a 1k prompt is host-bound).
   where each storage tensor of the layer and its groups lies in those buffers. :func:`replay` allocates the buffers
   of the next layer and relaunches with their addresses; the layer's tensors become views on first use
   (``kernels.arena.lazy_view``), after the first token.
+* :class:`Batch` (one per cache): the next layers of a forward need not launch their store at once — the first
+  prefill's attention reads the prompt's own K/V, not the cache. A layer with a recorded store only queues its K/V
+  (kept alive) and its state; the cache flushes the queue after its last layer's update, or any read of a queued
+  layer's storage does (``lazy_view``). The flush is one stats and one store launch for all queued layers of a
+  plan (:func:`launch_layers`: the kernels' ``LAYERS`` grid axis, each pointer moved by a per-layer table) and
+  one allocation per buffer for all of them: the host cost of a layer's store becomes a list append.
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from .kernels.arena import buffer_offset, view_spec
-from .kernels.device import current_cuda_device
-from .kernels.launch import LeanLaunch
+from .kernels.device import current_cuda_device, on_device
+from .kernels.launch import LeanLaunch, lean
 
-__all__ = ["FirstStorePlan", "LAYER_VIEWS", "PLANS", "Replay", "record", "replay"]
+__all__ = ["BATCH_BYTES", "Batch", "FirstStorePlan", "LAYER_VIEWS", "PLANS", "Queue", "Queued", "Replay", "launch_layers",
+           "record", "replay"]
 
 #: the layer attributes a first prefill leaves as views of the layer's buffer
 LAYER_VIEWS = ("k_tail", "v_tail", "nonfinite", "k_scale", "v_scale", "k_mean", "prefill_k_mean")
+
+#: bytes of K/V that a cache's queued first stores keep alive before they launch (:class:`Batch`): a 1k prompt of
+#: the Llama-3-8B shape queues all 32 layers (4 MiB each); a long prompt's layers flush in groups or, above half
+#: of it, launch their own store at once (at 32k the store is ~1 % of the prefill and the K/V are 128 MiB a layer)
+BATCH_BYTES = 128 << 20
 
 
 class FirstStorePlan:
@@ -53,11 +66,15 @@ class Replay:
     head maps...]`` (``fixed``: the kept head maps' addresses, the groups hold them);
     ``layer_views`` / ``groups[i][2]``: ``{attribute: arena.view_spec}`` in the buffers ``[layer, group 0, ...]``."""
 
-    __slots__ = ("dev_key", "sizes", "launches", "ws_shapes", "workspace", "layer_views", "groups", "fixed")
+    __slots__ = ("dev_key", "sizes", "launches", "ws_shapes", "workspace", "layer_views", "groups", "fixed",
+                 "batched", "fixed_t", "gather", "esize")
 
     def __init__(self, dev_key, sizes, launches, ws_shapes, workspace, layer_views, groups, fixed):
         self.dev_key, self.sizes, self.launches, self.ws_shapes = dev_key, sizes, launches, ws_shapes
         self.workspace, self.layer_views, self.groups, self.fixed = workspace, layer_views, groups, fixed
+        # launch_layers: per launch [fn, kwargs, grid, template, dtypes, scalars, table row, compiled or None], the
+        # kept head maps, and per table entry its address-list index (len: a zero) and element size
+        self.batched, self.fixed_t, self.gather, self.esize = [], (), None, None
 
 
 def record(layer: Any, plan: FirstStorePlan, k: torch.Tensor, v: torch.Tensor, factors: torch.Tensor,
@@ -83,34 +100,47 @@ def record(layer: Any, plan: FirstStorePlan, k: torch.Tensor, v: torch.Tensor, f
             return at
         return next(((len(bufs) + j, 0) for j, x in enumerate(ins) if t is x), None)
 
-    launches = [(plan.stats.memo.get(dev_key), plan.stats.grid, stats_args, plan.stats.scalars)]
-    launches += [(plan.store.memo.get((dev_key, key)), grid, store_args, scalars)
-                 for key, grid, scalars, _ in plan.store.calls]
-    out = []
-    for hit, grid, args, scalars in launches:
+    from .kernels.store import LAYER_ROW_STATS, LAYER_ROW_STORE, _stats_kernel, _store_kv_kernel
+
+    launches = [(plan.stats.memo.get(dev_key), plan.stats.grid, stats_args, plan.stats.scalars, _stats_kernel,
+                 plan.stats.kw, LAYER_ROW_STATS)]
+    launches += [(plan.store.memo.get((dev_key, key)), grid, store_args, scalars, _store_kv_kernel, kw, LAYER_ROW_STORE)
+                 for key, grid, scalars, kw in plan.store.calls]
+    out, batched = [], []
+    n_addr = len(bufs) + len(ins)
+    for hit, grid, args, scalars, fn, kw, row in launches:
         tpl = [where(t) for t in args]
-        if hit is None or None in tpl:
+        if None in tpl:
             return None
         out.append((hit, tuple(grid), tpl, list(scalars)))
+        pad = row - (len(tpl) - 1)  # the last argument is the table's place
+        gather = np.array([i for i, _ in tpl[:-1]] + [n_addr] * pad, dtype=np.int64)
+        esize = np.array([t.element_size() for t in args[:-1]] + [1] * pad, dtype=np.int64)
+        batched.append([fn, dict(kw, LAYERS=True), tuple(grid), tpl, tuple(t.dtype for t in args[:-1]),
+                        list(scalars), row, None, gather, esize])
     layer_views = {name: view_spec(getattr(layer, name), bufs) for name in LAYER_VIEWS}
+    layer_views["_flat"] = (0, (bufs[0].numel(),), (1,), torch.uint8, 0)
     groups = []
     for g in layer.groups:
         views = {name: view_spec(getattr(g, name), bufs) for name in g.TENSORS}
         heads = view_spec(g.heads, bufs)  # head_select's maps are views of the layer's buffer; else a kept map
         if heads is not None:
             views["heads"] = heads
+        views["flat"] = (len(groups) + 1, (g.flat.numel(),), (1,), torch.uint8, 0)
         groups.append((g.bits, g.heads if heads is None else None, views))
     if None in layer_views.values() or any(None in views.values() for _, _, views in groups):
         return None
-    return Replay(dev_key, tuple(b.numel() for b in bufs), out, ws_shapes, stats_workspace, layer_views, groups,
-                  tuple(t.data_ptr() for t in fixed))
+    rp = Replay(dev_key, tuple(b.numel() for b in bufs), None if any(o[0] is None for o in out) else out, ws_shapes,
+                stats_workspace, layer_views, groups, tuple(t.data_ptr() for t in fixed))
+    rp.batched, rp.fixed_t = batched, fixed
+    return rp
 
 
 def replay(rp: Replay, k: torch.Tensor, v: torch.Tensor, factors: Optional[torch.Tensor]) -> Optional[list]:
     """Run a recorded first store over new ``k, v`` (the recorded shapes and strides) into new buffers: returns
     them (``[layer, group 0, ...]``), or None — nothing launched or allocated — when it cannot (another device,
-    launch hooks, a pointer off 16-byte alignment)."""
-    if rp.dev_key != (current_cuda_device() if k.is_cuda else -1) or LeanLaunch.hooks_active():
+    launch hooks, a pointer off 16-byte alignment, launches not memoised)."""
+    if rp.launches is None or rp.dev_key != (current_cuda_device() if k.is_cuda else -1) or LeanLaunch.hooks_active():
         return None
     kp, vp = k.data_ptr(), v.data_ptr()
     fp = factors.data_ptr() if factors is not None else 0
@@ -125,3 +155,119 @@ def replay(rp: Replay, k: torch.Tensor, v: torch.Tensor, factors: Optional[torch
     for hit, grid, tpl, scalars in rp.launches:
         LeanLaunch.relaunch(hit, grid, [at[i] + off for i, off in tpl] + scalars)
     return bufs
+
+
+class Batch:
+    """A cache's queued first stores (module doc). ``gen``: the :class:`Queue` being filled; a flush launches it
+    and starts another."""
+
+    __slots__ = ("gen",)
+
+    def __init__(self):
+        self.gen = Queue(self)
+
+    @property
+    def items(self) -> list:
+        return self.gen.items
+
+    def add(self, rp: Replay, k: torch.Tensor, v: torch.Tensor, factors: Optional[torch.Tensor]) -> Optional["Queue"]:
+        """Queue a layer's first store as ``rp`` recorded it; returns the :class:`Queue` it joined (the layer's
+        place: its last item), or None (nothing queued) where it cannot wait: another device than the recording's,
+        a pointer off 16-byte alignment, K/V over half of ``BATCH_BYTES``."""
+        fp = factors.data_ptr() if factors is not None else 0
+        n = k.numel() * k.element_size() + v.numel() * v.element_size()
+        if (rp.dev_key != (current_cuda_device() if k.is_cuda else -1) or (k.data_ptr() | v.data_ptr() | fp) & 15
+                or 2 * n > BATCH_BYTES):
+            return None
+        gen = self.gen
+        if gen.nbytes + n > BATCH_BYTES:
+            self.flush()
+            gen = self.gen
+        gen.items.append((rp, k, v, factors))
+        gen.nbytes += n
+        return gen
+
+    def flush(self) -> None:
+        """Launch every queued store (:func:`launch_layers`, per recorded plan); a new queue takes the next ones."""
+        gen, self.gen = self.gen, Queue(self)
+        by_plan: dict = {}
+        for j, it in enumerate(gen.items):
+            by_plan.setdefault(id(it[0]), []).append(j)
+        out = [None] * len(gen.items)
+        for js in by_plan.values():
+            bigs = launch_layers([gen.items[j] for j in js])
+            for jl, j in enumerate(js):
+                out[j] = (bigs, jl)
+        gen.items, gen.out = [(it[0],) for it in gen.items], out  # K/V no longer kept alive
+
+
+class Queue:
+    """One flush's worth of a :class:`Batch`: ``items`` ``(replay, k, v, factors)``; ``out`` once launched: per item
+    the buffers and its index in them."""
+
+    __slots__ = ("batch", "items", "nbytes", "out")
+
+    def __init__(self, batch: Batch):
+        self.batch, self.items, self.nbytes, self.out = batch, [], 0, None
+
+
+class Queued:
+    """The ``_lazy`` of a queued layer (``group`` None) or of one of its bit groups: :meth:`resolve` (``arena.
+    lazy_view``, on first use) flushes the queue if it has not launched and gives ``(buffers, views, byte bases)``."""
+
+    __slots__ = ("gen", "j", "group")
+
+    def __init__(self, gen: Queue, j: int, group: Optional[int]):
+        self.gen, self.j, self.group = gen, j, group
+
+    def resolve(self) -> tuple:
+        gen = self.gen
+        if gen.out is None:
+            gen.batch.flush()
+        rp = gen.items[self.j][0]
+        bigs, jl = gen.out[self.j]
+        views = rp.layer_views if self.group is None else rp.groups[self.group][2]
+        return bigs, views, tuple(map(jl.__mul__, rp.sizes))
+
+
+def launch_layers(items: list) -> list:
+    """The queued first stores ``items`` (``(replay, k, v, factors)``) of one :class:`Replay` in one launch per
+    recorded launch: the kernels' ``LAYERS`` grid axis over the items, each pointer moved per layer by an int64
+    table (elements; the layer's and groups' buffers ``sizes`` bytes apart in one allocation each, the inputs where
+    they are, the stats workspaces ``stats_workspace_steps`` apart, the kept head maps shared). Returns the
+    buffers."""
+    from .kernels.store import stats_workspace_steps
+
+    rp, k0, v0, f0 = items[0]
+    dev, n = k0.device, len(items)
+    with on_device(dev):
+        bigs = [torch.empty(n * size, dtype=torch.uint8, device=dev) for size in rp.sizes]
+        ws = rp.workspace(dev, *rp.ws_shapes, layers=n)
+        s_part, s_sum, s_arr = stats_workspace_steps(*rp.ws_shapes)
+        ins = (k0, v0, f0, *ws, *rp.fixed_t)
+        addr = [b.data_ptr() for b in bigs] + [0 if t is None else t.data_ptr() for t in ins]
+        steps = np.array(rp.sizes + (0, 0, 0, s_part, s_sum, s_part, s_arr) + (0,) * (len(rp.fixed_t) + 1),
+                         dtype=np.int64)
+        delta = np.outer(np.arange(n, dtype=np.int64), steps)  # [layers, addresses + a zero]: bytes from layer 0's
+        kvf = np.array([(k.data_ptr(), v.data_ptr(), 0 if f is None else f.data_ptr()) for _, k, v, f in items],
+                       dtype=np.int64)
+        delta[:, len(bigs):len(bigs) + 3] = kvf - kvf[0]
+        table = torch.from_numpy(np.concatenate([(delta[:, b[8]] // b[9]).reshape(-1) for b in rp.batched]))
+        if dev.type == "cuda":  # through pinned memory: a pageable copy would wait for the stream
+            table = table.pin_memory().to(dev, non_blocking=True)
+        hooks = LeanLaunch.hooks_active()
+        at = 0
+        for b in rp.batched:
+            fn, kw, grid, tpl, dtypes, scalars, row, hit = b[:8]
+            grid = grid + (n,)
+            if hit is not None and not hooks:
+                LeanLaunch.relaunch(hit, grid, [addr[i] + off for i, off in tpl[:-1]] + [table.data_ptr() + 8 * at]
+                                    + scalars)
+            else:  # the first batch of this plan (compiles) or a profiler's hooks: tensors of the first layer
+                args = [bigs[i][off:off + dt.itemsize].view(dt) if i < len(bigs) else ins[i - len(bigs)]
+                        for (i, off), dt in zip(tpl[:-1], dtypes)]
+                hit = lean(fn).launch(grid, (*args, table[at:], *scalars), kw)
+                if not hooks:
+                    b[7] = hit
+            at += n * row
+    return bigs

@@ -2,7 +2,8 @@
 
     python -m eval.experiments.ttft_rounds LAYERS T1,T2 ROUNDS OUT.json [CONFIGS]   # e.g. 32 1024,4096 7 x.json
 CONFIGS: sdpa,int8,int4,mixed (default); a suffix ``@int8`` / ``@exact`` sets the preset's ``prefill_attention``
-(session 16), in the same process (session 15's ``@8``, the stats pass's old fixed chunks, and ``@alloc``, a
+(session 16), ``@perlayer`` launches each layer's first store at once instead of batching a forward's (session 20),
+in the same process (session 15's ``@8``, the stats pass's old fixed chunks, and ``@alloc``, a
 reverted scratch reuse: trees ba483a5 and 3f56f35). ``TTFT_STATIC=1``: the static cache
 (``cache_implementation="static"``, the compiled path's prefill; one token, so nothing is compiled), no forward-only
 timing.
@@ -19,8 +20,12 @@ STATIC = os.environ.get("TTFT_STATIC") == "1"
 cfgs = sys.argv[5].split(",") if len(sys.argv) > 5 else ["sdpa", "int8", "int4", "mixed"]
 import dataclasses
 from turbo_attn_hf import TurboConfig
+from turbo_attn_hf import first_prefill as FP
+BATCH0 = FP.BATCH_BYTES
 def use(c):
     name, _, path = c.partition("@")
+    FP.BATCH_BYTES = 0 if path == "perlayer" else BATCH0  # session 20: the first stores per layer, not batched
+    path = "" if path == "perlayer" else path
     if name == "sdpa" or not path:
         set_impl(model, name)
     else:

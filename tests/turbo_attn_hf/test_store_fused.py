@@ -87,13 +87,19 @@ def test_first_prefill_equals_pytorch_path(preset, T, sink, recent, device):
 @pytest.mark.parametrize("preset", ["int8", "int4", "mixed"])
 @pytest.mark.parametrize("T", [BS - 1, 5 * BS + 3])
 @pytest.mark.parametrize("v_layout", ["as_k", "fused_kv"])
-def test_layers_of_one_shape_replay_the_first_layers_plan(preset, T, v_layout, device, monkeypatch):
+@pytest.mark.parametrize("prefill", ["auto", "exact"])
+def test_layers_of_one_shape_replay_the_first_layers_plan(preset, T, v_layout, prefill, device, monkeypatch):
     """Every layer of a model has the same shape: the first builds and records the first store's plan, the
     others replay it (``first_prefill``) over their own K/V and storage, bit for bit the PyTorch path of each
-    layer. ``fused_kv``: V a slice of a fused K/V projection (other strides than K's)."""
+    layer. ``fused_kv``: V a slice of a fused K/V projection (other strides than K's). ``exact`` (the prompt's
+    attention reads no cache): the other layers queue their stores and the last layer's update launches them
+    together (``first_prefill.Batch``, one flush); ``auto`` on CPU: INT8 prefill attention, nothing queued."""
     monkeypatch.setattr(FP, "PLANS", {})
+    flushes = []
+    flush = FP.Batch.flush
+    monkeypatch.setattr(FP.Batch, "flush", lambda self: (flushes.append(len(self.items)), flush(self)))
     b, hk, n_layers = 2, 4, 4
-    cfg = _cfg(preset, sink_blocks=1, recent_blocks=2)
+    cfg = _cfg(preset, sink_blocks=1, recent_blocks=2, prefill_attention=prefill)
     kvs = [_kv(b, hk, T, seed=100 + i, device=device) for i in range(n_layers)]
     if v_layout == "fused_kv":  # [b, T, 2, Hk, d] -> V [b, Hk, T, d] with T stride 2*Hk*d
         kvs = [(k, torch.stack([v.transpose(1, 2)] * 2, 2)[:, :, 1].transpose(1, 2)) for k, v in kvs]
@@ -110,6 +116,11 @@ def test_layers_of_one_shape_replay_the_first_layers_plan(preset, T, v_layout, d
             C.FUSED_STORE = old
 
     fused = run(True)
+    queued = [n for n in flushes if n]
+    if prefill == "exact" and T >= BS * 4:  # a block to pack: a recorded store (else the INT8 buffer alone)
+        assert queued == [n_layers - len(FP.PLANS)], flushes  # every layer but each plan's recorder, one flush
+    elif device.type == "cpu":
+        assert not queued
     assert len(FP.PLANS) == (1 if preset != "mixed" else len({tuple(l._plan_bits) for l in fused}))
     for a, b_ in zip(fused, run(False)):
         _assert_same(a, b_)
