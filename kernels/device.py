@@ -6,7 +6,7 @@ import functools
 
 import torch
 
-__all__ = ["current_cuda_device", "on_device", "sm_count"]
+__all__ = ["current_cuda_device", "on_device", "on_tensor_device", "sm_count"]
 
 #: the current CUDA device index, read in C (``torch.cuda.current_device()`` adds a Python frame and its lazy-init
 #: check: ~3 us a call on the GPU host, several calls a layer and step); callers hold CUDA tensors, so CUDA is up
@@ -40,3 +40,26 @@ class on_device:
         if self.ctx is not None:
             self.ctx.__exit__(*exc)
         return False
+
+
+class _Current:
+    """The guard of a tensor already on the current device: nothing to do."""
+
+    __slots__ = ()
+
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+_CURRENT = _Current()
+
+
+def on_tensor_device(t: torch.Tensor):
+    """:class:`on_device` for ``t``'s device, without making a ``torch.device`` (``t.device``) or a guard object
+    when it is current already (the per-layer hot paths: ~1-2 us a call on the GPU host)."""
+    if t.is_cuda and t.get_device() != current_cuda_device():
+        return torch.cuda.device(t.get_device())
+    return _CURRENT

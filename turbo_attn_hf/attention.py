@@ -45,7 +45,7 @@ from .capabilities import (
     unsupported,
 )
 from .config import TurboConfig, prefill_attention_path, resolve_rotate_qk
-from .kernels.device import on_device
+from .kernels.device import on_device, on_tensor_device
 from .kernels.reference import turbo_attention as reference_attention
 from .kernels.smooth_factors import smooth_factors
 
@@ -212,19 +212,20 @@ def exact_attention(
     window: Optional[int] = None,
     softcap: Optional[float] = None,
     key_valid: Optional[torch.Tensor] = None,
+    mask_elems: Optional[int] = None,
 ) -> torch.Tensor:
     """``prefill_attention: exact``: unquantized attention in the inputs' dtype through PyTorch's SDPA (cuDNN /
     flash on a GPU), the kernels' semantics (bottom-right causal, ``window``, ``key_valid``). A plain causal
     prompt takes SDPA's ``is_causal`` with GQA in the kernel (no mask, no repeated K/V), as transformers' sdpa
-    does; a mask is a bool ``[b, 1, Lq, Lk]``; softcap goes through :func:`torch_attention`. Returns
-    ``[b, Lq, Hq, d]``."""
+    does; a mask is a bool ``[b, 1, Lq, Lk]``; softcap goes through :func:`torch_attention`. ``mask_elems``:
+    :func:`exact_mask_elems` of these arguments where the caller has it. Returns ``[b, Lq, Hq, d]``."""
     b, hq, lq, d = q.shape
     hk, lk = k.shape[1], k.shape[2]
     if softcap:
         return torch_attention(q, k, v, scale=scale, causal=causal, window=window, softcap=softcap,
                                key_valid=key_valid)
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    if not exact_mask_elems(q, k, causal, window, key_valid):
+    if not (exact_mask_elems(q, k, causal, window, key_valid) if mask_elems is None else mask_elems):
         o = sdpa(q, k, v, is_causal=causal and lq > 1, scale=scale, enable_gqa=hq != hk)
         return o.transpose(1, 2).contiguous()
     if hq != hk:
@@ -314,7 +315,7 @@ def turbo_attention_forward(
     # 1. A TurboCache layer returned these keys: it reads its own packed storage.
     layer = getattr(key, "turbo_cache_layer", None)
     if layer is not None:
-        with on_device(query.device):
+        with on_tensor_device(query):
             out = layer.attention(
                 query, key, value, scale=scaling, causal=is_causal, window=sliding_window, softcap=softcap,
                 key_valid=key_valid,

@@ -129,3 +129,102 @@ def test_layer_format_ids_follow_the_format_not_the_objects():
     assert fmt(int4, hk=1)[1] != fid
     assert fmt(dataclasses.replace(int4, k_scale_range="rope_pair"), rope=64)[1] != \
         fmt(dataclasses.replace(int4, k_scale_range="rope_pair"), rope=0)[1]
+
+
+# ------------------------------------------------------------------ a forward's first stores, queued (first_prefill.Batch)
+def _tiny_turbo(preset="int4", layers=4):
+    import dataclasses
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import turbo_attn_hf
+    from turbo_attn_hf.config import TurboConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512)
+    m = LlamaForCausalLM(cfg).eval()
+    m.set_attn_implementation(turbo_attn_hf.ATTN_NAME)
+    tc = dataclasses.replace(TurboConfig.preset(preset), block_size=16, sink_blocks=1, recent_blocks=1,
+                             prefill_attention="exact")  # the prompt's attention reads no cache: stores queue
+    turbo_attn_hf.set_turbo_config(m, tc)
+    return m, tc
+
+
+def _storage(layers):
+    out = []
+    for lay in layers:
+        n = lay.n_tail
+        out.append((n, lay.k_scale, lay.v_scale, lay.k_tail[:, :, :n], lay.v_tail[:, :, :, n and slice(0, n)],
+                    [(g.bits, g.heads, g.n_blocks, [t[:, :, :g.n_blocks] for _, t in g._tensors()]) for g in lay.groups]))
+    return out
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("preset", ["int8", "int4", "mixed"])
+def test_generate_with_queued_first_stores_equals_the_layer_by_layer_store(preset, monkeypatch):
+    """generate() on a turbo model whose prompt attention is exact: every layer but the first queues its first store
+    and the last layer's update launches the queue (one flush per prompt); tokens and every stored byte equal the
+    layer-by-layer store's (``BATCH_BYTES = 0``), through a second turn on the filled cache (a second prefill)."""
+    from turbo_attn_hf import first_prefill as FP
+    from turbo_attn_hf.cache import TurboCache
+
+    m, tc = _tiny_turbo(preset)
+    g = torch.Generator().manual_seed(1)
+    turn1 = torch.randint(0, 96, (1, 90), generator=g)
+    turn2 = torch.randint(0, 96, (1, 40), generator=g)
+    flushes = []
+    flush = FP.Batch.flush
+    monkeypatch.setattr(FP.Batch, "flush", lambda self: (flushes.append(len(self.items)), flush(self)))
+
+    def chat(batch_bytes):
+        monkeypatch.setattr(FP, "BATCH_BYTES", batch_bytes)
+        FP.PLANS.clear()
+        cache = TurboCache(tc, config=m.config)
+        with torch.no_grad():
+            a = m.generate(turn1, past_key_values=cache, max_new_tokens=5, do_sample=False)
+            b = m.generate(torch.cat([a, turn2], 1), past_key_values=cache, max_new_tokens=5, do_sample=False)
+        return b, _storage(cache.layers)
+
+    toks, stored = chat(FP.BATCH_BYTES)
+    assert [n for n in flushes if n] == [3]  # layers 1-3 of the first prompt, at layer 3's update
+    toks0, stored0 = chat(0)
+    assert torch.equal(toks, toks0)
+    assert _same(stored, stored0)
+
+
+def test_a_queued_layer_reset_or_read_before_the_launch():
+    """A read of a queued layer's storage launches the queue (its views then resolve); a layer reset while queued
+    stays reset (the launch writes buffers it no longer holds)."""
+    import dataclasses
+
+    from turbo_attn_hf import first_prefill as FP
+    from turbo_attn_hf.cache import TurboCache
+    from turbo_attn_hf.config import TurboConfig
+
+    m, tc = _tiny_turbo("int4", layers=5)
+    g = torch.Generator().manual_seed(2)
+    kvs = [tuple(torch.randn(1, 2, 90, 64, generator=g).to(torch.bfloat16) for _ in "kv") for _ in range(5)]
+    FP.PLANS.clear()
+    ref = TurboCache(dataclasses.replace(tc, prefill_attention="int8"), config=m.config)  # nothing queued
+    for i, (k, v) in enumerate(kvs):
+        ref.update(k, v, i)
+    cache = TurboCache(tc, config=m.config)
+    for i, (k, v) in enumerate(kvs[:4]):
+        cache.update(k, v, i)
+    assert len(cache._first_stores.items) == 4  # ref's layer 0 recorded the plan: every layer replays it
+    cache.layers[2].reset()
+    assert torch.equal(cache.layers[1].k_scale, ref.layers[1].k_scale)  # a read: the queue launched
+    assert not cache._first_stores.items and not cache.layers[2].is_initialized
+    assert cache.layers[2].k_scale is None and cache.layers[2].groups == []
+    cache.update(*kvs[4], 4)  # queued alone, launched at the last layer
+    assert not cache._first_stores.items
+    for i in (0, 1, 3, 4):
+        assert _same(_storage([cache.layers[i]]), _storage([ref.layers[i]])), i
