@@ -43,7 +43,8 @@ class on_device:
 
 
 class _Current:
-    """The guard of a tensor already on the current device: nothing to do."""
+    """The guard of a tensor already on the current device: nothing to do (a new one per call: torch.compile traces a
+    context manager made inside the compiled region, not a module-level one)."""
 
     __slots__ = ()
 
@@ -54,12 +55,9 @@ class _Current:
         return False
 
 
-_CURRENT = _Current()
-
-
 def on_tensor_device(t: torch.Tensor):
-    """:class:`on_device` for ``t``'s device, without making a ``torch.device`` (``t.device``) or a guard object
-    when it is current already (the per-layer hot paths: ~1-2 us a call on the GPU host)."""
+    """:class:`on_device` for ``t``'s device without making a ``torch.device`` (``t.device``): the per-layer hot
+    paths, ~1-2 us a call on the GPU host."""
     if t.is_cuda and t.get_device() != current_cuda_device():
         return torch.cuda.device(t.get_device())
-    return _CURRENT
+    return _Current()

@@ -6,7 +6,7 @@ CONFIGS: sdpa,int8,int4,mixed (default); a suffix ``@int8`` / ``@exact`` sets th
 in the same process (session 15's ``@8``, the stats pass's old fixed chunks, and ``@alloc``, a
 reverted scratch reuse: trees ba483a5 and 3f56f35). ``TTFT_STATIC=1``: the static cache
 (``cache_implementation="static"``, the compiled path's prefill; one token, so nothing is compiled), no forward-only
-timing.
+timing. ``TTFT_GC=off``: the garbage collector frozen and disabled after the model is built.
 Per shape: R rounds, each round one generate(1) per config in turn (alternating, same process); then a
 torch.profiler trace of one generate(1) per config: wall, GPU kernel sum, GPU busy (union), idle gaps inside the
 first forward, launches, top kernels; and the forward alone (model(ids, past_key_values=fresh cache))."""
@@ -31,6 +31,9 @@ def use(c):
     else:
         set_impl(model, dataclasses.replace(TurboConfig.preset(name), prefill_attention=path))
 model = build_model(L, LLAMA3_8B, "cuda", torch.bfloat16)
+if os.environ.get("TTFT_GC") == "off":  # session 20: is the host's slow mode the garbage collector?
+    import gc
+    gc.collect(); gc.freeze(); gc.disable()
 g = model.generation_config; g.eos_token_id = g.pad_token_id = g.cache_implementation = None
 res = {}
 def sync(): torch.cuda.synchronize()

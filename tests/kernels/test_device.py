@@ -22,3 +22,31 @@ def test_switches_only_to_another_cuda_device(monkeypatch):
     assert entered == []
     with D.on_device(torch.device("cuda", 1)):
         assert entered == [torch.device("cuda", 1)]
+
+
+def test_tensor_guard_switches_only_to_another_cuda_device(monkeypatch):
+    """on_tensor_device: the same rule from a tensor's own device index (no torch.device made per call)."""
+    entered = []
+
+    @contextlib.contextmanager
+    def fake_device(dev):
+        entered.append(dev)
+        yield
+
+    class FakeCuda:  # a CUDA tensor's two facts the guard reads
+        is_cuda = True
+
+        def __init__(self, i):
+            self.i = i
+
+        def get_device(self):
+            return self.i
+
+    monkeypatch.setattr(D, "current_cuda_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", fake_device)
+    for t in (torch.zeros(1), FakeCuda(0)):
+        with D.on_tensor_device(t):
+            pass
+    assert entered == []
+    with D.on_tensor_device(FakeCuda(1)):
+        assert entered == [1]

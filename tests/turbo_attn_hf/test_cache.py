@@ -565,11 +565,11 @@ def test_update_launches_on_the_layers_device(monkeypatch):
     seen = []
 
     @contextlib.contextmanager
-    def record(dev):
-        seen.append(dev)
+    def record(t):
+        seen.append(t.device)
         yield
 
-    monkeypatch.setattr(C, "on_device", record)
+    monkeypatch.setattr(C, "on_tensor_device", record)
     cache = C.TurboCache("int8")
     k = torch.randn(1, 2, 5, 64, dtype=torch.bfloat16)
     cache.update(k, k.clone(), 0)

@@ -132,7 +132,7 @@ def test_layer_format_ids_follow_the_format_not_the_objects():
 
 
 # ------------------------------------------------------------------ a forward's first stores, queued (first_prefill.Batch)
-def _tiny_turbo(preset="int4", layers=4):
+def _tiny_turbo(preset="int4", layers=4, device="cpu"):
     import dataclasses
 
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -143,7 +143,7 @@ def _tiny_turbo(preset="int4", layers=4):
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512)
-    m = LlamaForCausalLM(cfg).eval()
+    m = LlamaForCausalLM(cfg).eval().to(device)
     m.set_attn_implementation(turbo_attn_hf.ATTN_NAME)
     tc = dataclasses.replace(TurboConfig.preset(preset), block_size=16, sink_blocks=1, recent_blocks=1,
                              prefill_attention="exact")  # the prompt's attention reads no cache: stores queue
@@ -169,17 +169,18 @@ def _same(a, b):
 
 
 @pytest.mark.parametrize("preset", ["int8", "int4", "mixed"])
-def test_generate_with_queued_first_stores_equals_the_layer_by_layer_store(preset, monkeypatch):
+def test_generate_with_queued_first_stores_equals_the_layer_by_layer_store(preset, device, monkeypatch):
     """generate() on a turbo model whose prompt attention is exact: every layer but the first queues its first store
     and the last layer's update launches the queue (one flush per prompt); tokens and every stored byte equal the
-    layer-by-layer store's (``BATCH_BYTES = 0``), through a second turn on the filled cache (a second prefill)."""
+    layer-by-layer store's (``BATCH_BYTES = 0``: on the GPU the per-layer replay, on CPU the general path), through
+    a second turn on the filled cache (a second prefill)."""
     from turbo_attn_hf import first_prefill as FP
     from turbo_attn_hf.cache import TurboCache
 
-    m, tc = _tiny_turbo(preset)
+    m, tc = _tiny_turbo(preset, device=device)
     g = torch.Generator().manual_seed(1)
-    turn1 = torch.randint(0, 96, (1, 90), generator=g)
-    turn2 = torch.randint(0, 96, (1, 40), generator=g)
+    turn1 = torch.randint(0, 96, (1, 90), generator=g).to(device)
+    turn2 = torch.randint(0, 96, (1, 40), generator=g).to(device)
     flushes = []
     flush = FP.Batch.flush
     monkeypatch.setattr(FP.Batch, "flush", lambda self: (flushes.append(len(self.items)), flush(self)))
@@ -200,7 +201,7 @@ def test_generate_with_queued_first_stores_equals_the_layer_by_layer_store(prese
     assert _same(stored, stored0)
 
 
-def test_a_queued_layer_reset_or_read_before_the_launch():
+def test_a_queued_layer_reset_or_read_before_the_launch(device):
     """A read of a queued layer's storage launches the queue (its views then resolve); a layer reset while queued
     stays reset (the launch writes buffers it no longer holds)."""
     import dataclasses
@@ -211,7 +212,7 @@ def test_a_queued_layer_reset_or_read_before_the_launch():
 
     m, tc = _tiny_turbo("int4", layers=5)
     g = torch.Generator().manual_seed(2)
-    kvs = [tuple(torch.randn(1, 2, 90, 64, generator=g).to(torch.bfloat16) for _ in "kv") for _ in range(5)]
+    kvs = [tuple(torch.randn(1, 2, 90, 64, generator=g).to(device, torch.bfloat16) for _ in "kv") for _ in range(5)]
     FP.PLANS.clear()
     ref = TurboCache(dataclasses.replace(tc, prefill_attention="int8"), config=m.config)  # nothing queued
     for i, (k, v) in enumerate(kvs):
