@@ -1,7 +1,8 @@
 """The headline end-to-end benchmark: plain ``model.generate()`` of a Llama-3-8B-shaped model (issue 18, item 4).
 
     python -m eval.bench_generate [--quick] [--layers N] [--shapes 1x1k,4x8k] [--configs sdpa_dynamic,...]
-                                  [--new-tokens 128] [--reps 3] [--max-seconds 540] [--profile-step] [--merge]
+                                  [--new-tokens 128] [--reps 3] [--max-seconds 540] [--ttft-rounds R]
+                                  [--profile-step] [--merge]
     python -m eval.bench_generate --dry-run      # CPU: a 2-layer toy model, 1 x 16 tokens, checks the set-up
                                                  # (turbo: PyTorch reference; TRITON_INTERPRET=1: the kernels)
 
@@ -35,6 +36,10 @@ says ``error: "OOM"``) and the run goes on; memory and compiled graphs are freed
 shape (``--profile-shape``); the difference / P gives one decode step: kernel launches (per layer), CUDA graph
 launches, GPU kernels, host ms (wall - time blocked in CUDA syncs) — the ``profile`` key. The generate(1)
 trace alone gives the same for the prefill (time to first token).
+``--ttft-rounds R`` (issue 19's bar, e.g. 11): per shape, before its rows, R rounds in which the configs without a static
+cache take turns, one generate(max_new_tokens=1) each: ``ttft_rounds_ms`` (median) and ``ttft_paired_vs_sdpa_dynamic``
+(median of each round's ratio) — the host of the GPU machine changes speed for minutes at a time, and a row's own reps
+take whatever mode it is in (eval/PERF_NOTES.md, session 20); skipped where the rounds would not fit the time budget.
 ``--quick``: 8 layers, 1x1k / 1x4k / 4x8k, N 32, 2 reps, sdpa_dynamic, sdpa_compiled, turbo_int4_eager and the
 three turbo compiled configs, time budget 330 s. The full sweep (32 layers, 6 shapes, 9 configs) does not fit one 10-minute command:
 run it shape group by shape group with ``--merge`` (same file; every shape's configs share one process).
@@ -81,6 +86,10 @@ FORMULAS = {
     "decode_vs_sdpa_compiled": "decode_ms_per_step / sdpa_compiled's at the same shape (issue 18: <= 1.05 at 1k/4k)",
     "decode_vs_sdpa_dynamic": "decode_ms_per_step / sdpa_dynamic's at the same shape (issue 18: turbo eager <= 1)",
     "ttft_vs_sdpa_dynamic": "ttft_ms / sdpa_dynamic's at the same shape (issue 19: <= 1.10 at 1 x 1k / 1 x 4k)",
+    "ttft_rounds_ms": "--ttft-rounds R: median of R rounds in which the shape's configs without a static cache take "
+                      "turns, one generate(max_new_tokens=1) each (after two warm-up calls each); per-round seconds "
+                      "in ttft_rounds_s",
+    "ttft_paired_vs_sdpa_dynamic": "median over those rounds of ttft / sdpa_dynamic's ttft in the same round",
     "profile": "per step = (trace of generate(1+P) - trace of generate(1)) / P; launches = cudaLaunchKernel(ExC) + "
                "cuLaunchKernel(Ex) calls, graph_launches = cudaGraphLaunch, kernels = GPU kernel executions; "
                "host_ms = wall - time in cuda*Synchronize / blocking cudaMemcpy (profiler overhead included); "
@@ -359,6 +368,41 @@ def measure(model, spec: dict, b: int, T: int, n: int, reps: int, layers: int, p
     return row
 
 
+def ttft_rounds(model, specs: list[dict], b: int, T: int, rounds: int, seconds_left: float) -> dict:
+    """``--ttft-rounds``: the shape's configs without a static cache take turns, one ``generate(max_new_tokens=1)``
+    each per round (two warm-up calls each first): ``{config: [seconds per round]}``, the host's drift falling on
+    every config alike (a row's own reps take whatever mode the host is in then). ``{}`` when the rounds would not
+    fit ``seconds_left`` (judged from the warm-up calls) or a call fails (OOM)."""
+    import torch
+
+    eager = [s for s in specs if not s["static"]]
+    if not rounds or not eager:
+        return {}
+    g = torch.Generator().manual_seed(1000 * b + T)
+    ids = torch.randint(0, model.config.vocab_size, (b, T), generator=g).to(model.device)
+    mask = torch.ones_like(ids)
+    times: dict = {s["name"]: [] for s in eager}
+    try:
+        per_round = 0.0
+        for s in eager:
+            set_impl(model, s["impl"])
+            generate_timed(model, ids, mask, s, 1)
+            per_round += generate_timed(model, ids, mask, s, 1)[0]
+        if seconds_left and rounds * per_round > seconds_left:
+            return {}
+        for _ in range(rounds):
+            for s in eager:
+                set_impl(model, s["impl"])
+                times[s["name"]].append(generate_timed(model, ids, mask, s, 1)[0])
+    except Exception as e:  # noqa: BLE001 - the rows stand without the rounds
+        if not is_oom(e):
+            raise
+        return {}
+    finally:
+        free_gpu_memory()
+    return times
+
+
 def add_ratios(rows: list[dict]) -> None:
     by = {(r["config"], r["batch"], r["context"]): r for r in rows}
     for r in rows:
@@ -369,6 +413,11 @@ def add_ratios(rows: list[dict]) -> None:
             r.pop(key, None)
             if r.get(val) and base.get(val) and r["config"] != base_cfg:
                 r[key] = r[val] / base[val]
+        base = by.get(("sdpa_dynamic", r["batch"], r["context"]), {})
+        r.pop("ttft_paired_vs_sdpa_dynamic", None)
+        if r.get("ttft_rounds_s") and base.get("ttft_rounds_s") and r["config"] != "sdpa_dynamic":
+            r["ttft_paired_vs_sdpa_dynamic"] = statistics.median(
+                x / y for x, y in zip(r["ttft_rounds_s"], base["ttft_rounds_s"]))
 
 
 def merge_rows(old_rows: list[dict], rows: list[dict]) -> list[dict]:
@@ -409,6 +458,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-seconds", type=float, default=None,
                     help="skip rows that would end past this many seconds from the start (0 = no limit; "
                          "default 540, --quick 330)")
+    ap.add_argument("--ttft-rounds", type=int, default=0,
+                    help="per shape, R rounds of generate(max_new_tokens=1) alternating over the configs without a "
+                         "static cache before the rows (ttft_rounds_ms, ttft_paired_vs_sdpa_dynamic; default 0: off)")
     ap.add_argument("--profile-step", action="store_true", help="torch.profiler of one decode step per config")
     ap.add_argument("--profile-shape", default=None, help="shape to profile (default: the first shape)")
     ap.add_argument("--profile-steps", type=int, default=4, help="decode steps in the profiled run (P)")
@@ -504,8 +556,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     static_turbo: dict[str, Optional[str]] = {}
     done: dict[str, tuple[float, int]] = {}
     for b, T in shapes:
+        left = opt["max_seconds"] - (time.perf_counter() - t_start) if opt["max_seconds"] else 0.0
+        alt = ttft_rounds(model, specs, b, T, args.ttft_rounds, max(left, 1e-9) if opt["max_seconds"] else 0.0)
         for spec in specs:
             row: dict = {"config": spec["name"], "batch": b, "context": T}
+            if alt.get(spec["name"]):
+                row.update(ttft_rounds_ms=statistics.median(alt[spec["name"]]) * 1e3, ttft_rounds_s=alt[spec["name"]])
             elapsed = time.perf_counter() - t_start
             if spec["impl"] != "sdpa" and spec["static"]:
                 if spec["impl"] not in static_turbo:

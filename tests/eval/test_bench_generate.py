@@ -15,9 +15,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_dry_run_writes_rows(tmp_path):
-    """`--dry-run`: 2-layer toy model on CPU, 1 x 16, sdpa_dynamic + turbo_int4_eager; every row timed."""
+    """`--dry-run`: 2-layer toy model on CPU, 1 x 16, sdpa_dynamic + turbo_int4_eager; every row timed; the
+    alternating TTFT rounds (`--ttft-rounds`)."""
     env = dict(os.environ, TRITON_INTERPRET="0")  # turbo on CPU: the PyTorch reference (the interpreter is slow)
-    proc = subprocess.run([sys.executable, "-m", "eval.bench_generate", "--dry-run", "--out", str(tmp_path)],
+    proc = subprocess.run([sys.executable, "-m", "eval.bench_generate", "--dry-run", "--ttft-rounds", "2", "--out",
+                           str(tmp_path)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     files = list(tmp_path.glob("bench_generate_*_dryrun.json"))
@@ -36,6 +38,9 @@ def test_dry_run_writes_rows(tmp_path):
         assert len(r["t1_s"]) == len(r["t1n_s"]) == data["config"]["reps"] >= 2
     assert rows[0]["cache"] == "DynamicCache" and rows[1]["cache"] == "TurboCache"
     assert "decode_vs_sdpa_dynamic" in rows[1] and "ttft_vs_sdpa_dynamic" in rows[1]
+    for r in rows:  # --ttft-rounds 2: both configs took turns twice
+        assert len(r["ttft_rounds_s"]) == 2 and r["ttft_rounds_ms"] > 0
+    assert rows[1]["ttft_paired_vs_sdpa_dynamic"] > 0 and "ttft_paired_vs_sdpa_dynamic" not in rows[0]
     assert "config" in proc.stdout and "turbo_int4_eager" in proc.stdout  # the printed table
 
 
