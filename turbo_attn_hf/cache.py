@@ -1340,6 +1340,8 @@ class TurboCache(Cache):
             attention. Without it layers are created on first use as full-attention layers.
     """
 
+    _first_stores: Optional[first_prefill.Batch] = None  # a copy made without __init__ queues nothing
+
     def __init__(self, turbo_config: TurboConfig | str | None = None, *, config: Any = None,
                  layers: Optional[list] = None, max_cache_len: Optional[int] = None):
         self.turbo_config = _resolve_config(turbo_config, config)

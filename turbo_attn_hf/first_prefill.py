@@ -224,6 +224,9 @@ class Queued:
         gen = self.gen
         if gen.out is None:
             gen.batch.flush()
+        if gen.out is None:  # its launch raised (e.g. out of memory) and took the queue with it
+            raise RuntimeError("turbo_int8: this TurboCache layer's first store failed to launch (see the error raised "
+                               "by the forward that queued it); reset the cache or start a new one")
         rp = gen.items[self.j][0]
         bigs, jl = gen.out[self.j]
         views = rp.layer_views if self.group is None else rp.groups[self.group][2]

@@ -1,21 +1,29 @@
-"""on_device: Triton launches go to the tensors' GPU, not the current one (layers spread by device_map)."""
+"""on_device / on_tensor_device: Triton launches go to the tensors' GPU, not the current one (layers spread by
+device_map)."""
 import contextlib
 
+import pytest
 import torch
 
 from turbo_attn_hf.kernels import device as D
 
 
-def test_switches_only_to_another_cuda_device(monkeypatch):
-    entered = []
+@pytest.fixture
+def entered(monkeypatch):
+    """The devices a guard switched to (``torch.cuda.device`` recorded); device 0 is current."""
+    seen = []
 
     @contextlib.contextmanager
     def fake_device(dev):
-        entered.append(dev)
+        seen.append(dev)
         yield
 
-    monkeypatch.setattr(D, "current_cuda_device", lambda: 0)  # the C read on_device uses
+    monkeypatch.setattr(D, "current_cuda_device", lambda: 0)  # the C read the guards use
     monkeypatch.setattr(torch.cuda, "device", fake_device)
+    return seen
+
+
+def test_switches_only_to_another_cuda_device(entered):
     for dev in (torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda")):
         with D.on_device(dev):
             pass
@@ -24,29 +32,23 @@ def test_switches_only_to_another_cuda_device(monkeypatch):
         assert entered == [torch.device("cuda", 1)]
 
 
-def test_tensor_guard_switches_only_to_another_cuda_device(monkeypatch):
-    """on_tensor_device: the same rule from a tensor's own device index (no torch.device made per call)."""
-    entered = []
+class _FakeCuda:
+    """The two facts of a CUDA tensor ``on_tensor_device`` reads."""
 
-    @contextlib.contextmanager
-    def fake_device(dev):
-        entered.append(dev)
-        yield
+    is_cuda = True
 
-    class FakeCuda:  # a CUDA tensor's two facts the guard reads
-        is_cuda = True
+    def __init__(self, index):
+        self.index = index
 
-        def __init__(self, i):
-            self.i = i
+    def get_device(self):
+        return self.index
 
-        def get_device(self):
-            return self.i
 
-    monkeypatch.setattr(D, "current_cuda_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "device", fake_device)
-    for t in (torch.zeros(1), FakeCuda(0)):
+def test_tensor_guard_switches_only_to_another_cuda_device(entered):
+    """The same rule from a tensor's own device index (no torch.device made per call)."""
+    for t in (torch.zeros(1), _FakeCuda(0)):
         with D.on_tensor_device(t):
             pass
     assert entered == []
-    with D.on_tensor_device(FakeCuda(1)):
+    with D.on_tensor_device(_FakeCuda(1)):
         assert entered == [1]

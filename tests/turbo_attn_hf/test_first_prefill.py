@@ -229,3 +229,20 @@ def test_a_queued_layer_reset_or_read_before_the_launch(device):
     assert not cache._first_stores.items
     for i in (0, 1, 3, 4):
         assert _same(_storage([cache.layers[i]]), _storage([ref.layers[i]])), i
+
+
+def test_a_queue_whose_launch_failed_says_so(monkeypatch):
+    """A launch that raised (out of memory) leaves its layers unresolvable: a clear error, never unwritten views."""
+    from turbo_attn_hf import first_prefill as FP
+
+    def oom(items):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(FP, "launch_layers", oom)
+    batch = FP.Batch()
+    batch.gen.items.append(("replay", None, None, None))
+    queued = FP.Queued(batch.gen, 0, None)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        queued.resolve()
+    with pytest.raises(RuntimeError, match="failed to launch"):
+        queued.resolve()
