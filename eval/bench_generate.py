@@ -36,10 +36,11 @@ says ``error: "OOM"``) and the run goes on; memory and compiled graphs are freed
 shape (``--profile-shape``); the difference / P gives one decode step: kernel launches (per layer), CUDA graph
 launches, GPU kernels, host ms (wall - time blocked in CUDA syncs) — the ``profile`` key. The generate(1)
 trace alone gives the same for the prefill (time to first token).
-``--ttft-rounds R`` (issue 19's bar, e.g. 11): per shape, before its rows, R rounds in which the configs without a static
-cache take turns, one generate(max_new_tokens=1) each: ``ttft_rounds_ms`` (median) and ``ttft_paired_vs_sdpa_dynamic``
-(median of each round's ratio) — the host of the GPU machine changes speed for minutes at a time, and a row's own reps
-take whatever mode it is in (eval/PERF_NOTES.md, session 20); skipped where the rounds would not fit the time budget.
+``--ttft-rounds R`` (issue 19's bar, e.g. 11): per shape, before its rows, R rounds in which the configs without a
+static cache take turns, one generate(max_new_tokens=1) each: ``ttft_rounds_ms`` (median) and
+``ttft_paired_vs_sdpa_dynamic`` (median of each round's ratio) — the host of the GPU machine changes speed for
+minutes at a time, and a row's own reps take whatever mode it is in (eval/PERF_NOTES.md, session 20); skipped where
+the rounds would not fit the time budget.
 ``--quick``: 8 layers, 1x1k / 1x4k / 4x8k, N 32, 2 reps, sdpa_dynamic, sdpa_compiled, turbo_int4_eager and the
 three turbo compiled configs, time budget 330 s. The full sweep (32 layers, 6 shapes, 9 configs) does not fit one 10-minute command:
 run it shape group by shape group with ``--merge`` (same file; every shape's configs share one process).

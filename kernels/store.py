@@ -25,7 +25,9 @@ per layer with host syncs for mixed's head choice) are two more kernels here, no
 
 With K smoothing the stats kernel also sums the finite keys in fp64 and the head finisher writes the mean: exact for
 16-bit keys, so bit for bit ``reference.k_smooth_mean`` (the prefill's and the reference's) in any summation order.
-First prefill = stats + store = 2 launches per layer.
+First prefill = stats + store = 2 launches per layer; the first stores a forward queued (``turbo_attn_hf.
+first_prefill``) take those two launches once for all queued layers (``LAYERS``: grid axis 2, every pointer moved by
+a per-layer table, ``_at_layer``).
 
 ``rotate_qk`` (issue 23): a rotated layer passes its keys unrotated with ``rotate=True`` (and the smooth_hadamard
 factors): each kernel rotates the K rows it loads (``_rotate_keys``: x 1/s, the in-register butterfly

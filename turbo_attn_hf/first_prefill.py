@@ -32,8 +32,8 @@ from .kernels.arena import buffer_offset, view_spec
 from .kernels.device import current_cuda_device, on_device
 from .kernels.launch import LeanLaunch, lean
 
-__all__ = ["BATCH_BYTES", "Batch", "FirstStorePlan", "LAYER_VIEWS", "PLANS", "Queue", "Queued", "Replay", "launch_layers",
-           "record", "replay"]
+__all__ = ["BATCH_BYTES", "Batch", "FirstStorePlan", "LAYER_VIEWS", "PLANS", "Queue", "Queued", "Replay",
+           "launch_layers", "record", "replay"]
 
 #: the layer attributes a first prefill leaves as views of the layer's buffer
 LAYER_VIEWS = ("k_tail", "v_tail", "nonfinite", "k_scale", "v_scale", "k_mean", "prefill_k_mean")

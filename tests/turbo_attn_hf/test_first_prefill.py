@@ -131,7 +131,7 @@ def test_layer_format_ids_follow_the_format_not_the_objects():
         fmt(dataclasses.replace(int4, k_scale_range="rope_pair"), rope=0)[1]
 
 
-# ------------------------------------------------------------------ a forward's first stores, queued (first_prefill.Batch)
+# ----------------------------------------------------------- a forward's first stores, queued (first_prefill.Batch)
 def _tiny_turbo(preset="int4", layers=4, device="cpu"):
     import dataclasses
 
@@ -155,8 +155,8 @@ def _storage(layers):
     out = []
     for lay in layers:
         n = lay.n_tail
-        out.append((n, lay.k_scale, lay.v_scale, lay.k_tail[:, :, :n], lay.v_tail[:, :, :, n and slice(0, n)],
-                    [(g.bits, g.heads, g.n_blocks, [t[:, :, :g.n_blocks] for _, t in g._tensors()]) for g in lay.groups]))
+        groups = [(g.bits, g.heads, g.n_blocks, [t[:, :, :g.n_blocks] for _, t in g._tensors()]) for g in lay.groups]
+        out.append((n, lay.k_scale, lay.v_scale, lay.k_tail[:, :, :n], lay.v_tail[:, :, :, :n], groups))
     return out
 
 
