@@ -143,6 +143,23 @@ def alternating(cfgs, rounds: int, fn, warm: int = 3) -> list:
     return [(r, c, fn(c)) for r in range(rounds) for c in cfgs]
 
 
+_BATCH_BYTES = None  # first_prefill's default, read at the first first_stores_per_layer call
+
+
+def first_stores_per_layer(config: str) -> str:
+    """``PRESET@perlayer`` (session 20's A/B in one process): each layer's first store launched at once instead of a
+    forward's together (``first_prefill.BATCH_BYTES = 0``), any other name queued as usual; returns the name
+    without ``@perlayer``."""
+    from turbo_attn_hf import first_prefill
+
+    global _BATCH_BYTES
+    if _BATCH_BYTES is None:
+        _BATCH_BYTES = first_prefill.BATCH_BYTES
+    name, _, mode = config.partition("@")
+    first_prefill.BATCH_BYTES = 0 if mode == "perlayer" else _BATCH_BYTES
+    return name if mode == "perlayer" else config
+
+
 def _sync():
     import torch
 

@@ -64,7 +64,7 @@ from typing import Optional
 
 from .bench_common import RESULTS_DIR, free_gpu_memory, gib, is_oom, machine_info, machine_line, parse_int_list, \
     print_table, require_cuda, save_results, write_json
-from .bench_e2e import LLAMA3_8B, PRESETS, TOY, build_model, set_impl
+from .bench_e2e import LLAMA3_8B, PRESETS, TOY, alternating, build_model, set_impl
 
 SDPA_CONFIGS = ("sdpa_dynamic", "sdpa_static", "sdpa_compiled")
 ALL_CONFIGS = SDPA_CONFIGS + tuple(f"turbo_{p}_{m}" for p in PRESETS for m in ("eager", "compiled"))
@@ -382,19 +382,17 @@ def ttft_rounds(model, specs: list[dict], b: int, T: int, rounds: int, seconds_l
     g = torch.Generator().manual_seed(1000 * b + T)
     ids = torch.randint(0, model.config.vocab_size, (b, T), generator=g).to(model.device)
     mask = torch.ones_like(ids)
+    def call(spec: dict) -> float:
+        set_impl(model, spec["impl"])
+        return generate_timed(model, ids, mask, spec, 1)[0]
+
     times: dict = {s["name"]: [] for s in eager}
     try:
-        per_round = 0.0
-        for s in eager:
-            set_impl(model, s["impl"])
-            generate_timed(model, ids, mask, s, 1)
-            per_round += generate_timed(model, ids, mask, s, 1)[0]
+        per_round = sum([call(s), call(s)][1] for s in eager)  # the warm-up calls, the second one timed
         if seconds_left and rounds * per_round > seconds_left:
             return {}
-        for _ in range(rounds):
-            for s in eager:
-                set_impl(model, s["impl"])
-                times[s["name"]].append(generate_timed(model, ids, mask, s, 1)[0])
+        for _, spec, t in alternating(eager, rounds, call, warm=0):
+            times[spec["name"]].append(t)
     except Exception as e:  # noqa: BLE001 - the rows stand without the rounds
         if not is_oom(e):
             raise

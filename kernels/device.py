@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -42,22 +43,9 @@ class on_device:
         return False
 
 
-class _Current:
-    """The guard of a tensor already on the current device: nothing to do (a new one per call: torch.compile traces a
-    context manager made inside the compiled region, not a module-level one)."""
-
-    __slots__ = ()
-
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
 def on_tensor_device(t: torch.Tensor):
     """:class:`on_device` for ``t``'s device without making a ``torch.device`` (``t.device``): the per-layer hot
     paths, ~1-2 us a call on the GPU host."""
     if t.is_cuda and t.get_device() != current_cuda_device():
         return torch.cuda.device(t.get_device())
-    return _Current()
+    return contextlib.nullcontext()  # made per call: torch.compile traces no module-level context manager

@@ -247,12 +247,15 @@ def exact_mask_elems(q: torch.Tensor, k: torch.Tensor, causal: bool, window: Opt
     return (b if key_valid is not None else 1) * lq * lk
 
 
-def takes_exact_path(cfg: TurboConfig, q: torch.Tensor, k: torch.Tensor, *, causal: bool, window: Optional[int],
-                     softcap: Optional[float], key_valid: Optional[torch.Tensor]) -> bool:
-    """Whether attention of ``q`` over the given ``k`` runs :func:`exact_attention` (``TurboConfig.prefill_attention``
-    resolved for this device, softcap and mask size) — the one rule for the first prefill of a TurboCache layer and
-    for calls without a cache."""
-    return prefill_attention_path(cfg, q.device, softcap, exact_mask_elems(q, k, causal, window, key_valid)) == "exact"
+def exact_path_elems(cfg: TurboConfig, q: torch.Tensor, k: torch.Tensor, *, causal: bool, window: Optional[int],
+                     softcap: Optional[float], key_valid: Optional[torch.Tensor],
+                     device: Optional[torch.device] = None) -> Optional[int]:
+    """Where attention of ``q`` over the given ``k`` runs :func:`exact_attention` (``TurboConfig.prefill_attention``
+    resolved for this device, softcap and mask size), the elements of its mask (:func:`exact_mask_elems`, 0: none);
+    else None. The one rule for the first prefill of a TurboCache layer (``device``: the layer's, no
+    ``torch.device`` made per call) and for calls without a cache."""
+    elems = exact_mask_elems(q, k, causal, window, key_valid)
+    return elems if prefill_attention_path(cfg, device or q.device, softcap, elems) == "exact" else None
 
 
 def _prefill_fn(device: torch.device, model: str) -> Callable[..., torch.Tensor]:
@@ -352,9 +355,11 @@ def turbo_attention_forward(
             "generate() (it builds a TurboCache) or pass turbo_attn_hf.TurboCache(...) as the cache.",
         )
     cfg = st.turbo
-    if takes_exact_path(cfg, query, key, causal=is_causal, window=sliding_window, softcap=softcap, key_valid=key_valid):
+    elems = exact_path_elems(cfg, query, key, causal=is_causal, window=sliding_window, softcap=softcap,
+                             key_valid=key_valid)
+    if elems is not None:
         return exact_attention(query, key, value, scale=scaling, causal=is_causal, window=sliding_window,
-                               softcap=softcap, key_valid=key_valid), None
+                               softcap=softcap, key_valid=key_valid, mask_elems=elems), None
     in_dtype = query.dtype
     if in_dtype not in caps.KERNEL_DTYPES:
         cast = caps.CAST_DTYPES.get(in_dtype)

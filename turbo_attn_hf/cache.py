@@ -46,7 +46,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
 from . import first_prefill
-from .attention import exact_attention, exact_mask_elems
+from .attention import exact_attention, exact_path_elems
 from .config import TurboConfig, TurboConfigError, prefill_attention_path, resolve_rotate_qk
 from .kernels.arena import carve, lazy_view
 from .kernels.device import on_tensor_device
@@ -584,27 +584,25 @@ class TurboLayer(CacheLayerMixin):
         same format and K/V shape recorded (``first_prefill``): queued in ``batch`` (the cache's, launched with its
         other layers) where the prompt's attention will not read the cache (``prefill_attention`` exact), else the
         layer's and its groups' buffers and two relaunches now; their tensors become views on first use
-        (``__getattr__``). False: nothing done (no replay)."""
+        (``__getattr__``). False: nothing done (no replay) — also for smooth_hadamard, whose factors launch first
+        (outside any replay, on the layer's device: the guarded path)."""
         ks, vs = key_states.shape, value_states.shape
-        if not self._one_buffer or len(ks) != 4 or len(vs) != 4 or not self._fused(key_states):
+        if self.smoothed or not self._one_buffer or len(ks) != 4 or len(vs) != 4 or not self._fused(key_states):
             return False
         b, hk, T, d = ks
         if T == 0 or vs[0] != b or vs[1] != hk or vs[3] != d:
             return False
-        if self.rotated:
-            self._rotate_keys(key_states)  # smooth_hadamard: the factors, fixed by these keys
         plan = first_prefill.PLANS.get(self._first_store_key(key_states, value_states))
         rp = plan.replay if plan is not None else None
         if rp is None:
             return False
-        factors = None if self.qk_smooth is None else factor_arg(self.qk_smooth, None)
         gen = None
         if batch is not None and prefill_attention_path(self.turbo_config, key_states.device) == "exact":
-            gen = batch.add(rp, key_states, value_states, factors)
+            gen = batch.add(rp, key_states, value_states, None)
         if gen is not None:
             bufs, j = None, len(gen.items) - 1
         else:
-            bufs = first_prefill.replay(rp, key_states, value_states, factors)
+            bufs = first_prefill.replay(rp, key_states, value_states, None)
             if bufs is None:
                 return False
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -613,19 +611,13 @@ class TurboLayer(CacheLayerMixin):
         d_ = self.__dict__
         for name in first_prefill.LAYER_VIEWS:
             d_.pop(name, None)
-        if bufs is None:  # every storage attribute (the buffers too) waits for the queue's launch
-            d_.pop("_flat", None)
-            self._lazy = first_prefill.Queued(gen, j, None)
-        else:
-            self._flat, self._lazy = bufs[0], (bufs, rp.layer_views)
+        d_.pop("_flat", None)  # a view too (``Replay.layer_views``): queued, the buffers do not exist yet
+        self._lazy = first_prefill.Queued(gen, j, None) if bufs is None else (bufs, rp.layer_views)
         groups = []
         for i, (bits, heads, views) in enumerate(rp.groups):
             g = PackedKV.__new__(PackedKV)
             g.bits, g.n_blocks = bits, plan.n_blocks
-            if bufs is None:
-                g._lazy = first_prefill.Queued(gen, j, i)
-            else:
-                g.flat, g._lazy = bufs[i + 1], (bufs, views)
+            g._lazy = first_prefill.Queued(gen, j, i) if bufs is None else (bufs, views)
             if heads is not None:
                 g.heads = heads
             groups.append(g)
@@ -822,8 +814,9 @@ class TurboLayer(CacheLayerMixin):
             self._check_keys(key)
         if self._first_prefill and key.shape[2] == query.shape[2] and key.stride(-1) == 1:
             # the prompt's own K/V (raw K: not rotated)
-            elems = exact_mask_elems(query, key, causal, window, key_valid)  # takes_exact_path, the layer's device
-            if prefill_attention_path(cfg, self.device, softcap, elems) == "exact":
+            elems = exact_path_elems(cfg, query, key, causal=causal, window=window, softcap=softcap,
+                                     key_valid=key_valid, device=self.device)
+            if elems is not None:
                 return exact_attention(query, key, value, scale=scale, causal=causal, window=window,
                                        softcap=softcap, key_valid=key_valid, mask_elems=elems)
             from .kernels import reference
@@ -1426,8 +1419,8 @@ class TurboCache(Cache):
             self.layers.append(TurboLayer(self.turbo_config, len(self.layers), self.n_layers))
         layer = self.layers[layer_idx]
         # a first prefill replayed (first_prefill) needs no device switch: replay() launches only on the device it
-        # recorded on (smooth_hadamard's factors launch before it: those layers take the guarded path)
-        if (not layer.is_initialized and not self.offloading and isinstance(layer, TurboLayer) and not layer.smoothed
+        # recorded on
+        if (not layer.is_initialized and not self.offloading and isinstance(layer, TurboLayer)
                 and layer._replay_first_prefill(key_states, value_states, self._first_stores)):
             out = layer._first_prefill_keys(key_states, value_states)
         else:

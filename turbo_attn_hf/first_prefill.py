@@ -67,14 +67,14 @@ class Replay:
     ``layer_views`` / ``groups[i][2]``: ``{attribute: arena.view_spec}`` in the buffers ``[layer, group 0, ...]``."""
 
     __slots__ = ("dev_key", "sizes", "launches", "ws_shapes", "workspace", "layer_views", "groups", "fixed",
-                 "batched", "fixed_t", "gather", "esize")
+                 "batched", "fixed_t")
 
     def __init__(self, dev_key, sizes, launches, ws_shapes, workspace, layer_views, groups, fixed):
         self.dev_key, self.sizes, self.launches, self.ws_shapes = dev_key, sizes, launches, ws_shapes
         self.workspace, self.layer_views, self.groups, self.fixed = workspace, layer_views, groups, fixed
-        # launch_layers: per launch [fn, kwargs, grid, template, dtypes, scalars, table row, compiled or None], the
-        # kept head maps, and per table entry its address-list index (len: a zero) and element size
-        self.batched, self.fixed_t, self.gather, self.esize = [], (), None, None
+        # launch_layers: per launch [fn, kwargs, grid, template, dtypes, scalars, table row, compiled or None, each
+        # table entry's address-list index (the list's length: a zero), its element size]; the kept head maps
+        self.batched, self.fixed_t = [], ()
 
 
 def record(layer: Any, plan: FirstStorePlan, k: torch.Tensor, v: torch.Tensor, factors: torch.Tensor,
@@ -136,16 +136,20 @@ def record(layer: Any, plan: FirstStorePlan, k: torch.Tensor, v: torch.Tensor, f
     return rp
 
 
+def _fits(rp: Replay, k: torch.Tensor, v: torch.Tensor, factors: Optional[torch.Tensor]) -> bool:
+    """Whether ``rp``'s launches take these inputs: the device it recorded on, 16-byte aligned pointers."""
+    fp = factors.data_ptr() if factors is not None else 0
+    return rp.dev_key == (current_cuda_device() if k.is_cuda else -1) and not (k.data_ptr() | v.data_ptr() | fp) & 15
+
+
 def replay(rp: Replay, k: torch.Tensor, v: torch.Tensor, factors: Optional[torch.Tensor]) -> Optional[list]:
     """Run a recorded first store over new ``k, v`` (the recorded shapes and strides) into new buffers: returns
     them (``[layer, group 0, ...]``), or None — nothing launched or allocated — when it cannot (another device,
     launch hooks, a pointer off 16-byte alignment, launches not memoised)."""
-    if rp.launches is None or rp.dev_key != (current_cuda_device() if k.is_cuda else -1) or LeanLaunch.hooks_active():
+    if rp.launches is None or LeanLaunch.hooks_active() or not _fits(rp, k, v, factors):
         return None
     kp, vp = k.data_ptr(), v.data_ptr()
     fp = factors.data_ptr() if factors is not None else 0
-    if (kp | vp | fp) & 15:
-        return None
     dev = k.device
     bufs = [torch.empty(n, dtype=torch.uint8, device=dev) for n in rp.sizes]
     at = [b.data_ptr() for b in bufs]  # the template's address list: the new buffers, then the inputs
@@ -174,10 +178,8 @@ class Batch:
         """Queue a layer's first store as ``rp`` recorded it; returns the :class:`Queue` it joined (the layer's
         place: its last item), or None (nothing queued) where it cannot wait: another device than the recording's,
         a pointer off 16-byte alignment, K/V over half of ``BATCH_BYTES``."""
-        fp = factors.data_ptr() if factors is not None else 0
         n = k.numel() * k.element_size() + v.numel() * v.element_size()
-        if (rp.dev_key != (current_cuda_device() if k.is_cuda else -1) or (k.data_ptr() | v.data_ptr() | fp) & 15
-                or 2 * n > BATCH_BYTES):
+        if 2 * n > BATCH_BYTES or not _fits(rp, k, v, factors):
             return None
         gen = self.gen
         if gen.nbytes + n > BATCH_BYTES:

@@ -10,7 +10,7 @@ by ``perf_counter`` pairs (~1 us each on the GPU host, both sides) and summed pe
 rounds of the host time to issue the forward, its wall time, and each part (ms per forward)."""
 import sys, time, json, statistics, collections
 import torch
-from eval.bench_e2e import LLAMA3_8B, alternating, build_model, timed_prefill
+from eval.bench_e2e import LLAMA3_8B, alternating, build_model, first_stores_per_layer, timed_prefill
 L, T, R = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]); cfgs = sys.argv[4].split(","); out = sys.argv[5]
 ACC = collections.defaultdict(float)
 pc = time.perf_counter
@@ -63,14 +63,9 @@ model = build_model(L, LLAMA3_8B, "cuda", torch.bfloat16)
 ids = torch.randint(0, model.config.vocab_size, (1, T), device="cuda")
 
 
-BATCH0 = FP.BATCH_BYTES
-
-
 def fwd(c):
     ACC.clear()
-    name, _, mode = c.partition("@")
-    FP.BATCH_BYTES = 0 if mode == "perlayer" else BATCH0  # ``int4@perlayer``: no batched first store (session 20)
-    h, _, w = timed_prefill(model, ids, name)
+    h, _, w = timed_prefill(model, ids, first_stores_per_layer(c))  # ``int4@perlayer``: session 20's A/B
     return h, w, {k: v * 1e3 for k, v in ACC.items()}
 
 

@@ -20,12 +20,9 @@ STATIC = os.environ.get("TTFT_STATIC") == "1"
 cfgs = sys.argv[5].split(",") if len(sys.argv) > 5 else ["sdpa", "int8", "int4", "mixed"]
 import dataclasses
 from turbo_attn_hf import TurboConfig
-from turbo_attn_hf import first_prefill as FP
-BATCH0 = FP.BATCH_BYTES
+from eval.bench_e2e import first_stores_per_layer
 def use(c):
-    name, _, path = c.partition("@")
-    FP.BATCH_BYTES = 0 if path == "perlayer" else BATCH0  # session 20: the first stores per layer, not batched
-    path = "" if path == "perlayer" else path
+    name, _, path = first_stores_per_layer(c).partition("@")  # ``@perlayer``: session 20's A/B
     if name == "sdpa" or not path:
         set_impl(model, name)
     else:
