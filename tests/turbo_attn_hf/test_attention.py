@@ -4,6 +4,7 @@ No model here (see test_models.py): a bare module stands in for a transformers a
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -138,6 +139,28 @@ def test_set_turbo_config_stores_a_json_serialisable_dict():
     with pytest.raises(TypeError, match="preset name"):
         turbo_attn_hf.set_turbo_config(cfg, 3)
 
+
+def test_switching_presets_back_returns_the_same_config_object():
+    """Memos keyed by the config object (layer formats, cache templates, resolved rotate_qk) keep hitting when a
+    model switches presets and back: one TurboConfig per settings dict, equal dicts of two models included."""
+    from transformers import LlamaConfig
+
+    from turbo_attn_hf.config import resolve_rotate_qk
+
+    cfgs = [LlamaConfig(hidden_size=128, num_attention_heads=2, num_hidden_layers=1, vocab_size=64) for _ in range(2)]
+    turbo_attn_hf.set_turbo_config(cfgs[0], "int4")
+    first = turbo_attn_hf.get_turbo_config(cfgs[0])
+    resolved = resolve_rotate_qk(first, cfgs[0])
+    turbo_attn_hf.set_turbo_config(cfgs[0], "int8")
+    assert turbo_attn_hf.get_turbo_config(cfgs[0]).bits == 8
+    turbo_attn_hf.set_turbo_config(cfgs[0], "int4")
+    assert turbo_attn_hf.get_turbo_config(cfgs[0]) is first
+    assert resolve_rotate_qk(turbo_attn_hf.get_turbo_config(cfgs[0]), cfgs[0]) is resolved
+    turbo_attn_hf.set_turbo_config(cfgs[1], "int4")
+    assert turbo_attn_hf.get_turbo_config(cfgs[1]) is first
+    turbo_attn_hf.set_turbo_config(cfgs[1], dataclasses.replace(TurboConfig.preset("int4"), sink_blocks=3))
+    assert turbo_attn_hf.get_turbo_config(cfgs[1]).sink_blocks == 3
+    assert turbo_attn_hf.get_turbo_config(cfgs[0]) is first
 
 def test_check_model_config_reports_unsupported_features():
     from transformers import LlamaConfig
