@@ -2,7 +2,7 @@
 
     python -m eval.bench_generate [--quick] [--layers N] [--shapes 1x1k,4x8k] [--configs sdpa_dynamic,...]
                                   [--new-tokens 128] [--reps 3] [--max-seconds 540] [--ttft-rounds R]
-                                  [--profile-step] [--merge]
+                                  [--profile-step] [--step-times] [--merge]
     python -m eval.bench_generate --dry-run      # CPU: a 2-layer toy model, 1 x 16 tokens, checks the set-up
                                                  # (turbo: PyTorch reference; TRITON_INTERPRET=1: the kernels)
 
@@ -41,6 +41,9 @@ static cache take turns, one generate(max_new_tokens=1) each: ``ttft_rounds_ms``
 ``ttft_paired_vs_sdpa_dynamic`` (median of each round's ratio) — the host of the GPU machine changes speed for
 minutes at a time, and a row's own reps take whatever mode it is in (eval/PERF_NOTES.md, session 20); skipped where
 the rounds would not fit the time budget.
+``--step-times``: one more generate(1 + N) per row with a clock in its stopping criteria (CUDA synchronised after
+every token): ``step_ms``, each decode step's wall time, so a step-time gap between configs can be placed — every
+step, a few slow steps (a block packed, a buffer grown) or the first one.
 ``--quick``: 8 layers, 1x1k / 1x4k / 4x8k, N 32, 2 reps, sdpa_dynamic, sdpa_compiled, turbo_int4_eager and the
 three turbo compiled configs, time budget 330 s. The full sweep (32 layers, 6 shapes, 9 configs) does not fit one 10-minute command:
 run it shape group by shape group with ``--merge`` (same file; every shape's configs share one process).
@@ -91,6 +94,9 @@ FORMULAS = {
                       "turns, one generate(max_new_tokens=1) each (after two warm-up calls each); per-round seconds "
                       "in ttft_rounds_s",
     "ttft_paired_vs_sdpa_dynamic": "median over those rounds of ttft / sdpa_dynamic's ttft in the same round",
+    "step_ms": "--step-times: wall ms of each decode step of one more generate(1+N), from a StoppingCriteria that "
+               "synchronises and reads the clock after every token (step i = clock(i) - clock(i - 1)); "
+               "step_ms_med / step_ms_max / step_ms_max_at summarise it",
     "profile": "per step = (trace of generate(1+P) - trace of generate(1)) / P; launches = cudaLaunchKernel(ExC) + "
                "cuLaunchKernel(Ex) calls, graph_launches = cudaGraphLaunch, kernels = GPU kernel executions; "
                "host_ms = wall - time in cuda*Synchronize / blocking cudaMemcpy (profiler overhead included); "
@@ -169,13 +175,49 @@ def _out_cache(out):
     return None
 
 
-def generate_timed(model, ids, mask, spec: dict, n: int, return_out: bool = False):
-    """(seconds, output) of one model.generate(...) producing exactly ``n`` new tokens (checked)."""
+def step_clock():
+    """A StoppingCriteria that never stops and keeps the wall time after each generated token (CUDA synchronised):
+    ``clock.t``; its differences are the decode steps' times (``--step-times``)."""
+    import torch
+    from transformers import StoppingCriteria
+
+    class StepClock(StoppingCriteria):
+        def __init__(self):
+            self.t: list[float] = []
+
+        def __call__(self, input_ids, scores, **kwargs):
+            _sync()
+            self.t.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    return StepClock()
+
+
+def step_times(model, ids, mask, spec: dict, n: int) -> dict:
+    """``--step-times``: each decode step's wall ms of one generate(1 + n) (:func:`step_clock`) and a summary."""
+    from transformers import StoppingCriteriaList
+
+    clock = step_clock()
+    generate_timed(model, ids, mask, spec, 1 + n, stopping=StoppingCriteriaList([clock]))
+    steps = [round((b - a) * 1e3, 3) for a, b in zip(clock.t, clock.t[1:])]
+    if not steps:
+        return {}
+    worst = max(range(len(steps)), key=steps.__getitem__)
+    return {"step_ms": steps, "step_ms_med": statistics.median(steps),
+            "step_ms_max": steps[worst], "step_ms_max_at": worst}
+
+
+def generate_timed(model, ids, mask, spec: dict, n: int, return_out: bool = False, stopping=None):
+    """(seconds, output) of one model.generate(...) producing exactly ``n`` new tokens (checked); ``stopping``: extra
+    stopping criteria (a clock: they never stop)."""
     import torch
 
+    kw = _gen_kwargs(spec, n)
+    if stopping is not None:
+        kw["stopping_criteria"] = stopping
     _sync()
     t0 = time.perf_counter()
-    out = model.generate(input_ids=ids, attention_mask=mask, return_dict_in_generate=return_out, **_gen_kwargs(spec, n))
+    out = model.generate(input_ids=ids, attention_mask=mask, return_dict_in_generate=return_out, **kw)
     _sync()
     dt = time.perf_counter() - t0
     seq = out.sequences if return_out else out
@@ -327,7 +369,8 @@ def profile_row(model, ids, mask, spec: dict, steps: int, layers: int) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------------- rows
-def measure(model, spec: dict, b: int, T: int, n: int, reps: int, layers: int, profile_steps: int = 0) -> dict:
+def measure(model, spec: dict, b: int, T: int, n: int, reps: int, layers: int, profile_steps: int = 0,
+            steps: bool = False) -> dict:
     import torch
 
     reset_static_len(model)
@@ -361,6 +404,8 @@ def measure(model, spec: dict, b: int, T: int, n: int, reps: int, layers: int, p
     row.update(ttft_ms=m1 * 1e3, decode_ms_per_step=decode_ms,
                tokens_per_s=b * 1000.0 / decode_ms if decode_ms > 0 else None, peak_gib=peak,
                t1_s=t1, t1n_s=tn)
+    if steps:
+        row.update(step_times(model, ids, mask, spec, n))
     if profile_steps:
         try:
             row["_profile"] = profile_row(model, ids, mask, spec, profile_steps, layers)
@@ -461,6 +506,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="per shape, R rounds of generate(max_new_tokens=1) alternating over the configs without a "
                          "static cache before the rows (ttft_rounds_ms, ttft_paired_vs_sdpa_dynamic; default 0: off)")
     ap.add_argument("--profile-step", action="store_true", help="torch.profiler of one decode step per config")
+    ap.add_argument("--step-times", action="store_true",
+                    help="one more generate(1+N) per row timing every decode step (step_ms)")
     ap.add_argument("--profile-shape", default=None, help="shape to profile (default: the first shape)")
     ap.add_argument("--profile-steps", type=int, default=4, help="decode steps in the profiled run (P)")
     ap.add_argument("--merge", action="store_true",
@@ -575,7 +622,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 t_row = time.perf_counter()
                 try:
                     row.update(measure(model, spec, b, T, n, reps, layers,
-                                       args.profile_steps if (b, T) == prof_shape else 0))
+                                       args.profile_steps if (b, T) == prof_shape else 0, args.step_times))
                 except Exception as e:  # noqa: BLE001 - OOM (or anything else) ends this row only
                     row["error"] = OOM if is_oom(e) else f"{type(e).__name__}: {str(e)[:200]}"
                     e = None  # noqa: F841
@@ -594,7 +641,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             rows.append(row)
             print(f"  {spec['name']:>20} {shape_name(b, T):>6}: " + (
                 f"ttft {row['ttft_ms']:.1f} ms, decode {row['decode_ms_per_step']:.2f} ms/step, "
-                f"peak {row['peak_gib'] or 0:.1f} GiB, warm-up {row.get('warmup_s', 0):.1f} s"
+                f"peak {row['peak_gib'] or 0:.1f} GiB, warm-up {row.get('warmup_s', 0):.1f} s" + (
+                    f", steps med {row['step_ms_med']:.2f} max {row['step_ms_max']:.2f} ms (step "
+                    f"{row['step_ms_max_at']})" if row.get("step_ms_med") is not None else "")
                 if row.get("decode_ms_per_step") is not None else f"{row.get('error')}"), flush=True)
             write_json(name, payload(), out_dir)  # partial results survive a timeout
 
