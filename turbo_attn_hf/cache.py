@@ -47,7 +47,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, Dynam
 
 from . import first_prefill
 from .attention import exact_attention, exact_path_elems
-from .config import TurboConfig, TurboConfigError, prefill_attention_path, resolve_rotate_qk
+from .config import TurboConfig, TurboConfigError, prefill_attention_path, resolve_rotate_qk, shared_config
 from .kernels.arena import carve, lazy_view
 from .kernels.device import on_tensor_device
 from .kernels.interpreter import use_triton
@@ -151,16 +151,16 @@ def _given_config(turbo_config: TurboConfig | str | None, model_config: Any = No
     if isinstance(turbo_config, TurboConfig):
         return turbo_config
     if isinstance(turbo_config, str):
-        return TurboConfig.preset(turbo_config)
+        return shared_config(turbo_config)
     if turbo_config is None:
         try:
             from .capabilities import get_turbo_config
 
             return get_turbo_config(model_config)
         except ImportError:  # pragma: no cover - glue not installed
-            return TurboConfig.preset("int4")
+            return shared_config("int4")
     if isinstance(turbo_config, dict):
-        return TurboConfig.from_dict(turbo_config)
+        return shared_config(turbo_config)
     raise TurboConfigError(
         f"turbo_config must be a TurboConfig, a preset name or a YAML path, got {type(turbo_config).__name__}"
     )

@@ -15,14 +15,13 @@ importing it runs ``turbo_attn_hf/__init__`` (which imports this file).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from typing import Any, Optional, Union
 
 import torch
 
-from .config import TurboConfig
+from .config import TurboConfig, shared_config
 
 logger = logging.getLogger("turbo_attn_hf")
 
@@ -148,9 +147,7 @@ def triton_interpret() -> bool:
 
 # ---------------------------------------------------------------------------------------------- settings
 CONFIG_ATTR = "turbo_attn"
-_preset_cache: dict[str, TurboConfig] = {}
 _dict_cache: dict[int, tuple[dict, TurboConfig]] = {}
-_by_settings: dict[str, TurboConfig] = {}
 #: Bumped by every :func:`set_turbo_config`, so per-module state cached by the attention function expires.
 _settings_version = 0
 
@@ -163,10 +160,8 @@ def _as_turbo_config(config_or_preset: Union[TurboConfig, str, dict]) -> TurboCo
     if isinstance(config_or_preset, TurboConfig):
         config_or_preset.validate()
         return config_or_preset
-    if isinstance(config_or_preset, str):
-        return TurboConfig.preset(config_or_preset)
-    if isinstance(config_or_preset, dict):
-        return TurboConfig.from_dict(config_or_preset)
+    if isinstance(config_or_preset, (str, dict)):
+        return shared_config(config_or_preset)
     raise TypeError(
         f"expected a TurboConfig, a preset name ('int8', 'int4', 'mixed') or a dict, got "
         f"{type(config_or_preset).__name__}"
@@ -212,25 +207,10 @@ def get_turbo_config(model_or_config: Any = None) -> TurboConfig:
                 hit = _dict_cache.get(id(c))
                 if hit is not None and hit[0] == d:
                     return hit[1]
-                cfg = _config_of_settings(d)
+                cfg = shared_config(d)
                 _dict_cache[id(c)] = (dict(d), cfg)
                 return cfg
-    name = env_preset()
-    if name not in _preset_cache:
-        _preset_cache[name] = TurboConfig.preset(name)
-    return _preset_cache[name]
-
-
-def _config_of_settings(d: dict) -> TurboConfig:
-    """One TurboConfig object per distinct settings dict: the memos keyed by the config object (layer formats,
-    cache templates, resolved ``rotate_qk``) keep hitting when a model switches presets and back."""
-    key = json.dumps(d, sort_keys=True, default=repr)
-    cfg = _by_settings.get(key)
-    if cfg is None:
-        if len(_by_settings) >= 64:
-            _by_settings.clear()
-        cfg = _by_settings[key] = TurboConfig.from_dict(dict(d))
-    return cfg
+    return shared_config(env_preset())
 
 
 # ---------------------------------------------------------------------------------------------- one-time logs

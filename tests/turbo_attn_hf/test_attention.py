@@ -140,13 +140,19 @@ def test_set_turbo_config_stores_a_json_serialisable_dict():
         turbo_attn_hf.set_turbo_config(cfg, 3)
 
 
-def test_switching_presets_back_returns_the_same_config_object():
+def test_switching_presets_back_returns_the_same_config_object(tmp_path, monkeypatch):
     """Memos keyed by the config object (layer formats, cache templates, resolved rotate_qk) keep hitting when a
-    model switches presets and back: one TurboConfig per settings dict, equal dicts of two models included."""
+    model switches presets and back, and across caches made from a preset name: one TurboConfig per settings (equal
+    dicts of two models, a preset name, the same YAML's content), a packaged preset's YAML read once; a YAML path is
+    read again each time (it may have changed)."""
     from transformers import LlamaConfig
 
-    from turbo_attn_hf.config import resolve_rotate_qk
+    from turbo_attn_hf import TurboCache, config as config_mod
+    from turbo_attn_hf.config import resolve_rotate_qk, shared_config
 
+    monkeypatch.setattr(config_mod, "_SHARED", {})  # no earlier test's entries: none of this test's is evicted
+    monkeypatch.setattr(config_mod, "_SHARED_PRESETS", {})
+    monkeypatch.setattr(caps, "_dict_cache", {})  # nor a per-model entry of a config object at a reused address
     cfgs = [LlamaConfig(hidden_size=128, num_attention_heads=2, num_hidden_layers=1, vocab_size=64) for _ in range(2)]
     turbo_attn_hf.set_turbo_config(cfgs[0], "int4")
     first = turbo_attn_hf.get_turbo_config(cfgs[0])
@@ -161,15 +167,17 @@ def test_switching_presets_back_returns_the_same_config_object():
     turbo_attn_hf.set_turbo_config(cfgs[1], dataclasses.replace(TurboConfig.preset("int4"), sink_blocks=3))
     assert turbo_attn_hf.get_turbo_config(cfgs[1]).sink_blocks == 3
     assert turbo_attn_hf.get_turbo_config(cfgs[0]) is first
-
-def test_check_model_config_reports_unsupported_features():
-    from transformers import LlamaConfig
-
-    ok = LlamaConfig(hidden_size=128, num_attention_heads=2)
-    assert turbo_attn_hf.check_model_config(ok) == []
-    bad = LlamaConfig(hidden_size=224, num_attention_heads=2)  # head_dim 112
-    (msg,) = turbo_attn_hf.check_model_config(bad)
-    assert "head_dim 112" in msg and "(64, 80, 96, 128, 256)" in msg and "attn_implementation='sdpa'" in msg
+    # caches built from a preset name or a dict share the model's object (TurboCache resolves rotate_qk per model)
+    assert shared_config("int4") is first and shared_config(first.to_dict()) is first
+    assert TurboCache("int4", config=cfgs[0]).turbo_config is TurboCache("int4", config=cfgs[0]).turbo_config
+    assert TurboCache("int4", config=cfgs[0]).turbo_config is resolved
+    assert TurboConfig.preset("int4") is not first  # the public constructor still makes a new object
+    path = tmp_path / "mine.yaml"
+    dataclasses.replace(first, sink_blocks=2).to_yaml(path)
+    mine = shared_config(str(path))
+    assert mine.sink_blocks == 2 and shared_config(str(path)) is mine
+    dataclasses.replace(first, sink_blocks=5).to_yaml(path)
+    assert shared_config(str(path)).sink_blocks == 5
 
 
 # ------------------------------------------------------------------------------------------ mask function
