@@ -576,7 +576,7 @@ class TurboLayer(CacheLayerMixin):
             grp.n_blocks = plan.n_blocks
         self.n_tail = plan.n_tail
         if build and self._one_buffer:  # the next layers of this shape replay it
-            plan.replay = first_prefill.record(self, plan, key_states, value_states, factors, stats_args, store_args)
+            plan.replay = first_prefill.record(self, plan, key_states, value_states, stats_args, store_args)
 
     def _replay_first_prefill(self, key_states: torch.Tensor, value_states: torch.Tensor,
                               batch: Optional[first_prefill.Batch] = None) -> bool:
@@ -584,10 +584,10 @@ class TurboLayer(CacheLayerMixin):
         same format and K/V shape recorded (``first_prefill``): queued in ``batch`` (the cache's, launched with its
         other layers) where the prompt's attention will not read the cache (``prefill_attention`` exact), else the
         layer's and its groups' buffers and two relaunches now; their tensors become views on first use
-        (``__getattr__``). False: nothing done (no replay) — also for smooth_hadamard, whose factors launch first
-        (outside any replay, on the layer's device: the guarded path)."""
+        (``__getattr__``). False: nothing done (no replay; ``first_prefill.record`` records none for smooth_hadamard,
+        whose factors launch first, on the layer's device: the guarded path)."""
         ks, vs = key_states.shape, value_states.shape
-        if self.smoothed or not self._one_buffer or len(ks) != 4 or len(vs) != 4 or not self._fused(key_states):
+        if not self._one_buffer or len(ks) != 4 or len(vs) != 4 or not self._fused(key_states):
             return False
         b, hk, T, d = ks
         if T == 0 or vs[0] != b or vs[1] != hk or vs[3] != d:
@@ -598,11 +598,11 @@ class TurboLayer(CacheLayerMixin):
             return False
         gen = None
         if batch is not None and prefill_attention_path(self.turbo_config, key_states.device) == "exact":
-            gen = batch.add(rp, key_states, value_states, None)
+            gen = batch.add(rp, key_states, value_states)
         if gen is not None:
             bufs, j = None, len(gen.items) - 1
         else:
-            bufs = first_prefill.replay(rp, key_states, value_states, None)
+            bufs = first_prefill.replay(rp, key_states, value_states)
             if bufs is None:
                 return False
         self.dtype, self.device = key_states.dtype, key_states.device
