@@ -53,7 +53,7 @@ from .device import current_cuda_device
 from .hadamard import hadamard_rows
 from .interpreter import interpreting
 from .launch import LeanLaunch
-from .pack import PackedKV, _dequant_tile, _unpack_tile
+from .pack import PackedKV, _bad_rows, _dequant_tile, _quantize_universal, _universal_scales, _unpack_tile
 from .quant import check_qk_smooth
 from .reference import SQ_MIN
 from .rotation import rotation_block
@@ -382,18 +382,35 @@ def _fold_step(
 
 
 @triton.jit
+def _store_new_token(kn, vn, nf, sk, mk, sv, kt, vt, o_k, o_v, o_kvh, slot, tail_cap, o_d, m_d, D: tl.constexpr,
+                     HAS_MEAN: tl.constexpr, COUNT: tl.constexpr):
+    """One (row, KV head)'s new token (K at ``kn + o_k``, V at ``vn + o_v``) -> INT8 buffer slot ``slot``, as
+    ``store._store_tokens_kernel`` writes it (``pack._quantize_universal``: the same bits)."""
+    b_sk, b_mk, b_sv = _universal_scales(sk, mk, sv, o_kvh + o_d, m_d, HAS_MEAN)
+    b_k = tl.load(kn + o_k + o_d, mask=m_d, other=0.0)[None, :]
+    b_v = tl.load(vn + o_v + o_d, mask=m_d, other=0.0)[None, :]
+    if COUNT:
+        tl.atomic_add(nf, _bad_rows(b_k, b_v, m_d[None, :]))
+    b_k8 = _quantize_universal(b_k, b_sk, b_mk, HAS_MEAN=HAS_MEAN)
+    b_v8 = _quantize_universal(b_v, b_sv, b_sv, HAS_MEAN=False)
+    tl.store(kt + o_kvh * tail_cap + slot * D + o_d[None, :], b_k8, mask=m_d[None, :])
+    tl.store(vt + o_kvh * tail_cap + o_d[None, :] * tail_cap + slot, b_v8, mask=m_d[None, :])  # V transposed
+
+
+@triton.jit
 def _decode_program(
     i_s, i_m, i_bh, i_b, i_h,
-    q, sk, mk, heads, kp, ks, kz, vp, vsz, kt, vt, sv, qsm, kvalid, o, po, pml, cnt,
+    q, sk, mk, heads, kp, ks, kz, vp, vsz, kt, vt, sv, qsm, kvalid, o, po, pml, cnt, kn, vn, nf,
     n_blocks, n_tail, n_sink, tail_cap, Lq, kv_len, kv_row, T0, TPS, S, S_MAX, N_M, N_BH, window, softcap, sas_thr,
     qscale, stride_qb, stride_qh, stride_ql,
     stride_kb, stride_kh, stride_sb, stride_sh, stride_vb, stride_vh, stride_vsb, stride_vsh,
+    stride_nkb, stride_nkh, stride_nvb, stride_nvh,
     HK,
     G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr,
     BITS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_MEAN: tl.constexpr, HAS_KVALID: tl.constexpr, USE_SAS: tl.constexpr, SPLIT: tl.constexpr,
     FUSED_MERGE: tl.constexpr, FOLD: tl.constexpr, USE_ASM: tl.constexpr, SC: tl.constexpr,
-    ROTATE: tl.constexpr, ROT_N: tl.constexpr, HAS_FACTOR: tl.constexpr,
+    ROTATE: tl.constexpr, ROT_N: tl.constexpr, HAS_FACTOR: tl.constexpr, STORE: tl.constexpr, COUNT: tl.constexpr,
 ):
     """One program of ``_decode_kernel``: share ``i_s`` of M tile ``i_m`` of KV head ``heads[i_h]`` of batch row
     ``i_b`` in one bit group; ``i_bh`` is the (batch, head) work item of the launch (partials, counters).
@@ -410,6 +427,10 @@ def _decode_program(
     int32 arrival counters, zero between
     calls (FUSED_MERGE: the last share of a tile to finish merges it and resets its counter).
     Strides stay specialised (multiples of 16 -> 16-byte vector loads).
+    STORE (an eager decode step, one token, one M tile): the step's new token kn / vn ``[b, HK, 1, D]`` (strides
+    given) is not in the buffer yet; the program whose share holds its slot ``n_tail - 1`` quantizes it with the
+    universal scales and writes it there first (``store.store_int8_tokens``' math; COUNT: non-finite vectors added
+    to ``nf``), then reads the tile as usual — the store's own launch saved.
 
     Orientation ("swap AB"): the M = G·Lq query rows (4 for GQA 32/8 at one token) are the N side of the
     MMAs (scores ``[keys, rows]``, ``accᵀ [D, rows]``), keys and channels the 16-row M side, so the
@@ -567,6 +588,13 @@ def _decode_program(
     t_i8 = t_lo
     if t_i8 < n_blocks:
         t_i8 = n_blocks
+    if STORE:
+        t_new = n_blocks + (n_tail - 1) // BS
+        if (t_new >= t_i8) & (t_new < t_hi):
+            _store_new_token(kn, vn, nf, sk, mk, sv, kt, vt, i_b64 * stride_nkb + i_hk * stride_nkh,
+                             i_b64 * stride_nvb + i_hk * stride_nvh, o_kvh, n_tail - 1, tail_cap, o_d, m_d, D,
+                             HAS_MEAN, COUNT)
+            tl.debug_barrier()  # every thread's stores before any thread reads the tile
     for t in tl.range(t_i8, t_hi, num_stages=1):  # a tile or two per share: not worth pipeline buffers
         o_slot = (t - n_blocks) * BS + o_n
         b_k = tl.load(kt + (o_kvh * tail_cap + o_slot[:, None] * D + o_d[None, :]), mask=m_d[None, :], other=0)
@@ -638,20 +666,21 @@ def _work_item(i_bh, n_items, H0, H1):
 @triton.jit(do_not_specialize=["n_blocks", "n_tail", "n_sink", "Lq", "kv_len", "kv_row", "T0", "TPS0", "TPS1", "S0",
                               "S1", "window"])
 def _decode_kernel(
-    q, sk, mk, kt, vt, sv, qsm, kvalid, o, po, pml, cnt, lens,
+    q, sk, mk, kt, vt, sv, qsm, kvalid, o, po, pml, cnt, lens, kn, vn, nf,
     heads0, kp0, ks0, kz0, vp0, vsz0, heads1, kp1, ks1, kz1, vp1, vsz1,
     n_blocks, n_tail, n_sink, tail_cap, Lq, kv_len, kv_row, T0, TPS0, TPS1, S0, S1, N_M, B, window, softcap, sas_thr,
     qscale,
     stride_qb, stride_qh, stride_ql,
     stride_kb0, stride_kh0, stride_sb0, stride_sh0, stride_vb0, stride_vh0, stride_vsb0, stride_vsh0,
     stride_kb1, stride_kh1, stride_sb1, stride_sh1, stride_vb1, stride_vh1, stride_vsb1, stride_vsh1,
+    stride_nkb, stride_nkh, stride_nvb, stride_nvh,
     H0, H1, HK,
     G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr,
     BITS0: tl.constexpr, BITS1: tl.constexpr, TWO_GROUPS: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_MEAN: tl.constexpr, HAS_KVALID: tl.constexpr, USE_SAS: tl.constexpr, SPLIT: tl.constexpr,
     FUSED_MERGE: tl.constexpr, FOLD: tl.constexpr, USE_ASM: tl.constexpr, SC: tl.constexpr, LENS: tl.constexpr,
-    ROTATE: tl.constexpr, ROT_N: tl.constexpr, HAS_FACTOR: tl.constexpr,
+    ROTATE: tl.constexpr, ROT_N: tl.constexpr, HAS_FACTOR: tl.constexpr, STORE: tl.constexpr, COUNT: tl.constexpr,
 ):
     """grid = (n_items0 * S0 + n_items1 * S1,): one launch for up to two bit groups (e.g. the INT4 and the INT2
     heads of ``mixed``), so a step pays one launch and the split plan fills the GPU once for all heads. Work items
@@ -694,23 +723,25 @@ def _decode_kernel(
     if in_g1:
         _decode_program(
             i_s, i_m, i_bh, i_b, i_h,
-            q, sk, mk, heads1, kp1, ks1, kz1, vp1, vsz1, kt, vt, sv, qsm, kvalid, o, po, pml, cnt,
+            q, sk, mk, heads1, kp1, ks1, kz1, vp1, vsz1, kt, vt, sv, qsm, kvalid, o, po, pml, cnt, kn, vn, nf,
             n_blocks, n_tail, n_sink, tail_cap, Lq, kv_len, kv_row, T0, TPS1, S1, tl.maximum(S0, S1), N_M, NBH, window,
             softcap, sas_thr, qscale,
             stride_qb, stride_qh, stride_ql,
-            stride_kb1, stride_kh1, stride_sb1, stride_sh1, stride_vb1, stride_vh1, stride_vsb1, stride_vsh1, HK,
+            stride_kb1, stride_kh1, stride_sb1, stride_sh1, stride_vb1, stride_vh1, stride_vsb1, stride_vsh1,
+            stride_nkb, stride_nkh, stride_nvb, stride_nvh, HK,
             G, D, BD, BS, BM, BITS1, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_MEAN, HAS_KVALID, USE_SAS, SPLIT,
-            FUSED_MERGE, FOLD, USE_ASM, SC, ROTATE, ROT_N, HAS_FACTOR)
+            FUSED_MERGE, FOLD, USE_ASM, SC, ROTATE, ROT_N, HAS_FACTOR, STORE, COUNT)
     else:
         _decode_program(
             i_s, i_m, i_bh, i_b, i_h,
-            q, sk, mk, heads0, kp0, ks0, kz0, vp0, vsz0, kt, vt, sv, qsm, kvalid, o, po, pml, cnt,
+            q, sk, mk, heads0, kp0, ks0, kz0, vp0, vsz0, kt, vt, sv, qsm, kvalid, o, po, pml, cnt, kn, vn, nf,
             n_blocks, n_tail, n_sink, tail_cap, Lq, kv_len, kv_row, T0, TPS0, S0, tl.maximum(S0, S1), N_M, NBH, window,
             softcap, sas_thr, qscale,
             stride_qb, stride_qh, stride_ql,
-            stride_kb0, stride_kh0, stride_sb0, stride_sh0, stride_vb0, stride_vh0, stride_vsb0, stride_vsh0, HK,
+            stride_kb0, stride_kh0, stride_sb0, stride_sh0, stride_vb0, stride_vh0, stride_vsb0, stride_vsh0,
+            stride_nkb, stride_nkh, stride_nvb, stride_nvh, HK,
             G, D, BD, BS, BM, BITS0, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_MEAN, HAS_KVALID, USE_SAS, SPLIT,
-            FUSED_MERGE, FOLD, USE_ASM, SC, ROTATE, ROT_N, HAS_FACTOR)
+            FUSED_MERGE, FOLD, USE_ASM, SC, ROTATE, ROT_N, HAS_FACTOR, STORE, COUNT)
 
 
 @triton.jit
@@ -951,6 +982,7 @@ def turbo_decode_attention(
     lens: Optional[torch.Tensor] = None,
     rotate: bool = False,
     qk_smooth: Optional[torch.Tensor] = None,
+    store: Optional[tuple] = None,
 ) -> torch.Tensor:
     """Attention of a query chunk over a packed KV cache (all of ``groups``' blocks, then the tail).
 
@@ -993,6 +1025,10 @@ def turbo_decode_attention(
             (query head h uses KV head h // g), instead of a separate op per step.
         qk_smooth: ``[b, HK, D]`` fp32 K -> Q smoothing factors (``rotation.smooth_scales``; "smooth_hadamard"),
             None for plain "hadamard"; needs ``rotate``.
+        store: ``(k, v, nonfinite or None)``, an eager decode step's new token ``[b, HK, 1, D]`` that is counted in
+            ``n_tail`` but not written yet: the kernel writes it to slot ``n_tail - 1`` as ``store.store_int8_tokens``
+            would (one launch for the step's store and attention). Needs ``Lq == 1``, one M tile (``G <= 64``), no
+            ``lens`` and no ``rotate``.
     Returns:
         ``[b, Lq, HQ, D]`` in ``q.dtype``.
     """
@@ -1021,8 +1057,10 @@ def turbo_decode_attention(
                 _STATIC.clear()
             _STATIC[key] = st
     if lens is not None:
+        if store is not None:
+            raise ValueError("store= takes host lengths; a launch with lens stores through store_step")
         return st.run_lens(q, groups, stor, lens, key_valid)
-    return st.run(q, groups, stor, n_tail, key_valid)
+    return st.run(q, groups, stor, n_tail, key_valid, store)
 
 
 def _none_ref():
@@ -1049,6 +1087,7 @@ def _kvalid_int8(key_valid: torch.Tensor) -> torch.Tensor:
 
 
 _STATIC: dict = {}
+_NO_STRIDES = (0, 0, 0, 0)  # the new token's strides without STORE (never read)
 _N_HEAD = 6  # the leading storage tensors of ``stor`` (k_tail .. qk_smooth); the bit groups' follow
 _STATIC_MAX = 512  # layers x (bit layouts, options) of a process; cleared when full (rebuilt on demand)
 
@@ -1093,12 +1132,12 @@ class _DecodeStatic:
         rot_n = rotation_block(D) if rotate else 1  # RotationError (a ValueError) for a head dim without one
         self.q_copy = q.stride(-1) != 1
         qs = q.stride() if not self.q_copy else (HQ * Lq * D, Lq * D, D, 1)
-        self.o_shape, self.device = (b, Lq, HQ, D), q.device
+        self.o_shape, self.device, self.rotate = (b, Lq, HQ, D), q.device, bool(rotate)
         self.b, self.Lq, self.BS, self.C, self.n_sink, self.window = b, Lq, BS, C, n_sink, window
         BD = _pow2(D)
         M = G * Lq
         BM = block_m or min(64, max(4, _pow2(M)))  # query rows are the N side of the MMAs
-        self.BM, self.BD, self.n_m = BM, BD, -(-M // BM)
+        self.BM, self.BD, self.n_m, self.G = BM, BD, -(-M // BM), G
         conv = [k_tail.contiguous(), v_tail.contiguous(), k_scale.float().contiguous(), v_scale.float().contiguous(),
                 k_mean.float().contiguous() if k_mean is not None else None,
                 qk_smooth.float().contiguous() if qk_smooth is not None else None]
@@ -1186,7 +1225,7 @@ class _DecodeStatic:
                                              n0 * S0 + (n_work - n0) * S1)
         return memo
 
-    def run(self, q, groups, stor, n_tail, key_valid):
+    def run(self, q, groups, stor, n_tail, key_valid, store=None):
         n_blocks = groups[0].n_blocks
         for g_ in groups:
             if g_.n_blocks != n_blocks:
@@ -1205,7 +1244,27 @@ class _DecodeStatic:
         t0 = 0
         if self.window:
             t0 = min(max(first_visible_tile(kv_len, Lq, self.window, BS) - n_sink // BS, 0), n_blocks)
-        return self._launch(q, stor, key_valid, None, (n_blocks, n_tail, kv_len, kv_len, t0), n_tiles - t0)
+        if store is not None:
+            store = self._new_token(store, n_tail)
+        return self._launch(q, stor, key_valid, None, (n_blocks, n_tail, kv_len, kv_len, t0), n_tiles - t0, store)
+
+    def _new_token(self, store, n_tail):
+        """``store = (k, v, nonfinite)`` checked for the launch -> (k, v, nonfinite, its facts, its strides)."""
+        k, v, nf = store
+        shape = (self.b, self.o_shape[2] // self.G, 1, self.o_shape[3])
+        if self.Lq != 1 or self.n_m != 1 or self.rotate or n_tail < 1:
+            raise ValueError(f"store= needs one query token, one M tile, no rotation and n_tail >= 1 (got Lq "
+                             f"{self.Lq}, {self.n_m} M tiles, rotate {self.rotate}, n_tail {n_tail})")
+        if tuple(k.shape) != shape or tuple(v.shape) != shape:
+            raise ValueError(f"store= K/V must be {shape}, got {tuple(k.shape)} / {tuple(v.shape)}")
+        if k.stride(-1) != 1:
+            k = k.contiguous()
+        if v.stride(-1) != 1:
+            v = v.contiguous()
+        strides = (k.stride(0), k.stride(1), v.stride(0), v.stride(1))
+        facts = (k.dtype, v.dtype, nf is not None, k.data_ptr() & 15 == 0, v.data_ptr() & 15 == 0,
+                 nf is None or nf.data_ptr() & 15 == 0, strides)
+        return k, v, nf, facts, strides
 
     def run_lens(self, q, groups, stor, lens, key_valid):
         """``run`` with the lengths on the device (``lens``): the same launches every step, planned for the groups'
@@ -1221,9 +1280,10 @@ class _DecodeStatic:
         cap_tiles = groups[0].capacity + self.C // self.BS
         return self._launch(q, stor, key_valid, lens, (0, 0, 0, kv_row, 0), cap_tiles)
 
-    def _launch(self, q, stor, key_valid, lens, lengths, n_plan):
+    def _launch(self, q, stor, key_valid, lens, lengths, n_plan, store=None):
         """The launches of one call: ``lengths`` = (n_blocks, n_tail, kv_len, kvalid row length, t0) (host values;
-        ignored by a LENS launch), ``n_plan`` the visible tiles the split plan is made for."""
+        ignored by a LENS launch), ``n_plan`` the visible tiles the split plan is made for; ``store``: the new
+        token's (k, v, nonfinite, facts, strides) from ``_new_token`` or None."""
         if self.conv is not None:
             stor = self.conv + stor[_N_HEAD:]
         n_blocks, n_tail, kv_len, kv_row, t0 = lengths
@@ -1246,7 +1306,15 @@ class _DecodeStatic:
         # the launch's specialisation facts beyond the entry's: the query's and key_valid's 16-byte alignment
         # (o and the workspace are fresh allocations; the integers that change are not specialised)
         q_ptr, kv_ptr = q.data_ptr(), kv.data_ptr()
-        facts = (kvalid is not None, q_ptr & 15 == 0, kv_ptr & 15 == 0, cur, lens is not None)
+        if store is None:
+            kn = vn = nf = sv  # never read (STORE off)
+            nstr, sfacts = _NO_STRIDES, None
+        else:
+            kn, vn, nf, sfacts, nstr = store
+            if nf is None:
+                nf = sv
+        new_ptrs = (kn.data_ptr(), vn.data_ptr(), nf.data_ptr())
+        facts = (kvalid is not None, q_ptr & 15 == 0, kv_ptr & 15 == 0, cur, lens is not None, sfacts)
         lean = isinstance(_DECODE, LeanLaunch) and not LeanLaunch.hooks_active()
         for i_p, pair in enumerate(self.pairs):
             S0, tps0, S1, tps1, S, split, fused, sc, sizes, grid = self._step_plan(i_p, n_plan)
@@ -1261,19 +1329,21 @@ class _DecodeStatic:
                 _, compiled, ptrs = hit  # the entry's storage tensors' addresses (same objects: ``alive``)
                 LeanLaunch.relaunch(compiled, (grid,), (
                     q_ptr, *ptrs[0], kv_ptr, o.data_ptr(), po.data_ptr(), pml.data_ptr(), cnt.data_ptr(),
-                    ln.data_ptr(), *ptrs[1], n_blocks, n_tail, n_sink, C, Lq, kv_len, kv_row, t0, tps0, tps1, S0, S1,
-                    self.n_m, self.b) + ptrs[2])
+                    ln.data_ptr(), *new_ptrs, *ptrs[1], n_blocks, n_tail, n_sink, C, Lq, kv_len, kv_row, t0, tps0,
+                    tps1, S0, S1, self.n_m, self.b) + ptrs[2] + nstr + ptrs[3])
             else:
                 n_work, ga, gs, const, opts, launch, merge_args = pair
                 kw = hit[0] if hit is not None else dict(
                     const, HAS_KVALID=kvalid is not None, **opts, SPLIT=split, FUSED_MERGE=fused, SC=sc,
-                    LENS=lens is not None, **launch)
+                    LENS=lens is not None, STORE=store is not None, COUNT=store is not None and store[2] is not None,
+                    **launch)
                 ga_t = ga(stor)
-                ran = _DECODE[(grid,)](q, *head, kv, o, po, pml, cnt, ln, *ga_t, n_blocks, n_tail, n_sink, C, Lq,
-                                       kv_len, kv_row, t0, tps0, tps1, S0, S1, self.n_m, self.b, *self.scalars, *gs,
-                                       **kw)
+                ran = _DECODE[(grid,)](q, *head, kv, o, po, pml, cnt, ln, kn, vn, nf, *ga_t, n_blocks, n_tail, n_sink,
+                                       C, Lq, kv_len, kv_row, t0, tps0, tps1, S0, S1, self.n_m, self.b, *self.scalars,
+                                       *gs[:-3], *nstr, *gs[-3:], **kw)
                 if self.cacheable and isinstance(_DECODE, LeanLaunch) and ran is not None:  # relaunch from now on
-                    ptrs = (tuple(t.data_ptr() for t in head), tuple(t.data_ptr() for t in ga_t), self.scalars + gs)
+                    ptrs = (tuple(t.data_ptr() for t in head), tuple(t.data_ptr() for t in ga_t),
+                            self.scalars + gs[:-3], gs[-3:])
                     self.launches[kk] = (kw, ran, ptrs)
                 elif hit is None:
                     self.launches[kk] = (kw, None, None)

@@ -200,6 +200,31 @@ def _quantize_universal(b_x, b_scale, b_mean, HAS_MEAN: tl.constexpr):
     return _to_int8_half_away(b_q, 1.0)  # inv 1.0: x * 1.0 is exact
 
 
+@triton.jit
+def _finite(b_x):
+    """Elements that are neither inf nor NaN (NaN compares false)."""
+    return tl.abs(b_x.to(tl.float32)) < float("inf")
+
+
+@triton.jit
+def _bad_rows(b_k, b_v, m):
+    """Number of rows (token vectors) of the [R, D] tiles ``b_k``, ``b_v`` (``m``: the real entries) with a
+    non-finite element in K or V (int32 scalar)."""
+    b_bad = m & ((_finite(b_k) == 0) | (_finite(b_v) == 0))
+    return tl.sum(tl.max(b_bad.to(tl.int32), 1), 0)
+
+
+@triton.jit
+def _universal_scales(sk, mk, sv, o_s, m_d, HAS_MEAN: tl.constexpr):
+    """A (row, head)'s universal K scale, K mean (the K scale when there is none) and V scale at offsets ``o_s``."""
+    b_sk = tl.load(sk + o_s, mask=m_d, other=1.0)
+    b_sv = tl.load(sv + o_s, mask=m_d, other=1.0)
+    b_mk = b_sk
+    if HAS_MEAN:
+        b_mk = tl.load(mk + o_s, mask=m_d, other=0.0)
+    return b_sk, b_mk, b_sv
+
+
 @triton.jit(do_not_specialize=["T", "stride_xb", "stride_xh", "stride_xt"])
 def _quantize_int8_kernel(
     x, s, m, x8, T, H,

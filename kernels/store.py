@@ -55,27 +55,13 @@ from .device import current_cuda_device, sm_count
 from .hadamard import hadamard_rows
 from .interpreter import interpreting
 from .launch import LeanLaunch, lean
-from .pack import _pack_tile, _quantize_universal
+from .pack import _bad_rows, _finite, _pack_tile, _quantize_universal, _universal_scales  # noqa: F401 (store_step)
 from .quant import _multiple, _vec, check_qk_smooth, factor_arg
 from .rotation import rotation_block
 
 __all__ = ["store_int8_tokens", "kv_stats", "store_kv", "STATS_CHUNK_BLOCKS", "StatsLaunch", "StoreKVLaunch",
            "check_store_kv", "stats_launch", "stats_workspace", "stats_workspace_steps", "store_kv_launch",
            "LAYER_ROW_STATS", "LAYER_ROW_STORE"]
-
-
-@triton.jit
-def _finite(b_x):
-    """Elements that are neither inf nor NaN (NaN compares false)."""
-    return tl.abs(b_x.to(tl.float32)) < float("inf")
-
-
-@triton.jit
-def _bad_rows(b_k, b_v, m):
-    """Number of rows (token vectors) of the [R, D] tiles ``b_k``, ``b_v`` (``m``: the real entries) with a
-    non-finite element in K or V (int32 scalar)."""
-    b_bad = m & ((_finite(b_k) == 0) | (_finite(b_v) == 0))
-    return tl.sum(tl.max(b_bad.to(tl.int32), 1), 0)
 
 
 @triton.jit
@@ -97,17 +83,6 @@ def _rotate_keys(b_k, b_f, ROTATE: tl.constexpr, ROT_N: tl.constexpr, ROT_C: tl.
     if ROTATE:
         b_k = hadamard_rows(b_k.to(tl.float32) * b_f[None, :], ROT_N) * ROT_C
     return b_k
-
-
-@triton.jit
-def _universal_scales(sk, mk, sv, o_s, m_d, HAS_MEAN: tl.constexpr):
-    """A (row, head)'s universal K scale, K mean (the K scale when there is none) and V scale at offsets ``o_s``."""
-    b_sk = tl.load(sk + o_s, mask=m_d, other=1.0)
-    b_sv = tl.load(sv + o_s, mask=m_d, other=1.0)
-    b_mk = b_sk
-    if HAS_MEAN:
-        b_mk = tl.load(mk + o_s, mask=m_d, other=0.0)
-    return b_sk, b_mk, b_sv
 
 
 @triton.jit(do_not_specialize=["slot", "T"])

@@ -75,6 +75,12 @@ DEFAULT_SCALE_HEADROOM = "auto"
 #: (kept to measure against: eval/bench_layer_step.py, eval/bench_store.py; CPU tensors without
 #: TRITON_INTERPRET=1 always take it). Both store the same codes, scales and head choice (tests).
 FUSED_STORE = True
+#: True: an eager decode step's token (fused store, no block to pack, unrotated layer) is written by the step's decode
+#: launch (``turbo_decode_attention(store=...)``): one launch per layer and step instead of two, and the store's host
+#: path gone (issue 18's eager bar). Until that launch, the buffers are kept out of the layer's ``__dict__`` and
+#: any other read of them stores the token first (``_settle``). False = the store's own launch in ``update``.
+DEFER_DECODE_STORE = True
+_DEFERRED = ("k_tail", "v_tail", "nonfinite")  # what a deferred store writes: read through _settle until it ran
 
 
 def _finite_aminmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -274,6 +280,7 @@ class TurboLayer(CacheLayerMixin):
 
     def _clear(self) -> None:
         self.__dict__.pop("_lazy", None)  # views a replayed first prefill had not made yet
+        self.__dict__.pop("_pend", None)  # a deferred token's store: dropped with everything else
         self.keys = self.values = None  # HF code that probes .keys finds no bf16 copy
         self.is_initialized = False
         self.groups: list[PackedKV] = []
@@ -626,7 +633,30 @@ class TurboLayer(CacheLayerMixin):
         return True
 
     def __getattr__(self, name: str):
+        if name in _DEFERRED and "_pend" in self.__dict__:
+            self._settle()  # a deferred token is stored before anything else reads the buffers
+            return self.__dict__[name]
         return lazy_view(self, name)  # a replayed first prefill's storage: its views on first use
+
+    def _defer(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Count one decode token now and leave its store to the step's decode launch (``DEFER_DECODE_STORE``):
+        the buffers leave ``__dict__`` with the token, so every other read of them stores it first."""
+        d = self.__dict__
+        d["_pend"] = (key_states, value_states, d.pop("k_tail"), d.pop("v_tail"), d.pop("nonfinite"), self.n_tail)
+        self.n_tail += 1
+
+    def _take_deferred(self) -> Optional[tuple]:
+        """The deferred token ``(k, v, nonfinite)`` for this step's decode launch (the buffers back in place), or
+        None."""
+        d = self.__dict__
+        k, v, d["k_tail"], d["v_tail"], d["nonfinite"], _ = d.pop("_pend")
+        return k, v, d["nonfinite"]
+
+    def _settle(self) -> None:
+        """Store a deferred token with the store's own launch (a read of the buffers came before the decode launch)."""
+        d = self.__dict__
+        k, v, d["k_tail"], d["v_tail"], d["nonfinite"], slot = d.pop("_pend")
+        self._write_tokens(slot, k, v)
 
     def _first_store_key(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple:
         """What a fused first store depends on besides the tensors' addresses: the layer's format (``_layer_format``),
@@ -773,6 +803,10 @@ class TurboLayer(CacheLayerMixin):
                     self.prefill_k_mean = None
                 self._select_heads(key_states, value_states)
                 self._store(key_states, value_states, first=True)
+        elif (T == 1 and DEFER_DECODE_STORE and not self.rotated and "_pend" not in self.__dict__
+              and self.n_tail + 1 < self.n_sink + self.turbo_config.recent_blocks * self.turbo_config.block_size
+              + self.turbo_config.block_size and self._fused(key_states)):
+            self._defer(key_states, value_states)  # no block to pack: the decode launch writes it
         else:
             self._store(key_states, value_states)
         self._first_prefill = first
@@ -833,11 +867,18 @@ class TurboLayer(CacheLayerMixin):
                      k_mean=self.prefill_k_mean, rotate_qk=self.rotated, qk_smooth=self.qk_smooth)
             return out.to(query.dtype)
         if use_triton(query.device):  # decode_inputs() spelled out: this runs per layer and decode step
+            store = None
+            pend = self.__dict__.get("_pend")
+            # the deferred token, if this is its step's one-token query (one M tile: G <= 64); else the reads below
+            # store it first
+            if pend is not None and query.shape[2] == 1 and query.shape[1] <= 64 * pend[0].shape[1] \
+                    and pend[5] == self.n_tail - 1:
+                store = self._take_deferred()
             return _kernels("decode").turbo_decode_attention(
                 query, self.groups, self.k_tail, self.v_tail, self.n_tail, self.k_scale, self.v_scale, self.k_mean,
                 scale=scale, causal=causal, window=window, softcap=softcap, key_valid=key_valid,
                 n_sink=cfg.sink_blocks * cfg.block_size, softmax=cfg.softmax, sas_threshold=cfg.sas_threshold,
-                **self._rot_kw)
+                store=store, **self._rot_kw)
         args, kw = self.decode_inputs()
         kw.update(scale=scale, causal=causal, window=window, softcap=softcap, key_valid=key_valid, **self._rot_kw)
         from .kernels.reference import turbo_decode_ref
@@ -910,6 +951,8 @@ class TurboLayer(CacheLayerMixin):
         tokens_to_remove = int(tokens_to_remove)  # transformers 5.17 passes a 0-d tensor
         if not self.is_initialized or tokens_to_remove == 0:
             return
+        if "_pend" in self.__dict__:  # the stored tokens as they are, before the lengths change
+            self._settle()
         n = self.get_seq_length()
         new_len = max(n + tokens_to_remove, 0) if tokens_to_remove < 0 else min(tokens_to_remove, n)
         if new_len >= n:

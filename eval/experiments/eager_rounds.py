@@ -4,6 +4,9 @@ of a shape in one process, in alternating rounds.
 
     python -m eval.experiments.eager_rounds LAYERS SHAPES ROUNDS N OUT.json [CONFIGS]   # 32 1x1k,1x4k 5 64 x.json
 
+A config ``<preset>-store`` runs the preset with ``cache.DEFER_DECODE_STORE`` off (the decode step's store in its own
+launch, as before session 22): the A/B of the deferred store in the same rounds.
+
 Per round and config: t(1) = generate(max_new_tokens=1), then t(1 + N); the step is (t(1 + N) - t(1)) / N of that
 pair (bench_generate's formula, paired within a round). Reported: median and min of the rounds' steps per config,
 and per round the ratio to sdpa's step of the same round (its median: the bar's reading under drift)."""
@@ -13,8 +16,16 @@ import sys
 
 import torch
 
-from eval.bench_e2e import LLAMA3_8B, build_model, set_impl
+from eval.bench_e2e import LLAMA3_8B, build_model
+from eval.bench_e2e import set_impl as _set_impl
 from eval.bench_generate import generate_timed, parse_shapes, shape_name
+
+
+def set_impl(model, c: str) -> None:
+    from turbo_attn_hf import cache
+
+    cache.DEFER_DECODE_STORE = not c.endswith("-store")
+    _set_impl(model, c.removesuffix("-store"))
 
 
 def main() -> None:

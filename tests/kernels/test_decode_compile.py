@@ -36,6 +36,8 @@ CONFIGS = [
     (128, 4, 4, 1, 64, "lens"),
     (128, 4, 4, 1, 64, "rotate"),  # rotate_qk: the query's smoothing factor and Hadamard butterfly in the prologue
     (96, 4, 3, 5, 64, "rotate"),  # blocks of 32 (block-diagonal), a chunk: M = 15 rows
+    (128, (4, 2), 4, 1, 64, "store"),  # an eager decode step: the new token stored by the decode launch
+    (64, 8, 3, 1, 64, "store"),
 ]
 
 
@@ -49,7 +51,7 @@ def _compile(D, bits, G, Lq, BS, variant):
 
     bits0, bits1 = (bits, bits) if isinstance(bits, int) else bits  # a pair: one launch for two bit groups
     sig = dict(q="*bf16", sk="*fp32", mk="*fp32", kt="*i8", vt="*i8", sv="*fp32", qsm="*fp32", kvalid="*i8", o="*bf16",
-               po="*fp32", pml="*fp32", cnt="*i32", lens="*i32")
+               po="*fp32", pml="*fp32", cnt="*i32", lens="*i32", kn="*bf16", vn="*bf16", nf="*i32")
     for g, bg in (("0", bits0), ("1", bits1)):
         code = "*i8" if bg == 8 else "*u8"
         sig.update({"heads" + g: "*i32", "kp" + g: code, "ks" + g: "*i8", "kz" + g: "*i8", "vp" + g: code,
@@ -64,6 +66,8 @@ def _compile(D, bits, G, Lq, BS, variant):
     for g in ("0", "1"):
         for name in ("kb", "kh", "sb", "sh", "vb", "vh", "vsb", "vsh"):
             sig[f"stride_{name}{g}"] = "i32"
+    for name in ("nkb", "nkh", "nvb", "nvh"):
+        sig[f"stride_{name}"] = "i32"
     for name in ("H0", "H1", "HK"):
         sig[name] = "i32"
     BD, M = _pow2(D), G * Lq
@@ -75,7 +79,7 @@ def _compile(D, bits, G, Lq, BS, variant):
               HAS_MEAN=True, HAS_KVALID=masks, USE_SAS=masks, SPLIT=split, FUSED_MERGE=split,
               FOLD=variant != "restore", USE_ASM=True, SC=_merge_chunk(8, BM, BD, 1), LENS=variant == "lens",
               ROTATE=variant == "rotate", ROT_N=rotation_block(D) if variant == "rotate" else 1,
-              HAS_FACTOR=variant == "rotate")
+              HAS_FACTOR=variant == "rotate", STORE=variant == "store", COUNT=variant == "store")
     sig.update({k: "constexpr" for k in cx})
     src = triton.compiler.ASTSource(fn=_decode_kernel, signature=sig, constexprs=cx)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1, num_stages=2))

@@ -1,0 +1,116 @@
+"""An eager decode step's token stored by the step's decode launch (cache.DEFER_DECODE_STORE, decode.py STORE) ==
+the store's own launch before attention (DEFER off), bit for bit: every step's attention output, the INT8 buffer,
+the packed blocks and the non-finite count. And a read of the buffers between update and attention (crop, beam
+reorder, a direct read) stores the token first, so nothing sees a stale buffer.
+
+CPU: the Triton interpreter (tests/conftest.py), d 64, block 16: block packs, sinks and recent blocks come at small T.
+"""
+import pytest
+import torch
+
+from turbo_attn_hf import cache as C
+from turbo_attn_hf.cache import TurboCache
+from turbo_attn_hf.config import TurboConfig
+
+BS, D, HK, G = 16, 64, 2, 4
+
+
+def _cfg(preset, **kw):
+    base = dict(block_size=BS, softmax="exact", sink_blocks=1, recent_blocks=0)
+    base.update({"int8": dict(bits=8), "int4": dict(bits=4),
+                 "mixed": dict(bits=4, frac_2bit_heads=0.5, head_select="prompt")}[preset])
+    base.update(kw)
+    return TurboConfig(**base)
+
+
+def _qkv(b, L, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, HK * G, L, D, generator=g)
+    k = torch.randn(b, HK, L, D, generator=g) * 2 + torch.randn(1, HK, 1, D, generator=g)
+    v = torch.randn(b, HK, L, D, generator=g)
+    return (x.to(torch.bfloat16) for x in (q, k, v))
+
+
+def _steps(cfg, defer, prompt, steps, device, between=None, bad_step=None):
+    """Prefill ``prompt`` tokens, then ``steps`` decode steps (update + attention); ``between(layer, step)`` runs
+    between a step's update and its attention. -> (the layer, every step's attention output)."""
+    old = C.DEFER_DECODE_STORE
+    C.DEFER_DECODE_STORE = defer
+    try:
+        b = 2
+        q, k, v = (x.to(device) for x in _qkv(b, prompt + steps, seed=7))
+        if bad_step is not None:
+            k[1, 0, prompt + bad_step, 3] = float("inf")
+        cache = TurboCache(cfg, layers=[C.TurboLayer(cfg, 0)])
+        kk, vv = cache.update(k[:, :, :prompt], v[:, :, :prompt], 0)
+        layer = cache.layers[0]
+        layer.attention(q[:, :, :prompt], kk, vv)
+        outs, deferred = [], []
+        for s in range(steps):
+            t = prompt + s
+            kk, vv = cache.update(k[:, :, t:t + 1], v[:, :, t:t + 1], 0)
+            deferred.append("_pend" in layer.__dict__)
+            if between is not None:
+                between(layer, s)
+            outs.append(layer.attention(q[:, :, t:t + 1], kk, vv))
+            assert "_pend" not in layer.__dict__  # consumed by the step's launch (or stored by a read before it)
+        return layer, outs, deferred
+    finally:
+        C.DEFER_DECODE_STORE = old
+
+
+def _assert_same_layers(a, b):
+    assert (a.n_blocks, a.n_tail) == (b.n_blocks, b.n_tail)
+    n = a.n_tail
+    assert torch.equal(a.k_tail[:, :, :n].cpu(), b.k_tail[:, :, :n].cpu())
+    assert torch.equal(a.v_tail[:, :, :, :n].cpu(), b.v_tail[:, :, :, :n].cpu())
+    for ga, gb in zip(a.groups, b.groups):
+        for (name, ta), (_, tb) in zip(ga._tensors(), gb._tensors()):
+            assert torch.equal(ta[:, :, :ga.n_blocks].cpu(), tb[:, :, :gb.n_blocks].cpu()), name
+    assert a.nonfinite_tokens() == b.nonfinite_tokens()
+
+
+@pytest.mark.parametrize("preset", ["int8", "int4", "mixed"])
+def test_decode_launch_stores_the_step_token(preset, device):
+    """Steps across a block pack (that step stores with its own launch), a token with an inf (counted)."""
+    if device.type != "cuda" and not C.use_triton(device):
+        pytest.skip("the deferred store runs where the Triton kernels do")
+    cfg = _cfg(preset)
+    prompt, steps = BS + 5, BS - 2
+    a, out_a, deferred = _steps(cfg, True, prompt, steps, device, bad_step=4)
+    b, out_b, kept = _steps(cfg, False, prompt, steps, device, bad_step=4)
+    assert not any(kept) and 0 < sum(deferred) < steps  # the packing steps store themselves
+    for s, (x, y) in enumerate(zip(out_a, out_b)):
+        assert torch.equal(x, y), f"step {s}"
+    _assert_same_layers(a, b)
+    assert a.nonfinite_tokens() == 1
+
+
+@pytest.mark.parametrize("what", ["read", "crop", "reorder"])
+def test_a_read_before_attention_stores_the_token_first(what, device):
+    """Whatever reads the buffers between update and attention finds the token stored (the store's own launch)."""
+    if device.type != "cuda" and not C.use_triton(device):
+        pytest.skip("the deferred store runs where the Triton kernels do")
+    cfg = _cfg("int4")
+    prompt, steps = BS + 3, 4
+    seen = []
+
+    def between(layer, s):
+        if s != 2:
+            return
+        if what == "read":
+            seen.append(layer.k_tail[:, :, layer.n_tail - 1].clone())
+        elif what == "crop":
+            layer.crop(layer.get_seq_length())  # keeps every token, through the crop path
+        else:
+            layer.reorder_cache(torch.tensor([1, 0], device=device))
+            layer.reorder_cache(torch.tensor([1, 0], device=device))
+
+    a, out_a, deferred = _steps(cfg, True, prompt, steps, device, between=between)
+    b, out_b, _ = _steps(cfg, False, prompt, steps, device)
+    assert deferred[2]
+    for x, y in zip(out_a, out_b):
+        assert torch.equal(x, y)
+    _assert_same_layers(a, b)
+    if what == "read":
+        assert torch.equal(seen[0].cpu(), b.k_tail[:, :, prompt + 2].cpu())
