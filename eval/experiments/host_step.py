@@ -340,9 +340,15 @@ def main(argv=None) -> None:
                     help="cuda: real tensors and launches on the GPU, no stubs (the GPU host's own cost)")
     ap.add_argument("--prefill-attention", default="",
                     help="the presets' prefill_attention (exact: the H100 default, profiled on CPU)")
+    ap.add_argument("--store-launch", action="store_true",
+                    help="cache.DEFER_DECODE_STORE off: the decode step's store in its own launch (before session 22)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
+    if a.store_launch:
+        import turbo_attn_hf.cache as cache_mod
+
+        cache_mod.DEFER_DECODE_STORE = False
     if a.device == "cpu":
         install_stubs(binder=not a.no_binder)
     hq, hk, d = map(int, a.heads.split(","))
