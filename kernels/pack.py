@@ -386,11 +386,15 @@ def _torch_alloc(device) -> Callable:
     return lambda name, shape, dtype: torch.empty(shape, dtype=dtype, device=device)
 
 
+#: the least a packed group grows by (blocks) when a store needs room (``PackedKV.reserve``)
+GROW_MIN_BLOCKS = 4
+
+
 class PackedKV:
     """Packed full blocks of one bit-width group of KV heads of one layer (format in the module doc).
 
     ``heads`` ``[H]`` int32 holds the layer's KV-head index of each slot; ``n_blocks`` full blocks are
-    valid out of the allocated capacity ``k.shape[2]``, which grows by doubling. V's per-token scales and
+    valid out of the allocated capacity ``k.shape[2]``, which grows by a quarter (``reserve``). V's per-token scales and
     zeros live in ``v_sz``; separate ``v_scale``/``v_zero`` passed to the constructor are stacked into it.
     """
 
@@ -468,10 +472,12 @@ class PackedKV:
         return [(n, getattr(self, n)) for n in self.TENSORS if getattr(self, n) is not None]
 
     def reserve(self, n_blocks: int) -> None:
-        """Grow the capacity (doubling) to hold ``n_blocks``: one new buffer, the valid blocks copied once."""
+        """Grow the capacity to hold ``n_blocks``, by a quarter (at least ``GROW_MIN_BLOCKS``): one new buffer, the
+        valid blocks copied once. Not doubling: after a 32k prompt (stored at its exact size) the first packed decode
+        block would double the packed memory; a quarter keeps the copies amortised O(1) per block."""
         if n_blocks <= self.capacity:
             return
-        cap = max(n_blocks, 2 * self.capacity)
+        cap = max(n_blocks, self.capacity + max(self.capacity // 4, GROW_MIN_BLOCKS))
         old = self._tensors()
         b, H, _, BS = self.k.shape[:4]
         D = self.k.shape[4] * 8 // self.bits

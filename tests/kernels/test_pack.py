@@ -157,12 +157,16 @@ def test_packedkv_incremental_append_equals_one_shot(bits, device):
     heads = torch.tensor([1, 0], dtype=torch.int32)
     one = PackedKV.empty(bits, heads, b, D, BS, device, capacity=8)
     one.append(k8, v8)
-    inc = PackedKV.empty(bits, heads, b, D, BS, device)  # capacity 1: grows by doubling
+    inc = PackedKV.empty(bits, heads, b, D, BS, device)  # capacity 1: grows by a quarter, at least 4 blocks
     caps = []
     for lo, hi in [(0, 1), (1, 3), (3, 4), (4, 5)]:
         inc.append(k8[:, :, lo * BS:hi * BS], v8[:, :, lo * BS:hi * BS])
         caps.append(inc.capacity)
-    assert caps == [1, 3, 6, 6] and inc.n_blocks == one.n_blocks == 5
+    assert caps == [1, 5, 5, 5] and inc.n_blocks == one.n_blocks == 5
+    inc.reserve(21)
+    assert inc.capacity == 21  # what is asked, when more than a quarter
+    inc.reserve(22)
+    assert inc.capacity == 26  # a quarter more
     for name, t in one._tensors():
         assert torch.equal(getattr(inc, name)[:, :, :5], t[:, :, :5]), name
     # unpack_block gives back the (dequantized) INT8 tokens, V transposed back to [BS, D]
