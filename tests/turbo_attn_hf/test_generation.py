@@ -61,18 +61,30 @@ def _turbo_cache_cls(tm):
     return TurboCache
 
 
-def test_generate_through_triton_kernels(tm):
-    """Prefill kernel + TurboCache decode kernel (Triton; interpreter on CPU), greedy, batch 2."""
+def test_generate_through_triton_kernels(tm, monkeypatch):
+    """Prefill kernel + TurboCache decode kernel (Triton; interpreter on CPU), greedy, batch 2; the decode steps'
+    tokens stored by the decode launch (``DEFER_DECODE_STORE``) give the same tokens and logits as their own store
+    launch."""
+    from turbo_attn_hf import cache as C
+
+    taken = []
+    take = C.TurboLayer._take_deferred
+    monkeypatch.setattr(C.TurboLayer, "_take_deferred", lambda self: (taken.append(1), take(self))[1])
     model = tm.make_model("mistral", attn="turbo_int8")
     turbo_attn_hf.set_turbo_config(model, INT4_B16)
     ids = tm.token_ids(2, 20)
-    out = model.generate(ids, max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
+    out = model.generate(ids, max_new_tokens=6, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    assert taken  # the decode launches stored the steps' tokens
     assert out.sequences.shape == (2, 26)
     if tm.turbo_cache_available():
         from turbo_attn_hf.cache import TurboCache
 
         assert isinstance(out.past_key_values, TurboCache)
     _assert_tracks(tm.make_model("mistral"), out.sequences, 20)
+    monkeypatch.setattr(C, "DEFER_DECODE_STORE", False)
+    own = model.generate(ids, max_new_tokens=6, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    assert torch.equal(own.sequences, out.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(own.scores, out.scores))
 
 
 @pytest.mark.parametrize("arch_name", ["llama", "qwen2", "gemma2"])
