@@ -74,7 +74,7 @@ def test_generate_through_triton_kernels(tm, monkeypatch):
     turbo_attn_hf.set_turbo_config(model, INT4_B16)
     ids = tm.token_ids(2, 20)
     out = model.generate(ids, max_new_tokens=6, do_sample=False, return_dict_in_generate=True, output_scores=True)
-    assert taken  # the decode launches stored the steps' tokens
+    assert bool(taken) == C.use_triton(ids.device)  # the decode launches stored the steps' tokens (Triton only)
     assert out.sequences.shape == (2, 26)
     if tm.turbo_cache_available():
         from turbo_attn_hf.cache import TurboCache
