@@ -394,8 +394,8 @@ class PackedKV:
     """Packed full blocks of one bit-width group of KV heads of one layer (format in the module doc).
 
     ``heads`` ``[H]`` int32 holds the layer's KV-head index of each slot; ``n_blocks`` full blocks are
-    valid out of the allocated capacity ``k.shape[2]``, which grows by a quarter (``reserve``). V's per-token scales and
-    zeros live in ``v_sz``; separate ``v_scale``/``v_zero`` passed to the constructor are stacked into it.
+    valid out of the allocated capacity ``k.shape[2]``, which grows by a quarter (``reserve``). V's per-token
+    scales and zeros live in ``v_sz``; separate ``v_scale``/``v_zero`` passed to the constructor are stacked into it.
     """
 
     TENSORS = ("k", "v", "k_scale", "k_zero", "v_sz")

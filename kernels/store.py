@@ -55,7 +55,7 @@ from .device import current_cuda_device, sm_count
 from .hadamard import hadamard_rows
 from .interpreter import interpreting
 from .launch import LeanLaunch, lean
-from .pack import _bad_rows, _finite, _pack_tile, _quantize_universal, _universal_scales  # noqa: F401 (store_step)
+from .pack import _bad_rows, _finite, _pack_tile, _quantize_universal, _universal_scales
 from .quant import _multiple, _vec, check_qk_smooth, factor_arg
 from .rotation import rotation_block
 

@@ -27,9 +27,9 @@ import triton.language as tl
 
 from .decode import _pow2
 from .launch import LeanLaunch
-from .pack import _quantize_universal
+from .pack import _bad_rows, _quantize_universal, _universal_scales
 from .quant import check_qk_smooth, factor_arg
-from .store import TAIL_ROWS, _bad_rows, _key_factor, _no_fma, _pack_rows, _rotate_keys, _rotate_kw, _universal_scales
+from .store import TAIL_ROWS, _key_factor, _no_fma, _pack_rows, _rotate_keys, _rotate_kw
 
 __all__ = ["store_step"]
 
