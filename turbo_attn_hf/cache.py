@@ -458,7 +458,7 @@ class TurboLayer(CacheLayerMixin):
         keep = self.turbo_config.recent_blocks * bs
         if T == 0:
             return
-        if self.n_tail + T < self.n_sink + keep + bs:  # no block to pack (the decode step's common case)
+        if not self._packs(T):  # no block to pack (the decode step's common case)
             self._write_tokens(self.n_tail, key_states, value_states, count=not first)
             self.n_tail += T
             return
@@ -645,18 +645,28 @@ class TurboLayer(CacheLayerMixin):
         d["_pend"] = (key_states, value_states, d.pop("k_tail"), d.pop("v_tail"), d.pop("nonfinite"), self.n_tail)
         self.n_tail += 1
 
-    def _take_deferred(self) -> Optional[tuple]:
-        """The deferred token ``(k, v, nonfinite)`` for this step's decode launch (the buffers back in place), or
-        None."""
+    def _pop_deferred(self) -> tuple:
+        """The deferred token ``(k, v, its buffer slot)``, the buffers back in ``__dict__``."""
         d = self.__dict__
-        k, v, d["k_tail"], d["v_tail"], d["nonfinite"], _ = d.pop("_pend")
-        return k, v, d["nonfinite"]
+        k, v, d["k_tail"], d["v_tail"], d["nonfinite"], slot = d.pop("_pend")
+        return k, v, slot
 
     def _settle(self) -> None:
         """Store a deferred token with the store's own launch (a read of the buffers came before the decode launch)."""
-        d = self.__dict__
-        k, v, d["k_tail"], d["v_tail"], d["nonfinite"], slot = d.pop("_pend")
+        k, v, slot = self._pop_deferred()
         self._write_tokens(slot, k, v)
+
+    def _defers(self, key_states: torch.Tensor) -> bool:
+        """Whether this decode token's store is left to the step's decode launch (``DEFER_DECODE_STORE``): one
+        token, no block to pack, an unrotated layer on the Triton store path, nothing deferred already."""
+        return (key_states.shape[2] == 1 and DEFER_DECODE_STORE and not self.rotated and "_pend" not in self.__dict__
+                and not self._packs(1) and self._fused(key_states))
+
+    def _packs(self, T: int) -> bool:
+        """Appending ``T`` tokens fills the INT8 buffer's ``recent_blocks + 1`` blocks after the sinks (``_store``
+        packs the oldest)."""
+        cfg = self.turbo_config
+        return self.n_tail + T >= self.n_sink + (cfg.recent_blocks + 1) * cfg.block_size
 
     def _first_store_key(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple:
         """What a fused first store depends on besides the tensors' addresses: the layer's format (``_layer_format``),
@@ -803,10 +813,8 @@ class TurboLayer(CacheLayerMixin):
                     self.prefill_k_mean = None
                 self._select_heads(key_states, value_states)
                 self._store(key_states, value_states, first=True)
-        elif (T == 1 and DEFER_DECODE_STORE and not self.rotated and "_pend" not in self.__dict__
-              and self.n_tail + 1 < self.n_sink + self.turbo_config.recent_blocks * self.turbo_config.block_size
-              + self.turbo_config.block_size and self._fused(key_states)):
-            self._defer(key_states, value_states)  # no block to pack: the decode launch writes it
+        elif self._defers(key_states):
+            self._defer(key_states, value_states)
         else:
             self._store(key_states, value_states)
         self._first_prefill = first
@@ -873,7 +881,8 @@ class TurboLayer(CacheLayerMixin):
             # store it first
             if pend is not None and query.shape[2] == 1 and query.shape[1] <= 64 * pend[0].shape[1] \
                     and pend[5] == self.n_tail - 1:
-                store = self._take_deferred()
+                k, v, _ = self._pop_deferred()
+                store = (k, v, self.nonfinite)
             return _kernels("decode").turbo_decode_attention(
                 query, self.groups, self.k_tail, self.v_tail, self.n_tail, self.k_scale, self.v_scale, self.k_mean,
                 scale=scale, causal=causal, window=window, softcap=softcap, key_valid=key_valid,
