@@ -2,7 +2,7 @@
 
     python -m eval.bench_generate [--quick] [--layers N] [--shapes 1x1k,4x8k] [--configs sdpa_dynamic,...]
                                   [--new-tokens 128] [--reps 3] [--max-seconds 540] [--ttft-rounds R]
-                                  [--profile-step] [--step-times] [--merge]
+                                  [--decode-rounds R] [--profile-step] [--step-times] [--merge]
     python -m eval.bench_generate --dry-run      # CPU: a 2-layer toy model, 1 x 16 tokens, checks the set-up
                                                  # (turbo: PyTorch reference; TRITON_INTERPRET=1: the kernels)
 
@@ -41,6 +41,8 @@ static cache take turns, one generate(max_new_tokens=1) each: ``ttft_rounds_ms``
 ``ttft_paired_vs_sdpa_dynamic`` (median of each round's ratio) — the host of the GPU machine changes speed for
 minutes at a time, and a row's own reps take whatever mode it is in (eval/PERF_NOTES.md, session 20); skipped where
 the rounds would not fit the time budget.
+``--decode-rounds R`` (issue 18's eager bar): the same rounds, each turn a generate(1) and a generate(1 + N):
+``decode_rounds_ms`` and ``decode_paired_vs_sdpa_dynamic`` (median of each round's step ratio).
 ``--step-times``: one more generate(1 + N) per row with a clock in its stopping criteria (CUDA synchronised after
 every token): ``step_ms``, each decode step's wall time, so a step-time gap between configs can be placed — every
 step, a few slow steps (a block packed, a buffer grown) or the first one.
@@ -94,6 +96,11 @@ FORMULAS = {
                       "turns, one generate(max_new_tokens=1) each (after two warm-up calls each); per-round seconds "
                       "in ttft_rounds_s",
     "ttft_paired_vs_sdpa_dynamic": "median over those rounds of ttft / sdpa_dynamic's ttft in the same round",
+    "decode_rounds_ms": "--decode-rounds R: as ttft_rounds_ms, each config's turn a generate(1) then a generate(1+N): "
+                        "the round's step (t(1+N) - t(1)) / N; median of the R rounds, per-round seconds in "
+                        "decode_rounds_s",
+    "decode_paired_vs_sdpa_dynamic": "median over those rounds of the step / sdpa_dynamic's step in the same round "
+                                     "(issue 18's eager bar: <= 1)",
     "step_ms": "--step-times: wall ms of each decode step of one more generate(1+N), from a StoppingCriteria that "
                "synchronises and reads the clock after every token (step i = clock(i) - clock(i - 1)); "
                "step_ms_med / step_ms_max / step_ms_max_at summarise it",
@@ -414,11 +421,12 @@ def measure(model, spec: dict, b: int, T: int, n: int, reps: int, layers: int, p
     return row
 
 
-def ttft_rounds(model, specs: list[dict], b: int, T: int, rounds: int, seconds_left: float) -> dict:
-    """``--ttft-rounds``: the shape's configs without a static cache take turns, one ``generate(max_new_tokens=1)``
-    each per round (two warm-up calls each first): ``{config: [seconds per round]}``, the host's drift falling on
-    every config alike (a row's own reps take whatever mode the host is in then). ``{}`` when the rounds would not
-    fit ``seconds_left`` (judged from the warm-up calls) or a call fails (OOM)."""
+def eager_rounds(model, specs: list[dict], b: int, T: int, rounds: int, seconds_left: float, n: int = 0) -> dict:
+    """``--ttft-rounds`` (``n`` 0) / ``--decode-rounds`` (``n`` = N): the shape's configs without a static cache take
+    turns, per round one ``generate(max_new_tokens=1)`` each (with ``n``: then a ``generate(1 + n)``, the round's step
+    ``(t(1 + n) - t(1)) / n``), after two warm-up calls each: ``{config: [seconds per round]}`` (TTFTs, or steps), the
+    host's drift falling on every config alike (a row's own reps take whatever mode the host is in then). ``{}`` when
+    the rounds would not fit ``seconds_left`` (judged from the warm-up calls) or a call fails (OOM)."""
     import torch
 
     eager = [s for s in specs if not s["static"]]
@@ -429,11 +437,18 @@ def ttft_rounds(model, specs: list[dict], b: int, T: int, rounds: int, seconds_l
     mask = torch.ones_like(ids)
     def call(spec: dict) -> float:
         set_impl(model, spec["impl"])
-        return generate_timed(model, ids, mask, spec, 1)[0]
+        t1 = generate_timed(model, ids, mask, spec, 1)[0]
+        return (generate_timed(model, ids, mask, spec, 1 + n)[0] - t1) / n if n else t1
+
+    def time_call(spec: dict) -> float:  # a warm-up call's wall seconds
+        call(spec)
+        t0 = time.perf_counter()
+        call(spec)
+        return time.perf_counter() - t0
 
     times: dict = {s["name"]: [] for s in eager}
     try:
-        per_round = sum([call(s), call(s)][1] for s in eager)  # the warm-up calls, the second one timed
+        per_round = sum(time_call(s) for s in eager)  # the warm-up calls, the second one timed
         if seconds_left and rounds * per_round > seconds_left:
             return {}
         for _, spec, t in alternating(eager, rounds, call, warm=0):
@@ -458,10 +473,11 @@ def add_ratios(rows: list[dict]) -> None:
             if r.get(val) and base.get(val) and r["config"] != base_cfg:
                 r[key] = r[val] / base[val]
         base = by.get(("sdpa_dynamic", r["batch"], r["context"]), {})
-        r.pop("ttft_paired_vs_sdpa_dynamic", None)
-        if r.get("ttft_rounds_s") and base.get("ttft_rounds_s") and r["config"] != "sdpa_dynamic":
-            r["ttft_paired_vs_sdpa_dynamic"] = statistics.median(
-                x / y for x, y in zip(r["ttft_rounds_s"], base["ttft_rounds_s"]))
+        for what in ("ttft", "decode"):
+            r.pop(f"{what}_paired_vs_sdpa_dynamic", None)
+            if r.get(f"{what}_rounds_s") and base.get(f"{what}_rounds_s") and r["config"] != "sdpa_dynamic":
+                r[f"{what}_paired_vs_sdpa_dynamic"] = statistics.median(
+                    x / y for x, y in zip(r[f"{what}_rounds_s"], base[f"{what}_rounds_s"]))
 
 
 def merge_rows(old_rows: list[dict], rows: list[dict]) -> list[dict]:
@@ -505,6 +521,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ttft-rounds", type=int, default=0,
                     help="per shape, R rounds of generate(max_new_tokens=1) alternating over the configs without a "
                          "static cache before the rows (ttft_rounds_ms, ttft_paired_vs_sdpa_dynamic; default 0: off)")
+    ap.add_argument("--decode-rounds", type=int, default=0,
+                    help="per shape, R rounds of generate(1) + generate(1+N) alternating over the configs without a "
+                         "static cache before the rows (decode_rounds_ms, decode_paired_vs_sdpa_dynamic; default 0)")
     ap.add_argument("--profile-step", action="store_true", help="torch.profiler of one decode step per config")
     ap.add_argument("--step-times", action="store_true",
                     help="one more generate(1+N) per row timing every decode step (step_ms)")
@@ -603,11 +622,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     done: dict[str, tuple[float, int]] = {}
     for b, T in shapes:
         left = opt["max_seconds"] - (time.perf_counter() - t_start) if opt["max_seconds"] else 0.0
-        alt = ttft_rounds(model, specs, b, T, args.ttft_rounds, max(left, 1e-9) if opt["max_seconds"] else 0.0)
+        alt = eager_rounds(model, specs, b, T, args.ttft_rounds, max(left, 1e-9) if opt["max_seconds"] else 0.0)
+        left = opt["max_seconds"] - (time.perf_counter() - t_start) if opt["max_seconds"] else 0.0
+        alt_dec = eager_rounds(model, specs, b, T, args.decode_rounds, max(left, 1e-9) if opt["max_seconds"] else 0.0,
+                               n)
         for spec in specs:
             row: dict = {"config": spec["name"], "batch": b, "context": T}
-            if alt.get(spec["name"]):
-                row.update(ttft_rounds_ms=statistics.median(alt[spec["name"]]) * 1e3, ttft_rounds_s=alt[spec["name"]])
+            for what, times in (("ttft", alt), ("decode", alt_dec)):
+                if times.get(spec["name"]):
+                    row.update({f"{what}_rounds_ms": statistics.median(times[spec["name"]]) * 1e3,
+                                f"{what}_rounds_s": times[spec["name"]]})
             elapsed = time.perf_counter() - t_start
             if spec["impl"] != "sdpa" and spec["static"]:
                 if spec["impl"] not in static_turbo:

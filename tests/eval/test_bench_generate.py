@@ -16,9 +16,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_dry_run_writes_rows(tmp_path):
     """`--dry-run`: 2-layer toy model on CPU, 1 x 16, sdpa_dynamic + turbo_int4_eager; every row timed; the
-    alternating TTFT rounds (`--ttft-rounds`); every decode step's time (`--step-times`)."""
+    alternating TTFT and decode rounds (`--ttft-rounds`, `--decode-rounds`); every decode step's time
+    (`--step-times`)."""
     env = dict(os.environ, TRITON_INTERPRET="0")  # turbo on CPU: the PyTorch reference (the interpreter is slow)
-    proc = subprocess.run([sys.executable, "-m", "eval.bench_generate", "--dry-run", "--ttft-rounds", "2", "--step-times", "--out",
+    proc = subprocess.run([sys.executable, "-m", "eval.bench_generate", "--dry-run", "--ttft-rounds", "2",
+                           "--decode-rounds", "2", "--step-times", "--out",
                            str(tmp_path)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -41,6 +43,9 @@ def test_dry_run_writes_rows(tmp_path):
     for r in rows:  # --ttft-rounds 2: both configs took turns twice
         assert len(r["ttft_rounds_s"]) == 2 and r["ttft_rounds_ms"] > 0
     assert rows[1]["ttft_paired_vs_sdpa_dynamic"] > 0 and "ttft_paired_vs_sdpa_dynamic" not in rows[0]
+    for r in rows:  # --decode-rounds 2: each turn a generate(1) and a generate(1 + N)
+        assert len(r["decode_rounds_s"]) == 2 and r["decode_rounds_ms"] > 0
+    assert rows[1]["decode_paired_vs_sdpa_dynamic"] > 0 and "decode_paired_vs_sdpa_dynamic" not in rows[0]
     for r in rows:  # --step-times: N decode steps of one more generate(1 + N), after the first token
         assert len(r["step_ms"]) == data["config"]["new_tokens"] and min(r["step_ms"]) > 0
         assert r["step_ms_max"] == max(r["step_ms"]) == r["step_ms"][r["step_ms_max_at"]]
