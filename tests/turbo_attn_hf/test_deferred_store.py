@@ -86,6 +86,30 @@ def test_decode_launch_stores_the_step_token(preset, device):
     assert a.nonfinite_tokens() == 1
 
 
+def test_a_deferred_step_is_one_launch(device):
+    """update + attention of a decode step that packs no block: the decode launch alone; a read of the buffers in
+    between: the store's own launch first."""
+    if device.type != "cuda" and not C.use_triton(device):
+        pytest.skip("the deferred store runs where the Triton kernels do")
+    from eval.bench_store import count_launches
+
+    cfg = _cfg("int4")
+    q, k, v = (x.to(device) for x in _qkv(1, BS + 3, seed=3))
+    cache = TurboCache(cfg, layers=[C.TurboLayer(cfg, 0)])
+    layer = cache.layers[0]
+    layer.attention(q[:, :, :BS], *cache.update(k[:, :, :BS], v[:, :, :BS], 0))
+
+    def step(t, read=False):
+        kk, vv = cache.update(k[:, :, t:t + 1], v[:, :, t:t + 1], 0)
+        if read:
+            layer.v_tail  # noqa: B018 - a read of the buffers before the decode launch
+        layer.attention(q[:, :, t:t + 1], kk, vv)
+
+    layer.attention(q[:, :, BS:BS + 1], *cache.update(k[:, :, BS:BS + 1], v[:, :, BS:BS + 1], 0))  # compiles
+    assert count_launches(lambda: step(BS + 1))["total"] == 1
+    assert count_launches(lambda: step(BS + 2, read=True))["total"] == 2
+
+
 @pytest.mark.parametrize("what", ["read", "crop", "reorder"])
 def test_a_read_before_attention_stores_the_token_first(what, device):
     """Whatever reads the buffers between update and attention finds the token stored (the store's own launch)."""

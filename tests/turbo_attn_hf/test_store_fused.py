@@ -236,12 +236,14 @@ def test_nonfinite_tokens_are_counted_stored_as_zero_and_kept_out_of_the_scales(
     assert torch.equal(layer.v_scale[1, 0].cpu(), ref[1, 0])
 
 
-def test_first_prefill_kernel_launches(device):
+def test_first_prefill_kernel_launches(device, monkeypatch):
     """The first prefill's store issues 2 launches (Triton: stats with the K mean, the scales and the head choice;
     store) for every preset; a store packing blocks behind waiting tokens 2 Triton launches (+ the copies of a capacity
-    doubling, amortised); a decode step 1."""
+    growth, amortised); a decode step's store 1 (with ``DEFER_DECODE_STORE`` it rides in the decode launch instead:
+    test_deferred_store)."""
     from eval.bench_store import count_launches
 
+    monkeypatch.setattr(C, "DEFER_DECODE_STORE", False)
     for preset in ("int8", "int4", "mixed"):
         k, v = _kv(1, 4, 6 * BS, seed=1, device=device)
         cfg = _cfg(preset, sink_blocks=1, recent_blocks=2)
