@@ -59,7 +59,8 @@ from .reference import SQ_MIN
 from .rotation import rotation_block
 from .softmax import sas_exp2
 
-__all__ = ["turbo_decode_attention", "plan_splits", "group_splits", "launch_pairs", "first_visible_tile"]
+__all__ = ["turbo_decode_attention", "plan_splits", "group_splits", "launch_pairs", "first_visible_tile",
+           "stores_in_launch"]
 
 
 _INTERPRET = interpreting()
@@ -76,6 +77,8 @@ FILL_MIN_TILES = 16
 #: pipeline stages of a launch with a 2-bit group (``mixed``): a third stage keeps one block's load in flight
 #: during the compute and still fits 8 programs per SM; int4 / INT8 launches keep 2 (PERF_NOTES: same).
 INT2_STAGES = 3
+#: the largest default M tile (query rows: G x Lq are the N side of the MMAs)
+MAX_BLOCK_M = 64
 LN2 = 0.6931471805599453
 _SQ_MIN = tl.constexpr(SQ_MIN)
 
@@ -819,6 +822,12 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def stores_in_launch(lq: int, hq: int, hk: int) -> bool:
+    """Whether a decode call may take ``store=`` (the step's new token written by the launch): one query token whose
+    ``hq // hk`` rows fit one M tile of the default ``block_m``."""
+    return lq == 1 and hq <= MAX_BLOCK_M * hk
+
+
 def first_visible_tile(kv_len: int, lq: int, window: Optional[int], block: int) -> int:
     """First tile (block) that a query of the chunk can see: with a sliding window ``w`` the first query
     (position ``kv_len - lq``) sees keys from ``kv_len - lq - w + 1`` on; earlier tiles are skipped."""
@@ -1136,7 +1145,7 @@ class _DecodeStatic:
         self.b, self.Lq, self.BS, self.C, self.n_sink, self.window = b, Lq, BS, C, n_sink, window
         BD = _pow2(D)
         M = G * Lq
-        BM = block_m or min(64, max(4, _pow2(M)))  # query rows are the N side of the MMAs
+        BM = block_m or min(MAX_BLOCK_M, max(4, _pow2(M)))  # query rows are the N side of the MMAs
         self.BM, self.BD, self.n_m, self.G = BM, BD, -(-M // BM), G
         conv = [k_tail.contiguous(), v_tail.contiguous(), k_scale.float().contiguous(), v_scale.float().contiguous(),
                 k_mean.float().contiguous() if k_mean is not None else None,
@@ -1252,7 +1261,7 @@ class _DecodeStatic:
         """``store = (k, v, nonfinite)`` checked for the launch -> (k, v, nonfinite, its facts, its strides)."""
         k, v, nf = store
         shape = (self.b, self.o_shape[2] // self.G, 1, self.o_shape[3])
-        if self.Lq != 1 or self.n_m != 1 or self.rotate or n_tail < 1:
+        if not stores_in_launch(self.Lq, self.G, 1) or self.n_m != 1 or self.rotate or n_tail < 1:
             raise ValueError(f"store= needs one query token, one M tile, no rotation and n_tail >= 1 (got Lq "
                              f"{self.Lq}, {self.n_m} M tiles, rotate {self.rotate}, n_tail {n_tail})")
         if tuple(k.shape) != shape or tuple(v.shape) != shape:
@@ -1309,11 +1318,13 @@ class _DecodeStatic:
         if store is None:
             kn = vn = nf = sv  # never read (STORE off)
             nstr, sfacts = _NO_STRIDES, None
+            sv_ptr = sv.data_ptr()
+            new_ptrs = (sv_ptr, sv_ptr, sv_ptr)
         else:
             kn, vn, nf, sfacts, nstr = store
             if nf is None:
                 nf = sv
-        new_ptrs = (kn.data_ptr(), vn.data_ptr(), nf.data_ptr())
+            new_ptrs = (kn.data_ptr(), vn.data_ptr(), nf.data_ptr())
         facts = (kvalid is not None, q_ptr & 15 == 0, kv_ptr & 15 == 0, cur, lens is not None, sfacts)
         lean = isinstance(_DECODE, LeanLaunch) and not LeanLaunch.hooks_active()
         for i_p, pair in enumerate(self.pairs):

@@ -641,8 +641,12 @@ class TurboLayer(CacheLayerMixin):
     def _defer(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Count one decode token now and leave its store to the step's decode launch (``DEFER_DECODE_STORE``):
         the buffers leave ``__dict__`` with the token, so every other read of them stores it first."""
+        # read through attributes first: a replayed first prefill's buffers are made on first use (``lazy_view``)
+        bufs = (self.k_tail, self.v_tail, self.nonfinite)
         d = self.__dict__
-        d["_pend"] = (key_states, value_states, d.pop("k_tail"), d.pop("v_tail"), d.pop("nonfinite"), self.n_tail)
+        for name in _DEFERRED:
+            del d[name]
+        d["_pend"] = (key_states, value_states, *bufs, self.n_tail)
         self.n_tail += 1
 
     def _pop_deferred(self) -> tuple:
@@ -877,10 +881,10 @@ class TurboLayer(CacheLayerMixin):
         if use_triton(query.device):  # decode_inputs() spelled out: this runs per layer and decode step
             store = None
             pend = self.__dict__.get("_pend")
-            # the deferred token, if this is its step's one-token query (one M tile: G <= 64); else the reads below
-            # store it first
-            if pend is not None and query.shape[2] == 1 and query.shape[1] <= 64 * pend[0].shape[1] \
-                    and pend[5] == self.n_tail - 1:
+            # the deferred token, if this is its step's query and the launch can store it; else the reads below store
+            # it first
+            if pend is not None and pend[5] == self.n_tail - 1 and \
+                    _kernels("decode").stores_in_launch(query.shape[2], query.shape[1], pend[0].shape[1]):
                 k, v, _ = self._pop_deferred()
                 store = (k, v, self.nonfinite)
             return _kernels("decode").turbo_decode_attention(

@@ -138,3 +138,25 @@ def test_a_read_before_attention_stores_the_token_first(what, device):
     _assert_same_layers(a, b)
     if what == "read":
         assert torch.equal(seen[0].cpu(), b.k_tail[:, :, prompt + 2].cpu())
+
+
+def test_which_calls_store_in_the_launch():
+    """One rule for the layer's choice and the kernel's check: one query token, its G rows in one M tile."""
+    from turbo_attn_hf.kernels.decode import MAX_BLOCK_M, stores_in_launch
+
+    assert stores_in_launch(1, 8 * MAX_BLOCK_M, 8)
+    assert not stores_in_launch(1, 8 * MAX_BLOCK_M + 8, 8)  # G = 65: two M tiles, the store's own launch
+    assert not stores_in_launch(2, 8, 8)  # two query tokens (a chunk) store in update
+
+
+def test_the_kernel_refuses_a_store_it_cannot_take(device):
+    """store= with two query tokens is a named ValueError, not a token written at the wrong slot."""
+    from turbo_attn_hf.kernels.decode import turbo_decode_attention
+
+    cfg = _cfg("int8")
+    layer, _, _ = _steps(cfg, True, prompt=20, steps=1, device=device)
+    q, k, v = (x.to(device) for x in _qkv(2, 2, seed=3))
+    with pytest.raises(ValueError, match="one query token"):
+        turbo_decode_attention(q, layer.groups, layer.k_tail, layer.v_tail, layer.n_tail, layer.k_scale,
+                               layer.v_scale, layer.k_mean, n_sink=BS, softmax="exact",
+                               store=(k[:, :, :1], v[:, :, :1], layer.nonfinite))
