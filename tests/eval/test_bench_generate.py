@@ -52,6 +52,30 @@ def test_dry_run_writes_rows(tmp_path):
     assert "config" in proc.stdout and "turbo_int4_eager" in proc.stdout  # the printed table
 
 
+def test_dry_run_compiled_rounds_only(tmp_path):
+    """`--compiled-rounds 2 --rounds-only`: each turbo *_compiled config takes turns with sdpa_compiled (one pair at
+    a time); the rows carry the rounds and the paired ratio, no reps of their own, in a file beside the headline's.
+    (On CPU HF compiles nothing: the static caches run eagerly, which is what this checks the set-up of.)"""
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    proc = subprocess.run([sys.executable, "-m", "eval.bench_generate", "--dry-run", "--configs",
+                           "sdpa_compiled,turbo_int4_compiled,turbo_mixed_compiled", "--compiled-rounds", "2",
+                           "--rounds-only", "--out", str(tmp_path)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    files = list(tmp_path.glob("bench_generate_*_dryrun_rounds.json"))
+    assert len(files) == 1, proc.stdout
+    rows = {r["config"]: r for r in json.loads(files[0].read_text())["rows"]}
+    assert set(rows) == {"sdpa_compiled", "turbo_int4_compiled", "turbo_mixed_compiled"}
+    for name in ("turbo_int4_compiled", "turbo_mixed_compiled"):
+        r = rows[name]
+        assert len(r["compiled_rounds_s"]) == len(r["compiled_rounds_base_s"]) == 2 and r["compiled_rounds_ms"] > 0
+        assert r["decode_paired_vs_sdpa_compiled"] > 0 and r["compiled_rounds_captures"] == 0
+        assert r["error"] == bg.ROUNDS_ONLY and r["decode_ms_per_step"] is None
+    assert len(rows["sdpa_compiled"]["compiled_rounds_s"]) == 4  # its rounds of both pairs
+    assert "decode_paired_vs_sdpa_compiled" not in rows["sdpa_compiled"]
+    assert "decode_paired_vs_sdpa_compiled" in proc.stdout  # the rounds table
+
+
 def test_parse_shapes_configs_slug():
     assert bg.parse_shapes("1x1k, 4x8k,8x32k") == [(1, 1024), (4, 8192), (8, 32768)]
     assert bg.shape_name(8, 32768) == "8x32k" and bg.shape_name(1, 16) == "1x16"
