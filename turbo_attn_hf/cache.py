@@ -838,12 +838,11 @@ class TurboLayer(CacheLayerMixin):
         base = self._base
         if base is None or base.dtype != self.dtype or base.device != self.device:  # one element, kept per layer
             base = self._base = torch.empty(1, dtype=self.dtype, device=self.device)
+        # one tensor for keys and values: attention reads the layer, never these elements (per layer and step)
         k = base.expand(self.batch, self.n_kv_heads, n, self.head_dim)
-        v = base.expand(self.batch, self.n_kv_heads, n, self.head_dim)
         k.turbo_cache_layer = self
-        v.turbo_cache_layer = self
         k.turbo_rotated = self.rotated
-        return k, v
+        return k, k
 
     # ------------------------------------------------------------------ attention
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, scale=None,

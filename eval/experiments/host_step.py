@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import io
 import json
 import pstats
 import statistics
@@ -304,10 +303,7 @@ def run_config(preset: str, *, batch: int, context: int, steps: int, reps: int, 
         pr.enable()
         decode(c, steps)
         pr.disable()
-        for order in ("tottime", "cumulative"):
-            s = io.StringIO()
-            pstats.Stats(pr, stream=s).sort_stats(order).print_stats(30)
-            print(s.getvalue())
+        _print_per_layer(pr, steps * layers, "decode step", top=40)
     if profile:
         pr = cProfile.Profile()
         for _ in range(reps):
