@@ -114,6 +114,8 @@ FORMULAS = {
                           "generate(1+N): median of its per-round steps (compiled_rounds_s; sdpa_compiled's of the "
                           "same rounds in compiled_rounds_base_s; sdpa_compiled's row: all its pairs' rounds); "
                           "compiled_rounds_captures = CUDA-graph captures during the timed rounds (0 = replays only)",
+    "graph_breaks": "*_compiled: dynamo graph breaks counted over the row's compiles (0 = the decode step is one "
+                    "graph; compiled_rounds_graph_breaks: over the rounds' pair's compiles)",
     "decode_paired_vs_sdpa_compiled": "median over those rounds of the step / sdpa_compiled's step in the same round "
                                       "(issue 18's compiled bars)",
     "step_ms": "--step-times: wall ms of each decode step of one more generate(1+N), from a StoppingCriteria that "
@@ -268,6 +270,7 @@ def reset_compile(model) -> None:
         import torch._dynamo
 
         torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()  # graph_breaks() counts this shape's compiles only
     except Exception:  # noqa: BLE001
         pass
     try:
@@ -276,6 +279,14 @@ def reset_compile(model) -> None:
         reset_cudagraph_trees()
     except Exception:  # noqa: BLE001
         pass
+
+
+def graph_breaks() -> int:
+    """dynamo's graph breaks since the last :func:`reset_compile` (0: each compiled step is one graph, one CUDA graph
+    replay; a break splits it into pieces replayed one by one)."""
+    import torch._dynamo
+
+    return sum(torch._dynamo.utils.counters["graph_break"].values())
 
 
 def cache_problem(spec: dict, cache, model) -> Optional[str]:
@@ -413,6 +424,7 @@ def measure(model, spec: dict, b: int, T: int, n: int, reps: int, layers: int, p
         return {**row, "error": f"wrong path: {problem}"}
     if spec["compile"]:  # a second run with a fresh cache: any CUDA-graph re-recording happens here, not below
         row["warmup2_s"] = generate_timed(model, ids, mask, spec, 1 + n)[0]
+        row["graph_breaks"] = graph_breaks()
     gc.collect()  # no empty_cache(): the allocator keeps handing the cache the same blocks (graph addresses)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
@@ -503,10 +515,12 @@ def compiled_rounds(model, specs: list[dict], b: int, T: int, rounds: int, deadl
             left = deadline - time.perf_counter() if deadline else 0.0
             if deadline and left <= 0:
                 break
+            breaks = graph_breaks()
             times, captures = config_rounds(model, [base, spec], b, T, rounds, max(left, 1e-9) if deadline else 0.0,
                                             n)
             if times:
-                out[spec["name"]] = {"s": times[spec["name"]], "base_s": times[base["name"]], "captures": captures}
+                out[spec["name"]] = {"s": times[spec["name"]], "base_s": times[base["name"]], "captures": captures,
+                                     "graph_breaks": graph_breaks() - breaks}
             reset_static_len(model)
     finally:
         reset_compile(model)
@@ -543,7 +557,8 @@ def compiled_round_keys(name: str, alt: dict) -> dict:
     if name in alt:
         a = alt[name]
         return {"compiled_rounds_ms": statistics.median(a["s"]) * 1e3, "compiled_rounds_s": a["s"],
-                "compiled_rounds_base_s": a["base_s"], "compiled_rounds_captures": a["captures"]}
+                "compiled_rounds_base_s": a["base_s"], "compiled_rounds_captures": a["captures"],
+                "compiled_rounds_graph_breaks": a["graph_breaks"]}
     base = [t for a in alt.values() for t in a["base_s"]]
     return {"compiled_rounds_ms": statistics.median(base) * 1e3, "compiled_rounds_s": base} \
         if name == "sdpa_compiled" and base else {}
@@ -785,7 +800,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("\nrounds (ms; paired = median of the per-round ratios):")
         print_table(data["rows"], ["config", "batch", "context", "ttft_rounds_ms", "ttft_paired_vs_sdpa_dynamic",
                                    "decode_rounds_ms", "decode_paired_vs_sdpa_dynamic", "compiled_rounds_ms",
-                                   "decode_paired_vs_sdpa_compiled", "compiled_rounds_captures"])
+                                   "decode_paired_vs_sdpa_compiled", "compiled_rounds_captures",
+                                   "compiled_rounds_graph_breaks"])
     profs = [p for p in data["profile"] if "decode_step" in p]
     if profs:
         print("\nprofile (one decode step; prefill = generate(1)):")

@@ -22,6 +22,12 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+#: inside a region torch.compile traces, the device guards below are no-ops: the C device read is not traceable (a
+#: graph break per call: the compiled decode step fell apart into ~6 CUDA graphs a layer), and the custom ops that
+#: launch Triton kernels set their tensors' device in their own (eager) bodies (turbo_attn_hf/ops.py)
+_compiling = torch.compiler.is_compiling
+
+
 class on_device:
     """Make ``device`` current while Triton launches (it launches on the current CUDA device, which is not
     the tensors' device for layers placed on another GPU by ``device_map``). No-op when already current."""
@@ -30,7 +36,8 @@ class on_device:
 
     def __init__(self, device: torch.device):
         self.ctx = None
-        if device.type == "cuda" and device.index is not None and device.index != current_cuda_device():
+        if (device.type == "cuda" and device.index is not None and not _compiling()
+                and device.index != current_cuda_device()):
             self.ctx = torch.cuda.device(device)
 
     def __enter__(self):
@@ -46,6 +53,6 @@ class on_device:
 def on_tensor_device(t: torch.Tensor):
     """:class:`on_device` for ``t``'s device without making a ``torch.device`` (``t.device``): the per-layer hot
     paths, ~1-2 us a call on the GPU host."""
-    if t.is_cuda and t.get_device() != current_cuda_device():
+    if t.is_cuda and not _compiling() and t.get_device() != current_cuda_device():
         return torch.cuda.device(t.get_device())
     return contextlib.nullcontext()  # made per call: torch.compile traces no module-level context manager

@@ -18,6 +18,7 @@ from typing import List, Optional
 
 import torch
 
+from .kernels.device import on_tensor_device
 from .kernels.interpreter import use_triton
 from .kernels.pack import PackedKV
 
@@ -58,8 +59,9 @@ def store_step(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, k_mean: 
     if use_triton(k.device):
         from .kernels.store_step import store_step as launch
 
-        launch(k, v, k_scale, k_mean, v_scale, k_tail, v_tail, groups, n_sink, lens, counters[0:1], counters[1:2],
-               nonfinite=nonfinite, rotate=rotate, qk_smooth=qk_smooth)
+        with on_tensor_device(k):  # Triton launches on the current device (a compiled step sets none for us)
+            launch(k, v, k_scale, k_mean, v_scale, k_tail, v_tail, groups, n_sink, lens, counters[0:1],
+                   counters[1:2], nonfinite=nonfinite, rotate=rotate, qk_smooth=qk_smooth)
         return
     if rotate:
         from .kernels.reference import rotate_keys_ref
@@ -119,8 +121,9 @@ def decode_step(q: torch.Tensor, k_tail: torch.Tensor, v_tail: torch.Tensor, k_s
         from .kernels.decode import turbo_decode_attention
 
         groups = unflatten_groups(group_tensors, group_bits)
-        return turbo_decode_attention(q, groups, k_tail, v_tail, 0, k_scale, v_scale, k_mean, key_valid=key_valid,
-                                      lens=lens, **kw)
+        with on_tensor_device(q):
+            return turbo_decode_attention(q, groups, k_tail, v_tail, 0, k_scale, v_scale, k_mean,
+                                          key_valid=key_valid, lens=lens, **kw)
     from .kernels.reference import turbo_decode_ref
 
     nb, nt = (int(x) for x in lens.tolist())

@@ -70,6 +70,7 @@ def test_dry_run_compiled_rounds_only(tmp_path):
         r = rows[name]
         assert len(r["compiled_rounds_s"]) == len(r["compiled_rounds_base_s"]) == 2 and r["compiled_rounds_ms"] > 0
         assert r["decode_paired_vs_sdpa_compiled"] > 0 and r["compiled_rounds_captures"] == 0
+        assert r["compiled_rounds_graph_breaks"] == 0
         assert r["error"] == bg.ROUNDS_ONLY and r["decode_ms_per_step"] is None
     assert len(rows["sdpa_compiled"]["compiled_rounds_s"]) == 4  # its rounds of both pairs
     assert "decode_paired_vs_sdpa_compiled" not in rows["sdpa_compiled"]

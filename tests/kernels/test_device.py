@@ -52,3 +52,27 @@ def test_tensor_guard_switches_only_to_another_cuda_device(entered):
     assert entered == []
     with D.on_tensor_device(_FakeCuda(1)):
         assert entered == [1]
+
+
+def test_guards_trace_whole_under_torch_compile(monkeypatch):
+    """Inside a compiled region the guards read no device: the C read (``torch._C._cuda_getDevice``) is not
+    traceable, and one graph break per call split HF's compiled decode step into ~6 CUDA graphs a layer (H200,
+    session 23). fullgraph=True raises on any break; the device read is made to raise as it would in a trace."""
+    import torch._dynamo
+
+    def untraceable():
+        raise AssertionError("the guard read the current device inside a compiled region")
+
+    monkeypatch.setattr(D, "current_cuda_device", untraceable)
+
+    def step(x):
+        with D.on_device(torch.device("cuda", 1)):
+            with D.on_tensor_device(x):
+                return x + 1
+
+    torch._dynamo.reset()
+    try:
+        out = torch.compile(step, fullgraph=True, backend="eager")(torch.ones(2))
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(out, torch.full((2,), 2.0))

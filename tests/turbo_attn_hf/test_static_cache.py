@@ -257,10 +257,13 @@ def test_static_generate_compiled_on_gpu(preset, tm):
 
     model, ref, ids, mask = gpu_padded_case(tm, preset)
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     out = model.generate(ids, attention_mask=mask, max_new_tokens=80, do_sample=False, pad_token_id=0,
                          cache_implementation="static", return_dict_in_generate=True)
     cache = getattr(out, "past_key_values", None) or getattr(out, "cache", None)
     assert isinstance(cache.layers[0], TurboStaticLayer) and hasattr(model, "_compiled_call")
+    # the decode step is one graph (a break per layer once cost 4x the step: one CUDA graph per piece)
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
     assert cache.layers[0].n_blocks >= 1  # packed inside the replayed graph (100 tokens, block 16)
     assert_padded_case_tracks(ref, out.sequences)
     torch._dynamo.reset()
