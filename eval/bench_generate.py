@@ -2,7 +2,7 @@
 
     python -m eval.bench_generate [--quick] [--layers N] [--shapes 1x1k,4x8k] [--configs sdpa_dynamic,...]
                                   [--new-tokens 128] [--reps 3] [--max-seconds 540] [--ttft-rounds R]
-                                  [--decode-rounds R] [--compiled-rounds R] [--rounds-only]
+                                  [--decode-rounds R] [--rounds-only]
                                   [--profile-step] [--step-times] [--merge]
     python -m eval.bench_generate --dry-run      # CPU: a 2-layer toy model, 1 x 16 tokens, checks the set-up
                                                  # (turbo: PyTorch reference; TRITON_INTERPRET=1: the kernels)
@@ -44,10 +44,9 @@ minutes at a time, and a row's own reps take whatever mode it is in (eval/PERF_N
 the rounds would not fit the time budget.
 ``--decode-rounds R`` (issue 18's eager bar): the same rounds, each turn a generate(1) and a generate(1 + N):
 ``decode_rounds_ms`` and ``decode_paired_vs_sdpa_dynamic`` (median of each round's step ratio).
-``--compiled-rounds R`` (issue 18's compiled bars): the same, each turbo ``*_compiled`` config in turn with
-``sdpa_compiled`` (one pair at a time: a model keeps one static TurboCache): ``compiled_rounds_ms``,
-``decode_paired_vs_sdpa_compiled`` and ``compiled_rounds_captures`` (graphs recorded during the timed rounds).
-``--rounds-only``: the rounds without the rows' own reps (``..._rounds.json``, beside the headline file).
+``--rounds-only``: the rounds without the rows' own reps (``..._rounds.json``, beside the headline file). Compiled
+configs take no rounds: a compiled config alternating with another in one process had its CUDA graph recorded again
+during the rounds (eval/PERF_NOTES.md, session 23); their rows count ``captures`` and ``graph_breaks`` instead.
 ``--step-times``: one more generate(1 + N) per row with a clock in its stopping criteria (CUDA synchronised after
 every token): ``step_ms``, each decode step's wall time, so a step-time gap between configs can be placed — every
 step, a few slow steps (a block packed, a buffer grown) or the first one.
@@ -88,7 +87,7 @@ NOT_IMPLEMENTED = "not implemented: generate(cache_implementation='static') did 
 SKIPPED = "skipped: time budget"
 ROUNDS_ONLY = "rows not run (--rounds-only): see the *_rounds keys"
 OOM = "OOM"
-ROUND_KEYS = ("ttft_rounds_ms", "decode_rounds_ms", "compiled_rounds_ms")  # printed per row when present
+ROUND_KEYS = ("ttft_rounds_ms", "decode_rounds_ms")  # printed per row when present
 ROW_KEYS = ("config", "batch", "context", "ttft_ms", "decode_ms_per_step", "tokens_per_s", "peak_gib")
 FORMULAS = {
     "ttft_ms": "median wall time of model.generate(ids, max_new_tokens=1), torch.cuda.synchronize() before/after",
@@ -109,15 +108,9 @@ FORMULAS = {
                         "decode_rounds_s",
     "decode_paired_vs_sdpa_dynamic": "median over those rounds of the step / sdpa_dynamic's step in the same round "
                                      "(issue 18's eager bar: <= 1)",
-    "compiled_rounds_ms": "--compiled-rounds R: each turbo *_compiled config takes turns with sdpa_compiled (one "
-                          "pair at a time, both compiled in two warm-up calls each), R rounds of generate(1) then "
-                          "generate(1+N): median of its per-round steps (compiled_rounds_s; sdpa_compiled's of the "
-                          "same rounds in compiled_rounds_base_s; sdpa_compiled's row: all its pairs' rounds); "
-                          "compiled_rounds_captures = CUDA-graph captures during the timed rounds (0 = replays only)",
     "graph_breaks": "*_compiled: dynamo graph breaks counted over the row's compiles (0 = the decode step is one "
-                    "graph; compiled_rounds_graph_breaks: over the rounds' pair's compiles)",
-    "decode_paired_vs_sdpa_compiled": "median over those rounds of the step / sdpa_compiled's step in the same round "
-                                      "(issue 18's compiled bars)",
+                    "graph, replayed as one CUDA graph)",
+    "captures": "*_compiled: CUDA-graph captures during the row's timed reps (0 = the step's graph only replays)",
     "step_ms": "--step-times: wall ms of each decode step of one more generate(1+N), from a StoppingCriteria that "
                "synchronises and reads the clock after every token (step i = clock(i) - clock(i - 1)); "
                "step_ms_med / step_ms_max / step_ms_max_at summarise it",
@@ -429,9 +422,12 @@ def measure(model, spec: dict, b: int, T: int, n: int, reps: int, layers: int, p
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     t1, tn = [], []
-    for _ in range(reps):
-        t1.append(generate_timed(model, ids, mask, spec, 1)[0])
-        tn.append(generate_timed(model, ids, mask, spec, 1 + n)[0])
+    with graph_captures() as captured:
+        for _ in range(reps):
+            t1.append(generate_timed(model, ids, mask, spec, 1)[0])
+            tn.append(generate_timed(model, ids, mask, spec, 1 + n)[0])
+    if spec["compile"]:
+        row["captures"] = captured[0]
     peak = gib(torch.cuda.max_memory_allocated()) if torch.cuda.is_available() else None
     m1, mn = statistics.median(t1), statistics.median(tn)
     decode_ms = (mn - m1) / n * 1e3
@@ -448,17 +444,17 @@ def measure(model, spec: dict, b: int, T: int, n: int, reps: int, layers: int, p
     return row
 
 
-def config_rounds(model, specs: list[dict], b: int, T: int, rounds: int, seconds_left: float,
-                  n: int = 0) -> tuple[dict, int]:
-    """``specs`` take turns: per round one ``generate(max_new_tokens=1)`` each (with ``n``: then a
-    ``generate(1 + n)``, the round's step ``(t(1 + n) - t(1)) / n``), after two warm-up calls each (which compile and
-    record a compiled config's graph) -> ``({config: [seconds per round]}, CUDA-graph captures during the rounds)``,
-    the host's drift falling on every config alike (a row's own reps take whatever mode the host is in then).
-    ``({}, 0)`` when the rounds would not fit ``seconds_left`` (judged from the warm-up calls) or a call fails (OOM)."""
+def eager_rounds(model, specs: list[dict], b: int, T: int, rounds: int, seconds_left: float, n: int = 0) -> dict:
+    """``--ttft-rounds`` (``n`` 0) / ``--decode-rounds`` (``n`` = N): the shape's configs without a static cache take
+    turns, per round one ``generate(max_new_tokens=1)`` each (with ``n``: then a ``generate(1 + n)``, the round's step
+    ``(t(1 + n) - t(1)) / n``), after two warm-up calls each: ``{config: [seconds per round]}`` (TTFTs, or steps), the
+    host's drift falling on every config alike (a row's own reps take whatever mode the host is in then). ``{}`` when
+    the rounds would not fit ``seconds_left`` (judged from the warm-up calls) or a call fails (OOM)."""
     import torch
 
+    specs = [s for s in specs if not s["static"]]
     if not rounds or not specs:
-        return {}, 0
+        return {}
     g = torch.Generator().manual_seed(1000 * b + T)
     ids = torch.randint(0, model.config.vocab_size, (b, T), generator=g).to(model.device)
     mask = torch.ones_like(ids)
@@ -478,54 +474,16 @@ def config_rounds(model, specs: list[dict], b: int, T: int, rounds: int, seconds
     try:
         per_round = sum(time_call(s) for s in specs)  # the warm-up calls, the second one timed
         if seconds_left and rounds * per_round > seconds_left:
-            return {}, 0
-        with graph_captures() as captured:
-            for _, spec, t in alternating(specs, rounds, call, warm=0):
-                times[spec["name"]].append(t)
+            return {}
+        for _, spec, t in alternating(specs, rounds, call, warm=0):
+            times[spec["name"]].append(t)
     except Exception as e:  # noqa: BLE001 - the rows stand without the rounds
         if not is_oom(e):
             raise
-        return {}, 0
-    finally:
-        free_gpu_memory()
-    return times, captured[0]
-
-
-def eager_rounds(model, specs: list[dict], b: int, T: int, rounds: int, seconds_left: float, n: int = 0) -> dict:
-    """``--ttft-rounds`` (``n`` 0) / ``--decode-rounds`` (``n`` = N): :func:`config_rounds` over the shape's configs
-    without a static cache -> ``{config: [seconds per round]}`` (TTFTs, or steps)."""
-    return config_rounds(model, [s for s in specs if not s["static"]], b, T, rounds, seconds_left, n)[0]
-
-
-def compiled_rounds(model, specs: list[dict], b: int, T: int, rounds: int, deadline: float, n: int) -> dict:
-    """``--compiled-rounds R`` (issue 18's compiled bars): each turbo ``*_compiled`` config takes turns with
-    ``sdpa_compiled`` for ``R`` rounds of generate(1) + generate(1 + n) (:func:`config_rounds`), one pair at a time (a
-    model keeps one static TurboCache, so two turbo presets in turn would record their graphs again every call) ->
-    ``{config: {"s": [step seconds], "base_s": [sdpa_compiled's in the same rounds], "captures": n}}``; ``deadline``:
-    a ``time.perf_counter()`` past which no pair starts (0: none)."""
-    base = next((s for s in specs if s["name"] == "sdpa_compiled"), None)
-    turbos = [s for s in specs if s["compile"] and s["impl"] != "sdpa"]
-    if not rounds or base is None or not turbos:
         return {}
-    out: dict = {}
-    reset_static_len(model)
-    reset_compile(model)  # this shape's graphs only; both configs of a pair compile in their warm-up calls
-    try:
-        for spec in turbos:
-            left = deadline - time.perf_counter() if deadline else 0.0
-            if deadline and left <= 0:
-                break
-            breaks = graph_breaks()
-            times, captures = config_rounds(model, [base, spec], b, T, rounds, max(left, 1e-9) if deadline else 0.0,
-                                            n)
-            if times:
-                out[spec["name"]] = {"s": times[spec["name"]], "base_s": times[base["name"]], "captures": captures,
-                                     "graph_breaks": graph_breaks() - breaks}
-            reset_static_len(model)
     finally:
-        reset_compile(model)
         free_gpu_memory()
-    return out
+    return times
 
 
 @contextlib.contextmanager
@@ -545,23 +503,15 @@ def graph_captures():
         count[0] += 1
         return orig(self, *a, **kw)
 
+    own = "capture_end" in cls.__dict__  # else inherited (the C base): restored by removing the wrapper
     cls.capture_end = capture_end
     try:
         yield count
     finally:
-        cls.capture_end = orig
-
-
-def compiled_round_keys(name: str, alt: dict) -> dict:
-    """A row's keys from :func:`compiled_rounds`: a turbo config's own rounds, sdpa_compiled's over all its pairs."""
-    if name in alt:
-        a = alt[name]
-        return {"compiled_rounds_ms": statistics.median(a["s"]) * 1e3, "compiled_rounds_s": a["s"],
-                "compiled_rounds_base_s": a["base_s"], "compiled_rounds_captures": a["captures"],
-                "compiled_rounds_graph_breaks": a["graph_breaks"]}
-    base = [t for a in alt.values() for t in a["base_s"]]
-    return {"compiled_rounds_ms": statistics.median(base) * 1e3, "compiled_rounds_s": base} \
-        if name == "sdpa_compiled" and base else {}
+        if own:
+            cls.capture_end = orig
+        else:
+            del cls.capture_end
 
 
 def add_ratios(rows: list[dict]) -> None:
@@ -574,10 +524,6 @@ def add_ratios(rows: list[dict]) -> None:
             r.pop(key, None)
             if r.get(val) and base.get(val) and r["config"] != base_cfg:
                 r[key] = r[val] / base[val]
-        r.pop("decode_paired_vs_sdpa_compiled", None)
-        if r.get("compiled_rounds_s") and r.get("compiled_rounds_base_s"):
-            r["decode_paired_vs_sdpa_compiled"] = statistics.median(
-                x / y for x, y in zip(r["compiled_rounds_s"], r["compiled_rounds_base_s"]))
         base = by.get(("sdpa_dynamic", r["batch"], r["context"]), {})
         for what in ("ttft", "decode"):
             r.pop(f"{what}_paired_vs_sdpa_dynamic", None)
@@ -630,10 +576,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--decode-rounds", type=int, default=0,
                     help="per shape, R rounds of generate(1) + generate(1+N) alternating over the configs without a "
                          "static cache before the rows (decode_rounds_ms, decode_paired_vs_sdpa_dynamic; default 0)")
-    ap.add_argument("--compiled-rounds", type=int, default=0,
-                    help="per shape, R rounds of generate(1) + generate(1+N) in which each turbo *_compiled config "
-                         "takes turns with sdpa_compiled, before the rows (compiled_rounds_ms, "
-                         "decode_paired_vs_sdpa_compiled; default 0: off)")
     ap.add_argument("--rounds-only", action="store_true",
                     help="only the rounds: the rows keep the rounds' keys, their own timed reps are not run")
     ap.add_argument("--profile-step", action="store_true", help="torch.profiler of one decode step per config")
@@ -739,15 +681,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         left = opt["max_seconds"] - (time.perf_counter() - t_start) if opt["max_seconds"] else 0.0
         alt_dec = eager_rounds(model, specs, b, T, args.decode_rounds, max(left, 1e-9) if opt["max_seconds"] else 0.0,
                                n)
-        alt_cmp = compiled_rounds(model, specs, b, T, args.compiled_rounds,
-                                  t_start + opt["max_seconds"] if opt["max_seconds"] else 0.0, n)
         for spec in specs:
             row: dict = {"config": spec["name"], "batch": b, "context": T}
             for what, times in (("ttft", alt), ("decode", alt_dec)):
                 if times.get(spec["name"]):
                     row.update({f"{what}_rounds_ms": statistics.median(times[spec["name"]]) * 1e3,
                                 f"{what}_rounds_s": times[spec["name"]]})
-            row.update(compiled_round_keys(spec["name"], alt_cmp))
             if args.rounds_only:
                 row["error"] = ROUNDS_ONLY
             elapsed = time.perf_counter() - t_start
@@ -799,9 +738,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if any(r.get(k) for r in data["rows"] for k in ROUND_KEYS):
         print("\nrounds (ms; paired = median of the per-round ratios):")
         print_table(data["rows"], ["config", "batch", "context", "ttft_rounds_ms", "ttft_paired_vs_sdpa_dynamic",
-                                   "decode_rounds_ms", "decode_paired_vs_sdpa_dynamic", "compiled_rounds_ms",
-                                   "decode_paired_vs_sdpa_compiled", "compiled_rounds_captures",
-                                   "compiled_rounds_graph_breaks"])
+                                   "decode_rounds_ms", "decode_paired_vs_sdpa_dynamic"])
     profs = [p for p in data["profile"] if "decode_step" in p]
     if profs:
         print("\nprofile (one decode step; prefill = generate(1)):")

@@ -52,29 +52,51 @@ def test_dry_run_writes_rows(tmp_path):
     assert "config" in proc.stdout and "turbo_int4_eager" in proc.stdout  # the printed table
 
 
-def test_dry_run_compiled_rounds_only(tmp_path):
-    """`--compiled-rounds 2 --rounds-only`: each turbo *_compiled config takes turns with sdpa_compiled (one pair at
-    a time); the rows carry the rounds and the paired ratio, no reps of their own, in a file beside the headline's.
-    (On CPU HF compiles nothing: the static caches run eagerly, which is what this checks the set-up of.)"""
+def test_dry_run_rounds_only(tmp_path):
+    """`--decode-rounds 2 --rounds-only`: the eager configs' rounds without the rows' own reps, in a file beside the
+    headline's; a compiled config takes no rounds (two compiled configs in turn re-recorded their CUDA graphs)."""
     env = dict(os.environ, TRITON_INTERPRET="0")
     proc = subprocess.run([sys.executable, "-m", "eval.bench_generate", "--dry-run", "--configs",
-                           "sdpa_compiled,turbo_int4_compiled,turbo_mixed_compiled", "--compiled-rounds", "2",
+                           "sdpa_dynamic,turbo_int4_eager,turbo_int4_compiled", "--decode-rounds", "2",
                            "--rounds-only", "--out", str(tmp_path)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     files = list(tmp_path.glob("bench_generate_*_dryrun_rounds.json"))
     assert len(files) == 1, proc.stdout
     rows = {r["config"]: r for r in json.loads(files[0].read_text())["rows"]}
-    assert set(rows) == {"sdpa_compiled", "turbo_int4_compiled", "turbo_mixed_compiled"}
-    for name in ("turbo_int4_compiled", "turbo_mixed_compiled"):
-        r = rows[name]
-        assert len(r["compiled_rounds_s"]) == len(r["compiled_rounds_base_s"]) == 2 and r["compiled_rounds_ms"] > 0
-        assert r["decode_paired_vs_sdpa_compiled"] > 0 and r["compiled_rounds_captures"] == 0
-        assert r["compiled_rounds_graph_breaks"] == 0
-        assert r["error"] == bg.ROUNDS_ONLY and r["decode_ms_per_step"] is None
-    assert len(rows["sdpa_compiled"]["compiled_rounds_s"]) == 4  # its rounds of both pairs
-    assert "decode_paired_vs_sdpa_compiled" not in rows["sdpa_compiled"]
-    assert "decode_paired_vs_sdpa_compiled" in proc.stdout  # the rounds table
+    for name in ("sdpa_dynamic", "turbo_int4_eager"):
+        assert len(rows[name]["decode_rounds_s"]) == 2 and rows[name]["error"] == bg.ROUNDS_ONLY
+    assert rows["turbo_int4_eager"]["decode_paired_vs_sdpa_dynamic"] > 0
+    assert "decode_rounds_s" not in rows["turbo_int4_compiled"] and rows["turbo_int4_compiled"]["ttft_ms"] is None
+    assert "decode_paired_vs_sdpa_dynamic" in proc.stdout  # the rounds table
+
+
+def test_compiled_row_counters(monkeypatch):
+    """What a compiled row records besides its times: dynamo's graph breaks since the shape's reset (a break splits
+    the decode step into several CUDA graphs) and the CUDA-graph captures during its timed reps."""
+    import torch
+    import torch._dynamo
+
+    bg.reset_compile(object())
+
+    def broken(x):
+        x = x + 1
+        torch._dynamo.graph_break()
+        return x * 2
+
+    torch.compile(broken, backend="eager")(torch.ones(2))
+    assert bg.graph_breaks() == 1
+    bg.reset_compile(object())
+    assert bg.graph_breaks() == 0
+
+    class Graph:  # torch.cuda.CUDAGraph's capture_end, as the CPU build has no capture
+        def capture_end(self):
+            return "ended"
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    with bg.graph_captures() as n:
+        assert Graph().capture_end() == "ended" and Graph().capture_end() == "ended"
+    assert n == [2] and Graph.capture_end(Graph()) == "ended"  # unwrapped again after the block
 
 
 def test_parse_shapes_configs_slug():
