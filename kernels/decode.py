@@ -59,8 +59,8 @@ from .reference import SQ_MIN
 from .rotation import rotation_block
 from .softmax import sas_exp2
 
-__all__ = ["turbo_decode_attention", "plan_splits", "group_splits", "launch_pairs", "first_visible_tile",
-           "stores_in_launch"]
+__all__ = ["turbo_decode_attention", "decode_entry", "decode_storage", "plan_splits", "group_splits",
+           "launch_pairs", "first_visible_tile", "stores_in_launch"]
 
 
 _INTERPRET = interpreting()
@@ -1041,19 +1041,34 @@ def turbo_decode_attention(
     Returns:
         ``[b, Lq, HQ, D]`` in ``q.dtype``.
     """
-    # The static part of a call (validation, derived sizes, the launch arguments that come from the storage
-    # tensors and the options) is built once per (storage tensor objects, query layout, options) and reused:
-    # consecutive decode steps of a layer pass the same buffers, and rebuilding it cost ~60 us of Python per
-    # call (eval/PERF_NOTES.md, decode round 6). Buffers replaced (capacity growth, beam reorder) are new
-    # objects, hence a new entry; entries hold weak references only.
+    # the static part of the call (validation, sizes, storage arguments): decode_entry, reused across steps
     if isinstance(n_splits, dict):
         n_splits = tuple(sorted((int(k), int(v)) for k, v in n_splits.items()))
-    stor = (k_tail, v_tail, k_scale, v_scale, k_mean, qk_smooth)
-    for g_ in groups:
-        stor += (g_.heads, g_.k, g_.v, g_.k_scale, g_.k_zero, g_.v_sz)
+    stor = decode_storage(k_tail, v_tail, k_scale, v_scale, k_mean, qk_smooth, groups)
+    st = decode_entry(q, groups, stor, key_valid is None, lens is None, scale=scale, causal=causal, window=window,
+                      softcap=softcap, n_sink=n_sink, softmax=softmax, sas_threshold=sas_threshold,
+                      n_splits=n_splits, waves=waves, min_tiles=min_tiles, block_m=block_m, num_warps=num_warps,
+                      num_stages=num_stages, max_registers=max_registers, merge=merge, fold=fold, rotate=rotate)
+    if lens is not None:
+        if store is not None:
+            raise ValueError("store= takes host lengths; a launch with lens stores through store_step")
+        return st.run_lens(q, groups, stor, lens, key_valid)
+    return st.run(q, groups, stor, n_tail, key_valid, store)
+
+
+def decode_entry(q: torch.Tensor, groups: Sequence[PackedKV], stor: tuple, no_key_valid: bool, host_lens: bool,
+                 *, scale=None, causal=True, window=None, softcap=None, n_sink=0, softmax="exact",
+                 sas_threshold=6.0, n_splits=None, waves=None, min_tiles=4, block_m=None, num_warps=1,
+                 num_stages=None, max_registers=None, merge="fused", fold=True, rotate=False) -> "_DecodeStatic":
+    """The static part of a :func:`turbo_decode_attention` call (its options as there; ``stor`` from
+    :func:`decode_storage`): made once per (storage tensor objects, query layout, options) and kept process-wide.
+
+    Consecutive decode steps of a layer pass the same buffers, and rebuilding the entry cost ~60 us of Python per
+    call (eval/PERF_NOTES.md, decode round 6). Buffers replaced (capacity growth, beam reorder) are new objects,
+    hence a new entry; entries hold weak references only (``alive``)."""
     key = (tuple(map(id, stor)), tuple(g_.bits for g_ in groups), q.shape, q.dtype, q.stride(), q.device,
-           scale, causal, window, softcap, key_valid is None, n_sink, softmax, sas_threshold, n_splits, waves,
-           min_tiles, block_m, num_warps, num_stages, max_registers, merge, fold, lens is None, rotate)
+           scale, causal, window, softcap, no_key_valid, n_sink, softmax, sas_threshold, n_splits, waves,
+           min_tiles, block_m, num_warps, num_stages, max_registers, merge, fold, host_lens, rotate)
     st = _STATIC.get(key)
     if st is None or not st.alive(stor):
         st = _DecodeStatic(q, groups, stor, scale=scale, causal=causal, window=window, softcap=softcap,
@@ -1065,11 +1080,15 @@ def turbo_decode_attention(
             if len(_STATIC) >= _STATIC_MAX:
                 _STATIC.clear()
             _STATIC[key] = st
-    if lens is not None:
-        if store is not None:
-            raise ValueError("store= takes host lengths; a launch with lens stores through store_step")
-        return st.run_lens(q, groups, stor, lens, key_valid)
-    return st.run(q, groups, stor, n_tail, key_valid, store)
+    return st
+
+
+def decode_storage(k_tail, v_tail, k_scale, v_scale, k_mean, qk_smooth, groups: Sequence[PackedKV]) -> tuple:
+    """The storage tensors of a decode call, in the order a decode entry holds them (``stor``)."""
+    stor = (k_tail, v_tail, k_scale, v_scale, k_mean, qk_smooth)
+    for g_ in groups:
+        stor += (g_.heads, g_.k, g_.v, g_.k_scale, g_.k_zero, g_.v_sz)
+    return stor
 
 
 def _none_ref():

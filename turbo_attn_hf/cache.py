@@ -296,6 +296,7 @@ class TurboLayer(CacheLayerMixin):
         self.qk_smooth: Optional[torch.Tensor] = None  # smooth_hadamard: s [b, Hk, d], fixed at the first store
         self.headroom: Optional[float] = None  # the universal scales' headroom, fixed at the first prefill
         self._first_prefill = False
+        self._decode_entry = None  # (call, decode entry) of the last decode launch (attention)
 
     # ------------------------------------------------------------------ set-up
     def _layer_head_bits(self, n_kv_heads: int) -> list[int]:
@@ -882,15 +883,27 @@ class TurboLayer(CacheLayerMixin):
             pend = self.__dict__.get("_pend")
             # the deferred token, if this is its step's query and the launch can store it; else the reads below store
             # it first
+            dec = _kernels("decode")
             if pend is not None and pend[5] == self.n_tail - 1 and \
-                    _kernels("decode").stores_in_launch(query.shape[2], query.shape[1], pend[0].shape[1]):
+                    dec.stores_in_launch(query.shape[2], query.shape[1], pend[0].shape[1]):
                 k, v, _ = self._pop_deferred()
                 store = (k, v, self.nonfinite)
-            return _kernels("decode").turbo_decode_attention(
-                query, self.groups, self.k_tail, self.v_tail, self.n_tail, self.k_scale, self.v_scale, self.k_mean,
-                scale=scale, causal=causal, window=window, softcap=softcap, key_valid=key_valid,
-                n_sink=cfg.sink_blocks * cfg.block_size, softmax=cfg.softmax, sas_threshold=cfg.sas_threshold,
-                store=store, **self._rot_kw)
+            # the decode entry of this layer's last call, reused while the query layout, the options and the storage
+            # objects are the same (the entry holds weak references: ``alive``) — skips the process-wide entry key
+            stor = dec.decode_storage(self.k_tail, self.v_tail, self.k_scale, self.v_scale, self.k_mean,
+                                      self.qk_smooth if self.rotated else None, self.groups)
+            call = (query.shape, query.stride(), query.dtype, query.get_device(), scale, causal, window, softcap,
+                    key_valid is None, cfg)
+            memo = self._decode_entry
+            if memo is not None and memo[0] == call and memo[1].alive(stor):
+                entry = memo[1]
+            else:
+                entry = dec.decode_entry(query, self.groups, stor, key_valid is None, True, scale=scale,
+                                         causal=causal, window=window, softcap=softcap,
+                                         n_sink=cfg.sink_blocks * cfg.block_size, softmax=cfg.softmax,
+                                         sas_threshold=cfg.sas_threshold, rotate=self.rotated)
+                self._decode_entry = (call, entry)
+            return entry.run(query, self.groups, stor, self.n_tail, key_valid, store)
         args, kw = self.decode_inputs()
         kw.update(scale=scale, causal=causal, window=window, softcap=softcap, key_valid=key_valid, **self._rot_kw)
         from .kernels.reference import turbo_decode_ref

@@ -70,9 +70,13 @@ def test_generate_through_triton_kernels(tm, monkeypatch):
     from turbo_attn_hf.kernels import decode as DK
 
     taken = []
-    decode = DK.turbo_decode_attention
-    monkeypatch.setattr(DK, "turbo_decode_attention",
-                        lambda *a, **kw: (taken.append(kw.get("store") is not None), decode(*a, **kw))[1])
+    run = DK._DecodeStatic.run  # every host-length decode launch, through the layer's entry or the function
+
+    def spy(self, q, groups, stor, n_tail, key_valid, store=None):
+        taken.append(store is not None)
+        return run(self, q, groups, stor, n_tail, key_valid, store)
+
+    monkeypatch.setattr(DK._DecodeStatic, "run", spy)
     model = tm.make_model("mistral", attn="turbo_int8")
     turbo_attn_hf.set_turbo_config(model, INT4_B16)
     ids = tm.token_ids(2, 20)
