@@ -1283,13 +1283,16 @@ class _DecodeStatic:
         if not stores_in_launch(self.Lq, self.G, 1) or self.n_m != 1 or self.rotate or n_tail < 1:
             raise ValueError(f"store= needs one query token, one M tile, no rotation and n_tail >= 1 (got Lq "
                              f"{self.Lq}, {self.n_m} M tiles, rotate {self.rotate}, n_tail {n_tail})")
-        if tuple(k.shape) != shape or tuple(v.shape) != shape:
+        if k.shape != shape or v.shape != shape:
             raise ValueError(f"store= K/V must be {shape}, got {tuple(k.shape)} / {tuple(v.shape)}")
-        if k.stride(-1) != 1:
+        ks, vs = k.stride(), v.stride()
+        if ks[3] != 1:
             k = k.contiguous()
-        if v.stride(-1) != 1:
+            ks = k.stride()
+        if vs[3] != 1:
             v = v.contiguous()
-        strides = (k.stride(0), k.stride(1), v.stride(0), v.stride(1))
+            vs = v.stride()
+        strides = (ks[0], ks[1], vs[0], vs[1])
         facts = (k.dtype, v.dtype, nf is not None, k.data_ptr() & 15 == 0, v.data_ptr() & 15 == 0,
                  nf is None or nf.data_ptr() & 15 == 0, strides)
         return k, v, nf, facts, strides
