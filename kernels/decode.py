@@ -1061,7 +1061,8 @@ def decode_entry(q: torch.Tensor, groups: Sequence[PackedKV], stor: tuple, no_ke
                  sas_threshold=6.0, n_splits=None, waves=None, min_tiles=4, block_m=None, num_warps=1,
                  num_stages=None, max_registers=None, merge="fused", fold=True, rotate=False) -> "_DecodeStatic":
     """The static part of a :func:`turbo_decode_attention` call (its options as there; ``stor`` from
-    :func:`decode_storage`): made once per (storage tensor objects, query layout, options) and kept process-wide.
+    :func:`decode_storage`; ``no_key_valid``: the call passes no ``key_valid``; ``host_lens``: the lengths come from
+    the host, not ``lens``): made once per (storage tensor objects, query layout, options) and kept process-wide.
 
     Consecutive decode steps of a layer pass the same buffers, and rebuilding the entry cost ~60 us of Python per
     call (eval/PERF_NOTES.md, decode round 6). Buffers replaced (capacity growth, beam reorder) are new objects,
