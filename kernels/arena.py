@@ -13,7 +13,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-__all__ = ["ALIGN", "buffer_offset", "carve", "layout", "lazy_view", "view_spec"]
+__all__ = ["ALIGN", "buffer_offset", "carve", "layout", "lazy_view", "make_views", "view_spec"]
 
 #: byte alignment of every view (Triton's pointer specialisation needs 16; 128 keeps rows on cache-line starts)
 ALIGN = 128
@@ -92,13 +92,21 @@ def lazy_view(obj: object, name: str) -> object:
     if lazy is None or name not in lazy[1]:
         raise AttributeError(f"{type(obj).__name__!r} object has no attribute {name!r}")
     buffers, views, *bases = d.pop("_lazy")
-    bases = bases[0] if bases else None
+    names = [attr for attr in views if attr not in d]
+    for attr, t in zip(names, make_views(buffers, [views[attr] for attr in names], bases[0] if bases else None)):
+        d[attr] = t
+    return d[name]
+
+
+def make_views(buffers: Sequence[torch.Tensor], specs: Sequence[tuple], bases: Optional[Sequence[int]] = None
+               ) -> list:
+    """The tensors ``specs`` (``view_spec``'s tuples) name in ``buffers`` (byte tensors; ``("none",)`` -> None);
+    ``bases``: a view of buffer ``i`` starts ``bases[i]`` bytes in."""
     typed: dict = {}
-    for attr, spec in views.items():
-        if attr in d:
-            continue
+    out = []
+    for spec in specs:
         if spec[0] == "none":
-            d[attr] = None
+            out.append(None)
             continue
         i, shape, strides, dtype, off = spec
         base = typed.get((i, dtype))
@@ -106,5 +114,5 @@ def lazy_view(obj: object, name: str) -> object:
             base = typed[(i, dtype)] = buffers[i].view(dtype)
         if bases is not None:
             off += bases[i] // dtype.itemsize
-        d[attr] = base.as_strided(shape, strides, off)
-    return d[name]
+        out.append(base.as_strided(shape, strides, off))
+    return out

@@ -353,16 +353,19 @@ class TurboLayer(CacheLayerMixin):
         hands back the kept tensor of that name and layout instead)."""
         return torch.empty(shape, dtype=dtype, device=self.device)
 
-    def _make_groups(self, head_bits: list[int], capacity: int = 1, maps: Optional[dict] = None) -> None:
+    def _make_groups(self, head_bits: list[int], capacity: int = 1, maps: Optional[dict] = None,
+                     one_buffer: Optional[bool] = None) -> None:
         """One empty PackedKV per bit width present in ``head_bits``; ``maps``: bits -> a device head map to use
-        (written by the first prefill's head choice) instead of the list's."""
+        (written by the first prefill's head choice) instead of the list's; ``one_buffer``: each group's tensors
+        views of one allocation (default: as the layer's)."""
+        one_buffer = self._one_buffer if one_buffer is None else one_buffer
         self.groups = []
         for i, (bits, heads) in enumerate(_bit_groups(tuple(head_bits))):
             hm = maps[bits] if maps and bits in maps else _head_map(heads, self.device)
             self.groups.append(PackedKV.empty(
                 bits, hm, self.batch, self.head_dim, self.turbo_config.block_size, self.device, capacity=capacity,
                 alloc=lambda name, shape, dtype, i=i: self._empty(("group", i, name), shape, dtype),
-                one_buffer=self._one_buffer))
+                one_buffer=one_buffer))
 
     def _prompt_select(self) -> bool:
         """Whether the first prefill chooses this layer's 2-bit heads (``head_select: prompt``)."""
@@ -1079,7 +1082,10 @@ class TurboStaticLayer(TurboLayer):
     """
 
     is_compileable = True
-    _one_buffer = False  # a compiled step mutates the storage: no views of one buffer in several dtypes (aot_autograd)
+    #: the layer's tensors are allocated one by one (no first-prefill replay), then gathered into one byte buffer,
+    #: ``_side`` (``_step_args``); each group's are views of its own buffer. A compiled step takes those buffers
+    #: and ``lens`` as its inputs (not views of them: aot_autograd takes no mutation of views in several dtypes)
+    _one_buffer = False
 
     def __init__(self, turbo_config: TurboConfig, layer_idx: int = 0, n_layers: Optional[int] = None,
                  max_cache_len: Optional[int] = None, **kwargs):
@@ -1091,6 +1097,9 @@ class TurboStaticLayer(TurboLayer):
     def _clear(self) -> None:
         super()._clear()
         self.lens = self.counters = None
+        self._side: Optional[torch.Tensor] = None  # the byte buffer of the layer's STEP_TENSORS and head maps
+        self._side_specs: Optional[tuple] = None  # the (name, shape, dtype) of _side's views
+        self._step: Optional[tuple] = None  # (buffers, layout id) the two ops take (_step_args)
         self._host_stale = False
         self._adopted = False  # the storage is the one an earlier generate() used (its decode entry is warm)
 
@@ -1105,7 +1114,7 @@ class TurboStaticLayer(TurboLayer):
     def _storage(self) -> dict:
         """Every tensor a compiled decode step reads or writes by address, keyed by where it lives."""
         out = {("layer", n): t for n, t in self._tensors()}
-        for n in ("lens", "counters", "nonfinite", "_base", "_flat"):
+        for n in ("lens", "counters", "nonfinite", "_base", "_flat", "_side"):
             if getattr(self, n, None) is not None:
                 out[("layer", n)] = getattr(self, n)
         for i, grp in enumerate(self.groups):
@@ -1167,8 +1176,58 @@ class TurboStaticLayer(TurboLayer):
     def _extra_specs(self) -> tuple:
         return (("lens", (2,), torch.int32), ("counters", (2,), torch.int32), ("_base", (1,), self.dtype))
 
-    def _make_groups(self, head_bits: list[int], capacity: int = 1, maps: Optional[dict] = None) -> None:
-        super()._make_groups(head_bits, max(capacity, self._cap_blocks), maps)
+    def _make_groups(self, head_bits: list[int], capacity: int = 1, maps: Optional[dict] = None,
+                     one_buffer: Optional[bool] = None) -> None:
+        super()._make_groups(head_bits, max(capacity, self._cap_blocks), maps, one_buffer=True)
+
+    # ------------------------------------------------------------------ what the ops take
+    def _step_args(self) -> tuple:
+        """``(buffers, layout)`` of ``turbo_attn::store_step`` / ``decode_step``: ``_side`` and the groups' buffers,
+        and the id of where the tensors lie in them (``ops.step_layout``). Made eagerly after a storage change
+        (a prefill, a batch change, a move); a compiled step only reads it."""
+        if self._step is None:
+            if torch.compiler.is_compiling():
+                raise TurboConfigError(f"TurboCache layer {self.layer_idx}: its storage changed inside a compiled "
+                                       "step; run prefills and batch changes eagerly")
+            from .ops import step_layout
+
+            self._gather_side()
+            bufs = [self._side] + [g.flat for g in self.groups if g.flat is not None]
+            self._step = (bufs, step_layout(self, bufs))
+        return self._step
+
+    def _gather_side(self) -> None:
+        """Copy the layer's ``STEP_TENSORS`` and the groups' head maps (and a group's tensors where it has no
+        buffer) into ``_side`` (one launch) and make them views of it. The buffer is the kept one after
+        :meth:`reset` where the layout is the same, and the first prefill then wrote there already: no copy; a later
+        prefill keeps the layer's own."""
+        from .kernels.arena import carve
+        from .ops import STEP_TENSORS
+
+        loose = [(self, n) for n in STEP_TENSORS if getattr(self, n) is not None]
+        for grp in self.groups:
+            loose.append((grp, "heads"))
+            if grp.flat is None:
+                loose += [(grp, n) for n, _ in grp._tensors()]
+        specs = tuple((str(i), tuple(getattr(o, n).shape), getattr(o, n).dtype) for i, (o, n) in enumerate(loose))
+        own = self._side if self._side is not None and self._side_specs == specs else None
+        views = carve(specs, lambda name, shape, dtype: own if own is not None else
+                      self._empty(("layer", "_side"), shape, dtype))
+        side = self._side = views.pop("flat")
+        self._side_specs = specs
+        dst, src = [], []
+        for i, (obj, name) in enumerate(loose):
+            t, v = getattr(obj, name), views[str(i)]
+            if t.data_ptr() != v.data_ptr() or t.stride() != v.stride():
+                dst.append(v)  # a kept view elsewhere in the same buffer is read before anything is written
+                src.append(t.clone() if t.untyped_storage().data_ptr() == side.untyped_storage().data_ptr() else t)
+            setattr(obj, name, v)
+        if dst:
+            torch._foreach_copy_(dst, src)
+
+    def _move(self, device) -> None:
+        super()._move(device)
+        self._step = None  # new tensors: gathered again at the next eager step
 
     # ------------------------------------------------------------------ host view of the lengths
     def _sync_host(self) -> None:
@@ -1206,15 +1265,11 @@ class TurboStaticLayer(TurboLayer):
                 f"{self.max_cache_len}. Nothing was stored; create the cache with a larger max_cache_len")
 
     def _mark_static(self) -> None:
-        """Fixed addresses for torch.compile / CUDA graphs (as HF's StaticLayer does)."""
+        """Fixed addresses for torch.compile / CUDA graphs (as HF's StaticLayer does): the step's inputs."""
         if torch.compiler.is_compiling():
             return
-        ts = [t for _, t in self._tensors()] + [self.lens, self.counters, self.nonfinite]
-        for grp in self.groups:
-            ts += [grp.heads] + [t for _, t in grp._tensors()]
-        for t in ts:
-            if t is not None:
-                torch._dynamo.mark_static_address(t)
+        for t in self._step_args()[0] + [self.lens]:
+            torch._dynamo.mark_static_address(t)
 
     # ------------------------------------------------------------------ storing
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, cache_kwargs: Optional[dict] = None,
@@ -1227,6 +1282,9 @@ class TurboStaticLayer(TurboLayer):
             self._sync_host()
             self._check_room(key_states.shape[2])
             out = super().update(key_states, value_states, cache_kwargs, *args, **kwargs)
+            self._step = None
+            if self.k_scale is not None:
+                self._gather_side()  # into the kept buffer, before _adopt_kept compares the layouts
             self._adopt_kept()
             self._push_lens()
             self._mark_static()
@@ -1240,12 +1298,8 @@ class TurboStaticLayer(TurboLayer):
         if not torch.compiler.is_compiling():
             self._sync_host()
             self._check_room(1)
-        from .ops import flatten_groups
-
-        ts, bits = flatten_groups(self.groups)
-        torch.ops.turbo_attn.store_step(key_states, value_states, self.k_scale, self.k_mean, self.v_scale,
-                                        self.k_tail, self.v_tail, ts, bits, self.n_sink, self.lens, self.counters,
-                                        self.nonfinite, self.qk_smooth, self.rotated)
+        bufs, layout = self._step_args()
+        torch.ops.turbo_attn.store_step(key_states, value_states, bufs, layout, self.n_sink, self.lens, self.rotated)
         if torch.compiler.is_compiling():
             self._host_stale = True
         else:  # the kernel's rule on the host lengths: no sync in an eager step
@@ -1278,17 +1332,14 @@ class TurboStaticLayer(TurboLayer):
         return self._decode_op(query, key_valid, scale, causal, window, softcap)
 
     def _decode_op(self, query, key_valid, scale, causal, window, softcap) -> torch.Tensor:
-        from .ops import flatten_groups
-
         cfg = self.turbo_config
-        ts, bits = flatten_groups(self.groups)
+        bufs, layout = self._step_args()
         q = query if query.dtype in (torch.bfloat16, torch.float16) or not use_triton(query.device) else \
             query.to(torch.bfloat16)
         out = torch.ops.turbo_attn.decode_step(
-            q, self.k_tail, self.v_tail, self.k_scale, self.v_scale, self.k_mean, ts, bits, self.n_sink, self.lens,
-            key_valid, float(scale) if scale is not None else float(query.shape[-1] ** -0.5), bool(causal),
-            int(window or 0), float(softcap or 0.0), cfg.softmax, float(cfg.sas_threshold), self.qk_smooth,
-            self.rotated)
+            q, bufs, layout, self.n_sink, self.lens, key_valid,
+            float(scale) if scale is not None else float(query.shape[-1] ** -0.5), bool(causal), int(window or 0),
+            float(softcap or 0.0), cfg.softmax, float(cfg.sas_threshold), self.rotated)
         return out.to(query.dtype)
 
     # ------------------------------------------------------------------ HF cache API
@@ -1320,6 +1371,7 @@ class TurboStaticLayer(TurboLayer):
         idx = idx.to(self.device)
         if int(idx.numel()) != self.batch:
             super()._index_batch(idx)
+            self._step = None
             return
         for _, t in self._tensors():
             t.copy_(t.index_select(0, idx))

@@ -6,73 +6,97 @@ without a graph break and CUDA graphs capture it (HF's ``cache_implementation="s
 * ``turbo_attn::decode_step``: attention of the step's query over that storage (``kernels.decode`` with
   ``lens=``: the split plan is made for the capacity, the kernel reads the lengths).
 
-The storage goes in as explicit tensors (a layer's groups flattened: per group ``heads, k, v, k_scale, k_zero,
-v_sz``, INT8 groups repeating ``k`` for the three they do not have) — not through Python objects — so the
-ops are opaque, functional-enough nodes for inductor. On a CPU without the Triton interpreter the ops run the
-PyTorch store and ``reference.turbo_decode_ref`` on host copies of the lengths (CPU: no graph to capture).
+The storage goes in as a layer's few byte buffers and an int naming where each tensor lies in them (a layout of
+``step_layout``'s registry; the views are made in the op bodies, which a CUDA-graph replay does not run), not as
+its ~12-18 tensors: every graph input costs the compiled call host time at every step (eval/PERF_NOTES.md,
+session 24). On a CPU without the Triton interpreter the ops run the PyTorch store and ``reference.turbo_decode_ref``
+on host copies of the lengths (CPU: no graph to capture).
 """
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, NamedTuple, Optional
 
 import torch
 
+from .kernels.arena import make_views, view_spec
 from .kernels.device import on_tensor_device
 from .kernels.interpreter import use_triton
 from .kernels.pack import PackedKV
 
-__all__ = ["flatten_groups", "unflatten_groups"]
+__all__ = ["STEP_TENSORS", "StepStorage", "step_layout", "step_storage"]
 
-_PER_GROUP = 6
-
-
-def flatten_groups(groups: list) -> tuple[list, list]:
-    """``(tensors, bits)`` of a layer's ``PackedKV`` list, as the ops take them."""
-    ts, bits = [], []
-    for g in groups:
-        ts += [g.heads, g.k, g.v] + [t if t is not None else g.k for t in (g.k_scale, g.k_zero, g.v_sz)]
-        bits.append(g.bits)
-    return ts, bits
+#: a static layer's tensors a decode step reads or writes (None allowed), in ``StepStorage``'s order
+STEP_TENSORS = ("k_tail", "v_tail", "k_scale", "v_scale", "k_mean", "qk_smooth", "counters", "nonfinite")
+_GROUP_TENSORS = ("heads", "k", "v", "k_scale", "k_zero", "v_sz")
+_LAYOUTS: list = []  # layout id -> (n buffers, layer specs, ((bits, group specs), ...))
+_LAYOUT_IDS: dict = {}
 
 
-def unflatten_groups(ts: List[torch.Tensor], bits: List[int], n_blocks: int = 0) -> list:
-    out = []
-    for i, b in enumerate(bits):
-        heads, k, v, ks, kz, vsz = ts[_PER_GROUP * i:_PER_GROUP * (i + 1)]
-        if b == 8:
-            ks = kz = vsz = None
-        out.append(PackedKV(b, heads, k, v, ks, kz, n_blocks=n_blocks, v_sz=vsz))
-    return out
+class StepStorage(NamedTuple):
+    k_tail: torch.Tensor
+    v_tail: torch.Tensor
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+    k_mean: Optional[torch.Tensor]
+    qk_smooth: Optional[torch.Tensor]
+    counters: torch.Tensor  # int32 [2]: arrival (zero between calls), overflow steps
+    nonfinite: torch.Tensor  # int32 [1]: stored vectors with an inf/NaN
+    groups: list  # PackedKV per bit width
 
 
-@torch.library.custom_op("turbo_attn::store_step", mutates_args=("k_tail", "v_tail", "group_tensors", "lens",
-                                                                  "counters", "nonfinite"))
-def store_step(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, k_mean: Optional[torch.Tensor],
-               v_scale: torch.Tensor, k_tail: torch.Tensor, v_tail: torch.Tensor, group_tensors: List[torch.Tensor],
-               group_bits: List[int], n_sink: int, lens: torch.Tensor, counters: torch.Tensor,
-               nonfinite: torch.Tensor, qk_smooth: Optional[torch.Tensor], rotate: bool) -> None:
-    """Store one token ``k, v [b, H, 1, D]``; ``lens = [n_blocks, n_tail]``; ``counters`` int32 ``[2]``: arrival
-    (zero between calls), overflow steps; ``nonfinite`` int32 ``[1]``: stored vectors with an inf/NaN;
-    ``rotate``: K is the caller's, rotated into the stored basis on the way in (``qk_smooth``: its factors)."""
-    groups = unflatten_groups(group_tensors, group_bits)
+def step_layout(layer, buffers: List[torch.Tensor]) -> int:
+    """The id of where ``layer``'s ``STEP_TENSORS`` and its groups' tensors lie in ``buffers`` (byte tensors):
+    the ops' ``layout`` argument. ValueError names a tensor outside them."""
+    specs = tuple(view_spec(getattr(layer, n), buffers) for n in STEP_TENSORS)
+    groups = tuple((g.bits, tuple(view_spec(getattr(g, n), buffers) for n in _GROUP_TENSORS)) for g in layer.groups)
+    missing = [n for n, sp in zip(STEP_TENSORS, specs) if sp is None] + [
+        f"group {i} {n}" for i, (_, gs) in enumerate(groups) for n, sp in zip(_GROUP_TENSORS, gs) if sp is None]
+    if missing:
+        raise ValueError(f"static TurboCache layer {layer.layer_idx}: {', '.join(missing)} not in the step's buffers")
+    key = (len(buffers), specs, groups)
+    i = _LAYOUT_IDS.get(key)
+    if i is None:
+        i = _LAYOUT_IDS[key] = len(_LAYOUTS)
+        _LAYOUTS.append(key)
+    return i
+
+
+def step_storage(buffers: List[torch.Tensor], layout: int, n_blocks: int = 0) -> StepStorage:
+    """The tensors ``step_layout`` named, as views of ``buffers`` (groups as ``PackedKV`` of ``n_blocks``)."""
+    _, specs, groups = _LAYOUTS[layout]
+    layer = make_views(buffers, specs)
+    packed = []
+    for bits, gspecs in groups:
+        heads, k, v, ks, kz, vsz = make_views(buffers, gspecs)
+        packed.append(PackedKV(bits, heads, k, v, ks, kz, n_blocks=n_blocks, v_sz=vsz))
+    return StepStorage(*layer, packed)
+
+
+@torch.library.custom_op("turbo_attn::store_step", mutates_args=("buffers", "lens"))
+def store_step(k: torch.Tensor, v: torch.Tensor, buffers: List[torch.Tensor], layout: int, n_sink: int,
+               lens: torch.Tensor, rotate: bool) -> None:
+    """Store one token ``k, v [b, H, 1, D]`` into the storage ``buffers`` / ``layout`` name; ``lens = [n_blocks,
+    n_tail]``; ``rotate``: K is the caller's, rotated into the stored basis on the way in (the storage's
+    ``qk_smooth``: its factors)."""
+    s = step_storage(buffers, layout)
     if use_triton(k.device):
         from .kernels.store_step import store_step as launch
 
         with on_tensor_device(k):  # Triton launches on the current device (a compiled step sets none for us)
-            launch(k, v, k_scale, k_mean, v_scale, k_tail, v_tail, groups, n_sink, lens, counters[0:1],
-                   counters[1:2], nonfinite=nonfinite, rotate=rotate, qk_smooth=qk_smooth)
+            launch(k, v, s.k_scale, s.k_mean, s.v_scale, s.k_tail, s.v_tail, s.groups, n_sink, lens,
+                   s.counters[0:1], s.counters[1:2], nonfinite=s.nonfinite, rotate=rotate, qk_smooth=s.qk_smooth)
         return
     if rotate:
         from .kernels.reference import rotate_keys_ref
 
-        k = rotate_keys_ref(k, qk_smooth)
-    _store_step_host(k, v, k_scale, k_mean, v_scale, k_tail, v_tail, groups, n_sink, lens, counters, nonfinite)
+        k = rotate_keys_ref(k, s.qk_smooth)
+    _store_step_host(k, v, s.k_scale, s.k_mean, s.v_scale, s.k_tail, s.v_tail, s.groups, n_sink, lens, s.counters,
+                     s.nonfinite)
 
 
 @store_step.register_fake
-def _(k, v, k_scale, k_mean, v_scale, k_tail, v_tail, group_tensors, group_bits, n_sink, lens, counters, nonfinite,
-      qk_smooth, rotate):
+def _(k, v, buffers, layout, n_sink, lens, rotate):
     return None
 
 
@@ -107,34 +131,32 @@ def _store_step_host(k, v, k_scale, k_mean, v_scale, k_tail, v_tail, groups, n_s
 
 
 @torch.library.custom_op("turbo_attn::decode_step", mutates_args=())
-def decode_step(q: torch.Tensor, k_tail: torch.Tensor, v_tail: torch.Tensor, k_scale: torch.Tensor,
-                v_scale: torch.Tensor, k_mean: Optional[torch.Tensor], group_tensors: List[torch.Tensor],
-                group_bits: List[int], n_sink: int, lens: torch.Tensor, key_valid: Optional[torch.Tensor],
-                scale: float, causal: bool, window: int, softcap: float, softmax: str,
-                sas_threshold: float, qk_smooth: Optional[torch.Tensor], rotate: bool) -> torch.Tensor:
-    """``[b, Lq, HQ, D]`` attention of ``q [b, HQ, Lq, D]`` over a static layer's storage (``window`` 0 / ``softcap``
-    0.0: none); ``key_valid [b, >= kv_len]`` bool or None; ``rotate``: K is stored rotated, the unrotated query
-    is rotated in the kernel (``qk_smooth``: the factors)."""
+def decode_step(q: torch.Tensor, buffers: List[torch.Tensor], layout: int, n_sink: int, lens: torch.Tensor,
+                key_valid: Optional[torch.Tensor], scale: float, causal: bool, window: int, softcap: float,
+                softmax: str, sas_threshold: float, rotate: bool) -> torch.Tensor:
+    """``[b, Lq, HQ, D]`` attention of ``q [b, HQ, Lq, D]`` over a static layer's storage (``buffers`` /
+    ``layout``; ``window`` 0 / ``softcap`` 0.0: none); ``key_valid [b, >= kv_len]`` bool or None; ``rotate``: K is
+    stored rotated, the unrotated query is rotated in the kernel (the storage's ``qk_smooth``: the factors)."""
     kw = dict(scale=scale, causal=causal, window=window or None, softcap=softcap or None, n_sink=n_sink,
-              softmax=softmax, sas_threshold=sas_threshold, rotate=rotate, qk_smooth=qk_smooth)
+              softmax=softmax, sas_threshold=sas_threshold, rotate=rotate)
     if use_triton(q.device):
         from .kernels.decode import turbo_decode_attention
 
-        groups = unflatten_groups(group_tensors, group_bits)
+        s = step_storage(buffers, layout)
         with on_tensor_device(q):
-            return turbo_decode_attention(q, groups, k_tail, v_tail, 0, k_scale, v_scale, k_mean,
-                                          key_valid=key_valid, lens=lens, **kw)
+            return turbo_decode_attention(q, s.groups, s.k_tail, s.v_tail, 0, s.k_scale, s.v_scale, s.k_mean,
+                                          key_valid=key_valid, lens=lens, qk_smooth=s.qk_smooth, **kw)
     from .kernels.reference import turbo_decode_ref
 
     nb, nt = (int(x) for x in lens.tolist())
-    groups = unflatten_groups(group_tensors, group_bits, n_blocks=nb)
+    s = step_storage(buffers, layout, n_blocks=nb)
     if key_valid is not None:
-        key_valid = key_valid[:, :nb * groups[0].block_size + nt]
-    return turbo_decode_ref(q, groups, k_tail, v_tail, nt, k_scale, v_scale, k_mean, key_valid=key_valid, **kw)
+        key_valid = key_valid[:, :nb * s.groups[0].block_size + nt]
+    return turbo_decode_ref(q, s.groups, s.k_tail, s.v_tail, nt, s.k_scale, s.v_scale, s.k_mean,
+                            key_valid=key_valid, qk_smooth=s.qk_smooth, **kw)
 
 
 @decode_step.register_fake
-def _(q, k_tail, v_tail, k_scale, v_scale, k_mean, group_tensors, group_bits, n_sink, lens, key_valid, scale, causal,
-      window, softcap, softmax, sas_threshold, qk_smooth, rotate):
+def _(q, buffers, layout, n_sink, lens, key_valid, scale, causal, window, softcap, softmax, sas_threshold, rotate):
     b, hq, lq, d = q.shape
     return q.new_empty(b, lq, hq, d)

@@ -3,9 +3,15 @@ count, 1 x 1k: median wall of model._compiled_call per step (no sync: the host p
 what cudagraph trees does per replay (``CUDAGraphNode.run``: its host time, the graph's inputs, the inputs it copies
 into its static buffers every replay — the ones not marked static).
 
-    python -m eval.experiments.host_compiled_call 8,16,32 OUT.json [sdpa,int4,mixed]
+    python -m eval.experiments.host_compiled_call 8,16,32 OUT.json [sdpa,int4,mixed] [--profile]
+
+``--profile``: cProfile of one timed generate() per config, the compiled call's functions by own time (what the host
+does per step besides the replay).
 """
+import cProfile
+import io
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -36,7 +42,8 @@ def replay_probe():
 
 def main() -> None:
     layers = [int(x) for x in sys.argv[1].split(",")]
-    impls = sys.argv[3].split(",") if len(sys.argv) > 3 else ["sdpa", "int4"]
+    impls = sys.argv[3].split(",") if len(sys.argv) > 3 and not sys.argv[3].startswith("--") else ["sdpa", "int4"]
+    profile = "--profile" in sys.argv
     replays = replay_probe()
     res = {}
     for L in layers:
@@ -79,6 +86,14 @@ def main() -> None:
                 r.update(replay_ms=statistics.median(x[0] for x in replays) * 1e3,
                          graph_inputs=max(x[1] for x in replays), copied_inputs=max(x[2] for x in replays),
                          replays=len(replays))
+            if profile:
+                prof = cProfile.Profile()
+                prof.enable()
+                generate_timed(model, ids, mask, spec, 129)
+                prof.disable()
+                text = io.StringIO()
+                pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+                print(f"--- profile L{L} {impl}, 128 steps\n" + text.getvalue()[-7000:], flush=True)
             print(f"L{L} {impl}: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                                               for k, v in r.items()), flush=True)
             reset_compile(model)

@@ -275,26 +275,55 @@ def test_custom_ops_pass_opcheck(rotate_qk, pytorch_reference_kernels):
     eager agree (torch.library.opcheck), on a static layer holding packed blocks (rotated: the factors go in)."""
     import dataclasses
 
-    from turbo_attn_hf.ops import flatten_groups
-
     g = torch.Generator().manual_seed(0)
     b, hk, d = 1, 2, 64
     layer = TurboStaticLayer(dataclasses.replace(INT4_B16, rotate_qk=rotate_qk), 0, 1, max_cache_len=80)
     layer.update(torch.randn(b, hk, 60, d, generator=g).bfloat16(), torch.randn(b, hk, 60, d, generator=g).bfloat16())
     assert (layer.qk_smooth is not None) == (rotate_qk != "none")
-    ts, bits = flatten_groups(layer.groups)
+    bufs, layout = layer._step_args()
     k1, v1 = torch.randn(b, hk, 1, d, generator=g).bfloat16(), torch.randn(b, hk, 1, d, generator=g).bfloat16()
     torch.library.opcheck(torch.ops.turbo_attn.store_step.default,
-                          (k1, v1, layer.k_scale, layer.k_mean, layer.v_scale, layer.k_tail, layer.v_tail, ts, bits,
-                           layer.n_sink, layer.lens, layer.counters, layer.nonfinite, layer.qk_smooth, layer.rotated),
+                          (k1, v1, bufs, layout, layer.n_sink, layer.lens, layer.rotated),
                           test_utils=("test_schema", "test_faketensor"))
     q = torch.randn(b, 2 * hk, 1, d, generator=g).bfloat16()
     kv = torch.ones(b, 80, dtype=torch.bool)
     torch.library.opcheck(torch.ops.turbo_attn.decode_step.default,
-                          (q, layer.k_tail, layer.v_tail, layer.k_scale, layer.v_scale, layer.k_mean, ts, bits,
-                           layer.n_sink, layer.lens, kv, 0.125, True, 0, 0.0, "exact", 6.0, layer.qk_smooth,
+                          (q, bufs, layout, layer.n_sink, layer.lens, kv, 0.125, True, 0, 0.0, "exact", 6.0,
                            layer.rotated),
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_step_inputs_are_a_few_buffers(pytorch_reference_kernels):
+    """A static layer hands the compiled step its storage as byte buffers (the gathered layer tensors and one
+    per bit group), not as its ~18 tensors: each graph input costs the compiled call host time every step. The
+    views the ops make of them are the layer's own tensors, and a second prefill and a reset + first prefill of
+    the same shape keep every address (a CUDA graph captured over them replays)."""
+    from turbo_attn_hf.ops import STEP_TENSORS, step_storage
+
+    g = torch.Generator().manual_seed(0)
+    b, hk, d = 2, 4, 64
+    layer = TurboStaticLayer(MIXED_B16, 0, 1, max_cache_len=120)
+    kv = lambda n: (torch.randn(b, hk, n, d, generator=g).bfloat16(), torch.randn(b, hk, n, d, generator=g).bfloat16())
+    layer.update(*kv(40))
+    bufs, layout = layer._step_args()
+    assert len(bufs) == 1 + len(layer.groups) == 3 and all(t.dtype == torch.uint8 for t in bufs)
+    s = step_storage(bufs, layout)
+    for name in STEP_TENSORS:
+        a, e = getattr(s, name), getattr(layer, name)
+        assert (a is None) == (e is None)
+        if e is not None:
+            assert (a.data_ptr(), a.shape, a.stride(), a.dtype) == (e.data_ptr(), e.shape, e.stride(), e.dtype)
+    for ga, ge in zip(s.groups, layer.groups):
+        assert ga.bits == ge.bits and torch.equal(ga.heads, ge.heads)
+        for (n, a), (_, e) in zip(ga._tensors(), ge._tensors()):
+            assert a.data_ptr() == e.data_ptr() and a.shape == e.shape, n
+    addrs = [t.data_ptr() for t in bufs]
+    layer.update(*kv(1))
+    layer.update(*kv(20))  # a second prefill (multi-turn): stored in place
+    assert [t.data_ptr() for t in layer._step_args()[0]] == addrs
+    layer.reset()
+    layer.update(*kv(40))
+    assert [t.data_ptr() for t in layer._step_args()[0]] == addrs and layer._step_args()[1] == layout
 
 
 def _smollm2_gguf():
