@@ -19,6 +19,7 @@ def entered(monkeypatch):
         yield
 
     monkeypatch.setattr(D, "current_cuda_device", lambda: 0)  # the C read the guards use
+    monkeypatch.setattr(D, "several_gpus", lambda: True)
     monkeypatch.setattr(torch.cuda, "device", fake_device)
     return seen
 
@@ -54,6 +55,18 @@ def test_tensor_guard_switches_only_to_another_cuda_device(entered):
         assert entered == [1]
 
 
+def test_one_gpu_reads_no_device(entered, monkeypatch):
+    """With one visible GPU the current device is the tensors': no device read, no switch."""
+    def no_read():
+        raise AssertionError("a guard read the current device with one GPU")
+
+    monkeypatch.setattr(D, "several_gpus", lambda: False)
+    monkeypatch.setattr(D, "current_cuda_device", no_read)
+    with D.on_device(torch.device("cuda", 0)), D.on_tensor_device(_FakeCuda(0)):
+        pass
+    assert entered == []
+
+
 def test_guards_trace_whole_under_torch_compile(monkeypatch):
     """Inside a compiled region the guards read no device: the C read (``torch._C._cuda_getDevice``) is not
     traceable, and one graph break per call split HF's compiled decode step into ~6 CUDA graphs a layer (H200,
@@ -64,6 +77,7 @@ def test_guards_trace_whole_under_torch_compile(monkeypatch):
         raise AssertionError("the guard read the current device inside a compiled region")
 
     monkeypatch.setattr(D, "current_cuda_device", untraceable)
+    monkeypatch.setattr(D, "several_gpus", lambda: True)
 
     def step(x):
         with D.on_device(torch.device("cuda", 1)):
