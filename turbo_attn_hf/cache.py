@@ -1189,12 +1189,16 @@ class TurboStaticLayer(TurboLayer):
             if torch.compiler.is_compiling():
                 raise TurboConfigError(f"TurboCache layer {self.layer_idx}: its storage changed inside a compiled "
                                        "step; run prefills and batch changes eagerly")
-            from .ops import step_layout
-
             self._gather_side()
-            bufs = [self._side] + [g.flat for g in self.groups if g.flat is not None]
-            self._step = (bufs, step_layout(self, bufs))
+            self._index_step()
         return self._step
+
+    def _index_step(self) -> None:
+        """``_step`` from the buffers the tensors lie in now (gathered: ``_gather_side``)."""
+        from .ops import step_layout
+
+        bufs = [self._side] + [g.flat for g in self.groups if g.flat is not None]
+        self._step = (bufs, step_layout(self, bufs))
 
     def _gather_side(self) -> None:
         """Copy the layer's ``STEP_TENSORS`` and the groups' head maps (and a group's tensors where it has no
@@ -1286,6 +1290,8 @@ class TurboStaticLayer(TurboLayer):
             if self.k_scale is not None:
                 self._gather_side()  # into the kept buffer, before _adopt_kept compares the layouts
             self._adopt_kept()
+            if self.k_scale is not None:
+                self._index_step()  # after _adopt_kept, which may hand the groups their kept buffers
             self._push_lens()
             self._mark_static()
             return out

@@ -317,6 +317,9 @@ def test_step_inputs_are_a_few_buffers(pytorch_reference_kernels):
         assert ga.bits == ge.bits and torch.equal(ga.heads, ge.heads)
         for (n, a), (_, e) in zip(ga._tensors(), ge._tensors()):
             assert a.data_ptr() == e.data_ptr() and a.shape == e.shape, n
+    # the same view objects every eager step: the decode entry (kept per storage tensor objects) is found again
+    s2 = step_storage(bufs, layout)
+    assert s2.k_tail is s.k_tail and all(a.k is b.k and a.heads is b.heads for a, b in zip(s2.groups, s.groups))
     addrs = [t.data_ptr() for t in bufs]
     layer.update(*kv(1))
     layer.update(*kv(20))  # a second prefill (multi-turn): stored in place
