@@ -288,7 +288,6 @@ class TurboLayer(CacheLayerMixin):
         self.k_tail = self.v_tail = None
         self._flat: Optional[torch.Tensor] = None  # the byte buffer of the layer's storage views (lazy_initialization)
         self._fresh: dict = {}  # views of it the fused first store writes (scales, counter, head maps)
-        self._base: Optional[torch.Tensor] = None  # the placeholders' one element (update() returns views of it)
         self.nonfinite: Optional[torch.Tensor] = None  # int32 [1]: stored token vectors with an inf/NaN
         self.n_tail = 0
         self.k_mean = self.k_scale = self.v_scale = None
@@ -839,11 +838,8 @@ class TurboLayer(CacheLayerMixin):
         return key_states, value_states
 
     def _placeholders(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        base = self._base
-        if base is None or base.dtype != self.dtype or base.device != self.device:  # one element, kept per layer
-            base = self._base = torch.empty(1, dtype=self.dtype, device=self.device)
         # one tensor for keys and values: attention reads the layer, never these elements (per layer and step)
-        k = base.expand(self.batch, self.n_kv_heads, n, self.head_dim)
+        k = placeholder_element(self.dtype, self.device).expand(self.batch, self.n_kv_heads, n, self.head_dim)
         k.turbo_cache_layer = self
         k.turbo_rotated = self.rotated
         return k, k
@@ -1114,7 +1110,7 @@ class TurboStaticLayer(TurboLayer):
     def _storage(self) -> dict:
         """Every tensor a compiled decode step reads or writes by address, keyed by where it lives."""
         out = {("layer", n): t for n, t in self._tensors()}
-        for n in ("lens", "counters", "nonfinite", "_base", "_flat", "_side"):
+        for n in ("lens", "counters", "nonfinite", "_flat", "_side"):
             if getattr(self, n, None) is not None:
                 out[("layer", n)] = getattr(self, n)
         for i, grp in enumerate(self.groups):
@@ -1171,10 +1167,9 @@ class TurboStaticLayer(TurboLayer):
         fresh = self._fresh
         self.lens = fresh.pop("lens")  # written by _push_lens
         self.counters = fresh.pop("counters").zero_()  # arrival (0 between steps), overflow
-        self._base = fresh.pop("_base")  # made here: not inside a compiled step
 
     def _extra_specs(self) -> tuple:
-        return (("lens", (2,), torch.int32), ("counters", (2,), torch.int32), ("_base", (1,), self.dtype))
+        return (("lens", (2,), torch.int32), ("counters", (2,), torch.int32))
 
     def _make_groups(self, head_bits: list[int], capacity: int = 1, maps: Optional[dict] = None,
                      one_buffer: Optional[bool] = None) -> None:
@@ -1199,6 +1194,7 @@ class TurboStaticLayer(TurboLayer):
 
         bufs = [self._side] + [g.flat for g in self.groups if g.flat is not None]
         self._step = (bufs, step_layout(self, bufs))
+        self._lens_at = self.lens.data_ptr() - self._side.data_ptr()  # (get_seq_length inside a compiled step)
 
     def _gather_side(self) -> None:
         """Copy the layer's ``STEP_TENSORS`` and the groups' head maps (and a group's tensors where it has no
@@ -1272,7 +1268,7 @@ class TurboStaticLayer(TurboLayer):
         """Fixed addresses for torch.compile / CUDA graphs (as HF's StaticLayer does): the step's inputs."""
         if torch.compiler.is_compiling():
             return
-        for t in self._step_args()[0] + [self.lens]:
+        for t in self._step_args()[0] + [placeholder_element(self.dtype, self.device)]:
             torch._dynamo.mark_static_address(t)
 
     # ------------------------------------------------------------------ storing
@@ -1305,7 +1301,7 @@ class TurboStaticLayer(TurboLayer):
             self._sync_host()
             self._check_room(1)
         bufs, layout = self._step_args()
-        torch.ops.turbo_attn.store_step(key_states, value_states, bufs, layout, self.n_sink, self.lens, self.rotated)
+        torch.ops.turbo_attn.store_step(key_states, value_states, bufs, layout, self.n_sink, self.rotated)
         if torch.compiler.is_compiling():
             self._host_stale = True
         else:  # the kernel's rule on the host lengths: no sync in an eager step
@@ -1343,7 +1339,7 @@ class TurboStaticLayer(TurboLayer):
         q = query if query.dtype in (torch.bfloat16, torch.float16) or not use_triton(query.device) else \
             query.to(torch.bfloat16)
         out = torch.ops.turbo_attn.decode_step(
-            q, bufs, layout, self.n_sink, self.lens, key_valid,
+            q, bufs, layout, self.n_sink, key_valid,
             float(scale) if scale is not None else float(query.shape[-1] ** -0.5), bool(causal), int(window or 0),
             float(softcap or 0.0), cfg.softmax, float(cfg.sas_threshold), self.rotated)
         return out.to(query.dtype)
@@ -1353,7 +1349,11 @@ class TurboStaticLayer(TurboLayer):
         """Stored tokens: a host int while the host lengths are current (prefills, eager steps), else — inside a
         compiled step, or between compiled steps — a 0-d device tensor, as HF's StaticLayer returns: generate() asks
         every step (mask creation), and reading ``lens`` as an int there would stall the host on the GPU."""
-        if (torch.compiler.is_compiling() or self._host_stale) and self.lens is not None:  # (no guard on the flag)
+        if torch.compiler.is_compiling() and self.lens is not None:
+            # read through _side, a graph input already: ``self.lens`` would be one more, aliasing it
+            lens = self._side[self._lens_at:self._lens_at + 8].view(torch.int32)
+            return lens[0] * self.turbo_config.block_size + lens[1]
+        if self._host_stale and self.lens is not None:  # (no guard on the flag)
             return self.lens[0] * self.turbo_config.block_size + self.lens[1]
         return super().get_seq_length()
 
@@ -1427,6 +1427,18 @@ def _clone(blank: tuple) -> "TurboLayer":
     for k, v in containers:
         ld[k] = v.copy()
     return layer
+
+
+#: (dtype, device) -> the one element every layer's ``update()`` placeholders are expanded from: one tensor for the
+#: whole model, so a compiled step has one such input, not one a layer
+_PLACEHOLDER_ELEMENTS: dict = {}
+
+
+def placeholder_element(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    t = _PLACEHOLDER_ELEMENTS.get((dtype, device))
+    if t is None:
+        t = _PLACEHOLDER_ELEMENTS[(dtype, device)] = torch.empty(1, dtype=dtype, device=device)
+    return t
 
 
 def _kv_heads(config: Any) -> Optional[int]:

@@ -2,11 +2,11 @@
 without a graph break and CUDA graphs capture it (HF's ``cache_implementation="static"`` + ``CompileConfig``).
 
 * ``turbo_attn::store_step``: one token per row into a layer's storage, lengths on the device
-  (``kernels.store_step.store_step``); mutates the INT8 buffer, the packed groups, ``lens`` and the counters.
+  (``kernels.store_step.store_step``); mutates the INT8 buffer, the packed groups, the lengths and the counters.
 * ``turbo_attn::decode_step``: attention of the step's query over that storage (``kernels.decode`` with
   ``lens=``: the split plan is made for the capacity, the kernel reads the lengths).
 
-The storage goes in as a layer's few byte buffers and an int naming where each tensor lies in them (a layout of
+The storage, lengths included, goes in as a layer's few byte buffers and an int naming where each tensor lies in them (a layout of
 ``step_layout``'s registry; the views are made in the op bodies, which a CUDA-graph replay does not run), not as
 its ~12-18 tensors: every graph input costs the compiled call host time at every step (eval/PERF_NOTES.md,
 session 24). On a CPU without the Triton interpreter the ops run the PyTorch store and ``reference.turbo_decode_ref``
@@ -28,7 +28,7 @@ from .kernels.pack import PackedKV
 __all__ = ["STEP_TENSORS", "StepStorage", "step_layout", "step_storage"]
 
 #: a static layer's tensors a decode step reads or writes (None allowed), in ``StepStorage``'s order
-STEP_TENSORS = ("k_tail", "v_tail", "k_scale", "v_scale", "k_mean", "qk_smooth", "counters", "nonfinite")
+STEP_TENSORS = ("k_tail", "v_tail", "k_scale", "v_scale", "k_mean", "qk_smooth", "counters", "nonfinite", "lens")
 _GROUP_TENSORS = ("heads", "k", "v", "k_scale", "k_zero", "v_sz")
 _LAYOUTS: list = []  # layout id -> (n buffers, layer specs, ((bits, group specs), ...))
 _LAYOUT_IDS: dict = {}
@@ -47,6 +47,7 @@ class StepStorage(NamedTuple):
     qk_smooth: Optional[torch.Tensor]
     counters: torch.Tensor  # int32 [2]: arrival (zero between calls), overflow steps
     nonfinite: torch.Tensor  # int32 [1]: stored vectors with an inf/NaN
+    lens: torch.Tensor  # int32 [2]: n_blocks, n_tail (the kernels read and write them)
     groups: list  # PackedKV per bit width
 
 
@@ -86,30 +87,30 @@ def step_storage(buffers: List[torch.Tensor], layout: int, n_blocks: int = 0) ->
     return StepStorage(*views[:n], packed)
 
 
-@torch.library.custom_op("turbo_attn::store_step", mutates_args=("buffers", "lens"))
+@torch.library.custom_op("turbo_attn::store_step", mutates_args=("buffers",))
 def store_step(k: torch.Tensor, v: torch.Tensor, buffers: List[torch.Tensor], layout: int, n_sink: int,
-               lens: torch.Tensor, rotate: bool) -> None:
-    """Store one token ``k, v [b, H, 1, D]`` into the storage ``buffers`` / ``layout`` name; ``lens = [n_blocks,
-    n_tail]``; ``rotate``: K is the caller's, rotated into the stored basis on the way in (the storage's
+               rotate: bool) -> None:
+    """Store one token ``k, v [b, H, 1, D]`` into the storage ``buffers`` / ``layout`` name (its ``lens``:
+    ``[n_blocks, n_tail]``); ``rotate``: K is the caller's, rotated into the stored basis on the way in (the storage's
     ``qk_smooth``: its factors)."""
     s = step_storage(buffers, layout)
     if use_triton(k.device):
         from .kernels.store_step import store_step as launch
 
         with on_tensor_device(k):  # Triton launches on the current device (a compiled step sets none for us)
-            launch(k, v, s.k_scale, s.k_mean, s.v_scale, s.k_tail, s.v_tail, s.groups, n_sink, lens,
+            launch(k, v, s.k_scale, s.k_mean, s.v_scale, s.k_tail, s.v_tail, s.groups, n_sink, s.lens,
                    s.counters[0:1], s.counters[1:2], nonfinite=s.nonfinite, rotate=rotate, qk_smooth=s.qk_smooth)
         return
     if rotate:
         from .kernels.reference import rotate_keys_ref
 
         k = rotate_keys_ref(k, s.qk_smooth)
-    _store_step_host(k, v, s.k_scale, s.k_mean, s.v_scale, s.k_tail, s.v_tail, s.groups, n_sink, lens, s.counters,
+    _store_step_host(k, v, s.k_scale, s.k_mean, s.v_scale, s.k_tail, s.v_tail, s.groups, n_sink, s.lens, s.counters,
                      s.nonfinite)
 
 
 @store_step.register_fake
-def _(k, v, buffers, layout, n_sink, lens, rotate):
+def _(k, v, buffers, layout, n_sink, rotate):
     return None
 
 
@@ -144,7 +145,7 @@ def _store_step_host(k, v, k_scale, k_mean, v_scale, k_tail, v_tail, groups, n_s
 
 
 @torch.library.custom_op("turbo_attn::decode_step", mutates_args=())
-def decode_step(q: torch.Tensor, buffers: List[torch.Tensor], layout: int, n_sink: int, lens: torch.Tensor,
+def decode_step(q: torch.Tensor, buffers: List[torch.Tensor], layout: int, n_sink: int,
                 key_valid: Optional[torch.Tensor], scale: float, causal: bool, window: int, softcap: float,
                 softmax: str, sas_threshold: float, rotate: bool) -> torch.Tensor:
     """``[b, Lq, HQ, D]`` attention of ``q [b, HQ, Lq, D]`` over a static layer's storage (``buffers`` /
@@ -158,10 +159,10 @@ def decode_step(q: torch.Tensor, buffers: List[torch.Tensor], layout: int, n_sin
         s = step_storage(buffers, layout)
         with on_tensor_device(q):
             return turbo_decode_attention(q, s.groups, s.k_tail, s.v_tail, 0, s.k_scale, s.v_scale, s.k_mean,
-                                          key_valid=key_valid, lens=lens, qk_smooth=s.qk_smooth, **kw)
+                                          key_valid=key_valid, lens=s.lens, qk_smooth=s.qk_smooth, **kw)
     from .kernels.reference import turbo_decode_ref
 
-    nb, nt = (int(x) for x in lens.tolist())
+    nb, nt = (int(x) for x in step_storage(buffers, layout).lens.tolist())
     s = step_storage(buffers, layout, n_blocks=nb)
     if key_valid is not None:
         key_valid = key_valid[:, :nb * s.groups[0].block_size + nt]
@@ -170,6 +171,6 @@ def decode_step(q: torch.Tensor, buffers: List[torch.Tensor], layout: int, n_sin
 
 
 @decode_step.register_fake
-def _(q, buffers, layout, n_sink, lens, key_valid, scale, causal, window, softcap, softmax, sas_threshold, rotate):
+def _(q, buffers, layout, n_sink, key_valid, scale, causal, window, softcap, softmax, sas_threshold, rotate):
     b, hq, lq, d = q.shape
     return q.new_empty(b, lq, hq, d)

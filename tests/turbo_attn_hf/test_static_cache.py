@@ -125,6 +125,38 @@ def test_compiled_decode_step_has_no_graph_break(tm, pytorch_reference_kernels):
     torch._dynamo.reset()
 
 
+
+@pytest.mark.parametrize("cfg", [INT4_B16, MIXED1_B16], ids=lambda c: c.name)
+def test_compiled_step_takes_one_input_per_buffer(tm, pytorch_reference_kernels, cfg):
+    """A compiled decode step takes a layer's storage as its byte buffers only — ``_side`` (lengths included) and one
+    per bit group — and no per-layer placeholder element: each graph input costs the compiled call host time every
+    step (eval/PERF_NOTES.md, sessions 23-25). ``get_seq_length`` inside the step reads the lengths through ``_side``."""
+    import torch._dynamo
+
+    model = tm.make_model("llama", attn="turbo_int8")
+    cache = TurboCache(cfg, config=model.config, max_cache_len=64)
+    ids = tm.token_ids(1, 20)
+    with torch.no_grad():
+        model(ids, **{cache_kwarg(): cache}, use_cache=True)
+    names = []
+
+    def backend(gm, example_inputs):
+        names.extend(n.target for n in gm.graph.nodes if n.op == "placeholder")
+        return gm.forward
+
+    torch._dynamo.reset()
+    kw = {cache_kwarg(): cache}
+    step = torch.compile(lambda tok: (model(input_ids=tok, **kw, use_cache=True).logits,
+                                      cache.get_seq_length()), fullgraph=True, backend=backend)
+    with torch.no_grad():
+        _, n = step(ids[:, -1:])
+    torch._dynamo.reset()
+    assert int(n) == 21
+    for i, layer in enumerate(cache.layers):
+        mine = [x for x in names if f"layers_{i}_" in x]
+        assert len(mine) == 1 + len(layer.groups), mine
+    assert not any("base" in x or "lens" in x for x in names), names
+
 def test_generate_static_builds_and_compiles_the_static_turbocache(tm, pytorch_reference_kernels):
     """generate(cache_implementation="static") -> a static TurboCache, HF's auto-compile takes it (forced on CPU
     with a fullgraph eager-backend CompileConfig), and greedy tokens equal the dynamic TurboCache's."""
@@ -283,12 +315,12 @@ def test_custom_ops_pass_opcheck(rotate_qk, pytorch_reference_kernels):
     bufs, layout = layer._step_args()
     k1, v1 = torch.randn(b, hk, 1, d, generator=g).bfloat16(), torch.randn(b, hk, 1, d, generator=g).bfloat16()
     torch.library.opcheck(torch.ops.turbo_attn.store_step.default,
-                          (k1, v1, bufs, layout, layer.n_sink, layer.lens, layer.rotated),
+                          (k1, v1, bufs, layout, layer.n_sink, layer.rotated),
                           test_utils=("test_schema", "test_faketensor"))
     q = torch.randn(b, 2 * hk, 1, d, generator=g).bfloat16()
     kv = torch.ones(b, 80, dtype=torch.bool)
     torch.library.opcheck(torch.ops.turbo_attn.decode_step.default,
-                          (q, bufs, layout, layer.n_sink, layer.lens, kv, 0.125, True, 0, 0.0, "exact", 6.0,
+                          (q, bufs, layout, layer.n_sink, kv, 0.125, True, 0, 0.0, "exact", 6.0,
                            layer.rotated),
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 
