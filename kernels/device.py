@@ -22,8 +22,9 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-#: inside a region torch.compile traces, the device guards below are no-ops: the C device read is not traceable (a
-#: graph break per call: the compiled decode step fell apart into ~6 CUDA graphs a layer), and the custom ops that
+#: inside a region torch.compile traces, the device guards below are no-ops, checked first: the C device read and
+#: ``torch.cuda.device_count`` are not traceable (a graph break per call: the compiled decode step fell apart into ~6
+#: CUDA graphs a layer, 4-5x sdpa's step), and the custom ops that
 #: launch Triton kernels set their tensors' device in their own (eager) bodies (turbo_attn_hf/ops.py)
 _compiling = torch.compiler.is_compiling
 
@@ -43,7 +44,7 @@ class on_device:
 
     def __init__(self, device: torch.device):
         self.ctx = None
-        if (device.type == "cuda" and device.index is not None and several_gpus() and not _compiling()
+        if (device.type == "cuda" and device.index is not None and not _compiling() and several_gpus()
                 and device.index != current_cuda_device()):
             self.ctx = torch.cuda.device(device)
 
@@ -60,6 +61,6 @@ class on_device:
 def on_tensor_device(t: torch.Tensor):
     """:class:`on_device` for ``t``'s device without making a ``torch.device`` (``t.device``): the per-layer hot
     paths, ~1-2 us a call on the GPU host."""
-    if t.is_cuda and several_gpus() and not _compiling() and t.get_device() != current_cuda_device():
+    if t.is_cuda and not _compiling() and several_gpus() and t.get_device() != current_cuda_device():
         return torch.cuda.device(t.get_device())
     return contextlib.nullcontext()  # made per call: torch.compile traces no module-level context manager

@@ -70,14 +70,18 @@ def test_one_gpu_reads_no_device(entered, monkeypatch):
 def test_guards_trace_whole_under_torch_compile(monkeypatch):
     """Inside a compiled region the guards read no device: the C read (``torch._C._cuda_getDevice``) is not
     traceable, and one graph break per call split HF's compiled decode step into ~6 CUDA graphs a layer (H200,
-    session 23). fullgraph=True raises on any break; the device read is made to raise as it would in a trace."""
+    session 23; ``several_gpus`` did it again in session 24). fullgraph=True raises on any break; the device read and the
+    device count are made to raise as they would in a trace."""
     import torch._dynamo
 
     def untraceable():
         raise AssertionError("the guard read the current device inside a compiled region")
 
+    def device_count():
+        raise AssertionError("the guard counted devices inside a compiled region (torch.cuda.device_count: a break)")
+
     monkeypatch.setattr(D, "current_cuda_device", untraceable)
-    monkeypatch.setattr(D, "several_gpus", lambda: True)
+    monkeypatch.setattr(D, "several_gpus", device_count)
 
     def step(x):
         with D.on_device(torch.device("cuda", 1)):
