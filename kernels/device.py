@@ -24,8 +24,8 @@ def sm_count(device: torch.device) -> int:
 
 #: inside a region torch.compile traces, the device guards below are no-ops, checked first: the C device read and
 #: ``torch.cuda.device_count`` are not traceable (a graph break per call: the compiled decode step fell apart into ~6
-#: CUDA graphs a layer, 4-5x sdpa's step), and the custom ops that
-#: launch Triton kernels set their tensors' device in their own (eager) bodies (turbo_attn_hf/ops.py)
+#: CUDA graphs a layer, 4-5x sdpa's step), and the custom ops that launch Triton kernels set their tensors' device
+#: in their own (eager) bodies (turbo_attn_hf/ops.py)
 _compiling = torch.compiler.is_compiling
 
 

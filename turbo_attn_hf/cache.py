@@ -1096,6 +1096,7 @@ class TurboStaticLayer(TurboLayer):
         self._side: Optional[torch.Tensor] = None  # the byte buffer of the layer's STEP_TENSORS and head maps
         self._side_specs: Optional[tuple] = None  # the (name, shape, dtype) of _side's views
         self._step: Optional[tuple] = None  # (buffers, layout id) the two ops take (_step_args)
+        self._lens_at = 0  # lens' byte offset in _side (_index_step): get_seq_length inside a compiled step
         self._host_stale = False
         self._adopted = False  # the storage is the one an earlier generate() used (its decode entry is warm)
 
@@ -1194,7 +1195,7 @@ class TurboStaticLayer(TurboLayer):
 
         bufs = [self._side] + [g.flat for g in self.groups if g.flat is not None]
         self._step = (bufs, step_layout(self, bufs))
-        self._lens_at = self.lens.data_ptr() - self._side.data_ptr()  # (get_seq_length inside a compiled step)
+        self._lens_at = self.lens.data_ptr() - self._side.data_ptr()
 
     def _gather_side(self) -> None:
         """Copy the layer's ``STEP_TENSORS`` and the groups' head maps (and a group's tensors where it has no

@@ -6,9 +6,9 @@ without a graph break and CUDA graphs capture it (HF's ``cache_implementation="s
 * ``turbo_attn::decode_step``: attention of the step's query over that storage (``kernels.decode`` with
   ``lens=``: the split plan is made for the capacity, the kernel reads the lengths).
 
-The storage, lengths included, goes in as a layer's few byte buffers and an int naming where each tensor lies in them (a layout of
-``step_layout``'s registry; the views are made in the op bodies, which a CUDA-graph replay does not run), not as
-its ~12-18 tensors: every graph input costs the compiled call host time at every step (eval/PERF_NOTES.md,
+The storage, lengths included, goes in as a layer's few byte buffers and an int naming where each tensor lies in
+them (a layout of ``step_layout``'s registry; the views are made in the op bodies, which a CUDA-graph replay does
+not run), not as its ~12-18 tensors: every graph input costs the compiled call host time at every step (eval/PERF_NOTES.md,
 session 24). On a CPU without the Triton interpreter the ops run the PyTorch store and ``reference.turbo_decode_ref``
 on host copies of the lengths (CPU: no graph to capture).
 """

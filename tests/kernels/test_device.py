@@ -70,8 +70,8 @@ def test_one_gpu_reads_no_device(entered, monkeypatch):
 def test_guards_trace_whole_under_torch_compile(monkeypatch):
     """Inside a compiled region the guards read no device: the C read (``torch._C._cuda_getDevice``) is not
     traceable, and one graph break per call split HF's compiled decode step into ~6 CUDA graphs a layer (H200,
-    session 23; ``several_gpus`` did it again in session 24). fullgraph=True raises on any break; the device read and the
-    device count are made to raise as they would in a trace."""
+    session 23; ``several_gpus`` did it again in session 24). fullgraph=True raises on any break; the device read and
+    the device count are made to raise as they would in a trace."""
     import torch._dynamo
 
     def untraceable():

@@ -125,12 +125,12 @@ def test_compiled_decode_step_has_no_graph_break(tm, pytorch_reference_kernels):
     torch._dynamo.reset()
 
 
-
 @pytest.mark.parametrize("cfg", [INT4_B16, MIXED1_B16], ids=lambda c: c.name)
 def test_compiled_step_takes_one_input_per_buffer(tm, pytorch_reference_kernels, cfg):
     """A compiled decode step takes a layer's storage as its byte buffers only — ``_side`` (lengths included) and one
     per bit group — and no per-layer placeholder element: each graph input costs the compiled call host time every
-    step (eval/PERF_NOTES.md, sessions 23-25). ``get_seq_length`` inside the step reads the lengths through ``_side``."""
+    step (eval/PERF_NOTES.md, sessions 23-25). ``get_seq_length`` inside the step reads the lengths through
+    ``_side``."""
     import torch._dynamo
 
     model = tm.make_model("llama", attn="turbo_int8")
@@ -156,6 +156,7 @@ def test_compiled_step_takes_one_input_per_buffer(tm, pytorch_reference_kernels,
         mine = [x for x in names if f"layers_{i}_" in x]
         assert len(mine) == 1 + len(layer.groups), mine
     assert not any("base" in x or "lens" in x for x in names), names
+
 
 def test_generate_static_builds_and_compiles_the_static_turbocache(tm, pytorch_reference_kernels):
     """generate(cache_implementation="static") -> a static TurboCache, HF's auto-compile takes it (forced on CPU
