@@ -287,6 +287,29 @@ def test_nonfinite_tokens_bit_exact(shape, dtype, layout, device, poisoned_empty
         quant.quantize_v_blocks(x, 16, poison=torch.ones(*shape[:2], shape[2] - 1, device=device))
 
 
+def test_interpreter_fast_nan_max_is_the_generic_reduction(monkeypatch):
+    """CPU: conftest reduces our NaN-keeping ``_max_nan`` with ``np.max`` in the interpreter (70-90 % of a model
+    test's time otherwise); the interpreter's own element-by-element reduction gives the same codes and scales,
+    NaN and Inf tokens included."""
+    from triton.runtime import interpreter
+
+    fast = interpreter.ReduceOps.apply_impl
+    if not getattr(fast, "turbo_nan_max", False):
+        pytest.skip("the interpreter's reduction is not replaced here (CUDA, or another Triton)")
+    x = _rand((1, 2, 20, 64), torch.float32, "cpu", seed=5)
+    x[0, 0, 3, 7], x[0, 1, 11, 2], x[0, 1, 19] = float("nan"), float("inf"), float("-inf")
+
+    def run():
+        sk = torch.ones(1, 2, 20)
+        return (*quant.quantize_per_token(x, scale=0.3), *quant.quantize_v_blocks(x, 16, poison=sk), sk)
+
+    got = run()
+    monkeypatch.setattr(interpreter.ReduceOps, "apply_impl", fast.generic)
+    want = run()
+    assert all(_equal_nan(g, w) for g, w in zip(got, want))
+    assert int(torch.isnan(got[1]).sum()) == 3  # the three poisoned tokens' scales
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("d,block", [(128, 128), (64, 128), (256, 64)], ids=["D128-BN128", "D64-BN128", "D256-BN64"])
 def test_quant_real_size_gpu(d, block):
