@@ -1,0 +1,79 @@
+"""Teacher-forced fidelity of the decode path with one of its 8-bit roundings removed (issue 23, CPU reference).
+
+``error_budget.py`` splits the attention output's error per layer in isolation; this runs the whole model
+(``eval.fidelity``, errors compounding through the layers) with the reference decode twin patched, to read what
+a kernel variant would buy in KL / top-1 before it is written:
+
+* ``q``: the decode query ``q' = q * s_k`` kept as float codes (``prepare_query_ref`` without the rounding;
+  a bf16/fp32 Q.K on dequantized K codes in the kernel);
+* ``p``: the P.V weights ``w = p * s_t`` kept unrounded (``pv_tile_ref`` without ``w8``'s rounding; a 16-bit P
+  with dequantized V codes in the kernel).
+
+Only the reference's decode path changes (the CPU path without ``TRITON_INTERPRET``); prefill is untouched.
+
+    OMP_NUM_THREADS=1 python -m eval.experiments.decode_terms_fidelity --exact q,p -- --model .carry/gemma/full \
+        --gguf-file gemma-3-270m-q4_k_m.gguf --gguf-dense --presets int8 --limit 4 --chunk 8 --answers 0 \
+        --data-dir ../shared/data --out /tmp/fid_qp
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from turbo_attn_hf.kernels import reference as R
+
+TERMS = ("q", "p")
+
+
+def _exact_query(prepare):
+    def prepare_query(q, k_scale, k_mean, scale, softcap, rotate=False, qk_smooth=None):
+        q8, sq, qb = prepare(q, k_scale, k_mean, scale, softcap, rotate, qk_smooth)
+        # recompute q' exactly as the twin does, and keep its codes unrounded (same scale sq)
+        g = q.shape[1] // k_scale.shape[1]
+        qf = q.float()
+        if rotate:
+            if qk_smooth is not None:
+                qf = qf * qk_smooth.float().repeat_interleave(g, dim=1)[:, :, None, :]
+            qf = R.fwht_rows(qf)
+        qs = qf * k_scale.repeat_interleave(g, dim=1)[:, :, None, :]
+        amax = qs.abs().amax(-1, keepdim=True)
+        codes = torch.where(amax > 0, qs * 127.0 / torch.where(amax > 0, amax, torch.ones_like(amax)), 0.0)
+        return codes, sq, qb
+
+    return prepare_query
+
+
+def _exact_p(p, vc, vs, vz):
+    w = p * vs[..., None, :]
+    pc = (w.to(torch.float64) @ vc.to(torch.float64)).to(torch.float32)
+    return pc + (p * vz[..., None, :]).sum(-1)[..., None]
+
+
+def install(terms) -> None:
+    bad = set(terms) - set(TERMS)
+    if bad:
+        raise SystemExit(f"decode_terms_fidelity: unknown term(s) {sorted(bad)}; choose from {', '.join(TERMS)}")
+    if "q" in terms:
+        R.prepare_query_ref = _exact_query(R.prepare_query_ref)
+    if "p" in terms:
+        R.pv_tile_ref = _exact_p
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    rest = argv[argv.index("--") + 1:] if "--" in argv else []
+    own = argv[:argv.index("--")] if "--" in argv else argv
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--exact", default="", help="comma list of decode terms left unrounded: q, p (empty: none)")
+    args = ap.parse_args(own)
+    install([t for t in args.exact.split(",") if t])
+    from eval import fidelity
+
+    return fidelity.main(rest)
+
+
+if __name__ == "__main__":
+    main()
