@@ -29,19 +29,18 @@ TERMS = ("q", "p")
 
 
 def _exact_query(prepare):
-    def prepare_query(q, k_scale, k_mean, scale, softcap, rotate=False, qk_smooth=None):
-        q8, sq, qb = prepare(q, k_scale, k_mean, scale, softcap, rotate, qk_smooth)
-        # recompute q' exactly as the twin does, and keep its codes unrounded (same scale sq)
-        g = q.shape[1] // k_scale.shape[1]
-        qf = q.float()
-        if rotate:
-            if qk_smooth is not None:
-                qf = qf * qk_smooth.float().repeat_interleave(g, dim=1)[:, :, None, :]
-            qf = R.fwht_rows(qf)
-        qs = qf * k_scale.repeat_interleave(g, dim=1)[:, :, None, :]
-        amax = qs.abs().amax(-1, keepdim=True)
-        codes = torch.where(amax > 0, qs * 127.0 / torch.where(amax > 0, amax, torch.ones_like(amax)), 0.0)
-        return codes, sq, qb
+    """``prepare_query_ref`` with its one rounding, ``_symmetric_int8`` of ``q'``, swapped for the unrounded codes
+    while it runs (the same step ``amax / 127``; the other twins keep theirs)."""
+    def unrounded(x, amax, dim):
+        inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+        return x * inv.unsqueeze(dim)
+
+    def prepare_query(*args, **kwargs):
+        rounded, R._symmetric_int8 = R._symmetric_int8, unrounded
+        try:
+            return prepare(*args, **kwargs)
+        finally:
+            R._symmetric_int8 = rounded
 
     return prepare_query
 
