@@ -18,11 +18,9 @@ Only the reference's decode path changes (the CPU path without ``TRITON_INTERPRE
 
 from __future__ import annotations
 
-import argparse
-import sys
-
 import torch
 
+from eval.experiments.patched_fidelity import run
 from turbo_attn_hf.kernels import reference as R
 
 TERMS = ("q", "p")
@@ -62,16 +60,8 @@ def install(terms) -> None:
 
 
 def main(argv=None):
-    argv = list(sys.argv[1:] if argv is None else argv)
-    rest = argv[argv.index("--") + 1:] if "--" in argv else []
-    own = argv[:argv.index("--")] if "--" in argv else argv
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--exact", default="", help="comma list of decode terms left unrounded: q, p (empty: none)")
-    args = ap.parse_args(own)
-    install([t for t in args.exact.split(",") if t])
-    from eval import fidelity
-
-    return fidelity.main(rest)
+    return run(argv, __doc__.splitlines()[0], "--exact",
+               "comma list of decode terms left unrounded: q, p (empty: none)", install)
 
 
 if __name__ == "__main__":
