@@ -10,7 +10,7 @@ Variants (comma list, ``--groups``):
 
 * ``v<N>``: V per token in groups of N channels (now: one group of head_dim);
 * ``k<N>``: K per channel in groups of N tokens (now: one group of block_size);
-* ``v8``: V blocks kept INT8 (its 4-bit packing left out);
+* ``v8`` / ``k8``: V / K blocks kept INT8 (their 4-bit packing left out);
 * ``vrest``: V restored with today's grouping: the control of the ``v`` variants, whose restored V tiles take the
   INT8 tiles' route (P quantized without the token scale, as error_budget's ``vgrp``).
 
@@ -50,16 +50,18 @@ def _regroup(pack, x8: torch.Tensor, bits: int, axis: int, n: int) -> torch.Tens
 
 def install(groups: list[str]) -> None:
     v_n = k_n = None
-    v8 = vrest = False
+    keep_v8 = keep_k8 = vrest = False
     for g in groups:
         if g == "v8":
-            v8 = True
+            keep_v8 = True
+        elif g == "k8":
+            keep_k8 = True
         elif g == "vrest":
             vrest = True
         elif g[:1] in "vk" and g[1:].isdigit():
             v_n, k_n = (int(g[1:]), k_n) if g[0] == "v" else (v_n, int(g[1:]))
         else:
-            raise SystemExit(f"block_format_fidelity: unknown group variant {g!r} (v<N>, k<N>, v8, vrest)")
+            raise SystemExit(f"block_format_fidelity: unknown group variant {g!r} (v<N>, k<N>, v8, k8, vrest)")
     pack = R.pack_blocks_ref
     tiles = R._group_tiles_ref
 
@@ -71,10 +73,10 @@ def install(groups: list[str]) -> None:
                              "whose head_dim differs from the block size (Gemma-3: 256)")
         is_v = Rr > C  # V tiles [d, BS], K tiles [BS, d]
         n = v_n if is_v else k_n
-        if is_v and (v8 or vrest or n):
-            rest = x8.float() if v8 else _regroup(pack, x8, bits, axis, n or Rr)
-        elif not is_v and n:
-            rest = _regroup(pack, x8, bits, axis, n)
+        if is_v and (keep_v8 or vrest or n):
+            rest = x8.float() if keep_v8 else _regroup(pack, x8, bits, axis, n or Rr)
+        elif not is_v and (keep_k8 or n):
+            rest = x8.float() if keep_k8 else _regroup(pack, x8, bits, axis, n)
         else:
             return packed, sc, mn
         for i in range(N):
@@ -85,11 +87,11 @@ def install(groups: list[str]) -> None:
         for t, (j, k8, vc, vs, vz, kz) in enumerate(tiles(grp, k_tail, v_tail, n_tail, bs, n_sink)):
             if t < grp.n_blocks and grp.bits != 8:
                 b, h = k8.shape[:2]
-                if k_n:
+                if k_n or keep_k8:
                     k8 = torch.stack([torch.stack([_RESTORED[_key(grp.k[bi, hi, t], grp.k_scale[bi, hi, t],
                                                                   grp.k_zero[bi, hi, t])]
                                                    for hi in range(h)]) for bi in range(b)])
-                if v_n or v8 or vrest:  # V tiles [d, BS] stored; the decode reads [BS, d] with scale 1, zero 0
+                if v_n or keep_v8 or vrest:  # V tiles [d, BS] stored; the decode reads [BS, d] with scale 1, zero 0
                     vc = torch.stack([torch.stack([_RESTORED[_key(grp.v[bi, hi, t], grp.v_scale[bi, hi, t],
                                                                   grp.v_zero[bi, hi, t])].transpose(0, 1)
                                                    for hi in range(h)]) for bi in range(b)])
@@ -102,7 +104,7 @@ def install(groups: list[str]) -> None:
 
 def main(argv=None):
     return run(argv, __doc__.splitlines()[0], "--groups",
-               "comma list: v<N>, k<N>, v8, vrest (empty: today's format)", install)
+               "comma list: v<N>, k<N>, v8, k8, vrest (empty: today's format)", install)
 
 
 if __name__ == "__main__":

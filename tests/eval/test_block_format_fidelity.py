@@ -8,13 +8,15 @@ from turbo_attn_hf.config import TurboConfig
 from turbo_attn_hf.eval.experiments import block_format_fidelity as B
 from turbo_attn_hf.kernels import interpreter, reference as R
 
+_TWINS = (R.pack_blocks_ref, R._group_tiles_ref)  # unpatched: each case installs its variant over these
+
 
 def _decode(groups, monkeypatch):
     """One int4 layer (head_dim 128, block 64: 4 blocks packed), its decode output with ``groups`` installed, on
     the PyTorch twins (the experiment's path: CPU without the interpreter)."""
     monkeypatch.setattr(interpreter, "interpreting", lambda: False)
-    monkeypatch.setattr(R, "pack_blocks_ref", R.pack_blocks_ref)
-    monkeypatch.setattr(R, "_group_tiles_ref", R._group_tiles_ref)
+    monkeypatch.setattr(R, "pack_blocks_ref", _TWINS[0])
+    monkeypatch.setattr(R, "_group_tiles_ref", _TWINS[1])
     monkeypatch.setattr(B, "_RESTORED", {})
     if groups is not None:
         B.install(groups)
@@ -44,8 +46,17 @@ def test_finer_v_groups_move_the_output_toward_the_int8_cache(v, monkeypatch):
 
 
 def test_square_tiles_are_refused(monkeypatch):
-    monkeypatch.setattr(R, "pack_blocks_ref", R.pack_blocks_ref)
-    monkeypatch.setattr(R, "_group_tiles_ref", R._group_tiles_ref)
+    monkeypatch.setattr(R, "pack_blocks_ref", _TWINS[0])
+    monkeypatch.setattr(R, "_group_tiles_ref", _TWINS[1])
     B.install(["v32"])
     with pytest.raises(SystemExit, match="head_dim == block_size"):
         R.pack_blocks_ref(torch.zeros(2, 64, 64, dtype=torch.int8), 4, 0)
+
+
+@pytest.mark.parametrize("k", ["k32", "k8"])
+def test_finer_k_groups_move_the_output_toward_the_int8_cache(k, monkeypatch):
+    today, _ = _decode(["k64"], monkeypatch)
+    finer, _ = _decode([k], monkeypatch)
+    exact, _ = _decode(["k8"], monkeypatch)
+    assert not torch.equal(finer, today) or k == "k8"
+    assert (finer - exact).norm() <= (today - exact).norm()
