@@ -18,8 +18,11 @@ A restored tile is found again by its packed bytes, scales and zeros (a block is
 step). Only the decode reads change: the stored codes, the prefill and the INT8 buffer are today's.
 
     OMP_NUM_THREADS=1 python -m eval.experiments.block_format_fidelity --groups k32,v32 -- --model .carry/gemma/full \
-        --gguf-file gemma-3-270m-q4_k_m.gguf --gguf-dense --presets int4 --modes decode --limit 4 --max-tokens 512 \
-        --chunk 8 --answers 0 --data-dir ../shared/data --out /tmp/fid_k32v32
+        --gguf-file gemma-3-270m-q4_k_m.gguf --gguf-dense --presets int4 --modes decode --limit 4 --chunk 8 \
+        --answers 0 --data-dir ../shared/data --out /tmp/fid_k32v32
+
+Whole texts: a prompt cut to 512 tokens packs few blocks (the INT8 window holds the sink, the recent blocks and the
+tail), so the 4-bit blocks would carry little of the context.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ def _key(packed: torch.Tensor, sc: torch.Tensor, zero: torch.Tensor) -> bytes:
 def _regroup(pack, x8: torch.Tensor, bits: int, axis: int, n: int) -> torch.Tensor:
     """``x8 [N, R, C]`` restored after ``pack`` (``pack_blocks_ref``'s integer quantization) in groups of ``n``
     along ``axis`` (the reduced axis) instead of one group: ``[N, R, C]`` float."""
-    N, Rr, C = x8.shape
+    N = x8.shape[0]
     x = x8 if axis == 0 else x8.transpose(1, 2)  # reduced axis first: [N, L, M]
     L = x.shape[1]
     xs = x.reshape(N * (L // n), n, x.shape[2])
