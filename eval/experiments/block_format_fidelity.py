@@ -75,29 +75,27 @@ def install(groups: list[str]) -> None:
             raise SystemExit("block_format_fidelity: head_dim == block_size: K and V tiles look alike; use a model "
                              "whose head_dim differs from the block size (Gemma-3: 256)")
         is_v = Rr > C  # V tiles [d, BS], K tiles [BS, d]
-        n = v_n if is_v else k_n
-        if is_v and (keep_v8 or vrest or n):
-            rest = x8.float() if keep_v8 else _regroup(pack, x8, bits, axis, n or Rr)
-        elif not is_v and (keep_k8 or n):
-            rest = x8.float() if keep_k8 else _regroup(pack, x8, bits, axis, n)
-        else:
+        keep8, n = (keep_v8, v_n or (Rr if vrest else None)) if is_v else (keep_k8, k_n)
+        if not (keep8 or n):
             return packed, sc, mn
+        rest = x8.float() if keep8 else _regroup(pack, x8, bits, axis, n)
         for i in range(N):
             _RESTORED[_key(packed[i], sc[i], mn[i])] = rest[i]
         return packed, sc, mn
 
+    def restored(packed, sc, zero, t):
+        """Block ``t``'s restored values of every (batch row, head) ``[b, H, R, C]``, as packed in those tensors."""
+        b, h = packed.shape[:2]
+        return torch.stack([torch.stack([_RESTORED[_key(packed[bi, hi, t], sc[bi, hi, t], zero[bi, hi, t])]
+                                         for hi in range(h)]) for bi in range(b)])
+
     def group_tiles_ref(grp, k_tail, v_tail, n_tail, bs, n_sink=0):
         for t, (j, k8, vc, vs, vz, kz) in enumerate(tiles(grp, k_tail, v_tail, n_tail, bs, n_sink)):
             if t < grp.n_blocks and grp.bits != 8:
-                b, h = k8.shape[:2]
                 if k_n or keep_k8:
-                    k8 = torch.stack([torch.stack([_RESTORED[_key(grp.k[bi, hi, t], grp.k_scale[bi, hi, t],
-                                                                  grp.k_zero[bi, hi, t])]
-                                                   for hi in range(h)]) for bi in range(b)])
+                    k8 = restored(grp.k, grp.k_scale, grp.k_zero, t)
                 if v_n or keep_v8 or vrest:  # V tiles [d, BS] stored; the decode reads [BS, d] with scale 1, zero 0
-                    vc = torch.stack([torch.stack([_RESTORED[_key(grp.v[bi, hi, t], grp.v_scale[bi, hi, t],
-                                                                  grp.v_zero[bi, hi, t])].transpose(0, 1)
-                                                   for hi in range(h)]) for bi in range(b)])
+                    vc = restored(grp.v, grp.v_scale, grp.v_zero, t).transpose(-1, -2)
                     vs, vz = torch.ones_like(vs), torch.zeros_like(vz)
             yield j, k8, vc, vs, vz, kz
 
