@@ -11,6 +11,8 @@ Variants (comma list, ``--groups``):
 * ``v<N>``: V per token in groups of N channels (now: one group of head_dim);
 * ``k<N>``: K per channel in groups of N tokens (now: one group of block_size);
 * ``v8`` / ``k8``: V / K blocks kept INT8 (their 4-bit packing left out);
+* ``kfrac<F>``: K's integer step ``scale_int = ceil(span / (2**bits - 1))`` in steps of 1/F instead (a fixed-point
+  scale with log2(F) fractional bits, the same int8 byte: F = 4 holds a 4-bit block's largest step, 254 / 15);
 * ``vrest``: V restored with today's grouping: the control of the ``v`` variants, whose restored V tiles take the
   INT8 tiles' route (P quantized without the token scale, as error_budget's ``vgrp``).
 
@@ -51,11 +53,24 @@ def _regroup(pack, x8: torch.Tensor, bits: int, axis: int, n: int) -> torch.Tens
     return out if axis == 0 else out.transpose(1, 2)
 
 
+def _frac_restore(x8: torch.Tensor, bits: int, frac: int) -> torch.Tensor:
+    """K tiles ``x8 [N, BS, D]`` restored from codes whose per-channel step is a multiple of ``1 / frac`` (min/max over
+    the block's tokens; the code bound keeps a restore within 127 as ``pack_blocks_ref``'s does)."""
+    x = x8.float()
+    mn, mx = x.amin(1, keepdim=True), x.amax(1, keepdim=True)
+    top = 2 ** bits - 1
+    step = torch.clamp(torch.ceil(frac * (mx - mn) / top), min=1) / frac
+    code = torch.minimum(torch.floor((x - mn) / step + 0.5).clamp(0, top), torch.floor((127 - mn) / step))
+    return code * step + mn
+
+
 def install(groups: list[str]) -> None:
-    v_n = k_n = None
+    v_n = k_n = k_frac = None
     keep_v8 = keep_k8 = vrest = False
     for g in groups:
-        if g == "v8":
+        if g.startswith("kfrac") and g[5:].isdigit():
+            k_frac = int(g[5:])
+        elif g == "v8":
             keep_v8 = True
         elif g == "k8":
             keep_k8 = True
@@ -64,7 +79,8 @@ def install(groups: list[str]) -> None:
         elif g[:1] in "vk" and g[1:].isdigit():
             v_n, k_n = (int(g[1:]), k_n) if g[0] == "v" else (v_n, int(g[1:]))
         else:
-            raise SystemExit(f"block_format_fidelity: unknown group variant {g!r} (v<N>, k<N>, v8, k8, vrest)")
+            raise SystemExit(f"block_format_fidelity: unknown group variant {g!r} (v<N>, k<N>, kfrac<F>, v8, k8, "
+                             "vrest)")
     pack = R.pack_blocks_ref
     tiles = R._group_tiles_ref
 
@@ -76,9 +92,10 @@ def install(groups: list[str]) -> None:
                              "whose head_dim differs from the block size (Gemma-3: 256)")
         is_v = Rr > C  # V tiles [d, BS], K tiles [BS, d]
         keep8, n = (keep_v8, v_n or (Rr if vrest else None)) if is_v else (keep_k8, k_n)
-        if not (keep8 or n):
+        frac = None if is_v else k_frac
+        if not (keep8 or n or frac):
             return packed, sc, mn
-        rest = x8.float() if keep8 else _regroup(pack, x8, bits, axis, n)
+        rest = x8.float() if keep8 else _frac_restore(x8, bits, frac) if frac else _regroup(pack, x8, bits, axis, n)
         for i in range(N):
             _RESTORED[_key(packed[i], sc[i], mn[i])] = rest[i]
         return packed, sc, mn
@@ -92,7 +109,7 @@ def install(groups: list[str]) -> None:
     def group_tiles_ref(grp, k_tail, v_tail, n_tail, bs, n_sink=0):
         for t, (j, k8, vc, vs, vz, kz) in enumerate(tiles(grp, k_tail, v_tail, n_tail, bs, n_sink)):
             if t < grp.n_blocks and grp.bits != 8:
-                if k_n or keep_k8:
+                if k_n or keep_k8 or k_frac:
                     k8 = restored(grp.k, grp.k_scale, grp.k_zero, t)
                 if v_n or keep_v8 or vrest:  # V tiles [d, BS] stored; the decode reads [BS, d] with scale 1, zero 0
                     vc = restored(grp.v, grp.v_scale, grp.v_zero, t).transpose(-1, -2)
@@ -105,7 +122,7 @@ def install(groups: list[str]) -> None:
 
 def main(argv=None):
     return run(argv, __doc__.splitlines()[0], "--groups",
-               "comma list: v<N>, k<N>, v8, k8, vrest (empty: today's format)", install)
+               "comma list: v<N>, k<N>, kfrac<F>, v8, k8, vrest (empty: today's format)", install)
 
 
 if __name__ == "__main__":

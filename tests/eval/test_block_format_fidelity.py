@@ -60,3 +60,16 @@ def test_finer_k_groups_move_the_output_toward_the_int8_cache(k, monkeypatch):
     exact, _ = _decode(["k8"], monkeypatch)
     assert not torch.equal(finer, today) or k == "k8"
     assert (finer - exact).norm() <= (today - exact).norm()
+
+
+def test_frac_restore_with_integer_steps_is_todays_restore():
+    """``kfrac1`` is today's integer step: the same restored values as ``pack_blocks_ref`` + ``unpack_blocks_ref``
+    (round half up, the code bound at 127 included); finer steps restore closer."""
+    g = torch.Generator().manual_seed(0)
+    x8 = (torch.randn(6, 64, 128, generator=g) * 30).round().clamp(-127, 127).to(torch.int8)
+    x8[0, :, :4] = 127 - torch.arange(64)[:, None] % 3  # groups at the top of the range: the bound applies
+    x8[1, :, :4] = torch.arange(64)[:, None] % 7  # narrow spans: the integer step's ceil costs most
+    today = R.unpack_blocks_ref(*R.pack_blocks_ref(x8, 4, 0), 4, 0).float()
+    assert torch.equal(B._frac_restore(x8, 4, 1), today)
+    frac = B._frac_restore(x8, 4, 4)
+    assert frac.max() <= 127 and (frac - x8.float()).norm() < (today - x8.float()).norm()
