@@ -79,6 +79,27 @@ def gsm8k_examples(tokenizer, rows: Sequence[dict], shots: int = 8, data_dir=Non
     return out
 
 
+#: plain English of common words: a sound subword tokenizer takes ~1.2 tokens a word (SmolLM2's, Gemma-3's on
+#: transformers 5.23); transformers 5.17's GGUF conversion of Gemma-3's tokenizer took 2.1 (words cut into letter
+#: pairs), texts the model never saw, and every Gemma-3 reading made with it was skewed (eval/PERF_NOTES.md session 28)
+PROBE_SENTENCE = "Natalia sold clips to her friends in April, and then she sold half as many clips in May."
+MAX_TOKENS_PER_WORD = 1.6
+
+
+def tokenizer_probe(tokenizer) -> dict:
+    """Tokens a word of :data:`PROBE_SENTENCE`, recorded with every result; above :data:`MAX_TOKENS_PER_WORD` the
+    probe carries a ``warning`` (also printed): the readings are over texts the model was not trained on."""
+    n = len(tokenizer(PROBE_SENTENCE, add_special_tokens=False)["input_ids"])
+    per_word = n / len(PROBE_SENTENCE.split())
+    probe = {"sentence": PROBE_SENTENCE, "tokens": n, "tokens_per_word": round(per_word, 3)}
+    if per_word > MAX_TOKENS_PER_WORD:
+        probe["warning"] = (f"the tokenizer splits plain English into {per_word:.2f} tokens a word (more than "
+                            f"{MAX_TOKENS_PER_WORD}): a broken conversion (transformers 5.17's GGUF Gemma-3 tokenizer "
+                            "does this); use a transformers release that converts this model's tokenizer properly")
+        print(f"fidelity: warning: {probe['warning']}", file=sys.stderr)
+    return probe
+
+
 def truncate_examples(examples: Sequence[Example], max_tokens: int) -> list[Example]:
     """Keep the last ``max_tokens`` tokens of each text (CPU-sized runs); the answer stays whole, so texts whose
     answer alone is longer keep just one prompt token."""
@@ -423,6 +444,8 @@ def to_markdown(res: dict) -> str:
         f"Teacher-forced fidelity vs {REF} on {res['device']}, {res['date']}: {res['n_texts']} GSM8K texts "
         f"({res['shots']}-shot CoT prompt + gold answer), decode chunk {res['chunk']}; `{res['command']}`",
         "",
+        *([f"**Warning: {res['tokenizer_probe']['warning']}**", ""] if "warning" in res.get("tokenizer_probe", {})
+          else []),
         "| impl | path | KL (nats) | KL / floor | top-1 % | ppl | Δppl % | tokens |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -507,6 +530,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         "args": vars(args), "n_texts": len(examples), "shots": args.shots, "chunk": args.chunk,
         "mean_prompt_tokens": sum(e.prompt_len for e in examples) / max(len(examples), 1),
         "mean_answer_tokens": sum(len(e.ids) - e.prompt_len for e in examples) / max(len(examples), 1),
+        "tokenizer_probe": tokenizer_probe(tok),
         "presets": {i.name: (None if i.turbo_config is None else i.turbo_config.to_dict()) for i in impls},
     }
     res["teacher_forced"] = teacher_forced(

@@ -174,3 +174,26 @@ def test_markdown_report_renders():
            "answers": {"n": 2, "max_new_tokens": 8, "agreement": {fid.FLOOR: {"vs_eager": 0.5, "vs_sdpa": None}}}}
     md = fid.to_markdown(res)
     assert "| turbo-int4 | decode | 3.000e-03 | 3.00× |" in md and "| sdpa-bf16 | – | 50.0 |" in md
+
+
+class _FixedTokenizer:
+    """Splits any text into ``n`` ids (the probe only counts them)."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": list(range(self.n))}
+
+
+def test_tokenizer_probe_flags_a_broken_tokenizer(capsys):
+    """22 tokens for the 18-word probe (SmolLM2's, Gemma-3's on transformers 5.23) pass; 38 (transformers 5.17's GGUF
+    Gemma-3 tokenizer) carry a warning, printed, and shown in the report."""
+    ok = fid.tokenizer_probe(_FixedTokenizer(22))
+    assert ok["tokens"] == 22 and "warning" not in ok and capsys.readouterr().err == ""
+    bad = fid.tokenizer_probe(_FixedTokenizer(38))
+    assert bad["tokens_per_word"] == pytest.approx(38 / 18, abs=1e-3) and "tokens a word" in bad["warning"]
+    assert "warning" in capsys.readouterr().err
+    res = {"teacher_forced": {}, "device": "cpu", "date": "d", "n_texts": 0, "shots": 8, "chunk": 8, "command": "c",
+           "tokenizer_probe": bad}
+    assert bad["warning"] in fid.to_markdown(res)
