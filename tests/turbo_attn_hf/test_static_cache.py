@@ -62,13 +62,18 @@ def test_step_store_matches_the_dynamic_store(cfg, device):
             layer.update(k[:, :, t:t + 1], v[:, :, t:t + 1])
     assert sta.lens.tolist() == [dyn.n_blocks, dyn.n_tail] == [sta.n_blocks, sta.n_tail]
     assert dyn.n_blocks == 3 and sta.counters.tolist() == [0, 0]  # all three packed by decode steps
-    nt = dyn.n_tail
-    assert torch.equal(sta.k_tail[:, :, :nt], dyn.k_tail[:, :, :nt])
-    assert torch.equal(sta.v_tail[:, :, :, :nt], dyn.v_tail[:, :, :, :nt])
-    for gs, gd in zip(sta.groups, dyn.groups):
-        assert torch.equal(gs.heads, gd.heads)
-        for (name, ts), (_, td) in zip(gs._tensors(), gd._tensors()):
-            assert torch.equal(ts[:, :, :dyn.n_blocks], td[:, :, :dyn.n_blocks]), name
+    _assert_same_storage(sta, dyn)
+
+
+def _assert_same_storage(layer, want):
+    """``layer`` holds ``want``'s INT8 buffer (its valid slots), head maps and packed blocks, bit for bit."""
+    nt = want.n_tail
+    assert torch.equal(layer.k_tail[:, :, :nt], want.k_tail[:, :, :nt])
+    assert torch.equal(layer.v_tail[:, :, :, :nt], want.v_tail[:, :, :, :nt])
+    for gl, gw in zip(layer.groups, want.groups):
+        assert torch.equal(gl.heads, gw.heads)
+        for (name, tl_), (_, tw) in zip(gl._tensors(), gw._tensors()):
+            assert torch.equal(tl_[:, :, :want.n_blocks], tw[:, :, :want.n_blocks]), name
 
 
 @pytest.mark.parametrize("arch,cfg", [("llama", INT4_B16), ("mistral", MIXED_B16), ("gemma2", INT4_B16),
@@ -288,7 +293,6 @@ def test_static_generate_compiled_on_gpu(preset, tm):
     from test_generation import assert_padded_case_tracks, gpu_padded_case  # same folder: its setting and bounds
 
     import torch._dynamo
-    import torch._inductor.config
 
     model, ref, ids, mask = gpu_padded_case(tm, preset)
     torch._dynamo.reset()
@@ -442,17 +446,13 @@ def test_captured_step_replays_the_eager_step(cfg):
         out = step(cap, qb, kb, vb)
     for t in range(T0 + 2, T0 + n):
         want = step(eager, q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1])
-        qb.copy_(q[:, :, t:t + 1]), kb.copy_(k[:, :, t:t + 1]), vb.copy_(v[:, :, t:t + 1])
+        for buf, x_ in ((qb, q), (kb, k), (vb, v)):
+            buf.copy_(x_[:, :, t:t + 1])
         graph.replay()
         assert torch.equal(out, want), f"step {t}"
     assert cap.lens.tolist() == eager.lens.tolist() == [eager.n_blocks, eager.n_tail]
     assert eager.n_blocks == 2  # the prompt fills 37 of the INT8 buffer's 48 slots (block 16); the replays pack two
-    nt = eager.n_tail
-    assert torch.equal(cap.k_tail[:, :, :nt], eager.k_tail[:, :, :nt])
-    assert torch.equal(cap.v_tail[:, :, :, :nt], eager.v_tail[:, :, :, :nt])
-    for gc, ge in zip(cap.groups, eager.groups):
-        for (name, tc), (_, te) in zip(gc._tensors(), ge._tensors()):
-            assert torch.equal(tc[:, :, :eager.n_blocks], te[:, :, :eager.n_blocks]), name
+    _assert_same_storage(cap, eager)
 
 
 @pytest.mark.gpu
