@@ -2,6 +2,7 @@
 parsing, the static-TurboCache probe, the profile trace arithmetic, ratios, the time-budget estimate, the plot."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -43,9 +44,11 @@ def test_dry_run_writes_rows(tmp_path):
     for r in rows:  # --ttft-rounds 2: both configs took turns twice
         assert len(r["ttft_rounds_s"]) == 2 and r["ttft_rounds_ms"] > 0
     assert rows[1]["ttft_paired_vs_sdpa_dynamic"] > 0 and "ttft_paired_vs_sdpa_dynamic" not in rows[0]
-    for r in rows:  # --decode-rounds 2: each turn a generate(1) and a generate(1 + N)
-        assert len(r["decode_rounds_s"]) == 2 and r["decode_rounds_ms"] > 0
-    assert rows[1]["decode_paired_vs_sdpa_dynamic"] > 0 and "decode_paired_vs_sdpa_dynamic" not in rows[0]
+    # --decode-rounds 2: each turn a generate(1) and a generate(1 + N). Measured, not signed: the dry run's step is a
+    # difference t(1 + 4) - t(1) on a CPU toy, whose sign is timing noise (one CI run read -2.87 ms)
+    for r in rows:
+        assert len(r["decode_rounds_s"]) == 2 and math.isfinite(r["decode_rounds_ms"])
+    assert math.isfinite(rows[1]["decode_paired_vs_sdpa_dynamic"]) and "decode_paired_vs_sdpa_dynamic" not in rows[0]
     for r in rows:  # --step-times: N decode steps of one more generate(1 + N), after the first token
         assert len(r["step_ms"]) == data["config"]["new_tokens"] and min(r["step_ms"]) > 0
         assert r["step_ms_max"] == max(r["step_ms"]) == r["step_ms"][r["step_ms_max_at"]]
@@ -66,7 +69,7 @@ def test_dry_run_rounds_only(tmp_path):
     rows = {r["config"]: r for r in json.loads(files[0].read_text())["rows"]}
     for name in ("sdpa_dynamic", "turbo_int4_eager"):
         assert len(rows[name]["decode_rounds_s"]) == 2 and rows[name]["error"] == bg.ROUNDS_ONLY
-    assert rows["turbo_int4_eager"]["decode_paired_vs_sdpa_dynamic"] > 0
+    assert math.isfinite(rows["turbo_int4_eager"]["decode_paired_vs_sdpa_dynamic"])  # a CPU toy's step: sign is noise
     assert "decode_rounds_s" not in rows["turbo_int4_compiled"] and rows["turbo_int4_compiled"]["ttft_ms"] is None
     assert "decode_paired_vs_sdpa_dynamic" in proc.stdout  # the rounds table
 
