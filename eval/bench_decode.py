@@ -13,7 +13,7 @@ For each (context, batch) the K/V of the context are random bf16; every provider
                  ``TurboCache(preset).update(k, v)`` (prefill: context tokens; then one decode token appended,
                  so the INT8 tail is in play), for the presets int8 / int4 / mixed
   dequant_<preset> "dequantize then SDPA", what HF's QuantizedCache and KIVI-style caches do every step:
-                 unpack every block to INT8 (``kernels.pack.unpack_blocks``), rescale to a bf16 copy of the
+                 unpack every block to INT8 (``PackedKV.unpack_block``), rescale to a bf16 copy of the
                  whole cache, then sdpa_flash on it
 Reported: median time (``triton.testing.do_bench``), bytes read, effective bandwidth = bytes read / time
 and its fraction of the device-to-device copy ceiling measured in the same run, KV bytes per token
@@ -95,7 +95,6 @@ def dequantize_layer(layer, dtype):
     """The whole layer back to ``(k, v) [b, Hk, T, d]`` in ``dtype`` (the KIVI / QuantizedCache way)."""
     import torch
 
-    from turbo_attn_hf.kernels.pack import unpack_blocks
 
     b, hk, d, bs = layer.batch, layer.n_kv_heads, layer.head_dim, layer.turbo_config.block_size
     nb, nt, p0 = layer.n_blocks, layer.n_tail, layer.n_sink  # packed block t: positions p0 + t*bs ..
@@ -106,16 +105,9 @@ def dequantize_layer(layer, dtype):
         H = len(g.heads)
         idx = g.heads.long()
         if nb:
-            if g.bits == 8:
-                kb = g.k[:, :, :nb]
-                vb = g.v[:, :, :nb].transpose(-1, -2)
-            else:
-                kb = unpack_blocks(g.k[:, :, :nb].reshape(b * H * nb, bs, -1), g.k_scale[:, :, :nb].reshape(b * H * nb, d),
-                                   g.k_zero[:, :, :nb].reshape(b * H * nb, d), g.bits, axis=0)
-                vb = unpack_blocks(g.v[:, :, :nb].reshape(b * H * nb, d, -1), g.v_scale[:, :, :nb].reshape(b * H * nb, bs),
-                                   g.v_zero[:, :, :nb].reshape(b * H * nb, bs), g.bits, axis=0).transpose(-1, -2)
-            k8[:, idx, p0:p0 + nb * bs] = kb.reshape(b, H, nb * bs, d)
-            v8[:, idx, p0:p0 + nb * bs] = vb.reshape(b, H, nb * bs, d)
+            kb, vb = zip(*(g.unpack_block(t) for t in range(nb)))  # [b, H, bs, d] each
+            k8[:, idx, p0:p0 + nb * bs] = torch.cat(kb, 2)
+            v8[:, idx, p0:p0 + nb * bs] = torch.cat(vb, 2)
     slot = torch.arange(nt, device=layer.device)  # INT8 buffer: sinks at 0.., the rest after the blocks
     pos = torch.where(slot < p0, slot, slot + nb * bs)
     k8[:, :, pos] = layer.k_tail[:, :, :nt]

@@ -53,7 +53,7 @@ from .device import current_cuda_device
 from .hadamard import hadamard_rows
 from .interpreter import interpreting
 from .launch import LeanLaunch
-from .pack import PackedKV, _bad_rows, _dequant_tile, _quantize_universal, _universal_scales, _unpack_tile
+from .pack import PackedKV, keeps_int8_k, _bad_rows, _dequant_tile, _quantize_universal, _universal_scales, _unpack_tile
 from .quant import check_qk_smooth
 from .reference import SQ_MIN
 from .rotation import rotation_block
@@ -273,7 +273,7 @@ def _int8_tile(
 
 @triton.jit
 def _fold_scores(
-    t, p_kb, ks, kz, kvalid, o_sbase, o_kvrow, o_d, m_d, o_dk, m_dk, o_t0, o_t1, b_q32, b_q0, b_q1, b_q2, b_q3,
+    t, p_kb, ks, kz, kvalid, o_sbase, o_kvrow, o_d, m_d, o_dk, m_dk, o_t0, o_t1, b_q32, b_qt, b_q0, b_q1, b_q2, b_q3,
     b_sq, b_qb, o_pos, n_sink, window, softcap,
     BS: tl.constexpr, D: tl.constexpr, DK: tl.constexpr, BITS: tl.constexpr, IS_CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_KVALID: tl.constexpr, MASKED: tl.constexpr,
@@ -284,26 +284,36 @@ def _fold_scores(
     Without softcap f = float(Σ_c code·(q8·s_k)[c]), a = sq, c = sq·Σ_c q8·z_k: the zero term and the later
     ``- m`` ride in one FMA per score, and the block's row max is ``fma(max f, sq, c)`` (sq > 0). With softcap f
     is the capped logit itself (a = 1, c = 0). f = -inf where masked (MASKED: causal / window / key_valid; a
-    block every row sees needs none)."""
+    block every row sees needs none). ``BITS`` is K's width here: 8 (``PackedKV.k_bits``) reads INT8 K rows of the
+    token parts, f = float(q8·k8), c = 0."""
     BM: tl.constexpr = b_q32.shape[0]
-    o_sc = o_sbase + t * D + o_d
-    b_ks0, b_ks1, b_ks2, b_ks3 = _channel_parts(tl.load(ks + o_sc, mask=m_d, other=0).to(tl.int32)[None, :], BITS)
-    b_kz = tl.load(kz + o_sc, mask=m_d, other=0).to(tl.int32)
-    b_zq = tl.sum(b_q32 * b_kz[None, :], 1).to(tl.float32)  # Σ_c q8·z_k [BM], exact (< 2^24)
-    b_a0 = _a_split(b_q0, b_ks0)
-    b_a1 = _a_split(b_q1, b_ks1)
-    if BITS == 2:
-        b_a2 = _a_split(b_q2, b_ks2)
-        b_a3 = _a_split(b_q3, b_ks3)
+    if BITS == 8:
+        p_kt = p_kb + t * (BS * D) + o_d[None, :]
+        b_k0 = tl.load(p_kt + o_t0[:, None] * D, mask=m_d[None, :], other=0)
+        b_k1 = tl.load(p_kt + o_t1[:, None] * D, mask=m_d[None, :], other=0)
+        b_f0 = tl.dot(b_k0, b_qt, out_dtype=tl.int32).to(tl.float32)
+        b_f1 = tl.dot(b_k1, b_qt, out_dtype=tl.int32).to(tl.float32)
+        b_c = tl.zeros([BM], dtype=tl.float32)
     else:
-        b_a2 = b_a0
-        b_a3 = b_a1
-    p_kt = p_kb + t * (BS * DK) + o_dk[None, :]
-    b_kp0 = tl.load(p_kt + o_t0[:, None] * DK, mask=m_dk[None, :], other=0)
-    b_kp1 = tl.load(p_kt + o_t1[:, None] * DK, mask=m_dk[None, :], other=0)
-    b_f0 = _qk_half(b_kp0, b_a0, b_a1, b_a2, b_a3, BITS, USE_ASM).to(tl.float32)
-    b_f1 = _qk_half(b_kp1, b_a0, b_a1, b_a2, b_a3, BITS, USE_ASM).to(tl.float32)
-    b_c = b_zq * b_sq
+        o_sc = o_sbase + t * D + o_d
+        b_ks0, b_ks1, b_ks2, b_ks3 = _channel_parts(tl.load(ks + o_sc, mask=m_d, other=0).to(tl.int32)[None, :],
+                                                    BITS)
+        b_kz = tl.load(kz + o_sc, mask=m_d, other=0).to(tl.int32)
+        b_zq = tl.sum(b_q32 * b_kz[None, :], 1).to(tl.float32)  # Σ_c q8·z_k [BM], exact (< 2^24)
+        b_a0 = _a_split(b_q0, b_ks0)
+        b_a1 = _a_split(b_q1, b_ks1)
+        if BITS == 2:
+            b_a2 = _a_split(b_q2, b_ks2)
+            b_a3 = _a_split(b_q3, b_ks3)
+        else:
+            b_a2 = b_a0
+            b_a3 = b_a1
+        p_kt = p_kb + t * (BS * DK) + o_dk[None, :]
+        b_kp0 = tl.load(p_kt + o_t0[:, None] * DK, mask=m_dk[None, :], other=0)
+        b_kp1 = tl.load(p_kt + o_t1[:, None] * DK, mask=m_dk[None, :], other=0)
+        b_f0 = _qk_half(b_kp0, b_a0, b_a1, b_a2, b_a3, BITS, USE_ASM).to(tl.float32)
+        b_f1 = _qk_half(b_kp1, b_a0, b_a1, b_a2, b_a3, BITS, USE_ASM).to(tl.float32)
+        b_c = b_zq * b_sq
     if MASKED or HAS_SOFTCAP:
         o_key0 = n_sink + t * BS + o_t0
         o_key1 = n_sink + t * BS + o_t1
@@ -363,15 +373,16 @@ def _fold_pv(t, b_p0, b_p1, p_vb, vsz, o_vsbase, o_d, m_d, o_sb,
 @triton.jit
 def _fold_step(
     b_acc, b_m, b_l, t, p_kb, ks, kz, kvalid, o_sbase, o_kvrow, o_d, m_d, o_dk, m_dk, o_t0, o_t1,
-    b_q32, b_q0, b_q1, b_q2, b_q3, b_sq, b_qb, o_pos, n_sink, window, softcap, sas_thr, p_vb, vsz, o_vsbase, o_sb,
-    BS: tl.constexpr, D: tl.constexpr, DK: tl.constexpr, BITS: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    b_q32, b_qt, b_q0, b_q1, b_q2, b_q3, b_sq, b_qb, o_pos, n_sink, window, softcap, sas_thr, p_vb, vsz, o_vsbase,
+    o_sb, BS: tl.constexpr, D: tl.constexpr, DK: tl.constexpr, BITS: tl.constexpr, KBITS: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_KVALID: tl.constexpr, MASKED: tl.constexpr,
     USE_SAS: tl.constexpr, USE_ASM: tl.constexpr,
 ):
-    """One online-softmax step over packed block t, folded (no INT8 tile restored)."""
+    """One online-softmax step over packed block t, folded (no INT8 tile restored); V in ``BITS``, K in ``KBITS``."""
     b_f0, b_f1, b_a, b_c = _fold_scores(
-        t, p_kb, ks, kz, kvalid, o_sbase, o_kvrow, o_d, m_d, o_dk, m_dk, o_t0, o_t1, b_q32, b_q0, b_q1, b_q2,
-        b_q3, b_sq, b_qb, o_pos, n_sink, window, softcap, BS, D, DK, BITS, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
+        t, p_kb, ks, kz, kvalid, o_sbase, o_kvrow, o_d, m_d, o_dk, m_dk, o_t0, o_t1, b_q32, b_qt, b_q0, b_q1, b_q2,
+        b_q3, b_sq, b_qb, o_pos, n_sink, window, softcap, BS, D, DK, KBITS, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
         HAS_KVALID, MASKED, USE_ASM)
     # row max of fma(f, a, c) = fma(row max f, a, c): a > 0 and rounding is monotone
     b_m, b_ms, b_alpha = _running_max(b_m, tl.math.fma(tl.max(tl.maximum(b_f0, b_f1), 0), b_a, b_c))
@@ -410,9 +421,9 @@ def _decode_program(
     stride_nkb, stride_nkh, stride_nvb, stride_nvh,
     HK,
     G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr,
-    BITS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_MEAN: tl.constexpr, HAS_KVALID: tl.constexpr, USE_SAS: tl.constexpr, SPLIT: tl.constexpr,
-    FUSED_MERGE: tl.constexpr, FOLD: tl.constexpr, USE_ASM: tl.constexpr, SC: tl.constexpr,
+    BITS: tl.constexpr, K8: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_MEAN: tl.constexpr, HAS_KVALID: tl.constexpr, USE_SAS: tl.constexpr,
+    SPLIT: tl.constexpr, FUSED_MERGE: tl.constexpr, FOLD: tl.constexpr, USE_ASM: tl.constexpr, SC: tl.constexpr,
     ROTATE: tl.constexpr, ROT_N: tl.constexpr, HAS_FACTOR: tl.constexpr, STORE: tl.constexpr, COUNT: tl.constexpr,
 ):
     """One program of ``_decode_kernel``: share ``i_s`` of M tile ``i_m`` of KV head ``heads[i_h]`` of batch row
@@ -447,16 +458,18 @@ def _decode_program(
     layout. The integer scores
     equal those of the restored tiles exactly; the restoring variant (``fold=False``, and narrow dots)
     restores K only and takes V's codes the same way, so both variants compute the same numbers.
+    K8 (``PackedKV.k_bits`` 8): packed blocks hold INT8 K (no scale/zero) and ``BITS``-bit V.
     """
     tl.static_assert(BITS == 2 or BITS == 4 or BITS == 8)
     i_hk = tl.load(heads + i_h).to(tl.int64)
     i_b64 = i_b.to(tl.int64)
     HQ = HK * G
     M = G * Lq
-    PB: tl.constexpr = 8 // BITS
+    KBITS: tl.constexpr = 8 if K8 else BITS
+    PB: tl.constexpr = 8 // KBITS
     BDK: tl.constexpr = BD // PB  # packed bytes per K row (padded)
     DK: tl.constexpr = D // PB
-    BSB: tl.constexpr = BS // PB  # packed bytes per V row
+    BSB: tl.constexpr = BS * BITS // 8  # packed bytes per V row
     # Triton's NVIDIA backend needs K >= 32 for an 8-bit tl.dot: the folded dots reduce over BDK packed K
     # bytes (Q·Kᵀ) and BS // 2 tokens (P·V), so narrow shapes (head_dim 64 at 2 bits: BDK = 16) take the
     # restoring loop instead (same integers).
@@ -498,8 +511,8 @@ def _decode_program(
         b_qb = tl.sum(b_qf * b_mk[None, :], 1) * qscale
     else:
         b_qb = tl.zeros([BM], dtype=tl.float32)
-    if DO_FOLD:  # query channel parts p (channels PB·j + p: the K codes of packed byte j)
-        b_q0, b_q1, b_q2, b_q3 = _channel_parts(b_q32, BITS)
+    if DO_FOLD and KBITS != 8:  # query channel parts p (channels PB·j + p: the K codes of packed byte j)
+        b_q0, b_q1, b_q2, b_q3 = _channel_parts(b_q32, KBITS)
     else:  # unused
         b_q0 = b_q32
         b_q1 = b_q32
@@ -559,8 +572,9 @@ def _decode_program(
             for t in range(t_a, t_z):
                 b_acc, b_m, b_l = _fold_step(
                     b_acc, b_m, b_l, t, p_kb, ks, kz, kvalid, o_sbase, o_kvrow, o_d, m_d, o_dk, m_dk, o_t0, o_t1,
-                    b_q32, b_q0, b_q1, b_q2, b_q3, b_sq, b_qb, o_pos, n_sink, window, softcap, sas_thr, p_vb, vsz,
-                    o_vsbase, o_sb, BS, D, DK, BITS, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_KVALID, seg == 1,
+                    b_q32, b_qt, b_q0, b_q1, b_q2, b_q3, b_sq, b_qb, o_pos, n_sink, window, softcap, sas_thr, p_vb,
+                    vsz, o_vsbase, o_sb, BS, D, DK, BITS, KBITS, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_KVALID,
+                    seg == 1,
                     USE_SAS, USE_ASM)
     else:
         for t in range(t_lo, t_hp):
@@ -575,11 +589,16 @@ def _decode_program(
                                              o_pos, window, softcap, sas_thr, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
                                              USE_SAS, False)
             else:  # restore INT8 tiles in registers (the first version; kept to measure against)
-                b_kp = tl.load(p_kb + t * (BS * DK) + o_n[:, None] * DK + o_dk[None, :], mask=m_dk[None, :], other=0)
+                if KBITS == 8:
+                    b_k = tl.load(p_kb + t * (BS * D) + o_n[:, None] * D + o_d[None, :], mask=m_d[None, :], other=0)
+                else:
+                    b_kp = tl.load(p_kb + t * (BS * DK) + o_n[:, None] * DK + o_dk[None, :], mask=m_dk[None, :],
+                                   other=0)
+                    o_sc = o_sbase + t * D + o_d
+                    b_k = _dequant_tile(_unpack_tile(b_kp, BS, BD, KBITS),
+                                        tl.load(ks + o_sc, mask=m_d, other=0).to(tl.int32),
+                                        tl.load(kz + o_sc, mask=m_d, other=0).to(tl.int32), 0)
                 b_vp = tl.load(p_vb + t * (D * BSB) + o_d[:, None] * BSB + o_sb[None, :], mask=m_d[:, None], other=0)
-                o_sc = o_sbase + t * D + o_d
-                b_k = _dequant_tile(_unpack_tile(b_kp, BS, BD, BITS), tl.load(ks + o_sc, mask=m_d, other=0).to(tl.int32),
-                                    tl.load(kz + o_sc, mask=m_d, other=0).to(tl.int32), 0)
                 b_vc = _unpack_tile(b_vp, BD, BS, BITS).to(tl.int8)  # V stays codes: its scale rides in P
                 b_vs, b_vz = _v_scale_zero(vsz, o_vsbase, t, BS)
                 b_acc, b_m, b_l = _int8_tile(b_acc, b_m, b_l, b_qt, b_sq, b_qb, b_k, b_vc,
@@ -679,7 +698,7 @@ def _decode_kernel(
     stride_nkb, stride_nkh, stride_nvb, stride_nvh,
     H0, H1, HK,
     G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr,
-    BITS0: tl.constexpr, BITS1: tl.constexpr, TWO_GROUPS: tl.constexpr,
+    BITS0: tl.constexpr, BITS1: tl.constexpr, TWO_GROUPS: tl.constexpr, K8: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_MEAN: tl.constexpr, HAS_KVALID: tl.constexpr, USE_SAS: tl.constexpr, SPLIT: tl.constexpr,
     FUSED_MERGE: tl.constexpr, FOLD: tl.constexpr, USE_ASM: tl.constexpr, SC: tl.constexpr, LENS: tl.constexpr,
@@ -732,7 +751,7 @@ def _decode_kernel(
             stride_qb, stride_qh, stride_ql,
             stride_kb1, stride_kh1, stride_sb1, stride_sh1, stride_vb1, stride_vh1, stride_vsb1, stride_vsh1,
             stride_nkb, stride_nkh, stride_nvb, stride_nvh, HK,
-            G, D, BD, BS, BM, BITS1, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_MEAN, HAS_KVALID, USE_SAS, SPLIT,
+            G, D, BD, BS, BM, BITS1, K8, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_MEAN, HAS_KVALID, USE_SAS, SPLIT,
             FUSED_MERGE, FOLD, USE_ASM, SC, ROTATE, ROT_N, HAS_FACTOR, STORE, COUNT)
     else:
         _decode_program(
@@ -743,7 +762,7 @@ def _decode_kernel(
             stride_qb, stride_qh, stride_ql,
             stride_kb0, stride_kh0, stride_sb0, stride_sh0, stride_vb0, stride_vh0, stride_vsb0, stride_vsh0,
             stride_nkb, stride_nkh, stride_nvb, stride_nvh, HK,
-            G, D, BD, BS, BM, BITS0, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_MEAN, HAS_KVALID, USE_SAS, SPLIT,
+            G, D, BD, BS, BM, BITS0, K8, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_MEAN, HAS_KVALID, USE_SAS, SPLIT,
             FUSED_MERGE, FOLD, USE_ASM, SC, ROTATE, ROT_N, HAS_FACTOR, STORE, COUNT)
 
 
@@ -1067,7 +1086,7 @@ def decode_entry(q: torch.Tensor, groups: Sequence[PackedKV], stor: tuple, no_ke
     Consecutive decode steps of a layer pass the same buffers, and rebuilding the entry cost ~60 us of Python per
     call (eval/PERF_NOTES.md, decode round 6). Buffers replaced (capacity growth, beam reorder) are new objects,
     hence a new entry; entries hold weak references only (``alive``)."""
-    key = (tuple(map(id, stor)), tuple(g_.bits for g_ in groups), q.shape, q.dtype, q.stride(), q.device,
+    key = (tuple(map(id, stor)), tuple((g_.bits, g_.k_bits) for g_ in groups), q.shape, q.dtype, q.stride(), q.device,
            scale, causal, window, softcap, no_key_valid, n_sink, softmax, sas_threshold, n_splits, waves,
            min_tiles, block_m, num_warps, num_stages, max_registers, merge, fold, host_lens, rotate)
     st = _STATIC.get(key)
@@ -1196,18 +1215,23 @@ class _DecodeStatic:
                 # they do not have)
                 i0 = _N_HEAD + 6 * next(i for i, g_ in enumerate(groups) if g_ is grp)
                 heads, k, v, ks, kz, vsz = range(i0, i0 + 6)
+                if grp.k_bits == 8:
+                    ks = kz = k
+                    sst = (0, 0)
+                else:
+                    sst = (grp.k_scale.stride(0), grp.k_scale.stride(1))
                 if grp.bits == 8:
-                    ks = kz = vsz = k
-                    sst = vst = (0, 0)
+                    vsz = k
+                    vst = (0, 0)
                 else:
                     if grp.v_sz.stride()[2:] != (2 * BS, BS, 1):
                         raise ValueError(f"v_sz must hold each block's scales and zeros as one contiguous [2, {BS}] "
                                          f"row (pack.py format); got strides {grp.v_sz.stride()}")
-                    sst = (grp.k_scale.stride(0), grp.k_scale.stride(1))
                     vst = (grp.v_sz.stride(0), grp.v_sz.stride(1))
                 ga += [heads, k, ks, kz, v, vsz]
                 gs += [grp.k.stride(0), grp.k.stride(1), *sst, grp.v.stride(0), grp.v.stride(1), *vst]
             const = dict(G=G, D=D, BD=BD, BS=BS, BM=BM, BITS0=g0.bits, BITS1=g1.bits, TWO_GROUPS=H1 > 0,
+                         K8=keeps_int8_k(groups),
                          IS_CAUSAL=bool(causal), HAS_WINDOW=bool(window), HAS_SOFTCAP=bool(softcap),
                          HAS_MEAN=k_mean is not None, ROTATE=bool(rotate), ROT_N=rot_n,
                          HAS_FACTOR=qk_smooth is not None)

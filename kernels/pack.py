@@ -15,7 +15,8 @@ keeps ``x8'`` within [-127, 127] without a clamp (rounding up near 127 could ove
 such a code is rounded down instead, an error below one step, only in groups whose range reaches 127). So the
 restore is exactly linear in the code, which the decode kernel uses: it never restores INT8 tiles but folds
 K's ``scale_int``/``zero`` into the query and V's into the probabilities and the output (``decode.py``).
-bits=8 heads keep the INT8 codes unchanged.
+bits=8 heads keep the INT8 codes unchanged. ``k_bits=8`` groups (q/k-norm families, issue 23) keep K's INT8 codes
+and pack only V: K's 4 bits carried most of Gemma-3's int4 loss (decode KL 5.49x -> 3.49x the bf16 floor).
 
 Why V per token (KIVI's choice; the paper's text says channel-wise): measured on SmolLM2-135M-Instruct (CPU,
 reference math, decode-path teacher-forced KL vs fp32 over 3 GSM8K texts, int4 everywhere, P scale per
@@ -30,7 +31,7 @@ capacity, ``BS`` block size, ``D`` head dim, ``PB = 8 // bits`` codes per byte):
 
   k       ``[b, H, NB, BS, D // PB]``  uint8   K packed along ``D`` (tile ``[tokens, D]``, ``D`` contiguous)
   v       ``[b, H, NB, D, BS // PB]``  uint8   V transposed, packed along tokens (tile ``[D, tokens]``)
-  k_scale, k_zero  ``[b, H, NB, D]``   int8    per block and channel (absent for bits=8)
+  k_scale, k_zero  ``[b, H, NB, D]``   int8    per block and channel (absent for bits=8 and k_bits=8)
   v_sz    ``[b, H, NB, 2, BS]``      int8    per token: scale row, then zero row (absent for bits=8);
                                               ``v_scale`` / ``v_zero`` are its views ``[b, H, NB, BS]``
 
@@ -38,7 +39,7 @@ Blocks are contiguous (block-major), so a block tile is one contiguous load and 
 appending along ``NB``. A block's V scales and zeros are one 2·BS-byte row, so the decode kernel reads them
 in one load of 4 bytes per thread, which Triton's pipeliner prefetches with the codes (two separate
 BS-byte rows are 2-byte loads, too narrow for cp.async: the decode loop then waited on them every block).
-For bits=8 ``k``/``v`` are int8 with ``PB = 1``.
+For bits=8 ``k``/``v`` are int8 with ``PB = 1``; for ``k_bits=8`` ``k`` is (``[b, H, NB, BS, D]`` int8).
 
 Byte layout ("interleaved"): byte ``j`` of a row holds codes ``PB*j + p`` in bits ``[bits*p, bits*p + bits)``,
 ``p = 0..PB-1``. Unpacking a row of bytes in registers is a few shifts/masks and ``tl.join`` + ``tl.reshape``
@@ -57,7 +58,7 @@ from .arena import carve, lazy_view
 from .interpreter import use_triton
 from .quant import _multiple, _tile_rows, _to_int8_half_away, _vec
 
-__all__ = ["PackedKV", "quantize_int8", "pack_blocks", "unpack_blocks", "kv_bytes_per_token"]
+__all__ = ["PackedKV", "quantize_int8", "pack_blocks", "unpack_blocks", "kv_bytes_per_token", "keeps_int8_k"]
 
 
 # ----------------------------------------------------------------------------------------- Triton
@@ -372,12 +373,24 @@ def unpack_blocks(p: torch.Tensor, s: torch.Tensor, z: torch.Tensor, bits: int, 
     return x
 
 
-def kv_bytes_per_token(head_dim: int, bits: int, block_size: int) -> float:
-    """Bytes per token and KV head of a full packed block, K and V together, scales/zeros included."""
-    data = 2 * head_dim * bits / 8
+def kv_bytes_per_token(head_dim: int, bits: int, block_size: int, k_bits: Optional[int] = None) -> float:
+    """Bytes per token and KV head of a full packed block, K and V together, scales/zeros included (``k_bits``:
+    K's bits when they differ from V's ``bits``)."""
+    k_bits = k_bits or bits
+    data = head_dim * (bits + k_bits) / 8
     # int8 scale_int + zero: K per block and channel, V per token
-    meta = 0 if bits == 8 else 2 * head_dim / block_size + 2
+    meta = (0 if k_bits == 8 else 2 * head_dim / block_size) + (0 if bits == 8 else 2)
     return data + meta
+
+
+def keeps_int8_k(groups) -> bool:
+    """Whether a layer's packed (2/4-bit) groups keep K's INT8 codes (``PackedKV.k_bits`` 8): one constexpr of the
+    store and decode launches. ValueError when its packed groups disagree."""
+    widths = {g.k_bits == 8 for g in groups if g.bits != 8}
+    if len(widths) > 1:
+        raise ValueError("a layer's packed groups must all keep INT8 K (k_bits=8) or none; got "
+                         f"{[(g.bits, g.k_bits) for g in groups]}")
+    return widths == {True}
 
 
 # ----------------------------------------------------------------------------------------- storage
@@ -391,7 +404,8 @@ GROW_MIN_BLOCKS = 4
 
 
 class PackedKV:
-    """Packed full blocks of one bit-width group of KV heads of one layer (format in the module doc).
+    """Packed full blocks of one bit-width group of KV heads of one layer (format in the module doc); ``bits`` is
+    V's width and, unless ``k_bits`` says 8 (K blocks kept INT8), K's.
 
     ``heads`` ``[H]`` int32 holds the layer's KV-head index of each slot; ``n_blocks`` full blocks are
     valid out of the allocated capacity ``k.shape[2]``, which grows by a quarter (``reserve``). V's per-token
@@ -406,15 +420,17 @@ class PackedKV:
     def __init__(self, bits: int, heads: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  k_scale: Optional[torch.Tensor] = None, k_zero: Optional[torch.Tensor] = None,
                  v_scale: Optional[torch.Tensor] = None, v_zero: Optional[torch.Tensor] = None, n_blocks: int = 0,
-                 v_sz: Optional[torch.Tensor] = None):
+                 v_sz: Optional[torch.Tensor] = None, k_bits: Optional[int] = None):
         if v_sz is None and v_scale is not None:
             v_sz = torch.stack((v_scale, v_zero), 3)
         self.bits, self.heads, self.k, self.v = bits, heads, k, v
+        self.k_bits = k_bits or bits
         self.k_scale, self.k_zero, self.v_sz, self.n_blocks = k_scale, k_zero, v_sz, n_blocks
         self.flat: Optional[torch.Tensor] = None  # the byte buffer the tensors are views of (empty / reserve)
 
     def __repr__(self) -> str:
-        return (f"PackedKV(bits={self.bits}, heads={self.heads.tolist()}, n_blocks={self.n_blocks}, "
+        return (f"PackedKV(bits={self.bits}, k_bits={self.k_bits}, heads={self.heads.tolist()}, "
+                f"n_blocks={self.n_blocks}, "
                 f"capacity={self.capacity}, k={tuple(self.k.shape)})")
 
     @property
@@ -429,25 +445,27 @@ class PackedKV:
 
     @classmethod
     def empty(cls, bits: int, heads: torch.Tensor, batch: int, head_dim: int, block_size: int,
-              device, capacity: int = 1, alloc: Optional[Callable] = None, one_buffer: bool = True) -> "PackedKV":
+              device, capacity: int = 1, alloc: Optional[Callable] = None, one_buffer: bool = True,
+              k_bits: Optional[int] = None) -> "PackedKV":
         """No blocks, room for ``capacity``; every tensor is a view of one byte buffer (``arena.carve``; separate
         tensors with ``one_buffer=False``), made by ``alloc(name, shape, dtype)`` (default ``torch.empty`` on
         ``device``)."""
         if heads.dtype != torch.int32 or heads.device != (device if isinstance(device, torch.device)
                                                             else torch.device(device)):
             heads = heads.to(device=device, dtype=torch.int32)
-        g = cls(bits=bits, heads=heads, k=None, v=None)
+        g = cls(bits=bits, heads=heads, k=None, v=None, k_bits=k_bits)
         g._carve(batch, heads.shape[0], capacity, block_size, head_dim, alloc or _torch_alloc(device), one_buffer)
         return g
 
     def _specs(self, batch: int, H: int, capacity: int, BS: int, D: int) -> tuple:
-        pb = 8 // self.bits
-        dt = torch.int8 if self.bits == 8 else torch.uint8
-        specs = (("k", (batch, H, capacity, BS, D // pb), dt), ("v", (batch, H, capacity, D, BS // pb), dt))
-        if self.bits != 8:
-            specs += tuple((name, (batch, H, capacity, *shape), torch.int8)
-                           for name, shape in (("k_scale", (D,)), ("k_zero", (D,)), ("v_sz", (2, BS))))
-        return specs
+        def dt(bits: int):
+            return torch.int8 if bits == 8 else torch.uint8
+
+        specs = (("k", (batch, H, capacity, BS, D * self.k_bits // 8), dt(self.k_bits)),
+                 ("v", (batch, H, capacity, D, BS * self.bits // 8), dt(self.bits)))
+        meta = (("k_scale", (D,)), ("k_zero", (D,))) if self.k_bits != 8 else ()
+        meta += (("v_sz", (2, BS)),) if self.bits != 8 else ()
+        return specs + tuple((name, (batch, H, capacity, *shape), torch.int8) for name, shape in meta)
 
     def _carve(self, batch: int, H: int, capacity: int, BS: int, D: int, alloc: Optional[Callable] = None,
                one_buffer: Optional[bool] = None) -> None:
@@ -468,6 +486,10 @@ class PackedKV:
     def block_size(self) -> int:
         return self.k.shape[3]
 
+    @property
+    def head_dim(self) -> int:
+        return self.k.shape[4] * 8 // self.k_bits
+
     def _tensors(self):
         return [(n, getattr(self, n)) for n in self.TENSORS if getattr(self, n) is not None]
 
@@ -480,7 +502,7 @@ class PackedKV:
         cap = max(n_blocks, self.capacity + max(self.capacity // 4, GROW_MIN_BLOCKS))
         old = self._tensors()
         b, H, _, BS = self.k.shape[:4]
-        D = self.k.shape[4] * 8 // self.bits
+        D = self.head_dim
         self._carve(b, H, cap, BS, D)
         for name, t in old:
             getattr(self, name)[:, :, : self.n_blocks] = t[:, :, : self.n_blocks]
@@ -501,11 +523,14 @@ class PackedKV:
         sl = slice(self.n_blocks, self.n_blocks + n)
         kb = k8.reshape(b, H, n, BS, D)  # views (k8/v8: token slices of [b, H, T, D] codes)
         vb = v8.reshape(b, H, n, BS, D).transpose(-1, -2)  # [b, H, n, D, BS]
-        if self.bits == 8:
+        # strided views in, buffer slices out: no copy of the codes on the way
+        if self.k_bits == 8:
             self.k[:, :, sl] = kb
+        else:
+            pack_blocks(kb, self.k_bits, 0, out=(self.k[:, :, sl], self.k_scale[:, :, sl], self.k_zero[:, :, sl]))
+        if self.bits == 8:
             self.v[:, :, sl] = vb
-        else:  # strided views in, buffer slices out: no copy of the codes on the way
-            pack_blocks(kb, self.bits, 0, out=(self.k[:, :, sl], self.k_scale[:, :, sl], self.k_zero[:, :, sl]))
+        else:
             pack_blocks(vb, self.bits, 0, out=(self.v[:, :, sl], self.v_scale[:, :, sl], self.v_zero[:, :, sl]))
         self.n_blocks += n
 
@@ -513,13 +538,16 @@ class PackedKV:
         """Block ``i`` back to INT8: ``(k8 [b, H, BS, D], v8 [b, H, BS, D])`` (used by ``crop``)."""
         k, v = self.k[:, :, i], self.v[:, :, i]
         b, H = k.shape[:2]
+        if self.k_bits == 8:
+            k8 = k.clone()
+        else:
+            k8 = unpack_blocks(k.reshape(b * H, *k.shape[2:]), self.k_scale[:, :, i].reshape(b * H, -1),
+                               self.k_zero[:, :, i].reshape(b * H, -1), self.k_bits, axis=0).view(b, H, k.shape[2], -1)
         if self.bits == 8:
-            return k.clone(), v.transpose(-1, -2).clone()
-        k8 = unpack_blocks(k.reshape(b * H, *k.shape[2:]), self.k_scale[:, :, i].reshape(b * H, -1),
-                           self.k_zero[:, :, i].reshape(b * H, -1), self.bits, axis=0)
+            return k8, v.transpose(-1, -2).clone()
         v8 = unpack_blocks(v.reshape(b * H, *v.shape[2:]), self.v_scale[:, :, i].reshape(b * H, -1),
                            self.v_zero[:, :, i].reshape(b * H, -1), self.bits, axis=0)
-        return k8.view(b, H, *k8.shape[1:]), v8.view(b, H, *v8.shape[1:]).transpose(-1, -2)
+        return k8, v8.view(b, H, *v8.shape[1:]).transpose(-1, -2)
 
     def truncate(self, n_blocks: int) -> None:
         self.n_blocks = min(self.n_blocks, n_blocks)
@@ -529,7 +557,7 @@ class PackedKV:
         old = self._tensors()
         idx = idx.to(self.k.device)
         b, H, cap, BS = self.k.shape[:4]
-        D = self.k.shape[4] * 8 // self.bits
+        D = self.head_dim
         self._carve(idx.numel(), H, cap, BS, D)
         for name, t in old:
             torch.index_select(t, 0, idx, out=getattr(self, name))

@@ -743,22 +743,25 @@ def _group_tiles_ref(grp, k_tail, v_tail, n_tail, bs, n_sink=0):
     """Yield ``(positions [n], k8 [b, H, n, d], v [b, H, n, d], vs [b, H, n], vz [b, H, n], kz)`` per tile of
     one bit group (packed blocks, then the INT8 buffer in tiles of ``bs`` slots: sinks, recent window + tail):
     K restored to INT8, V as codes with its per-token integer scale/zero (INT8 tiles: the INT8 values,
-    scale 1, zero 0), ``kz [b, H, d]`` K's integer zero of a 4/2-bit block (None otherwise)."""
+    scale 1, zero 0), ``kz [b, H, d]`` K's integer zero of a 4/2-bit K block (None for INT8 K)."""
     heads = grp.heads.long().to(k_tail.device)
+    k_bits = getattr(grp, "k_bits", grp.bits)
     for t in range(grp.n_blocks):
         k, v = grp.k[:, :, t], grp.v[:, :, t]
         b, h = k.shape[:2]
-        if grp.bits == 8:
-            k8, vc = k, v.transpose(-1, -2)
-            vs = torch.ones(b, h, bs, device=k.device)
-            vz = torch.zeros(b, h, bs, device=k.device)
-            kz = None
+        if k_bits == 8:
+            k8, kz = k, None
         else:
             k8 = unpack_blocks_ref(k.reshape(b * h, *k.shape[2:]), grp.k_scale[:, :, t].reshape(b * h, -1),
-                                   grp.k_zero[:, :, t].reshape(b * h, -1), grp.bits, 0).view(b, h, bs, -1)
+                                   grp.k_zero[:, :, t].reshape(b * h, -1), k_bits, 0).view(b, h, bs, -1)
+            kz = grp.k_zero[:, :, t]
+        if grp.bits == 8:
+            vc = v.transpose(-1, -2)
+            vs = torch.ones(b, h, bs, device=k.device)
+            vz = torch.zeros(b, h, bs, device=k.device)
+        else:
             vc = unpack_codes_ref(v, grp.bits).transpose(-1, -2)
             vs, vz = grp.v_scale[:, :, t].float(), grp.v_zero[:, :, t].float()
-            kz = grp.k_zero[:, :, t]
         yield torch.arange(n_sink + t * bs, n_sink + (t + 1) * bs, device=k.device), k8, vc, vs, vz, kz
     for s0 in range(0, n_tail, bs):
         s1 = min(s0 + bs, n_tail)
@@ -803,12 +806,12 @@ def pv_tile_ref(p: torch.Tensor, vc: torch.Tensor, vs: torch.Tensor, vz: torch.T
     return fma(pc, _div127(wmax)[..., None], zs[..., None])
 
 
-def folds_packed_tiles(bits: int, head_dim: int, block: int, fold: bool = True) -> bool:
+def folds_packed_tiles(bits: int, head_dim: int, block: int, fold: bool = True, k_bits: Optional[int] = None) -> bool:
     """Whether the decode kernel folds the integer scale/zero of packed tiles (``fold_logits_ref``): 2/4-bit heads
     whose folded 8-bit dots reduce over >= 32 (packed K bytes per row and half a block); else it restores INT8
-    tiles (same integers, logits formed as for INT8 tiles)."""
+    tiles (same integers, logits formed as for INT8 tiles). ``k_bits``: K's width when not ``bits`` (8: INT8 K)."""
     bd = 1 << (head_dim - 1).bit_length()
-    return fold and bits != 8 and bd // (8 // bits) >= 32 and block >= 64
+    return fold and bits != 8 and bd // (8 // (k_bits or bits)) >= 32 and block >= 64
 
 
 def fold_unmasked_blocks(kv_len: int, lq: int, n_sink: int, block: int, *, causal: bool, window, key_valid: bool,
@@ -885,7 +888,7 @@ def turbo_decode_ref(q, groups, k_tail, v_tail, n_tail, k_scale, v_scale, k_mean
             acc = torch.zeros(b, h, g * lq, d, dtype=torch.float32, device=dev)
             share = tiles[s0:s0 + tps]
             n_packed = max(0, min(len(share), grp.n_blocks - t0 - s0))  # the share's packed tiles come first
-            folded = folds_packed_tiles(grp.bits, d, bs, fold)
+            folded = folds_packed_tiles(grp.bits, d, bs, fold, getattr(grp, "k_bits", grp.bits))
             for i_tile, (j, k8, vc, vs, vz, kz) in enumerate(share):  # one online-softmax step per tile
                 fold_step = folded and i_tile < n_packed
                 n = k8.shape[2]
@@ -899,7 +902,8 @@ def turbo_decode_ref(q, groups, k_tail, v_tail, n_tail, k_scale, v_scale, k_mean
                     mask = mask & kv[:, None, None, j]
                 s_int = qg @ k8.to(torch.float64).transpose(-1, -2)
                 if fold_step:
-                    f, a, c = fold_logits_ref(s_int, qg @ kz.to(torch.float64)[..., None], sqg, qbg, softcap)
+                    zq = torch.zeros_like(s_int[..., :1]) if kz is None else qg @ kz.to(torch.float64)[..., None]
+                    f, a, c = fold_logits_ref(s_int, zq, sqg, qbg, softcap)
                 else:
                     f = s_int.to(torch.float32) * sqg[..., None]
                     if softcap:
@@ -938,8 +942,9 @@ def turbo_decode_ref(q, groups, k_tail, v_tail, n_tail, k_scale, v_scale, k_mean
 class _GroupRef:
     """Minimal PackedKV stand-in for the reference (no triton import here)."""
 
-    def __init__(self, bits, heads, k, v, k_scale=None, k_zero=None, v_scale=None, v_zero=None, n_blocks=0):
-        self.bits, self.heads, self.k, self.v = bits, heads, k, v
+    def __init__(self, bits, heads, k, v, k_scale=None, k_zero=None, v_scale=None, v_zero=None, n_blocks=0,
+                 k_bits=None):
+        self.bits, self.heads, self.k, self.v, self.k_bits = bits, heads, k, v, k_bits or bits
         self.k_scale, self.k_zero, self.v_scale, self.v_zero, self.n_blocks = k_scale, k_zero, v_scale, v_zero, n_blocks
 
 
@@ -956,13 +961,14 @@ def int8_buffer_layout(L: int, bs: int, sink_blocks: int = 0, recent_blocks: int
 
 
 def build_packed_cache_ref(k, v, n_prefill, head_bits, block_size, smooth_k=True, headroom=1.0, sink_blocks=0,
-                           recent_blocks=0, rope_dims=0, rotate=False, qk_smooth=None):
+                           recent_blocks=0, rope_dims=0, rotate=False, qk_smooth=None, int8_k=False):
     """The packed state a TurboCache holds after storing ``k, v [b, Hk, L, d]`` (scales fixed by the first
     ``n_prefill`` tokens): ``(groups, k_tail [b,Hk,C,d], v_tail [b,Hk,d,C], n_tail, k_scale, v_scale, k_mean)``
     with ``C = (sink_blocks + recent_blocks + 1)·BS`` INT8 slots — the arguments of ``turbo_decode_ref``
     (with ``n_sink = sink_blocks·BS``; blocks are independent, so packing all at once equals packing them one
     by one as the cache does). ``rotate``: a rotated layer (``rotate_qk``), K stored as
-    ``rotate_keys_ref(k, qk_smooth)`` (scales and mean: ``kv_universal_scales_ref(rotate=True)``)."""
+    ``rotate_keys_ref(k, qk_smooth)`` (scales and mean: ``kv_universal_scales_ref(rotate=True)``). ``int8_k``: packed
+    groups keep K's INT8 codes (``PackedKV.k_bits`` 8; ``TurboConfig.packed_k_bits``)."""
     b, hk, L, d = k.shape
     bs = block_size
     mean, ks, vs = kv_universal_scales_ref(k[:, :, :n_prefill], v[:, :, :n_prefill], smooth_k, headroom, rope_dims,
@@ -983,11 +989,14 @@ def build_packed_cache_ref(k, v, n_prefill, head_bits, block_size, smooth_k=True
         if bits == 8:
             groups.append(_GroupRef(8, hi.int(), kb, vb, n_blocks=nb))
             continue
-        kp, ksc, kz = pack_blocks_ref(kb.reshape(-1, bs, d), bits, 0)
         vp, vsc, vz = pack_blocks_ref(vb.reshape(-1, d, bs), bits, 0)  # V: per token
-        groups.append(_GroupRef(bits, hi.int(), kp.view(b, h, nb, *kp.shape[1:]), vp.view(b, h, nb, *vp.shape[1:]),
-                                ksc.view(b, h, nb, d), kz.view(b, h, nb, d), vsc.view(b, h, nb, bs),
-                                vz.view(b, h, nb, bs), n_blocks=nb))
+        vp, vsc, vz = vp.view(b, h, nb, *vp.shape[1:]), vsc.view(b, h, nb, bs), vz.view(b, h, nb, bs)
+        if int8_k:
+            groups.append(_GroupRef(bits, hi.int(), kb, vp, None, None, vsc, vz, n_blocks=nb, k_bits=8))
+            continue
+        kp, ksc, kz = pack_blocks_ref(kb.reshape(-1, bs, d), bits, 0)
+        groups.append(_GroupRef(bits, hi.int(), kp.view(b, h, nb, *kp.shape[1:]), vp, ksc.view(b, h, nb, d),
+                                kz.view(b, h, nb, d), vsc, vz, n_blocks=nb))
     cap = (sink_blocks + recent_blocks + 1) * bs
     k_tail = torch.zeros(b, hk, cap, d, dtype=torch.int8, device=k.device)
     v_tail = torch.zeros(b, hk, d, cap, dtype=torch.int8, device=k.device)

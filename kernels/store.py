@@ -55,7 +55,7 @@ from .device import current_cuda_device, sm_count
 from .hadamard import hadamard_rows
 from .interpreter import interpreting
 from .launch import LeanLaunch, lean
-from .pack import _bad_rows, _finite, _pack_tile, _quantize_universal, _universal_scales
+from .pack import _bad_rows, _finite, _pack_tile, _quantize_universal, _universal_scales, keeps_int8_k
 from .quant import _multiple, _vec, check_qk_smooth, factor_arg
 from .rotation import rotation_block
 
@@ -650,14 +650,16 @@ def _stream_rows(p_k, p_v, sk_t, sv_t, p_kt, p_vt, b_sk, b_mk, b_sv, i0, o_r, n,
 
 @triton.jit
 def _pack_rows(b_k, b_v, p_kt, p_vt, b_sk, b_mk, b_sv, i0, o_r, n, c, s0, C, gk, gv, gks, gkz, gvsz, i_gb, o_d, m_d,
-               D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, BITS: tl.constexpr, HAS_MEAN: tl.constexpr):
+               D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, BITS: tl.constexpr, HAS_MEAN: tl.constexpr,
+               K8: tl.constexpr):
     """Stream rows ``i0 + o_r`` (new tokens: the raw tiles ``b_k, b_v [BS, BD]``) -> block ``i_gb``
     (= (b*H_g + slot)*CAP + block, int64) of a group's storage (format in ``pack.py``): INT8 as is (V
-    transposed), INT4/INT2 through ``pack._pack_tile`` (K per channel, V per token). K is coded, packed and
-    stored before V is coded: the two [BS, BD] int32 code tiles are never live together."""
+    transposed), INT4/INT2 through ``pack._pack_tile`` (K per channel, V per token); K8: K stays INT8 whatever
+    ``BITS``. K is coded, packed and stored before V is coded: the two [BS, BD] int32 code tiles are never live
+    together."""
     PB: tl.constexpr = 8 // BITS
     b_k8 = _codes(b_k, p_kt, b_sk, b_mk, i0, o_r, n, c, s0, C, o_d, m_d, D, HAS_MEAN, False)
-    if BITS == 8:
+    if BITS == 8 or K8:
         tl.store(gk + i_gb * (BS * D) + o_r[:, None] * D + o_d[None, :], b_k8.to(tl.int8), mask=m_d[None, :])
     else:
         o_kb = tl.arange(0, BD // PB)
@@ -691,7 +693,8 @@ def _store_kv_kernel(
     H, C,
     D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, HAS_SINK: tl.constexpr, BSINK: tl.constexpr,
     BREC: tl.constexpr, H0: tl.constexpr, H1: tl.constexpr, BITS0: tl.constexpr, BITS1: tl.constexpr, BITS2: tl.constexpr,
-    HAS_MEAN: tl.constexpr, PACK: tl.constexpr, TAIL: tl.constexpr, SPLIT: tl.constexpr, COUNT: tl.constexpr,
+    K8: tl.constexpr, HAS_MEAN: tl.constexpr, PACK: tl.constexpr, TAIL: tl.constexpr, SPLIT: tl.constexpr,
+    COUNT: tl.constexpr,
     VEC: tl.constexpr, ROTATE: tl.constexpr, ROT_N: tl.constexpr, HAS_FACTOR: tl.constexpr, ROT_C: tl.constexpr,
     LAYERS: tl.constexpr = False,
 ):
@@ -747,15 +750,15 @@ def _store_kv_kernel(
             if r < H0:
                 i_gb = (i_b.to(tl.int64) * H0 + r) * CAP + nb0 + pid
                 _pack_rows(b_k, b_v, p_kt, p_vt, b_sk, b_mk, b_sv, i0, o_r, n, c, s0, C, gk0, gv0, gks0, gkz0,
-                           gvsz0, i_gb, o_d, m_d, D, BD, BS, BITS0, HAS_MEAN)
+                           gvsz0, i_gb, o_d, m_d, D, BD, BS, BITS0, HAS_MEAN, K8)
             elif r < H0 + H1:
                 i_gb = (i_b.to(tl.int64) * H1 + r - H0) * CAP + nb0 + pid
                 _pack_rows(b_k, b_v, p_kt, p_vt, b_sk, b_mk, b_sv, i0, o_r, n, c, s0, C, gk1, gv1, gks1, gkz1,
-                           gvsz1, i_gb, o_d, m_d, D, BD, BS, BITS1, HAS_MEAN)
+                           gvsz1, i_gb, o_d, m_d, D, BD, BS, BITS1, HAS_MEAN, K8)
             else:
                 i_gb = (i_b.to(tl.int64) * (H - H0 - H1) + r - H0 - H1) * CAP + nb0 + pid
                 _pack_rows(b_k, b_v, p_kt, p_vt, b_sk, b_mk, b_sv, i0, o_r, n, c, s0, C, gk2, gv2, gks2, gkz2,
-                           gvsz2, i_gb, o_d, m_d, D, BD, BS, BITS2, HAS_MEAN)
+                           gvsz2, i_gb, o_d, m_d, D, BD, BS, BITS2, HAS_MEAN, K8)
             n_bad = _bad_rows(b_k, b_v, m_new)
     if TAIL:
         # tiles of at most 32 rows (BSINK, BREC): one [256, D] tile of the recent rows made the whole kernel
@@ -928,7 +931,7 @@ def store_kv_launch(k: torch.Tensor, v: torch.Tensor, groups: list, *, take: int
     big = max(T, n, n_pack, cap, *strides) >= 2**31
     vec = _vec(k, v)
     key = (D, bs, s0, C, H, k.dtype, v.dtype, k.device, has_mean, count, tuple(g.k.shape[1] for g in groups),
-           tuple(g.bits for g in slots), big, vec, rotate, has_factor)
+           tuple(g.bits for g in slots), keeps_int8_k(groups), big, vec, rotate, has_factor)
     hit = _STORE_KV_KW.get(key)
     if hit is None:
         hs = [g.k.shape[1] for g in groups] + [0, 0]
@@ -936,7 +939,8 @@ def store_kv_launch(k: torch.Tensor, v: torch.Tensor, groups: list, *, take: int
         hit = _STORE_KV_KW[key] = dict(
             D=D, BD=_pow2(D), BS=bs, HAS_SINK=s0 > 0, BSINK=min(_pow2(max(s0, 2)), TAIL_ROWS),
             BREC=min(_pow2(max(C - s0, 2)), TAIL_ROWS), H0=hs[0], H1=hs[1], BITS0=bits[0], BITS1=bits[1],
-            BITS2=bits[2], HAS_MEAN=has_mean, **_rotate_kw(k, rotate, has_factor), **_no_fma(rotate)), {}
+            BITS2=bits[2], K8=keeps_int8_k(groups), HAS_MEAN=has_mean, **_rotate_kw(k, rotate, has_factor),
+            **_no_fma(rotate)), {}
     common, memo = hit
     split = c == 0  # no stream row waits in the buffer: the tail's tiles run as parallel programs
     n_tail = max(1, (-(-take // common["BSINK"]) if s0 > 0 else 0) + -(-(n - n_pack) // common["BREC"])) if split else 1

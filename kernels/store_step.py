@@ -27,7 +27,7 @@ import triton.language as tl
 
 from .decode import _pow2
 from .launch import LeanLaunch
-from .pack import _bad_rows, _quantize_universal, _universal_scales
+from .pack import _bad_rows, _quantize_universal, _universal_scales, keeps_int8_k
 from .quant import check_qk_smooth, factor_arg
 from .store import TAIL_ROWS, _key_factor, _no_fma, _pack_rows, _rotate_keys, _rotate_kw
 
@@ -51,7 +51,7 @@ def _store_step_kernel(
     H: tl.constexpr, C: tl.constexpr, S0: tl.constexpr,
     D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, BREC: tl.constexpr,
     H0: tl.constexpr, H1: tl.constexpr, BITS0: tl.constexpr, BITS1: tl.constexpr, BITS2: tl.constexpr,
-    HAS_MEAN: tl.constexpr, COUNT: tl.constexpr,
+    K8: tl.constexpr, HAS_MEAN: tl.constexpr, COUNT: tl.constexpr,
     ROTATE: tl.constexpr, ROT_N: tl.constexpr, HAS_FACTOR: tl.constexpr, ROT_C: tl.constexpr,
 ):
     """grid (b*H,): program (b, r) stores the token of the head in slot ``r`` of the group order (group g's
@@ -97,15 +97,15 @@ def _store_step_kernel(
             if g == 0:
                 i_gb = (i_b.to(tl.int64) * H0 + s) * CAP + n_blocks
                 _pack_rows(b_z, b_z, p_kt, p_vt, b_sk, b_mk, b_sv, 0, o_r, BS, BS, S0, C, gk0, gv0, gks0, gkz0,
-                           gvsz0, i_gb, o_d, m_d, D, BD, BS, BITS0, HAS_MEAN)
+                           gvsz0, i_gb, o_d, m_d, D, BD, BS, BITS0, HAS_MEAN, K8)
             elif g == 1:
                 i_gb = (i_b.to(tl.int64) * H1 + s) * CAP + n_blocks
                 _pack_rows(b_z, b_z, p_kt, p_vt, b_sk, b_mk, b_sv, 0, o_r, BS, BS, S0, C, gk1, gv1, gks1, gkz1,
-                           gvsz1, i_gb, o_d, m_d, D, BD, BS, BITS1, HAS_MEAN)
+                           gvsz1, i_gb, o_d, m_d, D, BD, BS, BITS1, HAS_MEAN, K8)
             else:
                 i_gb = (i_b.to(tl.int64) * (H - H0 - H1) + s) * CAP + n_blocks
                 _pack_rows(b_z, b_z, p_kt, p_vt, b_sk, b_mk, b_sv, 0, o_r, BS, BS, S0, C, gk2, gv2, gks2, gkz2,
-                           gvsz2, i_gb, o_d, m_d, D, BD, BS, BITS2, HAS_MEAN)
+                           gvsz2, i_gb, o_d, m_d, D, BD, BS, BITS2, HAS_MEAN, K8)
             # the rest moves down by BS slots; each chunk reads before any of its writes, and a chunk's reads
             # lie above every earlier chunk's writes
             o_w = tl.arange(0, BREC)
@@ -167,7 +167,7 @@ def store_step(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, k_mean: 
         cap, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         H=H, C=C, S0=n_sink, D=D, BD=_pow2(D), BS=bs, BREC=min(_pow2(max(C - n_sink - bs, 2)), TAIL_ROWS),
         H0=hs[0], H1=hs[1], BITS0=slots[0].bits, BITS1=slots[1].bits, BITS2=slots[2].bits,
-        HAS_MEAN=k_mean is not None, COUNT=nonfinite is not None,
+        K8=keeps_int8_k(groups), HAS_MEAN=k_mean is not None, COUNT=nonfinite is not None,
         **_rotate_kw(k, rotate, qk_smooth is not None), num_warps=4,
         **_no_fma(rotate),
     )

@@ -364,7 +364,11 @@ class TurboLayer(CacheLayerMixin):
             self.groups.append(PackedKV.empty(
                 bits, hm, self.batch, self.head_dim, self.turbo_config.block_size, self.device, capacity=capacity,
                 alloc=lambda name, shape, dtype, i=i: self._empty(("group", i, name), shape, dtype),
-                one_buffer=one_buffer))
+                one_buffer=one_buffer, k_bits=self._k_bits(bits)))
+
+    def _k_bits(self, bits: int) -> int:
+        """K's width in a group of ``bits``-bit heads (``TurboConfig.packed_k_bits``: 8 keeps K's INT8 codes)."""
+        return 8 if self.turbo_config.packed_k_bits == 8 else bits
 
     def _prompt_select(self) -> bool:
         """Whether the first prefill chooses this layer's 2-bit heads (``head_select: prompt``)."""
@@ -626,7 +630,7 @@ class TurboLayer(CacheLayerMixin):
         groups = []
         for i, (bits, heads, views) in enumerate(rp.groups):
             g = PackedKV.__new__(PackedKV)
-            g.bits, g.n_blocks = bits, plan.n_blocks
+            g.bits, g.k_bits, g.n_blocks = bits, self._k_bits(bits), plan.n_blocks
             g._lazy = first_prefill.Queued(gen, j, i) if bufs is None else (bufs, views)
             if heads is not None:
                 g.heads = heads
@@ -699,7 +703,7 @@ class TurboLayer(CacheLayerMixin):
         bits = tuple(self._layer_head_bits(hk))
         self._plan_bits = list(bits)  # _prompt_select reads it
         fmt = (type(self), bits, self._prompt_select(), cfg.bits, cfg.block_size, cfg.sink_blocks, cfg.recent_blocks,
-               cfg.smooth_k, self._k_rope_dims(d), self.rotated, self.scale_headroom, self._cap_blocks)
+               cfg.smooth_k, self._k_rope_dims(d), self.rotated, self.scale_headroom, self._cap_blocks, self._k_bits(4))
         fid = _FORMAT_IDS.get(fmt)
         if fid is None:
             fid = _FORMAT_IDS[fmt] = next(_NEXT_FORMAT_ID)
@@ -1024,13 +1028,14 @@ class TurboLayer(CacheLayerMixin):
     # ------------------------------------------------------------------ memory
     def bytes_per_token(self) -> float:
         """Bytes per stored token of one sequence in full packed blocks (K + V of all KV heads, with the
-        per-block scale/zero bytes amortised): Σ_h 2·d·bits_h/8 (+ 4·d/block_size for 2/4-bit heads)."""
+        per-block scale/zero bytes amortised): Σ_h d·(bits_h + k_bits_h)/8 + the scale/zero bytes
+        (``kv_bytes_per_token``)."""
         if not self.is_initialized:
             return 0.0
         bs = self.turbo_config.block_size
         if not self.groups:
-            return sum(kv_bytes_per_token(self.head_dim, hb, bs) for hb in self._plan_bits)
-        return sum(len(g.heads) * kv_bytes_per_token(self.head_dim, g.bits, bs) for g in self.groups)
+            return sum(kv_bytes_per_token(self.head_dim, hb, bs, self._k_bits(hb)) for hb in self._plan_bits)
+        return sum(len(g.heads) * kv_bytes_per_token(self.head_dim, g.bits, bs, g.k_bits) for g in self.groups)
 
     def memory_bytes(self, allocated: bool = False) -> int:
         """Bytes of this layer's cache: the valid packed blocks (data + scale/zero), the INT8 tail buffers

@@ -74,6 +74,10 @@ def info() -> int:
                                   else torch.device("cpu"))
     table = ", ".join(f"sm_{k}x: {v}" for k, v in sorted(PREFILL_ATTENTION_BY_CAPABILITY.items()))
     print(f"prefill attention (auto): {here} here | {table} | other GPUs and CPU: int8")
+    from turbo_attn_hf.config import QK_NORM_MODEL_TYPES
+
+    print(f"packed K (packed_k_bits auto): INT8 K + packed V for q/k-norm families ({', '.join(QK_NORM_MODEL_TYPES)}), "
+          "K packed like V otherwise")
     print(f"attn_implementation: {turbo_attn_hf.ATTN_NAME!r} registered: {turbo_attn_hf.REGISTERED}")
     print(f"head dims: {SUPPORTED_HEAD_DIMS}")
     print("presets: " + ", ".join(f"{k} ({v})" for k, v in sorted(available_presets().items())))

@@ -33,6 +33,7 @@ ROTATE_QK_MODES = ("auto", "none", "hadamard", "smooth_hadamard")  # kernels/rot
 QK_NORM_MODEL_TYPES = ("gemma3", "gemma3_text", "qwen3", "qwen3_moe", "qwen3_next", "olmo2", "olmo3", "olmoe")
 K_SCALE_RANGES = ("channel", "rope_pair")
 PREFILL_ATTENTION_MODES = ("auto", "int8", "exact")
+PACKED_K_BITS_MODES = ("auto", "head", 8)
 #: ``prefill_attention: auto`` by CUDA compute capability (major): the path measured fastest there. sm_90: the INT8
 #: prefill runs at 0.42-0.70x cuDNN's bf16 attention (issue 20, eval/PERF_NOTES.md), so the exact path wins; GPUs
 #: not listed (not measured) keep the INT8 kernel
@@ -96,6 +97,11 @@ class TurboConfig:
             ``"auto"`` (default): the path measured fastest on the GPU (``PREFILL_ATTENTION_BY_CAPABILITY``:
             exact on sm_90, where the INT8 kernel is 0.42-0.70x cuDNN; INT8 elsewhere and on CPU) and INT8 with
             logit softcapping (SDPA has none). :func:`prefill_attention_path`.
+        packed_k_bits: K's width in packed (2/4-bit) blocks. ``"head"``: K packed to the head's bits, as V. ``8``:
+            K blocks keep their INT8 codes and only V is packed (6 bits an element for a 4-bit head, 0.375x bf16
+            instead of 0.262x). ``"auto"`` (default): 8 for q/k-norm families (``QK_NORM_MODEL_TYPES``), whose K
+            outlier channels 4 bits cannot hold (Gemma-3-270M int4 decode KL 5.49x -> 3.49x the bf16 floor,
+            eval/PERF_NOTES.md session 28), ``"head"`` otherwise. :func:`resolve_rotate_qk` decides it.
         name: preset name, for logs and result tables.
     """
 
@@ -114,6 +120,7 @@ class TurboConfig:
     k_scale_range: str = "channel"
     rotate_qk: str = "auto"
     prefill_attention: str = "auto"
+    packed_k_bits: int | str = "auto"
     name: str = "custom"
 
     def __post_init__(self) -> None:
@@ -139,6 +146,8 @@ class TurboConfig:
         if self.prefill_attention not in PREFILL_ATTENTION_MODES:
             raise TurboConfigError(
                 f"prefill_attention={self.prefill_attention!r} must be one of {PREFILL_ATTENTION_MODES}")
+        if self.packed_k_bits not in PACKED_K_BITS_MODES or self.packed_k_bits is True:
+            raise TurboConfigError(f"packed_k_bits={self.packed_k_bits!r} must be one of {PACKED_K_BITS_MODES}")
         if self.head_select not in HEAD_SELECT_MODES:
             raise TurboConfigError(f"head_select={self.head_select!r} must be one of {HEAD_SELECT_MODES}")
         for name in ("sink_blocks", "recent_blocks"):
@@ -293,12 +302,13 @@ def available_presets() -> dict[str, Path]:
 
 
 def resolve_rotate_qk(cfg: TurboConfig, model_config=None) -> TurboConfig:
-    """``cfg`` with ``rotate_qk: auto`` decided for a model (a copy; other configs are returned as they are):
-    ``smooth_hadamard`` when the model type is a q/k-norm family and its head dim has a Hadamard block, unless
-    ``k_scale_range`` is ``rope_pair``; else ``none``. Logged once per decision. The copy is kept per (config,
+    """``cfg`` with ``rotate_qk: auto`` and ``packed_k_bits: auto`` decided for a model (a copy; a config with neither
+    is returned as it is): ``smooth_hadamard`` when the model type is a q/k-norm family and its head dim has a
+    Hadamard block, unless ``k_scale_range`` is ``rope_pair``; else ``none``. ``packed_k_bits``: 8 for a q/k-norm
+    family, else ``head``. Logged once per decision. The copy is kept per (config,
     model config) object pair: every cache of a model then holds the same resolved object, which keys the layers'
     memoised formats (``TurboLayer._layer_format``; a new copy per generate() missed that memo every prompt)."""
-    if cfg.rotate_qk != "auto":
+    if cfg.rotate_qk != "auto" and cfg.packed_k_bits != "auto":
         return cfg
     hit = _RESOLVED.get((id(cfg), id(model_config)))
     if hit is not None and hit[0] is cfg and hit[1] is model_config:
@@ -320,6 +330,17 @@ def _resolve_rotate_qk(cfg: TurboConfig, model_config=None) -> TurboConfig:
     if text is not None and hasattr(text, "get_text_config"):
         text = text.get_text_config(decoder=True)
     mtype = getattr(text, "model_type", None)
+    k_bits = cfg.packed_k_bits
+    if k_bits == "auto":
+        k_bits = 8 if mtype in QK_NORM_MODEL_TYPES else "head"
+        if k_bits == 8 and cfg.bits != 8:
+            from .capabilities import log_once
+
+            log_once(f"packed_k_bits:{mtype}", f"turbo_int8: packed_k_bits='auto' -> 8 for model_type {mtype!r} "
+                     "(q/k-norm family: K blocks keep INT8, V packed); set packed_k_bits='head' to pack K too",
+                     level=20)
+    if cfg.rotate_qk != "auto":
+        return dataclasses.replace(cfg, packed_k_bits=k_bits)
     mode = "none"
     if mtype in QK_NORM_MODEL_TYPES and cfg.k_scale_range != "rope_pair":
         from .kernels.rotation import RotationError, rotation_block
@@ -337,7 +358,7 @@ def _resolve_rotate_qk(cfg: TurboConfig, model_config=None) -> TurboConfig:
         log_once(f"rotate_qk:{mtype}", f"turbo_int8: rotate_qk='auto' -> {mode!r} for model_type {mtype!r} (q/k-norm "
                                        "family: Q/K outlier channels); set rotate_qk='none' to turn it off",
                  level=20)
-    return dataclasses.replace(cfg, rotate_qk=mode)
+    return dataclasses.replace(cfg, rotate_qk=mode, packed_k_bits=k_bits)
 
 
 @functools.lru_cache(maxsize=16)

@@ -30,7 +30,7 @@ __all__ = ["STEP_TENSORS", "StepStorage", "step_layout", "step_storage"]
 #: a static layer's tensors a decode step reads or writes (None allowed), in ``StepStorage``'s order
 STEP_TENSORS = ("k_tail", "v_tail", "k_scale", "v_scale", "k_mean", "qk_smooth", "counters", "nonfinite", "lens")
 _GROUP_TENSORS = ("heads", "k", "v", "k_scale", "k_zero", "v_sz")
-_LAYOUTS: list = []  # layout id -> (n buffers, layer specs, ((bits, group specs), ...))
+_LAYOUTS: list = []  # layout id -> (n buffers, layer specs, (((bits, k_bits), group specs), ...))
 _LAYOUT_IDS: dict = {}
 #: id of a layer's first buffer -> (layout, weak refs of its buffers, the views): an eager step passes the same
 #: tensor objects every time, so the decode entry (kept per storage tensor objects) is found again, not rebuilt
@@ -55,7 +55,8 @@ def step_layout(layer, buffers: List[torch.Tensor]) -> int:
     """The id of where ``layer``'s ``STEP_TENSORS`` and its groups' tensors lie in ``buffers`` (byte tensors):
     the ops' ``layout`` argument. ValueError names a tensor outside them."""
     specs = tuple(view_spec(getattr(layer, n), buffers) for n in STEP_TENSORS)
-    groups = tuple((g.bits, tuple(view_spec(getattr(g, n), buffers) for n in _GROUP_TENSORS)) for g in layer.groups)
+    groups = tuple(((g.bits, g.k_bits), tuple(view_spec(getattr(g, n), buffers) for n in _GROUP_TENSORS))
+                   for g in layer.groups)
     missing = [n for n, sp in zip(STEP_TENSORS, specs) if sp is None] + [
         f"group {i} {n}" for i, (_, gs) in enumerate(groups) for n, sp in zip(_GROUP_TENSORS, gs) if sp is None]
     if missing:
@@ -82,8 +83,8 @@ def step_storage(buffers: List[torch.Tensor], layout: int, n_blocks: int = 0) ->
         refs = (weakref.ref(buffers[0], lambda _, k=key: _VIEWS.pop(k, None)),) + tuple(map(weakref.ref, buffers[1:]))
         _VIEWS[key] = (layout, refs, views)
     n = len(specs)
-    packed = [PackedKV(bits, *views[n + 6 * i:n + 6 * i + 5], n_blocks=n_blocks, v_sz=views[n + 6 * i + 5])
-              for i, (bits, _) in enumerate(groups)]
+    packed = [PackedKV(bits, *views[n + 6 * i:n + 6 * i + 5], n_blocks=n_blocks, v_sz=views[n + 6 * i + 5], k_bits=kb)
+              for i, ((bits, kb), _) in enumerate(groups)]
     return StepStorage(*views[:n], packed)
 
 

@@ -34,16 +34,16 @@ def to_packed(groups, device):
     for g in groups:
         kw = {n: (None if getattr(g, n) is None else getattr(g, n).contiguous().to(device))
               for n in ("k", "v", "k_scale", "k_zero", "v_scale", "v_zero")}
-        out.append(PackedKV(bits=g.bits, heads=g.heads.to(device), n_blocks=g.n_blocks, **kw))
+        out.append(PackedKV(bits=g.bits, heads=g.heads.to(device), n_blocks=g.n_blocks, k_bits=g.k_bits, **kw))
     return out
 
 
-def make_case(b, hk, G, L, lq, d, head_bits, bs, n_prefill=None, seed=0, qscale=2.0):
+def make_case(b, hk, G, L, lq, d, head_bits, bs, n_prefill=None, seed=0, qscale=2.0, int8_k=False):
     g = torch.Generator().manual_seed(seed)
     k = torch.randn(b, hk, L, d, generator=g) + 0.5 * torch.randn(1, hk, 1, d, generator=g)
     v = torch.randn(b, hk, L, d, generator=g)
     q = torch.randn(b, hk * G, lq, d, generator=g) * qscale
-    state = R.build_packed_cache_ref(k, v, n_prefill or min(L, 70), head_bits, bs)
+    state = R.build_packed_cache_ref(k, v, n_prefill or min(L, 70), head_bits, bs, int8_k=int8_k)
     return q, k, v, state
 
 
@@ -79,6 +79,34 @@ def test_decode_kernel_matches_reference(b, hk, G, L, lq, d, head_bits, bs, soft
     if n_splits > 1:  # the split + merge changes only rounding of P relative to the share's running max
         one = R.turbo_decode_ref(q, groups, kt, vt, nt, ks, vs, mu, softmax=softmax, n_splits=1)
         assert_close(ref, one, 0.05)
+
+
+K8_CASES = [
+    # b, hk, G, L, lq, d, head_bits, block, kw: packed blocks with INT8 K and 4/2-bit V (PackedKV.k_bits 8)
+    (2, 2, 4, 330, 1, 64, [4, 4], 64, {}),  # folded: 5 blocks
+    (1, 2, 3, 400, 3, 128, [4, 2], 64, dict(softcap=6.0, window=190)),  # folded, masked blocks, softcap
+    (1, 3, 2, 100, 2, 32, [4, 8, 2], 16, {}),  # restoring loop (block 16), an INT8 head beside
+]
+
+
+@pytest.mark.parametrize("b,hk,G,L,lq,d,head_bits,bs,kw", K8_CASES,
+                         ids=[f"L{c[3]}-D{c[5]}-bits{''.join(map(str, c[6]))}-BS{c[7]}-{len(c[8])}opts"
+                              for c in K8_CASES])
+def test_decode_int8_k_blocks_match_reference(b, hk, G, L, lq, d, head_bits, bs, kw, device):
+    """Packed blocks that keep K's INT8 codes (issue 23: q/k-norm families): kernel == reference, and the reference
+    reads K exactly (closer to fp64 attention than the same cache with K packed)."""
+    q, k, v, (groups, kt, vt, nt, ks, vs, mu) = make_case(b, hk, G, L, lq, d, head_bits, bs, seed=4, int8_k=True)
+    assert all(g.k_bits == 8 and g.k.dtype == torch.int8 and g.k_scale is None for g in groups)
+    for S in (1, 2):
+        out = turbo_decode_attention(q.to(device), to_packed(groups, device), kt.to(device), vt.to(device), nt,
+                                     ks.to(device), vs.to(device), mu.to(device), n_splits=S, **kw)
+        ref = R.turbo_decode_ref(q, groups, kt, vt, nt, ks, vs, mu, n_splits=S, **kw)
+        assert_close(out, ref, ATOL_KERNEL)
+    packed = make_case(b, hk, G, L, lq, d, head_bits, bs, seed=4)[3]
+    f = R.attention_fp64(q, k, v, **kw).float()
+    err = [(R.turbo_decode_ref(q, *st[:3], st[3], *st[4:], **kw).float() - f).norm() / f.norm()
+           for st in ((groups, kt, vt, nt, ks, vs, mu), packed)]
+    assert err[0] < err[1], err
 
 
 @pytest.mark.parametrize("variant", ["window", "softcap", "key_valid", "noncausal"])

@@ -38,6 +38,9 @@ CONFIGS = [
     (96, 4, 3, 5, 64, "rotate"),  # blocks of 32 (block-diagonal), a chunk: M = 15 rows
     (128, (4, 2), 4, 1, 64, "store"),  # an eager decode step: the new token stored by the decode launch
     (64, 8, 3, 1, 64, "store"),
+    (256, 4, 4, 1, 64, "k8"),  # INT8 K + INT4 V blocks (issue 23: Gemma-3's shape), masks and softcap on
+    (128, (4, 2), 4, 1, 64, "k8"),
+    (64, 2, 3, 1, 16, "k8"),  # block 16: the restoring loop over INT8 K
 ]
 
 
@@ -54,7 +57,8 @@ def _compile(D, bits, G, Lq, BS, variant):
                po="*fp32", pml="*fp32", cnt="*i32", lens="*i32", kn="*bf16", vn="*bf16", nf="*i32")
     for g, bg in (("0", bits0), ("1", bits1)):
         code = "*i8" if bg == 8 else "*u8"
-        sig.update({"heads" + g: "*i32", "kp" + g: code, "ks" + g: "*i8", "kz" + g: "*i8", "vp" + g: code,
+        sig.update({"heads" + g: "*i32", "kp" + g: "*i8" if variant == "k8" else code, "ks" + g: "*i8", "kz" + g: "*i8",
+                    "vp" + g: code,
                     "vsz" + g: "*i8"})
     for name in ("n_blocks", "n_tail", "n_sink", "tail_cap", "Lq", "kv_len", "kv_row", "T0", "TPS0", "TPS1", "S0", "S1",
                  "N_M", "B", "window"):
@@ -73,8 +77,9 @@ def _compile(D, bits, G, Lq, BS, variant):
     BD, M = _pow2(D), G * Lq
     BM = min(64, max(4, _pow2(M)))
     split = variant != "nosplit"
-    masks = variant in ("masks", "lens")
+    masks = variant in ("masks", "lens", "k8")
     cx = dict(G=G, D=D, BD=BD, BS=BS, BM=BM, BITS0=bits0, BITS1=bits1, TWO_GROUPS=not isinstance(bits, int),
+              K8=variant == "k8",
               IS_CAUSAL=True, HAS_WINDOW=masks, HAS_SOFTCAP=masks,
               HAS_MEAN=True, HAS_KVALID=masks, USE_SAS=masks, SPLIT=split, FUSED_MERGE=split,
               FOLD=variant != "restore", USE_ASM=True, SC=_merge_chunk(8, BM, BD, 1), LENS=variant == "lens",

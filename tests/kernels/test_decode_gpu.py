@@ -19,7 +19,7 @@ def _to_packed(groups):
     for g in groups:
         kw = {n: (None if getattr(g, n) is None else getattr(g, n).contiguous())
               for n in ("k", "v", "k_scale", "k_zero", "v_scale", "v_zero")}
-        out.append(PackedKV(bits=g.bits, heads=g.heads, n_blocks=g.n_blocks, **kw))
+        out.append(PackedKV(bits=g.bits, heads=g.heads, n_blocks=g.n_blocks, k_bits=g.k_bits, **kw))
     return out
 
 
@@ -33,20 +33,23 @@ def _rel(a, b):
 # Measured on the H100 (torch 2.11, triton 3.6; 5 cases x splits 1/5, L 4133, d 128): rms-relative 1.62e-3 ..
 # 1.68e-3, max-abs 1.8e-3 .. 3.9e-3 -> bounds 5e-3 (rms-relative) and 2e-2 (max-abs).
 # last field: sink + recent blocks of the INT8 buffer (the int4 / mixed presets' 1 + 2) or the plain layout
+# "_k8": packed blocks keep K's INT8 codes (PackedKV.k_bits 8)
 REAL_CASES = [("int8", 1, "exact", 0), ("int4", 1, "sas", 0), ("mixed", 1, "exact", 0), ("mixed", 7, "sas", 0),
-              ("int4", 7, "exact", 0), ("int4", 1, "exact", 1), ("mixed", 7, "sas", 1)]
+              ("int4", 7, "exact", 0), ("int4", 1, "exact", 1), ("mixed", 7, "sas", 1), ("int4_k8", 1, "exact", 1),
+              ("mixed_k8", 7, "sas", 0)]
 
 
 @pytest.mark.parametrize("bits_name,lq,softmax,sink", REAL_CASES, ids=["-".join(map(str, c)) for c in REAL_CASES])
 def test_decode_real_sizes_match_reference(bits_name, lq, softmax, sink):
     torch.manual_seed(0)
     b, hk, G, d, L, bs = 2, 8, 4, 128, 4096 + 37, 64
-    head_bits = {"int8": [8] * hk, "int4": [4] * hk, "mixed": [4] * (hk // 2) + [2] * (hk // 2)}[bits_name]
+    preset, k8 = bits_name.split("_")[0], bits_name.endswith("_k8")
+    head_bits = {"int8": [8] * hk, "int4": [4] * hk, "mixed": [4] * (hk // 2) + [2] * (hk // 2)}[preset]
     k = torch.randn(b, hk, L, d, device="cuda") + 0.5 * torch.randn(1, hk, 1, d, device="cuda")
     v = torch.randn(b, hk, L, d, device="cuda")
     q = torch.randn(b, hk * G, lq, d, device="cuda", dtype=torch.bfloat16) * 2
     groups, kt, vt, nt, ks, vs, mu = R.build_packed_cache_ref(k, v, 2048, head_bits, bs, sink_blocks=sink,
-                                                              recent_blocks=2 * sink)
+                                                              recent_blocks=2 * sink, int8_k=k8)
     ns = sink * bs
     for S in (1, 5):
         out = turbo_decode_attention(q, _to_packed(groups), kt, vt, nt, ks, vs, mu, softmax=softmax, n_splits=S,
@@ -61,7 +64,7 @@ def test_decode_real_sizes_match_reference(bits_name, lq, softmax, sink):
     out = turbo_decode_attention(q, _to_packed(groups), kt, vt, nt, ks, vs, mu, softmax=softmax, n_sink=ns)
     f = R.attention_fp64(q.float(), k, v)
     print(f"[decode-gpu] {bits_name} vs fp64: {_rel(out, f)[0]:.3f}")
-    assert _rel(out, f)[0] < {"int8": 0.1, "int4": 0.3, "mixed": 1.1}[bits_name]
+    assert _rel(out, f)[0] < {"int8": 0.1, "int4": 0.3, "mixed": 1.1}[preset]
 
 
 def test_decode_launch_variants_real_size():

@@ -40,7 +40,7 @@ def _ref(q, k, v, n_prefill, layer, **kw):
     bs = cfg.block_size
     groups, kt, vt, nt, ks, vs, mu = R.build_packed_cache_ref(
         k.cpu(), v.cpu(), n_prefill, layer.head_bits, bs, headroom=layer.headroom, sink_blocks=cfg.sink_blocks,
-        recent_blocks=cfg.recent_blocks)
+        recent_blocks=cfg.recent_blocks, int8_k=cfg.packed_k_bits == 8)
     assert kt.shape == layer.k_tail.shape and torch.equal(kt[:, :, :nt], layer.k_tail[:, :, :nt].cpu())
     return _ref_on(q, (groups, kt, vt, nt, ks, vs, mu), layer, **kw)
 
@@ -71,13 +71,15 @@ def _cfg(**kw):
     return TurboConfig(**base)
 
 
-def test_sequence_across_block_boundaries(device):
-    """prefill 70, 1-token updates to 131, then a 5-token chunk: every stored token equals the reference."""
+@pytest.mark.parametrize("k_bits", ["head", 8])
+def test_sequence_across_block_boundaries(k_bits, device):
+    """prefill 70, 1-token updates to 131, then a 5-token chunk: every stored token equals the reference
+    (``packed_k_bits`` 8: the packed blocks keep K's INT8 codes)."""
     b, hk, G, d = 2, 2, 2, 32
     L = 136
     k, v = _kv(b, hk, L, d, device=device)
     q = torch.randn(b, hk * G, L, d, generator=torch.Generator().manual_seed(1)).to(device)
-    cache = TurboCache(_cfg())
+    cache = TurboCache(_cfg(packed_k_bits=k_bits))
     steps = [70] + [1] * (131 - 70) + [5]
     pos = 0
     for T in steps:
@@ -99,6 +101,7 @@ def test_sequence_across_block_boundaries(device):
     layer = cache.layers[0]
     assert (layer.n_blocks, layer.n_tail) == (2, 8)
     assert cache.get_seq_length() == 136
+    assert [g.k.dtype for g in layer.groups] == [torch.int8 if k_bits == 8 else torch.uint8] * 2
 
 
 @pytest.mark.parametrize("sink,recent", [(1, 2), (2, 0), (0, 1)])
@@ -202,9 +205,10 @@ def _query(b, hq, lq, d, device, seed=5):
     return torch.randn(b, hq, lq, d, generator=torch.Generator().manual_seed(seed)).to(device)
 
 
-@pytest.mark.parametrize("op", ["reorder", "select", "select_bool", "repeat"])
-def test_batch_ops_on_packed_storage(op, device):
-    cache, k, v = _filled(device=device)
+@pytest.mark.parametrize("op,k_bits", [("reorder", "head"), ("select", "head"), ("select_bool", "head"),
+                                       ("repeat", "head"), ("reorder", 8)])
+def test_batch_ops_on_packed_storage(op, k_bits, device):
+    cache, k, v = _filled(cfg=_cfg(packed_k_bits=k_bits), device=device)
     if op == "reorder":
         idx = torch.tensor([2, 0, 0])
         cache.reorder_cache(idx.to(device))
@@ -228,8 +232,9 @@ def test_batch_ops_on_packed_storage(op, device):
     _close(out, _ref(q, ks, vs, 70, layer))
 
 
-def test_crop_within_tail_and_into_packed_block(device):
-    cache, k, v = _filled(b=2, device=device)
+@pytest.mark.parametrize("k_bits", ["head", 8])
+def test_crop_within_tail_and_into_packed_block(k_bits, device):
+    cache, k, v = _filled(b=2, cfg=_cfg(packed_k_bits=k_bits), device=device)
     layer = cache.layers[0]
     q = _query(2, 4, 1, 32, device)
     cache.crop(0)  # "remove 0 tokens" (assisted decoding when every candidate matched): a no-op
@@ -242,16 +247,17 @@ def test_crop_within_tail_and_into_packed_block(device):
     cache.crop(-8)  # 129 -> 121: into block 1, whose first 57 tokens return to the tail as their INT8 values
     assert cache.get_seq_length() == 121 and (layer.n_blocks, layer.n_tail) == (1, 57)
     groups, kt, vt, nt, ks, vs, mu = R.build_packed_cache_ref(k.cpu(), v.cpu(), 70, layer.head_bits, BS,
-                                                              headroom=layer.headroom)
+                                                              headroom=layer.headroom, int8_k=k_bits == 8)
     kt, vt = torch.zeros_like(kt), torch.zeros_like(vt)
     for g in groups:  # the reference of "unpack block 1 into the tail"
         h = g.heads.long()
+        bh = g.k.shape[0] * len(h)
+        k8 = g.k[:, :, 1] if g.k_bits == 8 else R.unpack_blocks_ref(
+            g.k[:, :, 1].reshape(bh, BS, -1), g.k_scale[:, :, 1].reshape(bh, -1), g.k_zero[:, :, 1].reshape(bh, -1),
+            g.k_bits, 0).view(-1, len(h), BS, 32)
         if g.bits == 8:
-            k8, v8t = g.k[:, :, 1], g.v[:, :, 1]
+            v8t = g.v[:, :, 1]
         else:
-            bh = g.k.shape[0] * len(h)
-            k8 = R.unpack_blocks_ref(g.k[:, :, 1].reshape(bh, BS, -1), g.k_scale[:, :, 1].reshape(bh, -1),
-                                     g.k_zero[:, :, 1].reshape(bh, -1), g.bits, 0).view(-1, len(h), BS, 32)
             v8t = R.unpack_blocks_ref(g.v[:, :, 1].reshape(bh, 32, -1), g.v_scale[:, :, 1].reshape(bh, -1),
                                       g.v_zero[:, :, 1].reshape(bh, -1), g.bits, 0).view(-1, len(h), 32, BS)
         kt[:, h, :57] = k8[:, :, :57]
@@ -285,12 +291,16 @@ def test_reset_makes_next_update_a_first_prefill(device):
     assert cache.get_seq_length() == 10
 
 
-def test_memory_bytes_equals_format_arithmetic(device):
+@pytest.mark.parametrize("k_bits", ["head", 8])
+def test_memory_bytes_equals_format_arithmetic(k_bits, device):
     b, hk, d = 3, 2, 32
-    cache, _, _ = _filled(b=b, hk=hk, d=d, L=131, device=device)
+    cache, _, _ = _filled(b=b, hk=hk, d=d, L=131, cfg=_cfg(packed_k_bits=k_bits), device=device)
     layer = cache.layers[0]
     assert layer.head_bits == [4, 2]
-    per_token = kv_bytes_per_token(d, 4, BS) + kv_bytes_per_token(d, 2, BS)
+    kb = {"head": (4, 2), 8: (8, 8)}[k_bits]
+    per_token = kv_bytes_per_token(d, 4, BS, kb[0]) + kv_bytes_per_token(d, 2, BS, kb[1])
+    if k_bits == 8:  # K: d bytes, no K scale/zero; V: d·bits/8 + its per-token scale and zero
+        assert per_token == (d + d * 4 / 8 + 2) + (d + d * 2 / 8 + 2)
     assert layer.bytes_per_token() == per_token == cache.bytes_per_token()
     tail = 2 * b * hk * BS * d  # INT8 K and V tail buffers (full capacity)
     scales = 3 * b * hk * d * 4  # fp32 k_mean, k_scale, v_scale
@@ -298,10 +308,11 @@ def test_memory_bytes_equals_format_arithmetic(device):
     assert cache.memory_bytes(allocated=True) >= cache.memory_bytes()
 
 
-@pytest.mark.parametrize("preset,limit", [("int4", 0.3), ("mixed", 0.22), ("int8", 0.51)])
-def test_bytes_per_token_targets(preset, limit):
-    # Llama-3-8B shape: 8 KV heads, head_dim 128; bf16 = 2 (K, V) * 8 * 128 * 2 bytes
-    layer = TurboLayer(TurboConfig.preset(preset), 0, 32)
+@pytest.mark.parametrize("preset,limit,k_bits", [("int4", 0.3, "head"), ("mixed", 0.22, "head"), ("int8", 0.51, "head"),
+                                                ("int4", 0.38, 8)])
+def test_bytes_per_token_targets(preset, limit, k_bits):
+    # Llama-3-8B shape: 8 KV heads, head_dim 128; bf16 = 2 (K, V) * 8 * 128 * 2 bytes. INT8 K + INT4 V: 0.375x
+    layer = TurboLayer(dataclasses.replace(TurboConfig.preset(preset), packed_k_bits=k_bits), 0, 32)
     layer.lazy_initialization(torch.zeros(1, 8, 0, 128, dtype=torch.bfloat16), torch.zeros(1, 8, 0, 128))
     ratio = layer.bytes_per_token() / (2 * 8 * 128 * 2)
     assert ratio <= limit, f"{preset}: {ratio:.3f}x of bf16"
@@ -355,8 +366,9 @@ def test_construction_from_model_config_and_template():
     kinds = [type(l) for l in c.layers]
     assert kinds.count(TurboSlidingWindowLayer) == qcfg.layer_types.count("sliding_attention")
     t = TurboCache.from_template(DynamicCache(config=qcfg), cfg, qcfg)
-    # the given config with rotate_qk 'auto' decided for the model (qwen2: none)
-    assert [type(l) for l in t.layers] == kinds and t.turbo_config == dataclasses.replace(cfg, rotate_qk="none")
+    # the given config with rotate_qk and packed_k_bits 'auto' decided for the model (qwen2: none, K packed as V)
+    assert [type(l) for l in t.layers] == kinds and t.turbo_config == dataclasses.replace(
+        cfg, rotate_qk="none", packed_k_bits="head")
     assert all(l.sliding_window == 8 for l in t.layers if isinstance(l, TurboSlidingWindowLayer))
     # a template layer that already holds tokens is quantized into its twin
     dc = DynamicCache()

@@ -358,3 +358,23 @@ def test_rotate_qk_auto_rotates_qk_norm_families_only():
     assert resolve_rotate_qk(TurboConfig(rotate_qk="hadamard"), conf("llama")).rotate_qk == "hadamard"
     cache = TurboCache("int4", config=conf("gemma3_text"))
     assert cache.turbo_config.rotate_qk == "smooth_hadamard" and cache.layers[1].smoothed
+
+
+def test_packed_k_bits_auto_keeps_int8_k_for_qk_norm_families():
+    """``packed_k_bits: auto`` (issue 23): INT8 K blocks for q/k-norm families, K packed like V otherwise; an explicit
+    value stays, with ``rotate_qk`` given or not."""
+    from types import SimpleNamespace
+
+    from turbo_attn_hf.config import resolve_rotate_qk
+
+    def conf(mtype):
+        return SimpleNamespace(model_type=mtype, num_attention_heads=4, head_dim=64)
+
+    assert resolve_rotate_qk(TurboConfig(bits=4), conf("gemma3_text")).packed_k_bits == 8
+    assert resolve_rotate_qk(TurboConfig(bits=4, rotate_qk="none"), conf("qwen3")).packed_k_bits == 8
+    assert resolve_rotate_qk(TurboConfig(bits=4), conf("llama")).packed_k_bits == "head"
+    assert resolve_rotate_qk(TurboConfig(bits=4), None).packed_k_bits == "head"
+    assert resolve_rotate_qk(TurboConfig(bits=4, packed_k_bits="head"), conf("gemma3_text")).packed_k_bits == "head"
+    assert resolve_rotate_qk(TurboConfig(bits=4, packed_k_bits=8), conf("llama")).packed_k_bits == 8
+    with pytest.raises(TurboConfigError, match="packed_k_bits"):
+        TurboConfig(packed_k_bits=4)

@@ -23,6 +23,8 @@ from turbo_attn_hf.generation import cache_kwarg
 INT4_B16 = TurboConfig(bits=4, block_size=16, sink_blocks=1, recent_blocks=1, name="int4-b16")
 MIXED_B16 = TurboConfig(bits=4, block_size=16, sink_blocks=1, recent_blocks=1, n_2bit_heads=2, name="mixed-b16")
 MIXED1_B16 = TurboConfig(bits=4, block_size=16, sink_blocks=1, recent_blocks=1, n_2bit_heads=1, name="mixed1-b16")
+#: packed blocks that keep K's INT8 codes (issue 23's format for q/k-norm families)
+MIXED_K8_B16 = dataclasses.replace(MIXED_B16, packed_k_bits=8, name="mixed-k8-b16")
 
 
 def _greedy(model, ids, mask, cache, n):
@@ -46,7 +48,7 @@ def _padded(tm, b=2, n=37):
     return ids, mask
 
 
-@pytest.mark.parametrize("cfg", [INT4_B16, MIXED_B16], ids=["int4", "mixed"])
+@pytest.mark.parametrize("cfg", [INT4_B16, MIXED_B16, MIXED_K8_B16], ids=["int4", "mixed", "mixed-k8"])
 def test_step_store_matches_the_dynamic_store(cfg, device):
     """Token by token through ``turbo_attn::store_step`` (the Triton step kernel; interpreter on CPU): the same
     INT8 buffer, packed blocks and lengths as the dynamic layer's host-planned store, bit for bit, across 3
