@@ -98,10 +98,11 @@ class TurboConfig:
             exact on sm_90, where the INT8 kernel is 0.42-0.70x cuDNN; INT8 elsewhere and on CPU) and INT8 with
             logit softcapping (SDPA has none). :func:`prefill_attention_path`.
         packed_k_bits: K's width in packed (2/4-bit) blocks. ``"head"``: K packed to the head's bits, as V. ``8``:
-            K blocks keep their INT8 codes and only V is packed (6 bits an element for a 4-bit head, 0.375x bf16
-            instead of 0.262x). ``"auto"`` (default): 8 for q/k-norm families (``QK_NORM_MODEL_TYPES``), whose K
-            outlier channels 4 bits cannot hold (Gemma-3-270M int4 decode KL 5.49x -> 3.49x the bf16 floor,
-            eval/PERF_NOTES.md session 28), ``"head"`` otherwise. :func:`resolve_rotate_qk` decides it.
+            K blocks keep their INT8 codes and only V is packed (6 bits an element for a 4-bit head: 0.379x bf16 at
+            head_dim 128 instead of 0.262x). ``"auto"`` (default): 8 for q/k-norm families (``QK_NORM_MODEL_TYPES``),
+            whose K outlier channels 4 bits cannot hold (Gemma-3-270M int4 decode KL 5.49x -> 3.49x the bf16 floor on
+            CPU; 2.98x on an H200: eval/PERF_NOTES.md sessions 28-29), ``"head"`` otherwise. :func:`resolve_rotate_qk`
+            decides it.
         name: preset name, for logs and result tables.
     """
 
