@@ -55,7 +55,7 @@ from .interpreter import interpreting
 from .launch import LeanLaunch
 from .pack import PackedKV, keeps_int8_k, _bad_rows, _dequant_tile, _quantize_universal, _universal_scales, _unpack_tile
 from .quant import check_qk_smooth
-from .reference import SQ_MIN
+from .reference import SQ_MIN, W_MIN
 from .rotation import rotation_block
 from .softmax import sas_exp2
 
@@ -81,6 +81,7 @@ INT2_STAGES = 3
 MAX_BLOCK_M = 64
 LN2 = 0.6931471805599453
 _SQ_MIN = tl.constexpr(SQ_MIN)
+_W_MIN = tl.constexpr(W_MIN)
 
 
 # ----------------------------------------------------------------------------------------- Triton
@@ -214,10 +215,12 @@ def _running_max(b_m, b_tmax):
 
 @triton.jit
 def _p_scale(b_wmax):
-    """Per-row P scale of one tile (twin: reference.pv_tile_ref): (127 / max w, 0 where max w == 0) and the
-    factor max w / 127 that brings the integer P·V back."""
-    b_inv = tl.where(b_wmax > 0, tl.math.div_rn(tl.full(b_wmax.shape, 127.0, tl.float32),
-                                                 tl.where(b_wmax > 0, b_wmax, 1.0)), 0.0)
+    """Per-row P scale of one tile (twin: reference.pv_tile_ref): (127 / max w, 0 where max w <= W_MIN: such a tile
+    adds nothing, and 127 / a subnormal max w would be inf, 0 · inf NaN) and the factor max w / 127 that brings the
+    integer P·V back."""
+    b_ok = b_wmax > _W_MIN
+    b_inv = tl.where(b_ok, tl.math.div_rn(tl.full(b_wmax.shape, 127.0, tl.float32), tl.where(b_ok, b_wmax, 1.0)),
+                     0.0)
     return b_inv, tl.math.div_rn(b_wmax, tl.full(b_wmax.shape, 127.0, tl.float32))
 
 

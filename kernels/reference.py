@@ -102,6 +102,10 @@ def default_block_n(head_dim: int) -> int:
 P_BLOCK_GAP = 32.0
 #: lower clamp of the query scale sq (an all-zero query row has sq = 0; -inf * 0 would give NaN).
 SQ_MIN = 2.0 ** -100
+#: a decode tile whose largest P·V weight is at or below this (relative to the running max) adds nothing to P·V: its
+#: 127 / max w overflows fp32 below ~3.7e-37 (p subnormal: every logit of the tile > 126 base-2 units under the
+#: running max, as with Q/K outlier channels), and 0 * inf gave NaN outputs. Its share of the output is < 2^-100.
+W_MIN = 2.0 ** -100
 #: default P scale: "block" meets FA3's outlier RMSE bound, "static" does not (measured, see
 #: tests/kernels/test_reference.py::test_p_scale_accuracy and the module docstring of prefill.py).
 DEFAULT_P_SCALE = "block"
@@ -798,7 +802,8 @@ def pv_tile_ref(p: torch.Tensor, vc: torch.Tensor, vs: torch.Tensor, vz: torch.T
     int8 preset, decode-path KL vs fp32 5.3e-3 static vs 2.8e-3 per tile.)"""
     w = p * vs[..., None, :]
     wmax = w.amax(-1)
-    inv = torch.where(wmax > 0, torch.full_like(wmax, 127.0) / torch.where(wmax > 0, wmax, torch.ones_like(wmax)),
+    ok = wmax > W_MIN  # a tile of only negligible weights adds 0 (W_MIN: 127 / max w would overflow)
+    inv = torch.where(ok, torch.full_like(wmax, 127.0) / torch.where(ok, wmax, torch.ones_like(wmax)),
                       torch.zeros_like(wmax))
     w8 = torch.floor(fma(w, inv[..., None], 0.5))
     pc = (w8.to(torch.float64) @ vc.to(torch.float64)).to(torch.float32)

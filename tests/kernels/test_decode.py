@@ -109,6 +109,29 @@ def test_decode_int8_k_blocks_match_reference(b, hk, G, L, lq, d, head_bits, bs,
     assert err[0] < err[1], err
 
 
+@pytest.mark.parametrize("head_bits,bs", [([4], 64), ([8], 16)])
+def test_decode_tiles_far_below_the_running_max_add_nothing(head_bits, bs, device):
+    """Tiles whose every logit lies 126-149 base-2 units under the running max (p subnormal, as Q/K outlier channels
+    make them) add nothing to P·V instead of NaN (127 / max w overflowed; ``reference.W_MIN``), kernel and
+    reference alike, and the output is token 0's value, as in exact attention."""
+    b, hk, G, L, d = 1, 1, 2, 200, 64
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(b, hk * G, 1, d, generator=g)
+    k = 0.01 * torch.randn(b, hk, L, d, generator=g)
+    v = torch.randn(b, hk, L, d, generator=g)
+    q0 = q[0, 0, 0]
+    k[0, 0, 0] = q0 / q0.norm() ** 2 * 135 / (d ** -0.5 * R.LOG2E)  # row 0's logit of token 0: 135 base-2 units
+    groups, kt, vt, nt, ks, vs, mu = R.build_packed_cache_ref(k, v, 150, head_bits, bs, sink_blocks=1)
+    assert groups[0].n_blocks >= 2
+    ref = R.turbo_decode_ref(q, groups, kt, vt, nt, ks, vs, mu, n_sink=bs, n_splits=2)
+    out = turbo_decode_attention(q.to(device), to_packed(groups, device), kt.to(device), vt.to(device), nt,
+                                 ks.to(device), vs.to(device), mu.to(device), n_sink=bs, n_splits=2)
+    assert torch.isfinite(ref).all() and torch.isfinite(out.cpu()).all()
+    assert_close(out, ref, ATOL_KERNEL)
+    f = R.attention_fp64(q, k, v).float()
+    assert (ref[0, 0, 0] - f[0, 0, 0]).abs().max() < 0.05  # token 0's value (its INT8 code error)
+
+
 @pytest.mark.parametrize("variant", ["window", "softcap", "key_valid", "noncausal"])
 def test_decode_masks_and_softcap(variant, device):
     b, hk, G, L, lq, d, bs = 2, 2, 2, 90, 4, 32, 16
