@@ -208,6 +208,21 @@ def print_table(rows: Sequence[dict], columns: Sequence[str], widths: Optional[d
     return text
 
 
+def split_presets(text: str) -> list[str]:
+    """A benchmark's ``--presets``: ``"int8,int4:sink_blocks=0,recent_blocks=0"`` ->
+    ``["int8", "int4:sink_blocks=0,recent_blocks=0"]``: a comma item that is a bare ``key=value`` continues the
+    previous item's overrides (``TurboConfig.from_spec`` reads each)."""
+    out: list[str] = []
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            continue
+        if out and "=" in item and ":" not in item and ":" in out[-1]:
+            out[-1] += "," + item
+        else:
+            out.append(item)
+    return out
+
+
 def parse_int_list(s: str) -> list[int]:
     """'512,1k,16k' -> [512, 1024, 16384]."""
     out = []

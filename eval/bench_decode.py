@@ -3,15 +3,17 @@
     python -m eval.bench_decode [--quick] [--contexts 1k,...,128k] [--batches 1,2,4,8,16,32,64] [--out DIR]
     python -m eval.bench_decode --dry-run      # CPU: tiny shapes through the Triton interpreter
     python -m eval.bench_decode --layer-step   # host cost of one cache layer's decode step (writes layer_step.json)
+    python -m eval.bench_decode --quick --shape 4x1x256 --presets int4,int4:packed_k_bits=8  # Gemma-3-270M's heads
 
-One layer, GQA 32 query / 8 KV heads, head_dim 128, one new query token per sequence, bf16.
+One layer, GQA 32 query / 8 KV heads, head_dim 128 (``--shape HQxHKxD``), one new query token per sequence, bf16.
 For each (context, batch) the K/V of the context are random bf16; every provider reads the same tokens:
   sdpa_flash     torch SDPA (FlashAttention-2 backend) over the bf16 cache; the 4 query heads of a KV head are
                  folded into the query length (q ``[b, 8, 4, d]``), so K/V are read once, never repeated
   sdpa_cudnn     the same with the cuDNN backend
   turbo_<preset> ``kernels.decode.turbo_decode_attention`` over the TurboCache layer built by
                  ``TurboCache(preset).update(k, v)`` (prefill: context tokens; then one decode token appended,
-                 so the INT8 tail is in play), for the presets int8 / int4 / mixed
+                 so the INT8 tail is in play), for the presets int8 / int4 / mixed (``name:key=value,..``
+                 overrides a preset's fields, ``TurboConfig.from_spec``)
   dequant_<preset> "dequantize then SDPA", what HF's QuantizedCache and KIVI-style caches do every step:
                  unpack every block to INT8 (``PackedKV.unpack_block``), rescale to a bf16 copy of the
                  whole cache, then sdpa_flash on it
@@ -48,6 +50,7 @@ from .bench_common import (
     machine_line,
     parse_int_list,
     print_table,
+    split_presets,
     require_cuda,
     save_results,
     write_json,
@@ -75,10 +78,12 @@ FULL = {"contexts": [1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072], "batc
 
 
 def build_layer(k, v, k1, v1, preset: str):
-    """A one-layer TurboCache: prefill ``k, v [b, Hk, T, d]``, then append the decode token ``k1, v1``."""
+    """A one-layer TurboCache: prefill ``k, v [b, Hk, T, d]``, then append the decode token ``k1, v1``. ``preset``:
+    a name or YAML path with optional overrides (``int4:packed_k_bits=8``: ``TurboConfig.from_spec``)."""
     from turbo_attn_hf.cache import TurboCache
+    from turbo_attn_hf.config import TurboConfig
 
-    cache = TurboCache(preset)
+    cache = TurboCache(TurboConfig.from_spec(preset))
     cache.update(k, v, 0)
     cache.update(k1, v1, 0)
     return cache, cache.layers[0]
@@ -243,11 +248,11 @@ def _flash():
     return SDPBackend.FLASH_ATTENTION
 
 
-def summarize(rows) -> dict:
+def summarize(rows, presets=PRESETS, hk=HK, d=D) -> dict:
     """Issue-3 targets at 32k context: speed-ups over sdpa_flash, bandwidth fraction, KV bytes ratio."""
     out = {}
-    bf16_bpt = 2 * HK * D * 2
-    for p in PRESETS:
+    bf16_bpt = 2 * hk * d * 2
+    for p in presets:
         sel = [r for r in rows if r.get("provider") == f"turbo_{p}" and r.get("context", 0) >= 32768
                and r.get("context", 0) < 65536 and r.get("x_sdpa")]
         for r in sel:
@@ -319,7 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--quick", action="store_true", help="contexts 4k/32k x batch 1/8/32")
     ap.add_argument("--contexts", default=",".join(str(c) for c in FULL["contexts"]))
     ap.add_argument("--batches", default=",".join(str(c) for c in FULL["batches"]))
-    ap.add_argument("--presets", default=",".join(PRESETS))
+    ap.add_argument("--presets", default=",".join(PRESETS),
+                    help="preset names / YAML paths, each with optional overrides (int4:packed_k_bits=8)")
+    ap.add_argument("--shape", default=f"{HQ}x{HK}x{D}", help="query heads x KV heads x head dim (Gemma-3-270M: 4x1x256)")
     ap.add_argument("--no-dequant", action="store_true", help="skip the dequantize-then-SDPA baseline")
     ap.add_argument("--no-cuda-graph", action="store_true", help="skip the CUDA-graph timing (ms_graph)")
     ap.add_argument("--warmup", type=int, default=25)
@@ -334,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    presets = [p.strip() for p in args.presets.split(",") if p.strip()]
+    presets = split_presets(args.presets)
     if args.layer_step:
         return layer_step(presets, args.out)
     import torch
@@ -347,7 +354,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         require_cuda("bench_decode")
         contexts = QUICK["contexts"] if args.quick else parse_int_list(args.contexts)
         batches = QUICK["batches"] if args.quick else parse_int_list(args.batches)
-        shape = dict(hq=HQ, hk=HK, d=D)
+        try:
+            hq, hk, d = (int(x) for x in args.shape.lower().split("x"))
+        except ValueError:
+            raise SystemExit(f"error: --shape {args.shape!r} must be HQxHKxD, e.g. 32x8x128") from None
+        shape = dict(hq=hq, hk=hk, d=d)
     info = machine_info()
     print(machine_line(info), flush=True)
     ceil = copy_ceiling() if torch.cuda.is_available() and not args.dry_run else None
@@ -372,7 +383,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     for r in rows:
         if "error" in r:
             print(f"  {r['provider']} ctx={r.get('context')} b={r.get('batch')}: {r['error']}")
-    summary = summarize(rows) if not args.dry_run else {}
+    summary = summarize(rows, presets, shape["hk"], shape["d"]) if not args.dry_run else {}
     for k_, v_ in summary.items():
         print(f"  {k_}: {v_:.3f}")
     save_results(name, payload(rows, summary), args.out,

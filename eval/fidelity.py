@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from . import data as edata
-from .bench_common import write_report
+from .bench_common import split_presets, write_report
 
 REF = "eager-fp32"
 FLOOR = "sdpa-bf16"
@@ -130,20 +130,6 @@ class Impl:
         return DynamicCache(config=model.config)
 
 
-def split_presets(text: str) -> list[str]:
-    """``"int8,int4:sink_blocks=0,recent_blocks=0"`` -> ``["int8", "int4:sink_blocks=0,recent_blocks=0"]``:
-    a comma item that is a bare ``key=value`` continues the previous item's overrides."""
-    out: list[str] = []
-    for item in (t.strip() for t in text.split(",")):
-        if not item:
-            continue
-        if out and "=" in item and ":" not in item and ":" in out[-1]:
-            out[-1] += "," + item
-        else:
-            out.append(item)
-    return out
-
-
 def with_rotation(presets: Iterable[str], rotate_qk: str) -> list[str]:
     """``rotate_qk`` = ``none`` (presets as given), ``hadamard`` (each preset rotated) or ``both`` (each preset,
     then its ``rotate_qk=hadamard`` twin)."""
@@ -158,21 +144,15 @@ def with_rotation(presets: Iterable[str], rotate_qk: str) -> list[str]:
 
 def impls_for(presets: Iterable[str]) -> list[Impl]:
     """The floor (sdpa-bf16) followed by one turbo_int8 Impl per preset name / YAML path, optionally with
-    field overrides for ablations: ``int4:sink_blocks=0,recent_blocks=0`` (values parsed as YAML)."""
-    import dataclasses
-
-    import yaml
-
+    field overrides for ablations: ``int4:sink_blocks=0,recent_blocks=0`` (``TurboConfig.from_spec``)."""
     from turbo_attn_hf.config import TurboConfig
 
     out = [Impl(FLOOR, "sdpa")]
     for spec in presets:
         p, _, over = spec.partition(":")
-        cfg = TurboConfig.preset(p)
+        cfg = TurboConfig.from_spec(spec)
         name = Path(p).stem if p.endswith((".yaml", ".yml")) else p
         if over:
-            kw = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in over.split(","))}
-            cfg = dataclasses.replace(cfg, **kw)
             name += f"[{over}]"
         out.append(Impl(f"turbo-{name}", "turbo_int8", torch.bfloat16, cfg))
     return out

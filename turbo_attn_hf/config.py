@@ -253,6 +253,22 @@ class TurboConfig:
             yaml.safe_dump(self.to_dict(), f, sort_keys=False, default_flow_style=None)
 
     @classmethod
+    def from_spec(cls, spec: str) -> "TurboConfig":
+        """A preset name / YAML path with field overrides for ablations and benchmarks: ``int4:packed_k_bits=8`` or
+        ``int4:sink_blocks=0,recent_blocks=0`` (values parsed as YAML). A bad override is a TurboConfigError."""
+        name, _, over = spec.partition(":")
+        cfg = cls.preset(name)
+        if not over:
+            return cfg
+        kw = {}
+        for item in over.split(","):
+            key, eq, value = item.partition("=")
+            if not eq:
+                raise TurboConfigError(f"override {item!r} in {spec!r} is not key=value; e.g. int4:packed_k_bits=8")
+            kw[key.strip()] = yaml.safe_load(value)
+        return cls.from_dict({**cfg.to_dict(), **kw})
+
+    @classmethod
     def preset(cls, name: str) -> "TurboConfig":
         """Load a preset by name (``int8``, ``int4``, ``mixed``) or a path to a YAML file."""
         if name.endswith((".yaml", ".yml")) or Path(name).is_file():

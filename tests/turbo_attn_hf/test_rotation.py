@@ -378,3 +378,9 @@ def test_packed_k_bits_auto_keeps_int8_k_for_qk_norm_families():
     assert resolve_rotate_qk(TurboConfig(bits=4, packed_k_bits=8), conf("llama")).packed_k_bits == 8
     with pytest.raises(TurboConfigError, match="packed_k_bits"):
         TurboConfig(packed_k_bits=4)
+    # benchmarks and the fidelity harness name the variant as a preset with overrides
+    cfg = TurboConfig.from_spec("int4:packed_k_bits=8,recent_blocks=0")
+    assert (cfg.bits, cfg.packed_k_bits, cfg.recent_blocks, cfg.name) == (4, 8, 0, "int4")
+    for bad in ("int4:packed_k_bits", "int4:bogus=1", "int4:packed_k_bits=4"):
+        with pytest.raises(TurboConfigError):
+            TurboConfig.from_spec(bad)
