@@ -127,6 +127,7 @@ def test_layer_format_ids_follow_the_format_not_the_objects():
     assert fmt(TurboConfig.preset("int8"))[1] != fid
     assert fmt(TurboConfig.preset("mixed"))[1] != fid
     assert fmt(int4, hk=1)[1] != fid
+    assert fmt(dataclasses.replace(int4, packed_k_bits=8))[1] != fid  # INT8 K blocks: another storage layout
     assert fmt(dataclasses.replace(int4, k_scale_range="rope_pair"), rope=64)[1] != \
         fmt(dataclasses.replace(int4, k_scale_range="rope_pair"), rope=0)[1]
 
@@ -145,7 +146,7 @@ def _tiny_turbo(preset="int4", layers=4, device="cpu"):
                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512)
     m = LlamaForCausalLM(cfg).eval().to(device)
     m.set_attn_implementation(turbo_attn_hf.ATTN_NAME)
-    tc = dataclasses.replace(TurboConfig.preset(preset), block_size=16, sink_blocks=1, recent_blocks=1,
+    tc = dataclasses.replace(TurboConfig.from_spec(preset), block_size=16, sink_blocks=1, recent_blocks=1,
                              prefill_attention="exact")  # the prompt's attention reads no cache: stores queue
     turbo_attn_hf.set_turbo_config(m, tc)
     return m, tc
@@ -168,7 +169,7 @@ def _same(a, b):
     return a == b
 
 
-@pytest.mark.parametrize("preset", ["int8", "int4", "mixed"])
+@pytest.mark.parametrize("preset", ["int8", "int4", "mixed", "mixed:packed_k_bits=8"])
 def test_generate_with_queued_first_stores_equals_the_layer_by_layer_store(preset, device, monkeypatch):
     """generate() on a turbo model whose prompt attention is exact: every layer but the first queues its first store
     and the last layer's update launches the queue (one flush per prompt); tokens and every stored byte equal the
