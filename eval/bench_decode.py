@@ -326,7 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batches", default=",".join(str(c) for c in FULL["batches"]))
     ap.add_argument("--presets", default=",".join(PRESETS),
                     help="preset names / YAML paths, each with optional overrides (int4:packed_k_bits=8)")
-    ap.add_argument("--shape", default=f"{HQ}x{HK}x{D}", help="query heads x KV heads x head dim (Gemma-3-270M: 4x1x256)")
+    ap.add_argument("--shape", default=f"{HQ}x{HK}x{D}",
+                    help="query heads x KV heads x head dim (Gemma-3-270M: 4x1x256)")
     ap.add_argument("--no-dequant", action="store_true", help="skip the dequantize-then-SDPA baseline")
     ap.add_argument("--no-cuda-graph", action="store_true", help="skip the CUDA-graph timing (ms_graph)")
     ap.add_argument("--warmup", type=int, default=25)

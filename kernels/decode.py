@@ -53,7 +53,8 @@ from .device import current_cuda_device
 from .hadamard import hadamard_rows
 from .interpreter import interpreting
 from .launch import LeanLaunch
-from .pack import PackedKV, keeps_int8_k, _bad_rows, _dequant_tile, _quantize_universal, _universal_scales, _unpack_tile
+from .pack import (PackedKV, _bad_rows, _dequant_tile, _quantize_universal, _universal_scales, _unpack_tile,
+                   keeps_int8_k)
 from .quant import check_qk_smooth
 from .reference import SQ_MIN, W_MIN
 from .rotation import rotation_block
@@ -577,8 +578,7 @@ def _decode_program(
                     b_acc, b_m, b_l, t, p_kb, ks, kz, kvalid, o_sbase, o_kvrow, o_d, m_d, o_dk, m_dk, o_t0, o_t1,
                     b_q32, b_qt, b_q0, b_q1, b_q2, b_q3, b_sq, b_qb, o_pos, n_sink, window, softcap, sas_thr, p_vb,
                     vsz, o_vsbase, o_sb, BS, D, DK, BITS, KBITS, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_KVALID,
-                    seg == 1,
-                    USE_SAS, USE_ASM)
+                    seg == 1, USE_SAS, USE_ASM)
     else:
         for t in range(t_lo, t_hp):
             o_key = n_sink + t * BS + o_n
@@ -1089,8 +1089,8 @@ def decode_entry(q: torch.Tensor, groups: Sequence[PackedKV], stor: tuple, no_ke
     Consecutive decode steps of a layer pass the same buffers, and rebuilding the entry cost ~60 us of Python per
     call (eval/PERF_NOTES.md, decode round 6). Buffers replaced (capacity growth, beam reorder) are new objects,
     hence a new entry; entries hold weak references only (``alive``)."""
-    key = (tuple(map(id, stor)), tuple((g_.bits, g_.k_bits) for g_ in groups), q.shape, q.dtype, q.stride(), q.device,
-           scale, causal, window, softcap, no_key_valid, n_sink, softmax, sas_threshold, n_splits, waves,
+    key = (tuple(map(id, stor)), tuple((g_.bits, g_.k_bits) for g_ in groups), q.shape, q.dtype, q.stride(),
+           q.device, scale, causal, window, softcap, no_key_valid, n_sink, softmax, sas_threshold, n_splits, waves,
            min_tiles, block_m, num_warps, num_stages, max_registers, merge, fold, host_lens, rotate)
     st = _STATIC.get(key)
     if st is None or not st.alive(stor):
