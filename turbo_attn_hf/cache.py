@@ -53,8 +53,7 @@ from .kernels.device import on_tensor_device
 from .kernels.interpreter import use_triton
 from .kernels.pack import PackedKV, kv_bytes_per_token, quantize_int8
 from .kernels.quant import check_qk_smooth, factor_arg
-from .kernels.reference import k_smooth_mean, kv_finite_mean_ref, rope_pair_amax_ref
-from .kernels.rotation import rotate
+from .kernels.reference import k_smooth_mean, kv_finite_mean_ref, rope_pair_amax_ref, rotate_keys_ref
 from .kernels.smooth_factors import smooth_factors
 
 __all__ = ["TurboCache", "TurboCacheFullError", "TurboLayer", "TurboSlidingWindowLayer", "TurboStaticLayer",
@@ -516,11 +515,13 @@ class TurboLayer(CacheLayerMixin):
 
     def _rotate_keys(self, key_states: torch.Tensor) -> torch.Tensor:
         """K as the store takes it: raw where the Triton store kernels rotate it themselves (``_rot_kw``), else in
-        the stored (rotated) basis; smooth_hadamard's factors fixed by the first keys that arrive."""
+        the stored (rotated) basis as those kernels compute it (``reference.rotate_keys_ref``: fp32 butterfly, not
+        rounded to K's dtype; the static step's store does the same, so both layouts store the same codes);
+        smooth_hadamard's factors fixed by the first keys that arrive."""
         if self.smoothed and self.qk_smooth is None and key_states.shape[2] > 0:
             # one Triton pass over K where the kernels run (issue 23: the torch twin cost +120..361 % of the store)
             self.qk_smooth = smooth_factors(key_states, kernel=use_triton(key_states.device))
-        return key_states if self._fused(key_states) else rotate(key_states, self.qk_smooth, "k")
+        return key_states if self._fused(key_states) else rotate_keys_ref(key_states, self.qk_smooth)
 
     @property
     def _rot_kw(self) -> dict:

@@ -97,7 +97,8 @@ def test_rotation_beats_plain_int8_on_outlier_channels(d, pytorch_reference_kern
 # ------------------------------------------------------------------------------------------ rotated exactly once
 def test_cache_stores_rotated_k_and_rotates_each_query_once(pytorch_reference_kernels):
     """A rotate_qk layer stores what a plain layer fed rotated K stores, bit for bit (first prefill and decode steps
-    that pack blocks), and its attention is the kernels' own rotation of the unrotated query (and, at the first
+    that pack blocks; K rotated as the store kernels rotate it, ``reference.rotate_keys_ref``: fp32, not rounded to
+    K's dtype), and its attention is the kernels' own rotation of the unrotated query (and, at the first
     prefill, of raw K) over that storage — rotated exactly once; its keys carry the state; foreign keys are refused."""
     q, k, v = outlier_qkv(d=128, L=120)
     rot = TurboLayer(TurboConfig(bits=4, block_size=16, rotate_qk="hadamard"))
@@ -105,7 +106,7 @@ def test_cache_stores_rotated_k_and_rotates_each_query_once(pytorch_reference_ke
     assert rot.rotated and not plain.rotated
     for s, e in ((0, 70), (70, 78), (78, 79), (79, 120)):
         kr, vr = rot.update(k[:, :, s:e], v[:, :, s:e])
-        kp, vp = plain.update(rotate(k[:, :, s:e]), v[:, :, s:e])
+        kp, vp = plain.update(R.rotate_keys_ref(k[:, :, s:e]), v[:, :, s:e])
         assert kr.turbo_rotated and not kp.turbo_rotated and kr.turbo_cache_layer is rot
         if s == 0:  # the first prefill's kernels get raw K and rotate Q and K in their quantization pass
             assert torch.equal(kr, k[:, :, s:e])
@@ -279,7 +280,8 @@ _SMOOTH_HOOKED = pytest.mark.skipif(
 
 @_SMOOTH_HOOKED
 def test_cache_smooth_hadamard_fixes_factors_at_the_first_store(pytorch_reference_kernels):
-    """A smooth_hadamard layer stores what a plain layer fed k·diag(1/s)·H stores, s from the first store's keys and
+    """A smooth_hadamard layer stores what a plain layer fed k·diag(1/s)·H stores (``reference.rotate_keys_ref``, the
+    store kernels' fp32 rotation), s from the first store's keys and
     kept for every later step, and attends through the kernels' own rotation of q·diag(s), bit for bit; beam
     reordering gathers the factors too."""
     from turbo_attn_hf.kernels.rotation import smooth_scales
@@ -291,7 +293,7 @@ def test_cache_smooth_hadamard_fixes_factors_at_the_first_store(pytorch_referenc
     s = smooth_scales(k[:, :, :70])
     for a, e in ((0, 70), (70, 78), (78, 79), (79, 120)):
         ks, vs = sm.update(k[:, :, a:e], v[:, :, a:e])
-        kp, vp = plain.update(rotate(k[:, :, a:e], s, "k"), v[:, :, a:e])
+        kp, vp = plain.update(R.rotate_keys_ref(k[:, :, a:e], s), v[:, :, a:e])
         assert ks.turbo_rotated and torch.equal(sm.qk_smooth, s)
         if a == 0:
             want = R.turbo_attention(q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], rotate_qk=True, qk_smooth=s)

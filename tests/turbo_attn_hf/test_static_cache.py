@@ -79,11 +79,14 @@ def _assert_same_storage(layer, want):
 
 
 @pytest.mark.parametrize("arch,cfg", [("llama", INT4_B16), ("mistral", MIXED_B16), ("gemma2", INT4_B16),
-                                      ("mistral", dataclasses.replace(MIXED_B16, prefill_attention="exact"))],
-                         ids=["llama-int4", "mistral-mixed", "gemma2-int4", "mistral-mixed-exact-prefill"])
+                                      ("mistral", dataclasses.replace(MIXED_B16, prefill_attention="exact")),
+                                      ("gemma3", INT4_B16)],
+                         ids=["llama-int4", "mistral-mixed", "gemma2-int4", "mistral-mixed-exact-prefill",
+                              "gemma3-int4"])
 def test_static_decode_matches_dynamic(arch, cfg, tm, pytorch_reference_kernels):
     """Left-padded greedy decoding over the static cache = over the dynamic one (mistral: sliding window;
-    gemma2: softcap, sliding + full layers)."""
+    gemma2: softcap, sliding + full layers; gemma3: q/k norms, so rotated K and INT8 K blocks, ``packed_k_bits``
+    auto)."""
     model = tm.make_model(arch, attn="turbo_int8")
     ids, mask = _padded(tm)
     dyn = _greedy(model, ids, mask, TurboCache(cfg, config=model.config), 24)
@@ -92,6 +95,8 @@ def test_static_decode_matches_dynamic(arch, cfg, tm, pytorch_reference_kernels)
     assert torch.equal(sta.argmax(-1), dyn.argmax(-1))
     assert (sta - dyn).abs().max() < 1e-3  # measured 0 (the reference path; same stored codes)
     assert cache.get_seq_length() == 61 and cache.is_compileable
+    if arch == "gemma3":  # the q/k-norm family's format: packed blocks keep INT8 K
+        assert {(g.bits, g.k_bits) for lay in cache.layers for g in lay.groups} == {(4, 8)}
 
 
 def test_static_decode_through_the_kernels(tm):
