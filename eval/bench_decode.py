@@ -273,11 +273,12 @@ def layer_step_times(preset: str, b: int, T: int, fused_store: bool, *, hq=HQ, h
 
     from turbo_attn_hf import cache as C
     from turbo_attn_hf.cache import TurboCache
+    from turbo_attn_hf.config import TurboConfig
 
     C.FUSED_STORE = fused_store
     try:
         k = torch.randn(b, hk, T, d, device="cuda", dtype=torch.bfloat16)
-        cache = TurboCache(preset)
+        cache = TurboCache(TurboConfig.from_spec(preset))
         cache.update(k, k, 0)
         layer = cache.layers[0]
         q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.bfloat16)

@@ -931,7 +931,7 @@ def store_kv_launch(k: torch.Tensor, v: torch.Tensor, groups: list, *, take: int
     big = max(T, n, n_pack, cap, *strides) >= 2**31
     vec = _vec(k, v)
     key = (D, bs, s0, C, H, k.dtype, v.dtype, k.device, has_mean, count, tuple(g.k.shape[1] for g in groups),
-           tuple(g.bits for g in slots), keeps_int8_k(groups), big, vec, rotate, has_factor)
+           tuple((g.bits, g.k_bits) for g in slots), big, vec, rotate, has_factor)
     hit = _STORE_KV_KW.get(key)
     if hit is None:
         hs = [g.k.shape[1] for g in groups] + [0, 0]

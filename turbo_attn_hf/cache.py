@@ -704,7 +704,7 @@ class TurboLayer(CacheLayerMixin):
         bits = tuple(self._layer_head_bits(hk))
         self._plan_bits = list(bits)  # _prompt_select reads it
         fmt = (type(self), bits, self._prompt_select(), cfg.bits, cfg.block_size, cfg.sink_blocks, cfg.recent_blocks,
-               cfg.smooth_k, self._k_rope_dims(d), self.rotated, self.scale_headroom, self._cap_blocks, self._k_bits(4))
+               cfg.smooth_k, self._k_rope_dims(d), self.rotated, self.scale_headroom, self._cap_blocks, cfg.packed_k_bits)
         fid = _FORMAT_IDS.get(fmt)
         if fid is None:
             fid = _FORMAT_IDS[fmt] = next(_NEXT_FORMAT_ID)

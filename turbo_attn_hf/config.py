@@ -147,7 +147,7 @@ class TurboConfig:
         if self.prefill_attention not in PREFILL_ATTENTION_MODES:
             raise TurboConfigError(
                 f"prefill_attention={self.prefill_attention!r} must be one of {PREFILL_ATTENTION_MODES}")
-        if self.packed_k_bits not in PACKED_K_BITS_MODES or self.packed_k_bits is True:
+        if self.packed_k_bits not in PACKED_K_BITS_MODES:
             raise TurboConfigError(f"packed_k_bits={self.packed_k_bits!r} must be one of {PACKED_K_BITS_MODES}")
         if self.head_select not in HEAD_SELECT_MODES:
             raise TurboConfigError(f"head_select={self.head_select!r} must be one of {HEAD_SELECT_MODES}")

@@ -83,8 +83,8 @@ def step_storage(buffers: List[torch.Tensor], layout: int, n_blocks: int = 0) ->
         refs = (weakref.ref(buffers[0], lambda _, k=key: _VIEWS.pop(k, None)),) + tuple(map(weakref.ref, buffers[1:]))
         _VIEWS[key] = (layout, refs, views)
     n = len(specs)
-    packed = [PackedKV(bits, *views[n + 6 * i:n + 6 * i + 5], n_blocks=n_blocks, v_sz=views[n + 6 * i + 5], k_bits=kb)
-              for i, ((bits, kb), _) in enumerate(groups)]
+    packed = [PackedKV(bits, *views[n + 6 * i:n + 6 * i + 5], n_blocks=n_blocks, v_sz=views[n + 6 * i + 5],
+                       k_bits=kb) for i, ((bits, kb), _) in enumerate(groups)]
     return StepStorage(*views[:n], packed)
 
 
