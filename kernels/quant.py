@@ -14,8 +14,8 @@ stay two passes: a fused K+V pass measured no faster on the H100 once the passes
 eval/results/bench_quant_h100.json). The prefill launches Q's and K's passes as one (``_quant_qk_kernel``: Q's
 programs, then K's, each the same row helper; ``quantize_qk``): one launch fewer per layer, the same bits. V stays
 its own launch after K's: it flags poisoned keys in K's scales, which K's pass writes. With ``rotate_qk`` (issue 23
-item 5) that pass also Hadamard-rotates Q and K (``ROTATE``; one or two bf16 tensor-core dots per tile with the +-1
-matrix made in registers) instead of a separate fp32 matmul writing rotated copies (eval/PERF_NOTES.md, issue 23).
+item 5) that pass also Hadamard-rotates Q and K (``ROTATE``; ``hadamard.hadamard_rows``, fp32 butterflies in registers)
+instead of a separate fp32 matmul writing rotated copies (eval/PERF_NOTES.md, issue 23).
 
 Loads: the batch / head / token strides stay out of the specialization key (they change with L), so the
 compiler knows nothing of their divisibility and loads every bf16 element alone (2-byte ``ld.global.b16``
@@ -296,6 +296,16 @@ def _tile_rows(d: int) -> int:
     return 64 if d <= 128 else 32
 
 
+def _qk_tile(d: int) -> tuple[int, int]:
+    """(rows a tile, warps) of the Q+K pass: one warp over 2048 channels' worth of rows (16 at head_dim 128, 8 at
+    256). A rotated pass's butterfly then changes layout with shuffles only: on 4 warps it paid a barrier and a
+    shared-memory trip per stage, 2-3.7x the time of one warp (H200, eval/results/rotation_launch_sweep_h200.json);
+    the plain pass is as fast either way."""
+    if interpreting():
+        return 32, 4
+    return max(8, 2048 // _pow2(d)), 1
+
+
 def _mean_arg(smooth: Optional[torch.Tensor], unused: torch.Tensor, b: int, h: int, d: int):
     """(pointer, batch stride, head stride) of the fp32 ``[b, h, d]`` mean to subtract, or of ``unused``."""
     if smooth is None:
@@ -341,7 +351,7 @@ def _qk_spec(q4: torch.Tensor, k4: torch.Tensor, q_scale: float, k_scale: float,
     contiguous)."""
     b, hq, lq, d = q4.shape
     hk, lk = k4.shape[1], k4.shape[2]
-    bt = _tile_rows(d)
+    bt, warps = _qk_tile(d)
     nq = -(-lq // bt) * b * hq
     grid = (nq + -(-lk // bt) * b * hk,)
     n = rotation_block(d) if rotate else 16
@@ -352,7 +362,7 @@ def _qk_spec(q4: torch.Tensor, k4: torch.Tensor, q_scale: float, k_scale: float,
                hq * lq * d, lq * d, hk * lk * d, lk * d, hq * lq, lq, hk * lk, lk)
     kw = dict(HAS_SMOOTH=has_smooth, D=d, BD=_pow2(d), BT=bt, VEC_Q=_vec(q4), VEC_K=_vec(k4), ROTATE=rotate,
               ROT_N=n,
-              HAS_FACTOR=rotate and has_factor, num_warps=4, enable_fp_fusion=False)
+              HAS_FACTOR=rotate and has_factor, num_warps=warps, enable_fp_fusion=False)
     return grid, scalars, kw
 
 

@@ -11,7 +11,9 @@ rotated call next to its plain twin on the same tensors:
   with factors — the query rotated in the kernel's prologue;
 * decode step: ``TurboLayer.update`` of one token + ``attention`` with rotate_qk none vs smooth_hadamard (the
   layer's whole step as eager generate() runs it).
-Writes JSON (``*_pct``: extra time of the rotated call over the plain one).
+Writes JSON (``*_pct``: extra time of the rotated call over the plain one). ``--profile`` adds, per prefill, store and
+decode row, each kernel's device time per call (torch profiler, 20 calls) of the plain and the rotated call, so the
+extra time is placed in a kernel before anything is changed.
 
     python -m eval.experiments.rotation_cost --out eval/results/rotation_cost_fused_h100.json
 """
@@ -31,10 +33,29 @@ def _pct(t, t0):
     return 100.0 * (t - t0) / t0
 
 
+def _kernel_us(fn, n: int = 20) -> dict:
+    """{kernel name: device µs per call} of ``fn`` over ``n`` calls (torch profiler, after one warm-up call)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        if e.device_type.name == "CUDA" and e.self_device_time_total > 0:
+            out[e.key[:60]] = round(e.self_device_time_total / n, 2)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true", help="one shape per section")
+    ap.add_argument("--profile", action="store_true", help="per-kernel device µs of each plain / rotated call")
+    ap.add_argument("--no-step", action="store_true", help="skip the layer-step section (host-bound)")
     a = ap.parse_args(argv)
     import triton
 
@@ -69,12 +90,18 @@ def main(argv=None):
             r["hadamard_pct"], r["smooth_pct"] = _pct(r["hadamard_ms"], t0), _pct(r["smooth_ms"], t0)
             r["smooth_scales_ms"] = bench(lambda: smooth_scales(k))
             r["smooth_scales_pct_of_prefill"] = 100.0 * r["smooth_scales_ms"] / t0
+            if a.profile:
+                r["kernels_plain_us"] = _kernel_us(lambda: prefill.turbo_attention(q, k, v, causal=True))
+                r["kernels_hadamard_us"] = _kernel_us(
+                    lambda: prefill.turbo_attention(q, k, v, causal=True, rotate_qk=True))
             out["prefill"].append(r)
             print(json.dumps(r), flush=True)
 
             st = {"shape": name, "Hk": hk, "d": d, "L": L}
             for m in cfg:
                 st[f"{m}_ms"] = bench(lambda: TurboLayer(cfg[m]).update(k, v))
+                if a.profile:
+                    st[f"kernels_{m}_us"] = _kernel_us(lambda: TurboLayer(cfg[m]).update(k, v))
             for m in ("hadamard", "smooth_hadamard"):
                 st[f"{m}_pct"] = _pct(st[f"{m}_ms"], st["none_ms"])
             out["store"].append(st)
@@ -100,9 +127,14 @@ def main(argv=None):
                 r["plain_ms_2"] = bench(lambda: turbo_decode_attention(q1, *args, **kw))
                 t0 = min(r["plain_ms"], r["plain_ms_2"])
                 r["hadamard_pct"], r["smooth_pct"] = _pct(r["hadamard_ms"], t0), _pct(r["smooth_ms"], t0)
+                if a.profile:
+                    r["kernels_plain_us"] = _kernel_us(lambda: turbo_decode_attention(q1, *args, **kw))
+                    r["kernels_hadamard_us"] = _kernel_us(lambda: turbo_decode_attention(q1, *args, rotate=True, **kw))
                 out["decode"].append(r)
                 print(json.dumps(r), flush=True)
-
+                if a.no_step:
+                    del layer, k, v
+                    continue
                 stp = {"shape": name, "d": d, "ctx": ctx, "batch": b}
                 for m in ("none", "smooth_hadamard"):
                     lay = TurboLayer(cfg[m])

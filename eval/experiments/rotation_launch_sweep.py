@@ -1,0 +1,113 @@
+"""Issue 23's speed bar: which launch shape makes the fused Hadamard rotation cheap (GPU, CUDA-graph medians).
+
+``rotation_cost.py --profile`` placed the rotated prefill's extra time in one kernel (``_quant_qk_kernel``, 3-4x its
+plain time) and the rotated decode's in ``_decode_kernel`` at head_dim 256 (+2-5 µs). sm_90 SASS of the two (CPU
+compile, PERF_NOTES session 30): the quantization pass's ``[64, 128]`` tile on 4 warps pays 39 barriers and
+160 shuffles a thread for the butterfly's layout changes; the decode kernel at head_dim 256 on one warp spills
+(1369 STL) and the rotation adds 660 more, most of them inside the main loop. This sweep times both per launch shape:
+
+* quant: ``quant.quantize_qk`` (Q and K of one layer, K's mean subtracted) plain / rotated, per (rows a tile,
+  warps) — ``quant._qk_tile``, the launcher's choice, patched;
+* decode: ``turbo_decode_attention`` of one token over a filled int4 layer (and an INT8-K one at head_dim 256),
+  plain / rotated, per ``num_warps``.
+
+    python -m eval.experiments.rotation_launch_sweep --out eval/results/rotation_launch_sweep_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+import torch
+
+QUANT_TILES = ((64, 4), (32, 4), (32, 1), (16, 1), (8, 1), (32, 2), (16, 2), (64, 8), (128, 8))
+SHAPES = (("llama3-8b", 32, 8, 128), ("gemma3-270m", 4, 1, 256))
+
+
+def _quant_rows(args, bench):
+    from turbo_attn_hf.kernels import quant
+
+    out = []
+    orig = quant._qk_tile
+    try:
+        for name, hq, hk, d in (sh for sh in SHAPES if sh[0] in args.shapes):
+            for L in args.lens:
+                g = torch.Generator(device="cuda").manual_seed(0)
+                q = torch.randn(1, hq, L, d, device="cuda", dtype=torch.bfloat16, generator=g)
+                k = torch.randn(1, hk, L, d, device="cuda", dtype=torch.bfloat16, generator=g)
+                mean = quant.k_smooth_mean(k)
+                for bt, nw in QUANT_TILES:
+                    if bt * d > 64 * 256 * 2:
+                        continue
+                    quant._qk_tile = lambda _d, bt=bt, nw=nw: (bt, nw)
+                    r = {"shape": name, "d": d, "L": L, "rows": bt, "warps": nw}
+                    for rot in (False, True):
+                        res = bench(lambda: quant.quantize_qk(q, k, smooth=mean, rotate=rot))
+                        r["rotated_us" if rot else "plain_us"] = round(1e3 * res.get("ms_graph", float("nan")), 2)
+                    out.append(r)
+                    print(json.dumps(r), flush=True)
+    finally:
+        quant._qk_tile = orig
+    return out
+
+
+def _decode_rows(args, bench):
+    from turbo_attn_hf.cache import TurboLayer
+    from turbo_attn_hf.config import TurboConfig
+    from turbo_attn_hf.kernels.decode import turbo_decode_attention
+
+    out = []
+    for name, hq, hk, d in (sh for sh in SHAPES if sh[0] in args.shapes):
+        for ctx, b in args.decode:
+            for k_bits in (("head", 8) if d == 256 else ("head",)):
+                g = torch.Generator(device="cuda").manual_seed(0)
+                k = torch.randn(b, hk, ctx, d, device="cuda", dtype=torch.bfloat16, generator=g)
+                v = torch.randn(b, hk, ctx, d, device="cuda", dtype=torch.bfloat16, generator=g)
+                q1 = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.bfloat16, generator=g)
+                k1 = torch.randn(b, hk, 1, d, device="cuda", dtype=torch.bfloat16, generator=g)
+                layer = TurboLayer(dataclasses.replace(TurboConfig.preset("int4"), packed_k_bits=k_bits))
+                layer.update(k, v)
+                layer.update(k1, k1)
+                dargs, kw = layer.decode_inputs()
+                for nw in args.warps:
+                    r = {"shape": name, "d": d, "ctx": ctx, "batch": b, "k_bits": k_bits, "warps": nw}
+                    for rot in (False, True):
+                        res = bench(lambda: turbo_decode_attention(q1, *dargs, num_warps=nw, rotate=rot, **kw))
+                        r["rotated_us" if rot else "plain_us"] = round(1e3 * res.get("ms_graph", float("nan")), 2)
+                    out.append(r)
+                    print(json.dumps(r), flush=True)
+                del layer, k, v
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--lens", default="1024,4096,16384")
+    ap.add_argument("--decode", default="4096x1,4096x8,32768x1,32768x8", help="CTXxBATCH,...")
+    ap.add_argument("--warps", default="1,2", help="decode num_warps to try")
+    ap.add_argument("--shapes", default=",".join(n for n, *_ in SHAPES), help="shape names to run")
+    ap.add_argument("--skip", default="", help="quant,decode")
+    a = ap.parse_args(argv)
+    a.lens = [int(x) for x in a.lens.split(",") if x]
+    a.shapes = a.shapes.split(",")
+    a.warps = [int(x) for x in a.warps.split(",") if x]
+    a.decode = [tuple(int(y) for y in x.split("x")) for x in a.decode.split(",") if x]
+    from ..bench_common import bench_graph_ms, machine_info
+
+    bench = lambda f: bench_graph_ms(f, rep=50)  # noqa: E731
+    res = {"machine": machine_info(),
+           "note": "CUDA-graph medians (µs) of quantize_qk (Q + K of one layer, K's mean subtracted) per (rows, warps) "
+                   "and of turbo_decode_attention (1 token over a filled int4 layer) per num_warps, plain / rotated"}
+    if "quant" not in a.skip:
+        res["quant"] = _quant_rows(a, bench)
+    if "decode" not in a.skip:
+        res["decode"] = _decode_rows(a, bench)
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
