@@ -441,7 +441,8 @@ def _decode_program(
     n_sink + t·BS ..;
     kvalid [b, kv_row] int8 (``kv_row >= kv_len``: a static cache's mask spans its capacity); o [b, Lq, HQ, D];
     po [S, items, n_m*BM, BD] and pml [S, items, n_m*BM, 2] fp32
-    partials over the launch's (batch, head) items (SPLIT only; rows >= M are not written); cnt [items*n_m]
+    partials over the launch's (batch, head) items (SPLIT, and ROTATE: a program's slot first holds its rotated
+    query, fp32 [BM, BD]; rows >= M of a partial are not written); cnt [items*n_m]
     int32 arrival counters, zero between
     calls (FUSED_MERGE: the last share of a tile to finish merges it and resets its counter).
     Strides stay specialised (multiples of 16 -> 16-byte vector loads).
@@ -499,6 +500,13 @@ def _decode_program(
         if HAS_FACTOR:
             b_qf = b_qf * tl.load(qsm + o_kvh + o_d, mask=m_d, other=0.0)[None, :]
         b_qf = hadamard_rows(b_qf, ROT_N)
+        # back through this program's own partials slot (written again only after the loop): reloaded, the query
+        # has the layout of the plain path's load, so nothing after the prologue compiles differently (in the
+        # butterfly's final layout the rotated launch ran 11-17 % slower at head_dim 256, eval/PERF_NOTES.md)
+        p_rt = po + ((i_s.to(tl.int64) * N_BH + i_bh) * (N_M * BM) + o_r)[:, None] * BD + o_d[None, :]
+        tl.store(p_rt, b_qf)
+        tl.debug_barrier()
+        b_qf = tl.load(p_rt)
     b_sk = tl.load(sk + o_kvh + o_d, mask=m_d, other=0.0)
     b_qs = b_qf * b_sk[None, :]
     b_amax = tl.max(tl.abs(b_qs), 1)
@@ -1272,6 +1280,8 @@ class _DecodeStatic:
                              f"one count for all)")
         sc = _merge_chunk(S, self.BM, self.BD, self.num_warps)
         sizes = None
+        if not split and self.rotate:  # the rotated query's round trip (one slot per program)
+            sizes = (n_work * self.BM * self.BD, 1, 1)
         if split:
             # partials of the S shares (+ one per group of SC shares for the fused two-level merge), counters
             n_grp = -(-S // sc)
@@ -1379,7 +1389,7 @@ class _DecodeStatic:
         lean = isinstance(_DECODE, LeanLaunch) and not LeanLaunch.hooks_active()
         for i_p, pair in enumerate(self.pairs):
             S0, tps0, S1, tps1, S, split, fused, sc, sizes, grid = self._step_plan(i_p, n_plan)
-            if split:
+            if sizes is not None:
                 po, pml, cnt = _workspace(self.device, *sizes)
             else:
                 po = pml = cnt = sv

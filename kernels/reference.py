@@ -234,15 +234,15 @@ def hadamard_pm1(d: int, device="cpu") -> torch.Tensor:
 
 def fwht_rows(x: torch.Tensor) -> torch.Tensor:
     """fp32 ``x [..., d] . H+-1`` (blocks of ``rotation_block(d)``) as the kernels compute it (``hadamard.hadamard_rows``):
-    the butterfly stages ``(a + b, a - b)`` over channel pairs ``(i, i + h)``, h = n / 2, ..., 2, 1, in the same order,
-    so kernel and twin agree bit for bit (fp32 sums, no bf16 rounding)."""
+    the butterfly stages ``(a + b, a - b)`` over channel pairs ``(i, i + h)``, h = 1, 2, ..., in the same order, so
+    kernel and twin agree bit for bit (fp32 sums, no bf16 rounding)."""
     d, n = x.shape[-1], rotation_block(x.shape[-1])
     lead = x.shape[:-1]
-    h = n // 2
-    while h >= 1:
+    h = 1
+    while h < n:
         y = x.reshape(*lead, d // (2 * h), 2, h)
         x = torch.stack((y[..., 0, :] + y[..., 1, :], y[..., 0, :] - y[..., 1, :]), dim=-2).reshape(*lead, d)
-        h //= 2
+        h *= 2
     return x
 
 
