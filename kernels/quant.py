@@ -296,14 +296,15 @@ def _tile_rows(d: int) -> int:
     return 64 if d <= 128 else 32
 
 
-def _qk_tile(d: int) -> tuple[int, int]:
-    """(rows a tile, warps) of the Q+K pass: one warp over 2048 channels' worth of rows (16 at head_dim 128, 8 at
-    256). A rotated pass's butterfly then changes layout with shuffles only: on 4 warps it paid a barrier and a
-    shared-memory trip per stage, 2-3.7x the time of one warp (H200, eval/results/rotation_launch_sweep_h200.json);
-    the plain pass is as fast either way."""
+def _qk_tile(d: int, rotate: bool) -> tuple[int, int]:
+    """(rows a tile, warps) of the Q+K pass. Rotated: one warp over 2048 channels' worth of rows (16 at head_dim
+    128, 8 at 256), so the butterfly changes layout with shuffles only; on 4 warps it paid a barrier and a
+    shared-memory trip per stage, 1.8-3.7x the time (H200, eval/results/rotation_launch_sweep_h200.json)."""
     if interpreting():
         return 32, 4
-    return max(8, 2048 // _pow2(d)), 1
+    if rotate:
+        return max(8, 2048 // _pow2(d)), 1
+    return _tile_rows(d), 4
 
 
 def _mean_arg(smooth: Optional[torch.Tensor], unused: torch.Tensor, b: int, h: int, d: int):
@@ -351,7 +352,7 @@ def _qk_spec(q4: torch.Tensor, k4: torch.Tensor, q_scale: float, k_scale: float,
     contiguous)."""
     b, hq, lq, d = q4.shape
     hk, lk = k4.shape[1], k4.shape[2]
-    bt, warps = _qk_tile(d)
+    bt, warps = _qk_tile(d, rotate)
     nq = -(-lq // bt) * b * hq
     grid = (nq + -(-lk // bt) * b * hk,)
     n = rotation_block(d) if rotate else 16

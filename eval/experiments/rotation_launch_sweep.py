@@ -41,7 +41,7 @@ def _quant_rows(args, bench):
                 for bt, nw in QUANT_TILES:
                     if bt * d > 64 * 256 * 2:
                         continue
-                    quant._qk_tile = lambda _d, bt=bt, nw=nw: (bt, nw)
+                    quant._qk_tile = lambda _d, _rot, bt=bt, nw=nw: (bt, nw)
                     r = {"shape": name, "d": d, "L": L, "rows": bt, "warps": nw}
                     for rot in (False, True):
                         res = bench(lambda: quant.quantize_qk(q, k, smooth=mean, rotate=rot))

@@ -427,11 +427,14 @@ def test_compiled_greedy_equals_eager_on_smollm2(preset):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", [INT4_B16, MIXED1_B16], ids=["int4", "mixed"])
+@pytest.mark.parametrize("cfg", [INT4_B16, MIXED1_B16,
+                                 dataclasses.replace(INT4_B16, rotate_qk="smooth_hadamard", packed_k_bits=8)],
+                         ids=["int4", "mixed", "int4-rotated-k8"])
 def test_captured_step_replays_the_eager_step(cfg):
     """GPU: one static layer's decode step (``store_step`` + ``decode_step``) captured once as a CUDA graph and
     replayed for 40 tokens (two blocks packed inside the replays) gives the eager static layer's outputs, lengths
-    and storage bit for bit: the kernels read every length from ``lens``, nothing the host planned at capture."""
+    and storage bit for bit: the kernels read every length from ``lens``, nothing the host planned at capture.
+    Rotated (Gemma-3's format): the query's round trip through the decode workspace is captured too."""
     g = torch.Generator().manual_seed(0)
     b, hk, hq, d, T0, n = 2, 4, 8, 64, 37, 42
     x = lambda h: torch.randn(b, h, T0 + n, d, generator=g).to("cuda", torch.bfloat16)  # noqa: E731
