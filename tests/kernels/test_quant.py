@@ -118,6 +118,20 @@ def test_qk_one_launch_equals_two_passes(shape, dtype, layout, smooth, device, p
         assert torch.equal(g.isnan(), w.isnan()) and torch.equal(g.nan_to_num(), w.nan_to_num()), name
 
 
+@pytest.mark.parametrize("rows", [8, 16])
+@pytest.mark.parametrize("shape,dtype,layout", QK_CASES,
+                         ids=[f"{'x'.join(map(str, s))}-{str(d)[6:]}-{lay}" for s, d, lay in QK_CASES])
+def test_qk_rotated_one_warp_tiles_give_the_same_bits(shape, dtype, layout, rows, device, monkeypatch):
+    """The rotated Q+K pass's GPU tiles (one warp over 8 or 16 rows, ``quant._qk_tile``) give the default tile's codes
+    and scales bit for bit: rows are independent, only the masks at the last tile move (L 17-130)."""
+    q, k, mean = _qk_case(shape, dtype, layout, device, True)
+    want = quant.quantize_qk(q, k, q_scale=0.0883883 * R.LOG2E, smooth=mean, rotate=True)
+    monkeypatch.setattr(quant, "_qk_tile", lambda d, rotate: (rows, 1))
+    got = quant.quantize_qk(q, k, q_scale=0.0883883 * R.LOG2E, smooth=mean, rotate=True)
+    for name, g, w in zip(("q8", "sq", "k8", "sk"), got, want):
+        assert torch.equal(g.isnan(), w.isnan()) and torch.equal(g.nan_to_num(), w.nan_to_num()), name
+
+
 @pytest.mark.parametrize("shape,dtype,layout", QK_CASES,
                          ids=[f"{'x'.join(map(str, s))}-{str(d)[6:]}-{lay}" for s, d, lay in QK_CASES])
 @pytest.mark.parametrize("mode", ["hadamard", "smooth_hadamard"])
