@@ -9,7 +9,8 @@ compile, PERF_NOTES session 30): the quantization pass's ``[64, 128]`` tile on 4
 * quant: ``quant.quantize_qk`` (Q and K of one layer, K's mean subtracted) plain / rotated, per (rows a tile,
   warps) — ``quant._qk_tile``, the launcher's choice, patched;
 * decode: ``turbo_decode_attention`` of one token over a filled int4 layer (and an INT8-K one at head_dim 256),
-  plain / rotated, per ``num_warps``.
+  plain / rotated, per ``num_warps``;
+* stats: the rotated first store's ``_stats_kernel`` (device µs, torch profiler) per ``num_warps``.
 
     python -m eval.experiments.rotation_launch_sweep --out eval/results/rotation_launch_sweep_h200.json
 """
@@ -82,6 +83,42 @@ def _decode_rows(args, bench):
     return out
 
 
+def _stats_rows(args):
+    """The cache's first store, rotated: ``_stats_kernel``'s device µs per ``num_warps`` (8 when rotated today)."""
+    from turbo_attn_hf import first_prefill
+    from turbo_attn_hf.cache import TurboLayer
+    from turbo_attn_hf.config import TurboConfig
+    from turbo_attn_hf.kernels import store
+
+    from .rotation_cost import _kernel_us
+
+    out = []
+    orig = store._stats_plan
+    cfg = dataclasses.replace(TurboConfig.preset("int4"), rotate_qk="hadamard")
+    try:
+        for name, hq, hk, d in (sh for sh in SHAPES if sh[0] in args.shapes):
+            for L in args.lens:
+                g = torch.Generator(device="cuda").manual_seed(0)
+                k = torch.randn(1, hk, L, d, device="cuda", dtype=torch.bfloat16, generator=g)
+                v = torch.randn(1, hk, L, d, device="cuda", dtype=torch.bfloat16, generator=g)
+                for nw in args.stats_warps:
+                    def plan(*a, nw=nw, **kw):
+                        launch = orig(*a, **kw)
+                        launch.kw = {**launch.kw, "num_warps": nw}
+                        return launch
+                    store._stats_plan = plan
+                    store._STATS_PLANS.clear()
+                    first_prefill.PLANS.clear()  # the cache's first-store plans hold a stats launch each
+                    r = {"shape": name, "d": d, "L": L, "stats_warps": nw,
+                         "kernels_us": _kernel_us(lambda: TurboLayer(cfg).update(k, v))}
+                    out.append(r)
+                    print(json.dumps(r), flush=True)
+    finally:
+        store._stats_plan = orig
+        store._STATS_PLANS.clear()
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -89,10 +126,12 @@ def main(argv=None):
     ap.add_argument("--decode", default="4096x1,4096x8,32768x1,32768x8", help="CTXxBATCH,...")
     ap.add_argument("--warps", default="1,2", help="decode num_warps to try")
     ap.add_argument("--shapes", default=",".join(n for n, *_ in SHAPES), help="shape names to run")
-    ap.add_argument("--skip", default="", help="quant,decode")
+    ap.add_argument("--stats-warps", default="4,8,16", help="rotated stats kernel num_warps to try")
+    ap.add_argument("--skip", default="", help="quant,decode,stats")
     a = ap.parse_args(argv)
     a.lens = [int(x) for x in a.lens.split(",") if x]
     a.shapes = a.shapes.split(",")
+    a.stats_warps = [int(x) for x in a.stats_warps.split(",") if x]
     a.warps = [int(x) for x in a.warps.split(",") if x]
     a.decode = [tuple(int(y) for y in x.split("x")) for x in a.decode.split(",") if x]
     from ..bench_common import bench_graph_ms, machine_info
@@ -105,6 +144,8 @@ def main(argv=None):
         res["quant"] = _quant_rows(a, bench)
     if "decode" not in a.skip:
         res["decode"] = _decode_rows(a, bench)
+    if "stats" not in a.skip:
+        res["stats"] = _stats_rows(a)
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
 
