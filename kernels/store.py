@@ -589,14 +589,17 @@ def _stats_plan(k, v, has_mean, block_size, headroom, n_lo, rope_dims, rot, mean
     nsub = max(1, min(nsub, _pow2(nblocks)))
     nc = -(-T // (nsub * bs))
     n_gap = float(b * max(T // bs, 1))
-    # rotated stats: 8 warps (sm_90 compile, d 128: 4 warps 255 regs + a 176-208 B stack, 8 warps 247-255 + 0-24 B)
+    # rotated stats: 8 warps only past head_dim 128. At d 128, 4 warps (255 regs + a 176-208 B stack on sm_90) run
+    # 37.5 us against 8 warps' 54.4 (plain 34.6); at d 256, 47.4 against 43.4 (H200, 4k, layer of one 8-head / 1-head
+    # model: eval/results/stats_warps_rotated_s30_h200.json): the butterfly's cross-warp layout changes cost more than
+    # the spill
     return StatsLaunch(
         (b * H, nc, N_PART, BD), (b * H, nc), (b, H, D), (nc, b * H),
         (T, nc, b, H, float(headroom / 127.0), n_gap, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
          v.stride(2)),
         dict(D=D, BD=BD, BS=bs, NSUB=nsub, VEC=_vec(k, v), ROT=int(rope_dims), **rot, BC=min(_pow2(nc), 64),
              HP=max(2, _pow2(H)), N2=int(n_lo or 0),
-             HAS_MEAN=has_mean, SELECT=n_lo is not None, MEAN_IN=bool(mean_in), num_warps=8 if rot["ROTATE"] else 4,
+             HAS_MEAN=has_mean, SELECT=n_lo is not None, MEAN_IN=bool(mean_in), num_warps=8 if rot["ROTATE"] and BD > 128 else 4,
              enable_fp_fusion=False))
 
 
