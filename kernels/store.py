@@ -599,7 +599,8 @@ def _stats_plan(k, v, has_mean, block_size, headroom, n_lo, rope_dims, rot, mean
          v.stride(2)),
         dict(D=D, BD=BD, BS=bs, NSUB=nsub, VEC=_vec(k, v), ROT=int(rope_dims), **rot, BC=min(_pow2(nc), 64),
              HP=max(2, _pow2(H)), N2=int(n_lo or 0),
-             HAS_MEAN=has_mean, SELECT=n_lo is not None, MEAN_IN=bool(mean_in), num_warps=8 if rot["ROTATE"] and BD > 128 else 4,
+             HAS_MEAN=has_mean, SELECT=n_lo is not None, MEAN_IN=bool(mean_in),
+             num_warps=8 if rot["ROTATE"] and BD > 128 else 4,
              enable_fp_fusion=False))
 
 
