@@ -27,28 +27,33 @@ QUANT_TILES = ((64, 4), (32, 4), (32, 1), (16, 1), (8, 1), (32, 2), (16, 2), (64
 SHAPES = (("llama3-8b", 32, 8, 128), ("gemma3-270m", 4, 1, 256))
 
 
+def _layer_inputs(args):
+    """``(name, d, L, q, k, v)`` per selected shape and length: one layer's bf16 Q ``[1, HQ, L, d]``, K and V."""
+    for name, hq, hk, d in (sh for sh in SHAPES if sh[0] in args.shapes):
+        for L in args.lens:
+            g = torch.Generator(device="cuda").manual_seed(0)
+            q, k, v = (torch.randn(1, h, L, d, device="cuda", dtype=torch.bfloat16, generator=g) for h in (hq, hk, hk))
+            yield name, d, L, q, k, v
+
+
 def _quant_rows(args, bench):
     from turbo_attn_hf.kernels import quant
 
     out = []
     orig = quant._qk_tile
     try:
-        for name, hq, hk, d in (sh for sh in SHAPES if sh[0] in args.shapes):
-            for L in args.lens:
-                g = torch.Generator(device="cuda").manual_seed(0)
-                q = torch.randn(1, hq, L, d, device="cuda", dtype=torch.bfloat16, generator=g)
-                k = torch.randn(1, hk, L, d, device="cuda", dtype=torch.bfloat16, generator=g)
-                mean = quant.k_smooth_mean(k)
-                for bt, nw in QUANT_TILES:
-                    if bt * d > 64 * 256 * 2:
-                        continue
-                    quant._qk_tile = lambda _d, _rot, bt=bt, nw=nw: (bt, nw)
-                    r = {"shape": name, "d": d, "L": L, "rows": bt, "warps": nw}
-                    for rot in (False, True):
-                        res = bench(lambda: quant.quantize_qk(q, k, smooth=mean, rotate=rot))
-                        r["rotated_us" if rot else "plain_us"] = round(1e3 * res.get("ms_graph", float("nan")), 2)
-                    out.append(r)
-                    print(json.dumps(r), flush=True)
+        for name, d, L, q, k, _ in _layer_inputs(args):
+            mean = quant.k_smooth_mean(k)
+            for bt, nw in QUANT_TILES:
+                if bt * d > 64 * 256 * 2:
+                    continue
+                quant._qk_tile = lambda _d, _rot, bt=bt, nw=nw: (bt, nw)
+                r = {"shape": name, "d": d, "L": L, "rows": bt, "warps": nw}
+                for rot in (False, True):
+                    res = bench(lambda: quant.quantize_qk(q, k, smooth=mean, rotate=rot))
+                    r["rotated_us" if rot else "plain_us"] = round(1e3 * res.get("ms_graph", float("nan")), 2)
+                out.append(r)
+                print(json.dumps(r), flush=True)
     finally:
         quant._qk_tile = orig
     return out
@@ -96,23 +101,19 @@ def _stats_rows(args):
     orig = store._stats_plan
     cfg = dataclasses.replace(TurboConfig.preset("int4"), rotate_qk="hadamard")
     try:
-        for name, hq, hk, d in (sh for sh in SHAPES if sh[0] in args.shapes):
-            for L in args.lens:
-                g = torch.Generator(device="cuda").manual_seed(0)
-                k = torch.randn(1, hk, L, d, device="cuda", dtype=torch.bfloat16, generator=g)
-                v = torch.randn(1, hk, L, d, device="cuda", dtype=torch.bfloat16, generator=g)
-                for nw in args.stats_warps:
-                    def plan(*a, nw=nw, **kw):
-                        launch = orig(*a, **kw)
-                        launch.kw = {**launch.kw, "num_warps": nw}
-                        return launch
-                    store._stats_plan = plan
-                    store._STATS_PLANS.clear()
-                    first_prefill.PLANS.clear()  # the cache's first-store plans hold a stats launch each
-                    r = {"shape": name, "d": d, "L": L, "stats_warps": nw,
-                         "kernels_us": _kernel_us(lambda: TurboLayer(cfg).update(k, v))}
-                    out.append(r)
-                    print(json.dumps(r), flush=True)
+        for name, d, L, _, k, v in _layer_inputs(args):
+            for nw in args.stats_warps:
+                def plan(*a, nw=nw, **kw):
+                    launch = orig(*a, **kw)
+                    launch.kw = {**launch.kw, "num_warps": nw}
+                    return launch
+                store._stats_plan = plan
+                store._STATS_PLANS.clear()
+                first_prefill.PLANS.clear()  # the cache's first-store plans hold a stats launch each
+                r = {"shape": name, "d": d, "L": L, "stats_warps": nw,
+                     "kernels_us": _kernel_us(lambda: TurboLayer(cfg).update(k, v))}
+                out.append(r)
+                print(json.dumps(r), flush=True)
     finally:
         store._stats_plan = orig
         store._STATS_PLANS.clear()
