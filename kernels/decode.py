@@ -400,6 +400,14 @@ def _fold_step(
 
 
 @triton.jit
+def _slot_rows(i_s, i_bh, n_bh, n_mp, o_r):
+    """Rows of the partials workspace (``po`` / ``pml``, ``[slots, items, n_mp]`` rows) of slot ``i_s``, work item
+    ``i_bh``, M rows ``o_r``: the one layout the shares' partials, the group merges and the rotated query's round trip
+    share (``i_s``, ``o_r`` broadcast)."""
+    return (i_s.to(tl.int64) * n_bh + i_bh) * n_mp + o_r
+
+
+@triton.jit
 def _store_new_token(kn, vn, nf, sk, mk, sv, kt, vt, o_k, o_v, o_kvh, slot, tail_cap, o_d, m_d, D: tl.constexpr,
                      HAS_MEAN: tl.constexpr, COUNT: tl.constexpr):
     """One (row, KV head)'s new token (K at ``kn + o_k``, V at ``vn + o_v``) -> INT8 buffer slot ``slot``, as
@@ -502,8 +510,8 @@ def _decode_program(
         b_qf = hadamard_rows(b_qf, ROT_N)
         # back through this program's own partials slot (written again only after the loop): reloaded, the query
         # has the layout of the plain path's load, so nothing after the prologue compiles differently (in the
-        # butterfly's final layout the rotated launch ran 11-17 % slower at head_dim 256, eval/PERF_NOTES.md)
-        p_rt = po + ((i_s.to(tl.int64) * N_BH + i_bh) * (N_M * BM) + o_r)[:, None] * BD + o_d[None, :]
+        # butterfly's final layout the rotated launch ran 10-12.5 % slower at head_dim 256, eval/PERF_NOTES.md)
+        p_rt = po + _slot_rows(i_s, i_bh, N_BH, N_M * BM, o_r)[:, None] * BD + o_d[None, :]
         tl.store(p_rt, b_qf)
         tl.debug_barrier()
         b_qf = tl.load(p_rt)
@@ -644,7 +652,7 @@ def _decode_program(
     if SPLIT:
         n_bh = N_BH
         n_mp = N_M * BM
-        o_p = (i_s.to(tl.int64) * n_bh + i_bh) * n_mp + o_r
+        o_p = _slot_rows(i_s, i_bh, n_bh, n_mp, o_r)
         tl.store(po + o_p[None, :] * BD + o_d[:, None], b_acc, mask=m_r[None, :])
         tl.store(pml + o_p * 2, b_m, mask=m_r)
         tl.store(pml + o_p * 2 + 1, b_l, mask=m_r)
@@ -666,7 +674,7 @@ def _decode_program(
                 b_acc2, b_m2, b_l2 = _merge_partials(po, pml, i_bh, n_bh, n_mp, o_rm, o_d, g_lo,
                                                      tl.minimum(g_lo + SC, S), BM, BD, SC)
                 if NG > 1:
-                    o_g = ((S + i_g).to(tl.int64) * n_bh + i_bh) * n_mp + o_r
+                    o_g = _slot_rows(S + i_g, i_bh, n_bh, n_mp, o_r)
                     tl.store(po + o_g[:, None] * BD + o_d[None, :], b_acc2, mask=m_r[:, None])
                     tl.store(pml + o_g * 2, b_m2, mask=m_r)
                     tl.store(pml + o_g * 2 + 1, b_l2, mask=m_r)
@@ -795,7 +803,7 @@ def _merge_partials(po, pml, i_bh, n_bh, n_mp, o_r, o_d, s_lo, s_hi, BM: tl.cons
     b_mx = tl.full([BM], float("-inf"), dtype=tl.float32)
     for s0 in range(s_lo, s_hi, 64):
         o_s = s0 + tl.arange(0, 64)
-        o_p = (o_s[:, None].to(tl.int64) * n_bh + i_bh) * n_mp + o_r[None, :]
+        o_p = _slot_rows(o_s[:, None], i_bh, n_bh, n_mp, o_r[None, :])
         b_ms = tl.load(pml + o_p * 2, mask=(o_s < s_hi)[:, None], other=float("-inf"), cache_modifier=".cg")
         b_mx = tl.maximum(b_mx, tl.max(b_ms, 0))
     b_mz = tl.where(b_mx == float("-inf"), 0.0, b_mx)
@@ -804,7 +812,7 @@ def _merge_partials(po, pml, i_bh, n_bh, n_mp, o_r, o_d, s_lo, s_hi, BM: tl.cons
     for s0 in range(s_lo, s_hi, SC):
         o_s = s0 + tl.arange(0, SC)
         m_s = (o_s < s_hi)[:, None]
-        o_p = (o_s[:, None].to(tl.int64) * n_bh + i_bh) * n_mp + o_r[None, :]  # [SC, BM]
+        o_p = _slot_rows(o_s[:, None], i_bh, n_bh, n_mp, o_r[None, :])  # [SC, BM]
         b_ms = tl.load(pml + o_p * 2, mask=m_s, other=float("-inf"), cache_modifier=".cg")
         b_ls = tl.load(pml + o_p * 2 + 1, mask=m_s, other=0.0, cache_modifier=".cg")
         b_as = tl.load(po + o_p[:, :, None] * BD + o_d[None, None, :], mask=m_s[:, :, None], other=0.0,

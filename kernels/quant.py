@@ -300,9 +300,7 @@ def _qk_tile(d: int, rotate: bool) -> tuple[int, int]:
     """(rows a tile, warps) of the Q+K pass. Rotated: one warp over 2048 channels' worth of rows (16 at head_dim
     128, 8 at 256), so the butterfly changes layout with shuffles only; on 4 warps it paid a barrier and a
     shared-memory trip per stage, 1.8-3.7x the time (H200, eval/results/rotation_launch_sweep_h200.json)."""
-    if interpreting():
-        return 32, 4
-    if rotate:
+    if rotate and not interpreting():
         return max(8, 2048 // _pow2(d)), 1
     return _tile_rows(d), 4
 

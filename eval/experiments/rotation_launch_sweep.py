@@ -4,7 +4,7 @@
 plain time) and the rotated decode's in ``_decode_kernel`` at head_dim 256 (+2-5 µs). sm_90 SASS of the two (CPU
 compile, PERF_NOTES session 30): the quantization pass's ``[64, 128]`` tile on 4 warps pays 39 barriers and
 160 shuffles a thread for the butterfly's layout changes; the decode kernel at head_dim 256 on one warp spills
-(1369 STL) and the rotation adds 660 more, most of them inside the main loop. This sweep times both per launch shape:
+(1369 STL) and the rotation adds 660 more, 244 of them inside the main loop. This sweep times both per launch shape:
 
 * quant: ``quant.quantize_qk`` (Q and K of one layer, K's mean subtracted) plain / rotated, per (rows a tile,
   warps) — ``quant._qk_tile``, the launcher's choice, patched;
