@@ -1153,6 +1153,32 @@ def _kvalid_int8(key_valid: torch.Tensor) -> torch.Tensor:
     return out
 
 
+class _StepLaunch:
+    """What ``_DecodeStatic.run_step`` replays: a launch that stored its step's token, with the facts it was
+    specialised on (``facts``: blocks, tiles, visible tiles, 16-byte alignment of every pointer, the mask's and counter's
+    presence, the new token's shapes, strides and dtypes, the current device) and its argument tuple's fixed parts."""
+
+    __slots__ = ("facts", "lean", "launch", "sizes", "ws_key", "ws", "cuda", "kv_ptr", "ln_ptr", "head", "groups",
+                 "tail")
+
+    def __init__(self, facts, hit, grid, device, sizes, kv_ptr, ln_ptr, tps0, tps1, S0, S1, n_m, b, nstr):
+        _, compiled, ptrs = hit
+        self.facts, self.lean, self.launch, self.sizes = facts, _DECODE, LeanLaunch.bound(compiled, (grid,)), sizes
+        self.cuda, self.ws_key = device.type == "cuda", (device.type, device.index)
+        self.kv_ptr, self.ln_ptr = kv_ptr, ln_ptr
+        self.ws = self.workspace(device)
+        self.head, self.groups = ptrs[0], ptrs[1]
+        self.tail = (tps0, tps1, S0, S1, n_m, b) + ptrs[2] + nstr + ptrs[3]
+
+    def workspace(self, device) -> tuple:
+        """(the workspace as ``_WORKSPACE`` holds it, its three addresses); none (``sizes`` None): sv takes the slots."""
+        if self.sizes is None:
+            return (None, self.ln_ptr, self.ln_ptr, self.ln_ptr)
+        ws = _workspace(device, *self.sizes)
+        return (ws,) + tuple(map(_data_ptr, ws))
+
+
+_data_ptr = torch.Tensor.data_ptr
 _STATIC: dict = {}
 _NO_STRIDES = (0, 0, 0, 0)  # the new token's strides without STORE (never read)
 _N_HEAD = 6  # the leading storage tensors of ``stor`` (k_tail .. qk_smooth); the bit groups' follow
@@ -1263,6 +1289,7 @@ class _DecodeStatic:
         # compiled kernel that ran with them or None, (the storage tensors' addresses, the trailing scalars))
         self.launches = {}
         self.plans = {}  # (pair, visible tiles) -> _step_plan
+        self.step = None  # the last launch that stored its step's token, for ``run_step`` (``_StepLaunch``)
 
     def alive(self, stor) -> bool:
         """The entry's storage tensors are the objects passed now (ids of dead objects can be reused)."""
@@ -1321,6 +1348,46 @@ class _DecodeStatic:
         if store is not None:
             store = self._new_token(store, n_tail)
         return self._launch(q, stor, key_valid, None, (n_blocks, n_tail, kv_len, kv_len, t0), n_tiles - t0, store)
+
+    def run_step(self, q, groups, stor, n_tail, key_valid, k, v, nf):
+        """``run(q, groups, stor, n_tail, key_valid, (k, v, nf))`` for a decode step like the last one that stored its
+        token (``self.step``): the same tile plan, the same facts of the query, mask and new token. Only the
+        addresses and lengths are new, so the launch is one argument tuple and the C launcher: no plan, key or facts
+        rebuilt (the eager step's host time, issue 18). Returns None where it does not apply; ``run`` then does
+        everything. The caller has checked ``alive(stor)`` (the pointers kept are the storage's)."""
+        rec = self.step
+        if rec is None or rec.lean is not _DECODE or LeanLaunch.hooks_active():
+            return None
+        BS = self.BS
+        n_blocks = groups[0].n_blocks
+        for g_ in groups:
+            if g_.n_blocks != n_blocks:
+                return None
+        kv_len = n_blocks * BS + n_tail
+        t0 = 0
+        if self.window:
+            t0 = min(max(first_visible_tile(kv_len, 1, self.window, BS) - self.n_sink // BS, 0), n_blocks)
+        kv_ptr = rec.kv_ptr
+        if key_valid is not None:
+            if tuple(key_valid.shape) != (self.b, kv_len):
+                return None
+            kv_ptr = _kvalid_int8(key_valid).data_ptr()
+        q_ptr, k_ptr, v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr()
+        nf_ptr = nf.data_ptr() if nf is not None else 0
+        # everything the recorded launch was specialised on, and its plan (made for the visible tiles)
+        n_tiles = n_blocks + -(-n_tail // BS)
+        facts = (n_blocks, n_tiles, n_tiles - t0, (q_ptr | k_ptr | v_ptr | nf_ptr | kv_ptr) & 15 == 0,
+                 key_valid is None, nf is None, k.shape, v.shape, k.stride(), v.stride(), k.dtype, v.dtype,
+                 current_cuda_device() if rec.cuda else -1)
+        if facts != rec.facts or not 1 <= n_tail <= self.C:
+            return None
+        o = torch.empty(self.o_shape, dtype=q.dtype, device=self.device)
+        ws = rec.ws
+        if rec.sizes is not None and _WORKSPACE.get(rec.ws_key) is not ws[0]:  # regrown since (another call's sizes)
+            rec.ws = ws = rec.workspace(self.device)
+        rec.launch((q_ptr, *rec.head, kv_ptr, o.data_ptr(), *ws[1:], rec.ln_ptr, k_ptr, v_ptr, nf_ptr or rec.ln_ptr,
+                    *rec.groups, n_blocks, n_tail, self.n_sink, self.C, 1, kv_len, kv_len, t0) + rec.tail)
+        return o
 
     def _new_token(self, store, n_tail):
         """``store = (k, v, nonfinite)`` checked for the launch -> (k, v, nonfinite, its facts, its strides)."""
@@ -1423,9 +1490,17 @@ class _DecodeStatic:
                 if self.cacheable and isinstance(_DECODE, LeanLaunch) and ran is not None:  # relaunch from now on
                     ptrs = (tuple(t.data_ptr() for t in head), tuple(t.data_ptr() for t in ga_t),
                             self.scalars + gs[:-3], gs[-3:])
-                    self.launches[kk] = (kw, ran, ptrs)
+                    self.launches[kk] = hit = (kw, ran, ptrs)
                 elif hit is None:
                     self.launches[kk] = (kw, None, None)
+            if store is not None and lens is None and len(self.pairs) == 1 and hit is not None and \
+                    hit[1] is not None and (fused or not split) and self.n_m == 1:
+                nf_ptr = new_ptrs[2] if store[2] is not None else None
+                self.step = _StepLaunch(
+                    (n_blocks, n_blocks + -(-n_tail // self.BS), n_plan, not ((q_ptr | kv_ptr | new_ptrs[0] | new_ptrs[1] | (nf_ptr or 0)) & 15),
+                     kvalid is None, store[2] is None, kn.shape, vn.shape, kn.stride(), vn.stride(), kn.dtype,
+                     vn.dtype, cur),
+                    hit, grid, self.device, sizes, head[2].data_ptr(), sv.data_ptr(), tps0, tps1, S0, S1, self.n_m, self.b, nstr)
             if split and not fused:
                 if lens is not None:
                     raise ValueError("merge='kernel' takes host lengths; a launch with lens needs merge='fused'")

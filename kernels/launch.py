@@ -133,6 +133,23 @@ class LeanLaunch:
         return bool(getattr(enter, "calls", enter) or getattr(leave, "calls", leave))
 
     @staticmethod
+    def bound(hit: Tuple[Any, Tuple], grid: Sequence[int]) -> Callable[[Sequence[Any]], None]:
+        """:meth:`relaunch` of ``hit`` on ``grid`` as a function of ``call`` alone: the launcher, grid and trailing
+        arguments looked up once (a caller that relaunches one kernel on one grid every step, ``decode.run_step``)."""
+        kernel, tail = hit
+        g = tuple(grid) + (1, 1)
+        direct = kernel.__dict__.get("_turbo_direct", _UNSET) if hasattr(kernel, "__dict__") else None
+        if direct is _UNSET:
+            direct = kernel.__dict__["_turbo_direct"] = _direct_launch(kernel)
+        if direct is None:
+            return lambda call: LeanLaunch.relaunch(hit, grid, call)
+        launch, coop, pdl = direct
+        g0, g1, g2 = g[:3]
+        fn, meta = kernel.function, kernel.packed_metadata
+        return lambda call: launch(g0, g1, g2, _raw_stream(_cuda_device()), fn, coop, pdl, None, None, meta, None, None,
+                                   None, *call, *tail)
+
+    @staticmethod
     def relaunch(hit: Tuple[Any, Tuple], grid: Sequence[int], call: Sequence[Any]) -> None:
         """Launch ``hit`` (as returned by :meth:`launch`) again with the runtime arguments ``call``, tensors
         given as their addresses. The caller guarantees that every specialisation fact of ``call`` equals

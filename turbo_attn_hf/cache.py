@@ -295,6 +295,7 @@ class TurboLayer(CacheLayerMixin):
         self.headroom: Optional[float] = None  # the universal scales' headroom, fixed at the first prefill
         self._first_prefill = False
         self._decode_entry = None  # (call, decode entry) of the last decode launch (attention)
+        self._token_shape = None  # a deferred decode token's shape: the next like it takes ``defer_token``
 
     # ------------------------------------------------------------------ set-up
     def _layer_head_bits(self, n_kv_heads: int) -> list[int]:
@@ -438,7 +439,7 @@ class TurboLayer(CacheLayerMixin):
         self.v_tail[:, :, :, slot:slot + n] = v8.transpose(-1, -2)
 
     def _fused(self, x: torch.Tensor) -> bool:
-        return FUSED_STORE and use_triton(x.device)
+        return FUSED_STORE and (x.is_cuda or use_triton(x.device))  # is_cuda first: no device object per step
 
     def _write_tokens(self, slot: int, key_states: torch.Tensor, value_states: torch.Tensor, count: bool = True
                       ) -> None:
@@ -657,6 +658,17 @@ class TurboLayer(CacheLayerMixin):
         d["_pend"] = (key_states, value_states, *bufs, self.n_tail)
         self.n_tail += 1
 
+    def defer_token(self, key_states: torch.Tensor, value_states: torch.Tensor) -> Optional[tuple]:
+        """``update`` of a decode token shaped like the last deferred one (``_token_shape``) whose store the
+        step's decode launch can take, or None (then ``update``): plain generate()'s steady step without
+        ``update``'s first-prefill, shape and rotation checks, which a deferred token of this shape passed already
+        (``_clear`` forgets the shape; a rotated layer never defers)."""
+        if (value_states.shape != key_states.shape or not DEFER_DECODE_STORE or "_pend" in self.__dict__
+                or self._packs(1) or not self._fused(key_states)):
+            return None
+        self._defer(key_states, value_states)
+        return self._placeholders(self.get_seq_length())
+
     def _pop_deferred(self) -> tuple:
         """The deferred token ``(k, v, its buffer slot)``, the buffers back in ``__dict__``."""
         d = self.__dict__
@@ -827,6 +839,7 @@ class TurboLayer(CacheLayerMixin):
                 self._store(key_states, value_states, first=True)
         elif self._defers(key_states):
             self._defer(key_states, value_states)
+            self._token_shape = key_states.shape
         else:
             self._store(key_states, value_states)
         self._first_prefill = first
@@ -882,7 +895,7 @@ class TurboLayer(CacheLayerMixin):
                      softmax=cfg.softmax, sas_threshold=cfg.sas_threshold, smooth_k=cfg.smooth_k,
                      k_mean=self.prefill_k_mean, rotate_qk=self.rotated, qk_smooth=self.qk_smooth)
             return out.to(query.dtype)
-        if use_triton(query.device):  # decode_inputs() spelled out: this runs per layer and decode step
+        if query.is_cuda or use_triton(query.device):  # decode_inputs() spelled out: runs per layer and decode step
             store = None
             pend = self.__dict__.get("_pend")
             # the deferred token, if this is its step's query and the launch can store it; else the reads below store
@@ -907,6 +920,10 @@ class TurboLayer(CacheLayerMixin):
                                          n_sink=cfg.sink_blocks * cfg.block_size, softmax=cfg.softmax,
                                          sas_threshold=cfg.sas_threshold, rotate=self.rotated)
                 self._decode_entry = (call, entry)
+            if store is not None:  # a step like the last: its launch replayed (None: not like it)
+                out = entry.run_step(query, self.groups, stor, self.n_tail, key_valid, *store)
+                if out is not None:
+                    return out
             return entry.run(query, self.groups, stor, self.n_tail, key_valid, store)
         args, kw = self.decode_inputs()
         kw.update(scale=scale, causal=causal, window=window, softcap=softcap, key_valid=key_valid, **self._rot_kw)
@@ -953,6 +970,7 @@ class TurboLayer(CacheLayerMixin):
         for grp in self.groups:
             grp.index_batch(idx)
         self.batch = int(idx.numel())
+        self._token_shape = None  # another batch: the next token takes update's checks
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row ``i`` becomes old row ``beam_idx[i]`` (packed storage gathered, not dequantized)."""
@@ -1279,6 +1297,9 @@ class TurboStaticLayer(TurboLayer):
             torch._dynamo.mark_static_address(t)
 
     # ------------------------------------------------------------------ storing
+    def defer_token(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        return None  # every static step stores through ``update`` (the step's store launch)
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, cache_kwargs: Optional[dict] = None,
                *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized or self.k_scale is None or key_states.shape[2] != 1:
@@ -1563,9 +1584,13 @@ class TurboCache(Cache):
         while len(self.layers) <= layer_idx:  # no model config given: full-attention layers on first use
             self.layers.append(TurboLayer(self.turbo_config, len(self.layers), self.n_layers))
         layer = self.layers[layer_idx]
+        # a decode token whose store the decode launch takes: no launch here, so no device switch
+        if (getattr(layer, "_token_shape", None) == key_states.shape and not self.offloading
+                and (out := layer.defer_token(key_states, value_states)) is not None):
+            pass
         # a first prefill replayed (first_prefill) needs no device switch: replay() launches only on the device it
         # recorded on
-        if (not layer.is_initialized and not self.offloading and isinstance(layer, TurboLayer)
+        elif (not layer.is_initialized and not self.offloading and isinstance(layer, TurboLayer)
                 and layer._replay_first_prefill(key_states, value_states, self._first_stores)):
             out = layer._first_prefill_keys(key_states, value_states)
         else:

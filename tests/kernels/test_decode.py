@@ -509,3 +509,87 @@ def test_decode_qk_smooth_checks_and_static_entries(device):
                      ATOL_KERNEL)
     assert len(DK._STATIC) == 2
     DK._STATIC.clear()
+
+
+class _RecordingKernel:
+    """A compiled kernel stand-in: records what each relaunch hands its launcher."""
+
+    function, packed_metadata = "fn", "meta"
+
+    def __init__(self):
+        self.calls = []
+
+    def run(self, *a):
+        self.calls.append(a)
+
+
+class _RecordingJit:
+    """The decode kernel's parameters; a first launch 'compiles' one recording kernel (test_launch.py's fakes)."""
+
+    def __init__(self, fn):
+        import inspect
+        from types import SimpleNamespace
+
+        import triton.language as tl
+
+        fn = getattr(fn, "fn", fn)
+        self.params = [SimpleNamespace(name=p.name, is_constexpr=p.annotation is tl.constexpr,
+                                       do_not_specialize=False, default=p.default)
+                       for p in inspect.signature(fn).parameters.values()]
+        self.kernel = _RecordingKernel()
+
+    def __getitem__(self, grid):
+        return lambda *a, **kw: self.kernel
+
+
+@pytest.mark.parametrize("case", ["int4-split", "mixed-window", "int8-key_valid"])
+def test_run_step_relaunches_with_the_arguments_of_run(case, monkeypatch):
+    """``_DecodeStatic.run_step`` (a step like the last one that stored its token) hands the launcher exactly what
+    ``run``'s relaunch does, the output's address aside; it declines (None) a step on a new tile plan, a
+    misaligned token, a mask it was not recorded with and a launch hook, and ``run`` then records the new plan."""
+    from types import SimpleNamespace
+
+    from triton.runtime.driver import driver
+
+    from turbo_attn_hf.kernels import decode as DK
+    from turbo_attn_hf.kernels import launch as launch_mod
+
+    monkeypatch.setattr(launch_mod, "interpreting", lambda: False)  # the GPU host's launch path, kernels faked
+    monkeypatch.setattr(driver, "_active", SimpleNamespace(get_current_device=lambda: 0,
+                                                           get_current_stream=lambda device=None: 7))
+    jit = _RecordingJit(DK._decode_kernel)
+    monkeypatch.setattr(DK, "_DECODE", DK.LeanLaunch(jit))
+    bits = {"int4-split": [4, 4], "mixed-window": [4, 2], "int8-key_valid": [8, 8]}[case]
+    window = 48 if case == "mixed-window" else None  # the first visible tile stays put over the steps below
+    q, _, _, (groups, kt, vt, nt, ks, vs, mu) = make_case(1, 2, 4, 200, 1, 32, bits, 16, n_prefill=150)
+    packed = to_packed(groups, "cpu")
+    stor = DK.decode_storage(kt, vt, ks, vs, mu, None, packed)
+    kv = case == "int8-key_valid"
+    entry = DK.decode_entry(q, packed, stor, not kv, True, window=window, n_splits=2)
+    g = torch.Generator().manual_seed(1)
+    k, v = (torch.randn(1, 2, 1, 32, generator=g).to(torch.bfloat16) for _ in range(2))
+    nf = torch.zeros(1, dtype=torch.int32)
+    n0 = packed[0].n_blocks * 16
+    mask = lambda n: torch.ones(1, n0 + n, dtype=torch.bool) if kv else None  # noqa: E731
+    for n_tail in (nt - 3, nt - 3):  # compiles (the recorder), then relaunches; each records the step
+        entry.run(q, packed, stor, n_tail, mask(n_tail), (k, v, nf))
+    for n_tail in range(nt - 2, nt + 1):  # the same tiles: replayed, then run's own launch
+        if n_tail == nt - 1:  # another call grows the shared workspace: the replay takes the new one
+            DK._workspace(q.device, entry.step.sizes[0] + 1, entry.step.sizes[1] + 1, entry.step.sizes[2] + 1)
+        m = mask(n_tail)  # one mask object: converted to int8 once (``_kvalid_int8``)
+        o = entry.run_step(q, packed, stor, n_tail, m, k, v, nf)
+        o_run = entry.run(q, packed, stor, n_tail, m, (k, v, nf))
+        assert o is not None and o.shape == o_run.shape
+        by_step, by_run = jit.kernel.calls[-2:]
+        assert len(by_run) == len(by_step)
+        diff = [i for i, (a, b) in enumerate(zip(by_run, by_step)) if a != b]
+        assert len(diff) == 1, f"n_tail {n_tail}: positions {diff} differ"
+        assert (by_run[diff[0]], by_step[diff[0]]) == (o_run.data_ptr(), o.data_ptr())
+    # not like the recorded step: declined
+    assert entry.run_step(q, packed, stor, nt + 16, mask(nt + 16), k, v, nf) is None  # one tile more
+    km = torch.zeros(1, 2, 2, 33, dtype=torch.bfloat16)[:, :, :1, 1:]
+    assert entry.run_step(q, packed, stor, nt, mask(nt), km, v, nf) is None  # misaligned, other strides
+    other = None if kv else torch.ones(1, n0 + nt, dtype=torch.bool)
+    assert entry.run_step(q, packed, stor, nt, other, k, v, nf) is None
+    monkeypatch.setattr(DK.LeanLaunch, "hooks_active", staticmethod(lambda: True))
+    assert entry.run_step(q, packed, stor, nt, mask(nt), k, v, nf) is None

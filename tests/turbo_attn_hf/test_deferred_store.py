@@ -160,3 +160,28 @@ def test_the_kernel_refuses_a_store_it_cannot_take(device):
         turbo_decode_attention(q, layer.groups, layer.k_tail, layer.v_tail, layer.n_tail, layer.k_scale,
                                layer.v_scale, layer.k_mean, n_sink=BS, softmax="exact",
                                store=(k[:, :, :1], v[:, :, :1], layer.nonfinite))
+
+
+def test_steady_steps_skip_the_layers_update(device, monkeypatch):
+    """From a layer's second deferred token of one shape on, ``TurboCache.update`` hands the token to
+    ``defer_token`` (no first-prefill, shape or rotation checks); a packing step, another batch and a reset go back
+    through the layer's ``update``. The outputs are test_decode_launch_stores_the_step_token's (the same path)."""
+    if device.type != "cuda" and not C.use_triton(device):
+        pytest.skip("the deferred store runs where the Triton kernels do")
+    seen = []
+    update = C.TurboLayer.update
+
+    def counted(self, k, v, *a, **kw):
+        seen.append(k.shape[2])
+        return update(self, k, v, *a, **kw)
+
+    monkeypatch.setattr(C.TurboLayer, "update", counted)
+    prompt, steps = BS + 5, BS - 2
+    layer, _, deferred = _steps(_cfg("int4"), True, prompt, steps, device)
+    packs = deferred.count(False)
+    assert packs >= 1 and seen == [prompt] + [1] * (packs + 1)  # the prompt, the first deferral, each pack
+    assert layer._token_shape == (2, HK, 1, D)
+    layer.batch_select_indices(torch.tensor([0], device=device))
+    assert layer._token_shape is None
+    layer.reset()
+    assert layer._token_shape is None
