@@ -63,8 +63,9 @@ def _counting():
                 counts["ops"][name] = counts["ops"].get(name, 0) + 1
             return func(*args, **(kwargs or {}))
 
-    # LeanLaunch.relaunch too: launch_memo's hits (and the decode launcher's) go straight to it (a staticmethod)
-    patched = [(L.LeanLaunch, "launch"), (L.LeanLaunch, "relaunch"), (triton.runtime.jit.JITFunction, "run")]
+    # LeanLaunch.relaunch and .fire too: launch_memo's hits and the decode launcher's go straight to them
+    patched = [(L.LeanLaunch, "launch"), (L.LeanLaunch, "relaunch"), (L.LeanLaunch, "fire"),
+               (triton.runtime.jit.JITFunction, "run")]
     try:
         from triton.runtime.interpreter import InterpretedFunction
 

@@ -1163,7 +1163,7 @@ class _StepLaunch:
 
     def __init__(self, facts, hit, grid, device, sizes, kv_ptr, ln_ptr, tps0, tps1, S0, S1, n_m, b, nstr):
         _, compiled, ptrs = hit
-        self.facts, self.lean, self.launch, self.sizes = facts, _DECODE, LeanLaunch.bound(compiled, (grid,)), sizes
+        self.facts, self.lean, self.launch, self.sizes = facts, _DECODE, LeanLaunch.bind(compiled, (grid,)), sizes
         self.cuda, self.ws_key = device.type == "cuda", (device.type, device.index)
         self.kv_ptr, self.ln_ptr = kv_ptr, ln_ptr
         self.ws = self.workspace(device)
@@ -1385,8 +1385,9 @@ class _DecodeStatic:
         ws = rec.ws
         if rec.sizes is not None and _WORKSPACE.get(rec.ws_key) is not ws[0]:  # regrown since (another call's sizes)
             rec.ws = ws = rec.workspace(self.device)
-        rec.launch((q_ptr, *rec.head, kv_ptr, o.data_ptr(), *ws[1:], rec.ln_ptr, k_ptr, v_ptr, nf_ptr or rec.ln_ptr,
-                    *rec.groups, n_blocks, n_tail, self.n_sink, self.C, 1, kv_len, kv_len, t0) + rec.tail)
+        LeanLaunch.fire(rec.launch, (q_ptr, *rec.head, kv_ptr, o.data_ptr(), *ws[1:], rec.ln_ptr, k_ptr, v_ptr,
+                                     nf_ptr or rec.ln_ptr, *rec.groups, n_blocks, n_tail, self.n_sink, self.C, 1,
+                                     kv_len, kv_len, t0) + rec.tail)
         return o
 
     def _new_token(self, store, n_tail):

@@ -133,21 +133,28 @@ class LeanLaunch:
         return bool(getattr(enter, "calls", enter) or getattr(leave, "calls", leave))
 
     @staticmethod
-    def bound(hit: Tuple[Any, Tuple], grid: Sequence[int]) -> Callable[[Sequence[Any]], None]:
-        """:meth:`relaunch` of ``hit`` on ``grid`` as a function of ``call`` alone: the launcher, grid and trailing
-        arguments looked up once (a caller that relaunches one kernel on one grid every step, ``decode.run_step``)."""
+    def bind(hit: Tuple[Any, Tuple], grid: Sequence[int]) -> Tuple:
+        """What :meth:`fire` needs to relaunch ``hit`` on ``grid``, looked up once: a caller that relaunches one
+        kernel on one grid every step (``decode.run_step``) skips the per-call lookups of :meth:`relaunch`."""
         kernel, tail = hit
-        g = tuple(grid) + (1, 1)
         direct = kernel.__dict__.get("_turbo_direct", _UNSET) if hasattr(kernel, "__dict__") else None
         if direct is _UNSET:
             direct = kernel.__dict__["_turbo_direct"] = _direct_launch(kernel)
         if direct is None:
-            return lambda call: LeanLaunch.relaunch(hit, grid, call)
-        launch, coop, pdl = direct
-        g0, g1, g2 = g[:3]
-        fn, meta = kernel.function, kernel.packed_metadata
-        return lambda call: launch(g0, g1, g2, _raw_stream(_cuda_device()), fn, coop, pdl, None, None, meta, None, None,
-                                   None, *call, *tail)
+            return None, hit, grid
+        g = tuple(grid) + (1, 1)
+        return direct[0], (g[0], g[1], g[2]), (kernel.function, direct[1], direct[2], kernel.packed_metadata, tail)
+
+    @staticmethod
+    def fire(bound: Tuple, call: Sequence[Any]) -> None:
+        """:meth:`relaunch` of what :meth:`bind` bound, with the runtime arguments ``call`` (the same conditions)."""
+        launch, g, rest = bound
+        if launch is None:
+            LeanLaunch.relaunch(g, rest, call)
+            return
+        fn, coop, pdl, meta, tail = rest
+        launch(g[0], g[1], g[2], _raw_stream(_cuda_device()), fn, coop, pdl, None, None, meta, None, None, None, *call,
+               *tail)
 
     @staticmethod
     def relaunch(hit: Tuple[Any, Tuple], grid: Sequence[int], call: Sequence[Any]) -> None:

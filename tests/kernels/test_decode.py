@@ -585,6 +585,9 @@ def test_run_step_relaunches_with_the_arguments_of_run(case, monkeypatch):
         diff = [i for i, (a, b) in enumerate(zip(by_run, by_step)) if a != b]
         assert len(diff) == 1, f"n_tail {n_tail}: positions {diff} differ"
         assert (by_run[diff[0]], by_step[diff[0]]) == (o_run.data_ptr(), o.data_ptr())
+    from eval.bench_store import count_launches
+
+    assert count_launches(lambda: entry.run_step(q, packed, stor, nt, mask(nt), k, v, nf))["triton"] == 1
     # not like the recorded step: declined
     assert entry.run_step(q, packed, stor, nt + 16, mask(nt + 16), k, v, nf) is None  # one tile more
     km = torch.zeros(1, 2, 2, 33, dtype=torch.bfloat16)[:, :, :1, 1:]

@@ -174,11 +174,14 @@ def test_relaunch_calls_tritons_c_launcher_directly(monkeypatch):
     slow = Compiled(scratch)
     LeanLaunch.relaunch((slow, ()), (1,), (5,))
     assert scratch.calls == [] and slow.run_calls == [(1, 1, 1, 7, "fn", "meta", None, None, None, 5)]
-    # bound: the same launches, looked up once (the stream still read at each call)
-    go = LeanLaunch.bound((fast, (16, True)), (4, 2))
+    # bind + fire: the same launches, looked up once (the stream still read at each call)
+    bound = LeanLaunch.bind((fast, (16, True)), (4, 2))
     monkeypatch.setattr(launch_mod, "_cuda_device", lambda: 5)
-    go((1234, 9))
+    LeanLaunch.fire(bound, (1234, 9))
     assert fast._run.calls[-1] == (4, 2, 1, 105, "fn", "coop", "pdl", None, None, "meta", None, None, None,
                                    1234, 9, 16, True)
-    LeanLaunch.bound((slow, ()), (1,))((6,))
+    from eval.bench_store import count_launches
+
+    assert count_launches(lambda: LeanLaunch.fire(bound, (1, 2)))["triton"] == 1  # tools that count launches see it
+    LeanLaunch.fire(LeanLaunch.bind((slow, ()), (1,)), (6,))
     assert scratch.calls == [] and slow.run_calls[-1] == (1, 1, 1, 7, "fn", "meta", None, None, None, 6)
