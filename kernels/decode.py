@@ -1154,24 +1154,25 @@ def _kvalid_int8(key_valid: torch.Tensor) -> torch.Tensor:
 
 
 class _StepLaunch:
-    """What ``_DecodeStatic.run_step`` replays: a launch that stored its step's token, with the facts it was
-    specialised on (``facts``: blocks, tiles, visible tiles, 16-byte alignment of every pointer, the mask's and counter's
-    presence, the new token's shapes, strides and dtypes, the current device) and its argument tuple's fixed parts."""
+    """What ``_DecodeStatic.run_step`` replays: a launch with host lengths (with or without the step's token), the
+    facts it was specialised and planned on (``_step_facts``) and its argument tuple's fixed parts."""
 
-    __slots__ = ("facts", "lean", "launch", "sizes", "ws_key", "ws", "cuda", "kv_ptr", "ln_ptr", "head", "groups",
-                 "tail")
+    __slots__ = ("facts", "lean", "launch", "sizes", "ws_key", "ws", "cuda", "kv_ptr", "ln_ptr", "no_token", "head",
+                 "groups", "tail")
 
     def __init__(self, facts, hit, grid, device, sizes, kv_ptr, ln_ptr, tps0, tps1, S0, S1, n_m, b, nstr):
         _, compiled, ptrs = hit
         self.facts, self.lean, self.launch, self.sizes = facts, _DECODE, LeanLaunch.bind(compiled, (grid,)), sizes
         self.cuda, self.ws_key = device.type == "cuda", (device.type, device.index)
         self.kv_ptr, self.ln_ptr = kv_ptr, ln_ptr
+        self.no_token = (ln_ptr, ln_ptr, ln_ptr)  # STORE off: sv takes the new token's slots (never read)
         self.ws = self.workspace(device)
         self.head, self.groups = ptrs[0], ptrs[1]
         self.tail = (tps0, tps1, S0, S1, n_m, b) + ptrs[2] + nstr + ptrs[3]
 
     def workspace(self, device) -> tuple:
-        """(the workspace as ``_WORKSPACE`` holds it, its three addresses); none (``sizes`` None): sv takes the slots."""
+        """(the workspace as ``_WORKSPACE`` holds it, its three addresses); without one (``sizes`` None) sv takes
+        the slots."""
         if self.sizes is None:
             return (None, self.ln_ptr, self.ln_ptr, self.ln_ptr)
         ws = _workspace(device, *self.sizes)
@@ -1349,16 +1350,17 @@ class _DecodeStatic:
             store = self._new_token(store, n_tail)
         return self._launch(q, stor, key_valid, None, (n_blocks, n_tail, kv_len, kv_len, t0), n_tiles - t0, store)
 
-    def run_step(self, q, groups, stor, n_tail, key_valid, k, v, nf):
-        """``run(q, groups, stor, n_tail, key_valid, (k, v, nf))`` for a decode step like the last one that stored its
-        token (``self.step``): the same tile plan, the same facts of the query, mask and new token. Only the
-        addresses and lengths are new, so the launch is one argument tuple and the C launcher: no plan, key or facts
-        rebuilt (the eager step's host time, issue 18). Returns None where it does not apply; ``run`` then does
-        everything. The caller has checked ``alive(stor)`` (the pointers kept are the storage's)."""
+    def run_step(self, q, groups, stor, n_tail, key_valid, k=None, v=None, nf=None):
+        """``run(q, groups, stor, n_tail, key_valid, store)`` (``store`` = ``(k, v, nf)``, or None without ``k``) for a
+        step like the last launch ``run`` made (``self.step``): the same tile plan and the same facts of the query,
+        mask and new token. Only addresses and lengths are new, so the launch is one argument tuple and the C
+        launcher: no plan, key or facts rebuilt (the eager step's host time, issue 18). Returns None where it does
+        not apply; ``run`` then does everything. The caller has checked ``alive(stor)`` (the addresses kept are the
+        storage's)."""
         rec = self.step
         if rec is None or rec.lean is not _DECODE or LeanLaunch.hooks_active():
             return None
-        BS = self.BS
+        BS, Lq = self.BS, self.Lq
         n_blocks = groups[0].n_blocks
         for g_ in groups:
             if g_.n_blocks != n_blocks:
@@ -1366,29 +1368,35 @@ class _DecodeStatic:
         kv_len = n_blocks * BS + n_tail
         t0 = 0
         if self.window:
-            t0 = min(max(first_visible_tile(kv_len, 1, self.window, BS) - self.n_sink // BS, 0), n_blocks)
+            t0 = min(max(first_visible_tile(kv_len, Lq, self.window, BS) - self.n_sink // BS, 0), n_blocks)
         kv_ptr = rec.kv_ptr
         if key_valid is not None:
             if tuple(key_valid.shape) != (self.b, kv_len):
                 return None
             kv_ptr = _kvalid_int8(key_valid).data_ptr()
-        q_ptr, k_ptr, v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr()
-        nf_ptr = nf.data_ptr() if nf is not None else 0
-        # everything the recorded launch was specialised on, and its plan (made for the visible tiles)
-        n_tiles = n_blocks + -(-n_tail // BS)
-        facts = (n_blocks, n_tiles, n_tiles - t0, (q_ptr | k_ptr | v_ptr | nf_ptr | kv_ptr) & 15 == 0,
-                 key_valid is None, nf is None, k.shape, v.shape, k.stride(), v.stride(), k.dtype, v.dtype,
-                 current_cuda_device() if rec.cuda else -1)
-        if facts != rec.facts or not 1 <= n_tail <= self.C:
+        q_ptr = q.data_ptr()
+        new = rec.no_token
+        if k is not None:
+            new = (k.data_ptr(), v.data_ptr(), nf.data_ptr() if nf is not None else rec.ln_ptr)
+        if (self._step_facts(n_blocks, n_tail, t0, q_ptr | kv_ptr | new[0] | new[1] | new[2], key_valid is None, k, v,
+                             nf, current_cuda_device() if rec.cuda else -1) != rec.facts
+                or not 0 <= n_tail <= self.C or Lq > kv_len or (n_blocks and n_tail < self.n_sink)):
             return None
         o = torch.empty(self.o_shape, dtype=q.dtype, device=self.device)
         ws = rec.ws
         if rec.sizes is not None and _WORKSPACE.get(rec.ws_key) is not ws[0]:  # regrown since (another call's sizes)
             rec.ws = ws = rec.workspace(self.device)
-        LeanLaunch.fire(rec.launch, (q_ptr, *rec.head, kv_ptr, o.data_ptr(), *ws[1:], rec.ln_ptr, k_ptr, v_ptr,
-                                     nf_ptr or rec.ln_ptr, *rec.groups, n_blocks, n_tail, self.n_sink, self.C, 1,
-                                     kv_len, kv_len, t0) + rec.tail)
+        LeanLaunch.fire(rec.launch, (q_ptr, *rec.head, kv_ptr, o.data_ptr(), *ws[1:], rec.ln_ptr, *new, *rec.groups,
+                                     n_blocks, n_tail, self.n_sink, self.C, Lq, kv_len, kv_len, t0) + rec.tail)
         return o
+
+    def _step_facts(self, n_blocks, n_tail, t0, ptrs, no_key_valid, k, v, nf, cur) -> tuple:
+        """What a launch with host lengths was specialised and planned on, for ``run_step`` to compare: blocks, tiles,
+        visible tiles (the plan), every pointer's 16-byte alignment (``ptrs``: their OR), the mask's presence, the
+        new token's counter, shapes, strides and dtypes (None without one), the current device."""
+        n_tiles = n_blocks + -(-n_tail // self.BS)
+        tok = None if k is None else (nf is None, k.shape, v.shape, k.stride(), v.stride(), k.dtype, v.dtype)
+        return n_blocks, n_tiles, n_tiles - t0, ptrs & 15 == 0, no_key_valid, tok, cur
 
     def _new_token(self, store, n_tail):
         """``store = (k, v, nonfinite)`` checked for the launch -> (k, v, nonfinite, its facts, its strides)."""
@@ -1494,14 +1502,14 @@ class _DecodeStatic:
                     self.launches[kk] = hit = (kw, ran, ptrs)
                 elif hit is None:
                     self.launches[kk] = (kw, None, None)
-            if store is not None and lens is None and len(self.pairs) == 1 and hit is not None and \
-                    hit[1] is not None and (fused or not split) and self.n_m == 1:
-                nf_ptr = new_ptrs[2] if store[2] is not None else None
+            if lens is None and len(self.pairs) == 1 and hit is not None and hit[1] is not None and \
+                    (fused or not split):  # one launch with host lengths: ``run_step`` replays it
+                k_new = (kn, vn, store[2]) if store is not None else (None, None, None)
                 self.step = _StepLaunch(
-                    (n_blocks, n_blocks + -(-n_tail // self.BS), n_plan, not ((q_ptr | kv_ptr | new_ptrs[0] | new_ptrs[1] | (nf_ptr or 0)) & 15),
-                     kvalid is None, store[2] is None, kn.shape, vn.shape, kn.stride(), vn.stride(), kn.dtype,
-                     vn.dtype, cur),
-                    hit, grid, self.device, sizes, head[2].data_ptr(), sv.data_ptr(), tps0, tps1, S0, S1, self.n_m, self.b, nstr)
+                    self._step_facts(n_blocks, n_tail, t0, q_ptr | kv_ptr | new_ptrs[0] | new_ptrs[1] | new_ptrs[2],
+                                     kvalid is None, *k_new, cur),
+                    hit, grid, self.device, sizes, head[2].data_ptr(), sv.data_ptr(), tps0, tps1, S0, S1, self.n_m,
+                    self.b, nstr)
             if split and not fused:
                 if lens is not None:
                     raise ValueError("merge='kernel' takes host lengths; a launch with lens needs merge='fused'")

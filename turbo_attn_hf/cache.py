@@ -920,10 +920,10 @@ class TurboLayer(CacheLayerMixin):
                                          n_sink=cfg.sink_blocks * cfg.block_size, softmax=cfg.softmax,
                                          sas_threshold=cfg.sas_threshold, rotate=self.rotated)
                 self._decode_entry = (call, entry)
-            if store is not None:  # a step like the last: its launch replayed (None: not like it)
-                out = entry.run_step(query, self.groups, stor, self.n_tail, key_valid, *store)
-                if out is not None:
-                    return out
+            # a step like the last: its launch replayed (None: not like it)
+            out = entry.run_step(query, self.groups, stor, self.n_tail, key_valid, *(store or ()))
+            if out is not None:
+                return out
             return entry.run(query, self.groups, stor, self.n_tail, key_valid, store)
         args, kw = self.decode_inputs()
         kw.update(scale=scale, causal=causal, window=window, softcap=softcap, key_valid=key_valid, **self._rot_kw)

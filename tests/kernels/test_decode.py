@@ -542,15 +542,17 @@ class _RecordingJit:
         return lambda *a, **kw: self.kernel
 
 
-@pytest.mark.parametrize("case", ["int4-split", "mixed-window", "int8-key_valid"])
+@pytest.mark.parametrize("case", ["int4-split", "mixed-window", "int8-key_valid", "rotated-no-store", "chunk-no-store"])
 def test_run_step_relaunches_with_the_arguments_of_run(case, monkeypatch):
-    """``_DecodeStatic.run_step`` (a step like the last one that stored its token) hands the launcher exactly what
-    ``run``'s relaunch does, the output's address aside; it declines (None) a step on a new tile plan, a
-    misaligned token, a mask it was not recorded with and a launch hook, and ``run`` then records the new plan."""
+    """``_DecodeStatic.run_step`` (a step like the last one ``run`` launched, with or without a stored token) hands the
+    launcher exactly what ``run``'s relaunch does, the output's address aside, also after another call regrew the
+    shared workspace; it declines (None) a step on a new tile plan, a misaligned token, a mask it was not recorded
+    with and a launch hook."""
     from types import SimpleNamespace
 
     from triton.runtime.driver import driver
 
+    from eval.bench_store import count_launches
     from turbo_attn_hf.kernels import decode as DK
     from turbo_attn_hf.kernels import launch as launch_mod
 
@@ -559,35 +561,38 @@ def test_run_step_relaunches_with_the_arguments_of_run(case, monkeypatch):
                                                            get_current_stream=lambda device=None: 7))
     jit = _RecordingJit(DK._decode_kernel)
     monkeypatch.setattr(DK, "_DECODE", DK.LeanLaunch(jit))
-    bits = {"int4-split": [4, 4], "mixed-window": [4, 2], "int8-key_valid": [8, 8]}[case]
+    bits = {"mixed-window": [4, 2], "int8-key_valid": [8, 8]}.get(case, [4, 4])
     window = 48 if case == "mixed-window" else None  # the first visible tile stays put over the steps below
-    q, _, _, (groups, kt, vt, nt, ks, vs, mu) = make_case(1, 2, 4, 200, 1, 32, bits, 16, n_prefill=150)
+    lq = 3 if case == "chunk-no-store" else 1
+    q, _, _, (groups, kt, vt, nt, ks, vs, mu) = make_case(1, 2, 4, 200, lq, 32, bits, 16, n_prefill=150)
     packed = to_packed(groups, "cpu")
     stor = DK.decode_storage(kt, vt, ks, vs, mu, None, packed)
     kv = case == "int8-key_valid"
-    entry = DK.decode_entry(q, packed, stor, not kv, True, window=window, n_splits=2)
+    entry = DK.decode_entry(q, packed, stor, not kv, True, window=window, n_splits=2, rotate=case == "rotated-no-store")
     g = torch.Generator().manual_seed(1)
     k, v = (torch.randn(1, 2, 1, 32, generator=g).to(torch.bfloat16) for _ in range(2))
     nf = torch.zeros(1, dtype=torch.int32)
+    tok = (k, v, nf) if "no-store" not in case else None
     n0 = packed[0].n_blocks * 16
     mask = lambda n: torch.ones(1, n0 + n, dtype=torch.bool) if kv else None  # noqa: E731
     for n_tail in (nt - 3, nt - 3):  # compiles (the recorder), then relaunches; each records the step
-        entry.run(q, packed, stor, n_tail, mask(n_tail), (k, v, nf))
+        entry.run(q, packed, stor, n_tail, mask(n_tail), tok)
     for n_tail in range(nt - 2, nt + 1):  # the same tiles: replayed, then run's own launch
         if n_tail == nt - 1:  # another call grows the shared workspace: the replay takes the new one
             DK._workspace(q.device, entry.step.sizes[0] + 1, entry.step.sizes[1] + 1, entry.step.sizes[2] + 1)
         m = mask(n_tail)  # one mask object: converted to int8 once (``_kvalid_int8``)
-        o = entry.run_step(q, packed, stor, n_tail, m, k, v, nf)
-        o_run = entry.run(q, packed, stor, n_tail, m, (k, v, nf))
+        o = entry.run_step(q, packed, stor, n_tail, m, *(tok or ()))
+        o_run = entry.run(q, packed, stor, n_tail, m, tok)
         assert o is not None and o.shape == o_run.shape
         by_step, by_run = jit.kernel.calls[-2:]
         assert len(by_run) == len(by_step)
         diff = [i for i, (a, b) in enumerate(zip(by_run, by_step)) if a != b]
         assert len(diff) == 1, f"n_tail {n_tail}: positions {diff} differ"
         assert (by_run[diff[0]], by_step[diff[0]]) == (o_run.data_ptr(), o.data_ptr())
-    from eval.bench_store import count_launches
-
-    assert count_launches(lambda: entry.run_step(q, packed, stor, nt, mask(nt), k, v, nf))["triton"] == 1
+    assert count_launches(lambda: entry.run_step(q, packed, stor, nt, mask(nt), *(tok or ())))["triton"] == 1
+    if tok is None:
+        assert entry.run_step(q, packed, stor, nt, mask(nt), k, v, nf) is None  # a token it was not recorded with
+        return
     # not like the recorded step: declined
     assert entry.run_step(q, packed, stor, nt + 16, mask(nt + 16), k, v, nf) is None  # one tile more
     km = torch.zeros(1, 2, 2, 33, dtype=torch.bfloat16)[:, :, :1, 1:]
