@@ -1171,12 +1171,12 @@ class _StepLaunch:
         self.tail = (tps0, tps1, S0, S1, n_m, b) + ptrs[2] + nstr + ptrs[3]
 
     def workspace(self, device) -> tuple:
-        """(the workspace as ``_WORKSPACE`` holds it, its three addresses); without one (``sizes`` None) sv takes
-        the slots."""
+        """(a weak reference to the workspace's partials, its three addresses): weak, so a record does not keep a
+        regrown workspace's old buffers alive; without one (``sizes`` None) sv takes the slots."""
         if self.sizes is None:
-            return (None, self.ln_ptr, self.ln_ptr, self.ln_ptr)
+            return (_none_ref, self.ln_ptr, self.ln_ptr, self.ln_ptr)
         ws = _workspace(device, *self.sizes)
-        return (ws,) + tuple(map(_data_ptr, ws))
+        return (weakref.ref(ws[0]),) + tuple(map(_data_ptr, ws))
 
 
 _data_ptr = torch.Tensor.data_ptr
@@ -1384,8 +1384,8 @@ class _DecodeStatic:
             return None
         o = torch.empty(self.o_shape, dtype=q.dtype, device=self.device)
         ws = rec.ws
-        if rec.sizes is not None and _WORKSPACE.get(rec.ws_key) is not ws[0]:  # regrown since (another call's sizes)
-            rec.ws = ws = rec.workspace(self.device)
+        if rec.sizes is not None and (_WORKSPACE.get(rec.ws_key) or (None,))[0] is not ws[0]():
+            rec.ws = ws = rec.workspace(self.device)  # regrown (or dropped) since: another call's sizes
         LeanLaunch.fire(rec.launch, (q_ptr, *rec.head, kv_ptr, o.data_ptr(), *ws[1:], rec.ln_ptr, *new, *rec.groups,
                                      n_blocks, n_tail, self.n_sink, self.C, Lq, kv_len, kv_len, t0) + rec.tail)
         return o

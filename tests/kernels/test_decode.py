@@ -548,6 +548,8 @@ def test_run_step_relaunches_with_the_arguments_of_run(case, monkeypatch):
     launcher exactly what ``run``'s relaunch does, the output's address aside, also after another call regrew the
     shared workspace; it declines (None) a step on a new tile plan, a misaligned token, a mask it was not recorded
     with and a launch hook."""
+    import gc
+    import weakref
     from types import SimpleNamespace
 
     from triton.runtime.driver import driver
@@ -579,7 +581,12 @@ def test_run_step_relaunches_with_the_arguments_of_run(case, monkeypatch):
         entry.run(q, packed, stor, n_tail, mask(n_tail), tok)
     for n_tail in range(nt - 2, nt + 1):  # the same tiles: replayed, then run's own launch
         if n_tail == nt - 1:  # another call grows the shared workspace: the replay takes the new one
-            DK._workspace(q.device, entry.step.sizes[0] + 1, entry.step.sizes[1] + 1, entry.step.sizes[2] + 1)
+            ws = DK._WORKSPACE[(q.device.type, q.device.index)]
+            old = weakref.ref(ws[0])
+            DK._workspace(q.device, *(t.numel() + 1 for t in ws))
+            del ws
+            gc.collect()
+            assert old() is None  # the record kept no reference to the old buffers
         m = mask(n_tail)  # one mask object: converted to int8 once (``_kvalid_int8``)
         o = entry.run_step(q, packed, stor, n_tail, m, *(tok or ()))
         o_run = entry.run(q, packed, stor, n_tail, m, tok)
