@@ -1374,6 +1374,8 @@ class _DecodeStatic:
             if tuple(key_valid.shape) != (self.b, kv_len):
                 return None
             kv_ptr = _kvalid_int8(key_valid).data_ptr()
+        if self.q_copy:  # as ``_launch``: the strides the entry passes are a contiguous query's
+            q = q.contiguous()
         q_ptr = q.data_ptr()
         new = rec.no_token
         if k is not None:

@@ -542,7 +542,8 @@ class _RecordingJit:
         return lambda *a, **kw: self.kernel
 
 
-@pytest.mark.parametrize("case", ["int4-split", "mixed-window", "int8-key_valid", "rotated-no-store", "chunk-no-store"])
+@pytest.mark.parametrize("case", ["int4-split", "mixed-window", "int8-key_valid", "rotated-no-store", "chunk-no-store",
+                                  "chunk-strided-query"])
 def test_run_step_relaunches_with_the_arguments_of_run(case, monkeypatch):
     """``_DecodeStatic.run_step`` (a step like the last one ``run`` launched, with or without a stored token) hands the
     launcher exactly what ``run``'s relaunch does, the output's address aside, also after another call regrew the
@@ -565,8 +566,10 @@ def test_run_step_relaunches_with_the_arguments_of_run(case, monkeypatch):
     monkeypatch.setattr(DK, "_DECODE", DK.LeanLaunch(jit))
     bits = {"mixed-window": [4, 2], "int8-key_valid": [8, 8]}.get(case, [4, 4])
     window = 48 if case == "mixed-window" else None  # the first visible tile stays put over the steps below
-    lq = 3 if case == "chunk-no-store" else 1
+    lq = 3 if case.startswith("chunk") else 1
     q, _, _, (groups, kt, vt, nt, ks, vs, mu) = make_case(1, 2, 4, 200, lq, 32, bits, 16, n_prefill=150)
+    if case == "chunk-strided-query":  # channels not contiguous: the launches take a contiguous copy
+        q = q.transpose(-1, -2).contiguous().transpose(-1, -2)
     packed = to_packed(groups, "cpu")
     stor = DK.decode_storage(kt, vt, ks, vs, mu, None, packed)
     kv = case == "int8-key_valid"
@@ -574,7 +577,7 @@ def test_run_step_relaunches_with_the_arguments_of_run(case, monkeypatch):
     g = torch.Generator().manual_seed(1)
     k, v = (torch.randn(1, 2, 1, 32, generator=g).to(torch.bfloat16) for _ in range(2))
     nf = torch.zeros(1, dtype=torch.int32)
-    tok = (k, v, nf) if "no-store" not in case else None
+    tok = (k, v, nf) if lq == 1 and case != "rotated-no-store" else None
     n0 = packed[0].n_blocks * 16
     mask = lambda n: torch.ones(1, n0 + n, dtype=torch.bool) if kv else None  # noqa: E731
     for n_tail in (nt - 3, nt - 3):  # compiles (the recorder), then relaunches; each records the step
@@ -594,10 +597,14 @@ def test_run_step_relaunches_with_the_arguments_of_run(case, monkeypatch):
         by_step, by_run = jit.kernel.calls[-2:]
         assert len(by_run) == len(by_step)
         diff = [i for i, (a, b) in enumerate(zip(by_run, by_step)) if a != b]
+        if entry.q_copy:  # each call launches on its own contiguous copy of the query, never on the strided one
+            assert by_step[9] != q.data_ptr() and by_run[9] != q.data_ptr()
+            diff = [i for i in diff if i != 9]
         assert len(diff) == 1, f"n_tail {n_tail}: positions {diff} differ"
         assert (by_run[diff[0]], by_step[diff[0]]) == (o_run.data_ptr(), o.data_ptr())
     assert count_launches(lambda: entry.run_step(q, packed, stor, nt, mask(nt), *(tok or ())))["triton"] == 1
     if tok is None:
+        assert entry.q_copy == (case == "chunk-strided-query")
         assert entry.run_step(q, packed, stor, nt, mask(nt), k, v, nf) is None  # a token it was not recorded with
         return
     # not like the recorded step: declined
