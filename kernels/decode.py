@@ -1504,12 +1504,14 @@ class _DecodeStatic:
                     self.launches[kk] = hit = (kw, ran, ptrs)
                 elif hit is None:
                     self.launches[kk] = (kw, None, None)
+            ptrs_or = q_ptr | kv_ptr | new_ptrs[0] | new_ptrs[1] | new_ptrs[2]
+            # one launch with host lengths, every pointer 16-byte aligned (the one alignment fact ``run_step`` checks):
+            # ``run_step`` replays it
             if lens is None and len(self.pairs) == 1 and hit is not None and hit[1] is not None and \
-                    (fused or not split):  # one launch with host lengths: ``run_step`` replays it
+                    (fused or not split) and not ptrs_or & 15:
                 k_new = (kn, vn, store[2]) if store is not None else (None, None, None)
                 self.step = _StepLaunch(
-                    self._step_facts(n_blocks, n_tail, t0, q_ptr | kv_ptr | new_ptrs[0] | new_ptrs[1] | new_ptrs[2],
-                                     kvalid is None, *k_new, cur),
+                    self._step_facts(n_blocks, n_tail, t0, ptrs_or, kvalid is None, *k_new, cur),
                     hit, grid, self.device, sizes, head[2].data_ptr(), sv.data_ptr(), tps0, tps1, S0, S1, self.n_m,
                     self.b, nstr)
             if split and not fused:

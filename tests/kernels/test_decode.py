@@ -611,6 +611,9 @@ def test_run_step_relaunches_with_the_arguments_of_run(case, monkeypatch):
     assert entry.run_step(q, packed, stor, nt + 16, mask(nt + 16), k, v, nf) is None  # one tile more
     km = torch.zeros(1, 2, 2, 33, dtype=torch.bfloat16)[:, :, :1, 1:]
     assert entry.run_step(q, packed, stor, nt, mask(nt), km, v, nf) is None  # misaligned, other strides
+    rec = entry.step
+    entry.run(q, packed, stor, nt, mask(nt), (km, v, nf))  # a launch with a misaligned pointer is never recorded
+    assert entry.step is rec
     other = None if kv else torch.ones(1, n0 + nt, dtype=torch.bool)
     assert entry.run_step(q, packed, stor, nt, other, k, v, nf) is None
     monkeypatch.setattr(DK.LeanLaunch, "hooks_active", staticmethod(lambda: True))
