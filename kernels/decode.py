@@ -1290,7 +1290,7 @@ class _DecodeStatic:
         # compiled kernel that ran with them or None, (the storage tensors' addresses, the trailing scalars))
         self.launches = {}
         self.plans = {}  # (pair, visible tiles) -> _step_plan
-        self.step = None  # the last launch that stored its step's token, for ``run_step`` (``_StepLaunch``)
+        self.step = None  # the last launch with host lengths, for ``run_step`` to replay (``_StepLaunch``)
 
     def alive(self, stor) -> bool:
         """The entry's storage tensors are the objects passed now (ids of dead objects can be reused)."""

@@ -137,9 +137,7 @@ class LeanLaunch:
         """What :meth:`fire` needs to relaunch ``hit`` on ``grid``, looked up once: a caller that relaunches one
         kernel on one grid every step (``decode.run_step``) skips the per-call lookups of :meth:`relaunch`."""
         kernel, tail = hit
-        direct = kernel.__dict__.get("_turbo_direct", _UNSET) if hasattr(kernel, "__dict__") else None
-        if direct is _UNSET:
-            direct = kernel.__dict__["_turbo_direct"] = _direct_launch(kernel)
+        direct = _direct_of(kernel)
         if direct is None:
             return None, hit, grid
         g = tuple(grid) + (1, 1)
@@ -164,9 +162,7 @@ class LeanLaunch:
         ``== 1``, int32 range) and that no launch hooks are set (:meth:`hooks_active`)."""
         kernel, tail = hit
         g = tuple(grid) + (1, 1)
-        direct = kernel.__dict__.get("_turbo_direct", _UNSET) if hasattr(kernel, "__dict__") else None
-        if direct is _UNSET:
-            direct = kernel.__dict__["_turbo_direct"] = _direct_launch(kernel)
+        direct = _direct_of(kernel)
         if direct is not None:  # Triton's C launcher itself, the CUDA stream read in C (PERF_NOTES, session 16)
             launch, coop, pdl = direct
             launch(g[0], g[1], g[2], _raw_stream(_cuda_device()), kernel.function, coop, pdl, None, None,
@@ -180,6 +176,14 @@ _UNSET = object()
 _data_ptr = torch.Tensor.data_ptr
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _cuda_device = getattr(torch._C, "_cuda_getDevice", None)
+
+
+def _direct_of(kernel: Any) -> Optional[Tuple[Callable, Any, Any]]:
+    """:func:`_direct_launch` of ``kernel``, kept on it (looked up once per compiled kernel)."""
+    direct = kernel.__dict__.get("_turbo_direct", _UNSET) if hasattr(kernel, "__dict__") else None
+    if direct is _UNSET:
+        direct = kernel.__dict__["_turbo_direct"] = _direct_launch(kernel)
+    return direct
 
 
 def _direct_launch(kernel: Any) -> Optional[Tuple[Callable, Any, Any]]:

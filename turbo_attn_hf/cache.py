@@ -439,7 +439,7 @@ class TurboLayer(CacheLayerMixin):
         self.v_tail[:, :, :, slot:slot + n] = v8.transpose(-1, -2)
 
     def _fused(self, x: torch.Tensor) -> bool:
-        return FUSED_STORE and (x.is_cuda or use_triton(x.device))  # is_cuda first: no device object per step
+        return FUSED_STORE and use_triton(x.device)
 
     def _write_tokens(self, slot: int, key_states: torch.Tensor, value_states: torch.Tensor, count: bool = True
                       ) -> None:
@@ -663,8 +663,7 @@ class TurboLayer(CacheLayerMixin):
         step's decode launch can take, or None (then ``update``): plain generate()'s steady step without
         ``update``'s first-prefill, shape and rotation checks, which a deferred token of this shape passed already
         (``_clear`` forgets the shape; a rotated layer never defers)."""
-        if (value_states.shape != key_states.shape or not DEFER_DECODE_STORE or "_pend" in self.__dict__
-                or self._packs(1) or not self._fused(key_states)):
+        if value_states.shape != key_states.shape or not self._defers(key_states):
             return None
         self._defer(key_states, value_states)
         return self._placeholders(self.get_seq_length())
@@ -895,7 +894,7 @@ class TurboLayer(CacheLayerMixin):
                      softmax=cfg.softmax, sas_threshold=cfg.sas_threshold, smooth_k=cfg.smooth_k,
                      k_mean=self.prefill_k_mean, rotate_qk=self.rotated, qk_smooth=self.qk_smooth)
             return out.to(query.dtype)
-        if query.is_cuda or use_triton(query.device):  # decode_inputs() spelled out: runs per layer and decode step
+        if use_triton(query.device):  # decode_inputs() spelled out: this runs per layer and decode step
             store = None
             pend = self.__dict__.get("_pend")
             # the deferred token, if this is its step's query and the launch can store it; else the reads below store
@@ -1297,9 +1296,6 @@ class TurboStaticLayer(TurboLayer):
             torch._dynamo.mark_static_address(t)
 
     # ------------------------------------------------------------------ storing
-    def defer_token(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        return None  # every static step stores through ``update`` (the step's store launch)
-
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, cache_kwargs: Optional[dict] = None,
                *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized or self.k_scale is None or key_states.shape[2] != 1:
@@ -1584,16 +1580,17 @@ class TurboCache(Cache):
         while len(self.layers) <= layer_idx:  # no model config given: full-attention layers on first use
             self.layers.append(TurboLayer(self.turbo_config, len(self.layers), self.n_layers))
         layer = self.layers[layer_idx]
-        # a decode token whose store the decode launch takes: no launch here, so no device switch
-        if (getattr(layer, "_token_shape", None) == key_states.shape and not self.offloading
-                and (out := layer.defer_token(key_states, value_states)) is not None):
-            pass
+        out = None
+        # a decode token whose store the decode launch takes (a static layer never defers): no launch here, so no
+        # device switch
+        if getattr(layer, "_token_shape", None) == key_states.shape and not self.offloading:
+            out = layer.defer_token(key_states, value_states)
         # a first prefill replayed (first_prefill) needs no device switch: replay() launches only on the device it
         # recorded on
-        elif (not layer.is_initialized and not self.offloading and isinstance(layer, TurboLayer)
-                and layer._replay_first_prefill(key_states, value_states, self._first_stores)):
+        if out is None and (not layer.is_initialized and not self.offloading and isinstance(layer, TurboLayer)
+                            and layer._replay_first_prefill(key_states, value_states, self._first_stores)):
             out = layer._first_prefill_keys(key_states, value_states)
-        else:
+        if out is None:
             with on_tensor_device(key_states):  # the store kernels launch on the layer's GPU (device_map="auto")
                 out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         batch = self._first_stores
