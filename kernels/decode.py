@@ -50,14 +50,14 @@ import triton
 import triton.language as tl
 
 from .device import current_cuda_device
-from .hadamard import hadamard_rows
+from .hadamard import _key_factor, _rotate_keys, hadamard_rows
 from .interpreter import interpreting
 from .launch import LeanLaunch
 from .pack import (PackedKV, _bad_rows, _dequant_tile, _quantize_universal, _universal_scales, _unpack_tile,
                    keeps_int8_k)
 from .quant import check_qk_smooth
 from .reference import SQ_MIN, W_MIN
-from .rotation import rotation_block
+from .rotation import rot_scale, rotation_block
 from .softmax import sas_exp2
 
 __all__ = ["turbo_decode_attention", "decode_entry", "decode_storage", "plan_splits", "group_splits",
@@ -408,12 +408,17 @@ def _slot_rows(i_s, i_bh, n_bh, n_mp, o_r):
 
 
 @triton.jit
-def _store_new_token(kn, vn, nf, sk, mk, sv, kt, vt, o_k, o_v, o_kvh, slot, tail_cap, o_d, m_d, D: tl.constexpr,
-                     HAS_MEAN: tl.constexpr, COUNT: tl.constexpr):
+def _store_new_token(kn, vn, nf, sk, mk, sv, qsm, kt, vt, o_k, o_v, o_kvh, slot, tail_cap, o_d, m_d, D: tl.constexpr,
+                     BD: tl.constexpr, HAS_MEAN: tl.constexpr, COUNT: tl.constexpr, ROTATE: tl.constexpr,
+                     ROT_N: tl.constexpr, HAS_FACTOR: tl.constexpr, ROT_C: tl.constexpr, RN: tl.constexpr):
     """One (row, KV head)'s new token (K at ``kn + o_k``, V at ``vn + o_v``) -> INT8 buffer slot ``slot``, as
-    ``store._store_tokens_kernel`` writes it (``pack._quantize_universal``: the same bits)."""
+    ``store._store_tokens_kernel`` writes it (``pack._quantize_universal``: the same bits). ROTATE: K into the
+    stored basis first (``hadamard._rotate_keys``, 1/s from the K -> Q factors ``qsm`` with HAS_FACTOR; RN on the
+    GPU, where this kernel contracts FMAs and the store kernel does not)."""
     b_sk, b_mk, b_sv = _universal_scales(sk, mk, sv, o_kvh + o_d, m_d, HAS_MEAN)
     b_k = tl.load(kn + o_k + o_d, mask=m_d, other=0.0)[None, :]
+    if ROTATE:
+        b_k = _rotate_keys(b_k, _key_factor(qsm, o_kvh + o_d, m_d, BD, HAS_FACTOR), ROTATE, ROT_N, ROT_C, RN)
     b_v = tl.load(vn + o_v + o_d, mask=m_d, other=0.0)[None, :]
     if COUNT:
         tl.atomic_add(nf, _bad_rows(b_k, b_v, m_d[None, :]))
@@ -436,7 +441,8 @@ def _decode_program(
     BITS: tl.constexpr, K8: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_MEAN: tl.constexpr, HAS_KVALID: tl.constexpr, USE_SAS: tl.constexpr,
     SPLIT: tl.constexpr, FUSED_MERGE: tl.constexpr, FOLD: tl.constexpr, USE_ASM: tl.constexpr, SC: tl.constexpr,
-    ROTATE: tl.constexpr, ROT_N: tl.constexpr, HAS_FACTOR: tl.constexpr, STORE: tl.constexpr, COUNT: tl.constexpr,
+    ROTATE: tl.constexpr, ROT_N: tl.constexpr, HAS_FACTOR: tl.constexpr, ROT_C: tl.constexpr, STORE: tl.constexpr,
+    COUNT: tl.constexpr,
 ):
     """One program of ``_decode_kernel``: share ``i_s`` of M tile ``i_m`` of KV head ``heads[i_h]`` of batch row
     ``i_b`` in one bit group; ``i_bh`` is the (batch, head) work item of the launch (partials, counters).
@@ -457,7 +463,8 @@ def _decode_program(
     STORE (an eager decode step, one token, one M tile): the step's new token kn / vn ``[b, HK, 1, D]`` (strides
     given) is not in the buffer yet; the program whose share holds its slot ``n_tail - 1`` quantizes it with the
     universal scales and writes it there first (``store.store_int8_tokens``' math; COUNT: non-finite vectors added
-    to ``nf``), then reads the tile as usual — the store's own launch saved.
+    to ``nf``; ROTATE: its K rotated first, as the store kernel rotates it), then reads the tile as usual — the
+    store's own launch saved.
 
     Orientation ("swap AB"): the M = G·Lq query rows (4 for GQA 32/8 at one token) are the N side of the
     MMAs (scores ``[keys, rows]``, ``accᵀ [D, rows]``), keys and channels the 16-row M side, so the
@@ -632,9 +639,9 @@ def _decode_program(
     if STORE:
         t_new = n_blocks + (n_tail - 1) // BS
         if (t_new >= t_i8) & (t_new < t_hi):
-            _store_new_token(kn, vn, nf, sk, mk, sv, kt, vt, i_b64 * stride_nkb + i_hk * stride_nkh,
-                             i_b64 * stride_nvb + i_hk * stride_nvh, o_kvh, n_tail - 1, tail_cap, o_d, m_d, D,
-                             HAS_MEAN, COUNT)
+            _store_new_token(kn, vn, nf, sk, mk, sv, qsm, kt, vt, i_b64 * stride_nkb + i_hk * stride_nkh,
+                             i_b64 * stride_nvb + i_hk * stride_nvh, o_kvh, n_tail - 1, tail_cap, o_d, m_d, D, BD,
+                             HAS_MEAN, COUNT, ROTATE, ROT_N, HAS_FACTOR, ROT_C, USE_ASM)
             tl.debug_barrier()  # every thread's stores before any thread reads the tile
     for t in tl.range(t_i8, t_hi, num_stages=1):  # a tile or two per share: not worth pipeline buffers
         o_slot = (t - n_blocks) * BS + o_n
@@ -721,7 +728,8 @@ def _decode_kernel(
     IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_MEAN: tl.constexpr, HAS_KVALID: tl.constexpr, USE_SAS: tl.constexpr, SPLIT: tl.constexpr,
     FUSED_MERGE: tl.constexpr, FOLD: tl.constexpr, USE_ASM: tl.constexpr, SC: tl.constexpr, LENS: tl.constexpr,
-    ROTATE: tl.constexpr, ROT_N: tl.constexpr, HAS_FACTOR: tl.constexpr, STORE: tl.constexpr, COUNT: tl.constexpr,
+    ROTATE: tl.constexpr, ROT_N: tl.constexpr, HAS_FACTOR: tl.constexpr, ROT_C: tl.constexpr, STORE: tl.constexpr,
+    COUNT: tl.constexpr,
 ):
     """grid = (n_items0 * S0 + n_items1 * S1,): one launch for up to two bit groups (e.g. the INT4 and the INT2
     heads of ``mixed``), so a step pays one launch and the split plan fills the GPU once for all heads. Work items
@@ -771,7 +779,7 @@ def _decode_kernel(
             stride_kb1, stride_kh1, stride_sb1, stride_sh1, stride_vb1, stride_vh1, stride_vsb1, stride_vsh1,
             stride_nkb, stride_nkh, stride_nvb, stride_nvh, HK,
             G, D, BD, BS, BM, BITS1, K8, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_MEAN, HAS_KVALID, USE_SAS, SPLIT,
-            FUSED_MERGE, FOLD, USE_ASM, SC, ROTATE, ROT_N, HAS_FACTOR, STORE, COUNT)
+            FUSED_MERGE, FOLD, USE_ASM, SC, ROTATE, ROT_N, HAS_FACTOR, ROT_C, STORE, COUNT)
     else:
         _decode_program(
             i_s, i_m, i_bh, i_b, i_h,
@@ -782,7 +790,7 @@ def _decode_kernel(
             stride_kb0, stride_kh0, stride_sb0, stride_sh0, stride_vb0, stride_vh0, stride_vsb0, stride_vsh0,
             stride_nkb, stride_nkh, stride_nvb, stride_nvh, HK,
             G, D, BD, BS, BM, BITS0, K8, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_MEAN, HAS_KVALID, USE_SAS, SPLIT,
-            FUSED_MERGE, FOLD, USE_ASM, SC, ROTATE, ROT_N, HAS_FACTOR, STORE, COUNT)
+            FUSED_MERGE, FOLD, USE_ASM, SC, ROTATE, ROT_N, HAS_FACTOR, ROT_C, STORE, COUNT)
 
 
 @triton.jit
@@ -1074,8 +1082,8 @@ def turbo_decode_attention(
             None for plain "hadamard"; needs ``rotate``.
         store: ``(k, v, nonfinite or None)``, an eager decode step's new token ``[b, HK, 1, D]`` that is counted in
             ``n_tail`` but not written yet: the kernel writes it to slot ``n_tail - 1`` as ``store.store_int8_tokens``
-            would (one launch for the step's store and attention). Needs ``Lq == 1``, one M tile (``G <= 64``), no
-            ``lens`` and no ``rotate``.
+            would (one launch for the step's store and attention; with ``rotate`` its K rotated as the store
+            kernel rotates it). Needs ``Lq == 1``, one M tile (``G <= 64``) and no ``lens``.
     Returns:
         ``[b, Lq, HQ, D]`` in ``q.dtype``.
     """
@@ -1280,7 +1288,7 @@ class _DecodeStatic:
                          K8=keeps_int8_k(groups),
                          IS_CAUSAL=bool(causal), HAS_WINDOW=bool(window), HAS_SOFTCAP=bool(softcap),
                          HAS_MEAN=k_mean is not None, ROTATE=bool(rotate), ROT_N=rot_n,
-                         HAS_FACTOR=qk_smooth is not None)
+                         HAS_FACTOR=qk_smooth is not None, ROT_C=rot_scale(rot_n) if rotate else 1.0)
             opts = dict(USE_SAS=softmax == "sas", FOLD=bool(fold), USE_ASM=use_asm)
             n_work = b * (H0 + H1) * self.n_m
             self.pairs.append((n_work, operator.itemgetter(*ga), tuple(gs) + (H0, H1, HK), const, opts, dict(
@@ -1404,9 +1412,9 @@ class _DecodeStatic:
         """``store = (k, v, nonfinite)`` checked for the launch -> (k, v, nonfinite, its facts, its strides)."""
         k, v, nf = store
         shape = (self.b, self.o_shape[2] // self.G, 1, self.o_shape[3])
-        if not stores_in_launch(self.Lq, self.G, 1) or self.n_m != 1 or self.rotate or n_tail < 1:
-            raise ValueError(f"store= needs one query token, one M tile, no rotation and n_tail >= 1 (got Lq "
-                             f"{self.Lq}, {self.n_m} M tiles, rotate {self.rotate}, n_tail {n_tail})")
+        if not stores_in_launch(self.Lq, self.G, 1) or self.n_m != 1 or n_tail < 1:
+            raise ValueError(f"store= needs one query token, one M tile and n_tail >= 1 (got Lq {self.Lq}, "
+                             f"{self.n_m} M tiles, n_tail {n_tail})")
         if k.shape != shape or v.shape != shape:
             raise ValueError(f"store= K/V must be {shape}, got {tuple(k.shape)} / {tuple(v.shape)}")
         ks, vs = k.stride(), v.stride()

@@ -8,6 +8,8 @@ that read Q or K anyway (quant.py's Q/K pass, store.py's K stats and codes, deco
 split of the input (fp32 sums keep all 24 bits) and works for any row count (the decode query has 4). Twin:
 ``reference.fwht_rows``: the same additions in the same order, so kernel and reference agree bit for bit.
 The caller folds ``1/sqrt(N)``; padded channels (D < BD) must be 0 and D a multiple of N (``rotation_block``).
+``_rotate_keys`` / ``_key_factor``: raw K rows into the cache's stored basis, shared by every kernel that stores K
+(the store kernels, the static step, the decode launch that stores its step's token).
 """
 
 import triton
@@ -25,3 +27,35 @@ def hadamard_rows(x, N: tl.constexpr):
             a, b = tl.split(y)
             x = tl.reshape(tl.permute(tl.join(a + b, a - b), [0, 1, 3, 2]), [R, BD])
     return x
+
+
+@triton.jit
+def _key_factor(smf, o_s, m_d, BD: tl.constexpr, HAS_FACTOR: tl.constexpr):
+    """K's smoothing factor ``1/s`` of one (b, h) at offsets ``o_s`` (correctly rounded, as
+    ``reference.rotate_keys_ref`` and the prefill's quantizer), 1 without factors."""
+    b_f = tl.full([BD], 1.0, tl.float32)
+    if HAS_FACTOR:
+        b_f = tl.math.div_rn(b_f, tl.load(smf + o_s, mask=m_d, other=1.0))
+    return b_f
+
+
+@triton.jit
+def _mul(a, b, RN: tl.constexpr):
+    """fp32 ``a * b`` rounded on its own: RN (a GPU kernel compiled with FMA contraction) keeps the next add from
+    fusing it — PTX ``mul.rn.f32``, no flush to zero (libdevice's ``mul_rn`` is ``mul.rn.ftz``) — as a kernel
+    compiled without contraction (``store._no_fma``) and the twin round it."""
+    if RN:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    return a * b
+
+
+@triton.jit
+def _rotate_keys(b_k, b_f, ROTATE: tl.constexpr, ROT_N: tl.constexpr, ROT_C: tl.constexpr, RN: tl.constexpr = False):
+    """Raw key rows ``[R, BD]`` -> the stored basis: ``(k . diag(b_f) . H+-1) * ROT_C`` in fp32
+    (``hadamard_rows``; ROT_C = fp32 1/sqrt(ROT_N), one rounding), unchanged without ROTATE.
+    In the pass that loads the rows anyway: every statistic, mean subtraction, code and pack after it sees rotated K
+    (twin ``reference.rotate_keys_ref``). RN: see ``_mul`` (the decode launch's store of its step's token)."""
+    if ROTATE:
+        b_k = _mul(hadamard_rows(_mul(b_k.to(tl.float32), b_f[None, :], RN), ROT_N), ROT_C, RN)
+    return b_k

@@ -606,7 +606,7 @@ def rope_pair_amax_ref(k: torch.Tensor, rope_dims: int) -> torch.Tensor:
 
 
 def rotate_keys_ref(k: torch.Tensor, qk_smooth: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The stored basis of a rotated cache (``rotate_qk``) as the store kernels compute it (``store._rotate_keys``):
+    """The stored basis of a rotated cache (``rotate_qk``) as the store kernels compute it (``hadamard._rotate_keys``):
     ``k [b, H, L, d]`` -> fp32 ``fwht_rows(k · diag(1/s)) · fl32(1/sqrt(n))``, kept in fp32 (no rounding to
     k's dtype: the kernels code from the fp32 values). ``qk_smooth``: ``rotation.smooth_scales`` ``s [b, H, d]`` or
     None (plain hadamard)."""
@@ -626,7 +626,7 @@ def rotate_mean_ref(mean: torch.Tensor, qk_smooth: Optional[torch.Tensor] = None
 
 
 def _rot_scale(d: int) -> torch.Tensor:
-    """fp32 ``1/sqrt(n)`` of head dim d's Hadamard block (``store.rot_scale``)."""
+    """fp32 ``1/sqrt(n)`` of head dim d's Hadamard block (``rotation.rot_scale``)."""
     return torch.tensor(1.0 / math.sqrt(rotation_block(d)), dtype=torch.float32)
 
 

@@ -32,11 +32,12 @@ shrink; a diagonal alone changes nothing on the decode path (K's per-channel sca
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
-__all__ = ["ROTATIONS", "RotationError", "rotation_block", "hadamard_matrix", "rotate", "smooth_scales",
+__all__ = ["ROTATIONS", "RotationError", "rotation_block", "rot_scale", "hadamard_matrix", "rotate", "smooth_scales",
            "rotate_qk_pair"]
 
 ROTATIONS = ("none", "hadamard", "smooth_hadamard")
@@ -61,6 +62,12 @@ def rotation_block(d: int) -> int:
             f"has {n if d > 0 else 0}. Use rotate_qk='none' for this model."
         )
     return n
+
+
+@functools.lru_cache(maxsize=None)  # called per store launch: no tensor built per step
+def rot_scale(n: int) -> float:
+    """fp32 ``1/sqrt(n)``: the kernels that store K multiply its +-1 products by it (``reference.rotate_keys_ref``)."""
+    return float(torch.tensor(1.0 / math.sqrt(n), dtype=torch.float32))
 
 
 _CACHE: dict = {}

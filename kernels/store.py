@@ -42,7 +42,6 @@ and ``store_kv`` its constexprs per specialisation; both relaunch the compiled k
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Optional
 
@@ -52,37 +51,16 @@ import triton.language as tl
 
 from .decode import _pow2
 from .device import current_cuda_device, sm_count
-from .hadamard import hadamard_rows
+from .hadamard import _key_factor, _rotate_keys, hadamard_rows
 from .interpreter import interpreting
 from .launch import LeanLaunch, lean
 from .pack import _bad_rows, _finite, _pack_tile, _quantize_universal, _universal_scales, keeps_int8_k
 from .quant import _multiple, _vec, check_qk_smooth, factor_arg
-from .rotation import rotation_block
+from .rotation import rot_scale, rotation_block
 
 __all__ = ["store_int8_tokens", "kv_stats", "store_kv", "STATS_CHUNK_BLOCKS", "StatsLaunch", "StoreKVLaunch",
            "check_store_kv", "stats_launch", "stats_workspace", "stats_workspace_steps", "store_kv_launch",
            "LAYER_ROW_STATS", "LAYER_ROW_STORE"]
-
-
-@triton.jit
-def _key_factor(smf, o_s, m_d, BD: tl.constexpr, HAS_FACTOR: tl.constexpr):
-    """K's smoothing factor ``1/s`` of one (b, h) at offsets ``o_s`` (correctly rounded, as
-    ``reference.rotate_keys_ref`` and the prefill's quantizer), 1 without factors."""
-    b_f = tl.full([BD], 1.0, tl.float32)
-    if HAS_FACTOR:
-        b_f = tl.math.div_rn(b_f, tl.load(smf + o_s, mask=m_d, other=1.0))
-    return b_f
-
-
-@triton.jit
-def _rotate_keys(b_k, b_f, ROTATE: tl.constexpr, ROT_N: tl.constexpr, ROT_C: tl.constexpr):
-    """Raw key rows ``[R, BD]`` -> the stored basis: ``(k . diag(b_f) . H+-1) * ROT_C`` in fp32
-    (``hadamard.hadamard_rows``; ROT_C = fp32 1/sqrt(ROT_N), one rounding), unchanged without ROTATE.
-    In the pass that loads the rows anyway: every statistic, mean subtraction, code and pack after it sees rotated K
-    (twin ``reference.rotate_keys_ref``)."""
-    if ROTATE:
-        b_k = hadamard_rows(b_k.to(tl.float32) * b_f[None, :], ROT_N) * ROT_C
-    return b_k
 
 
 @triton.jit(do_not_specialize=["slot", "T"])
@@ -183,12 +161,6 @@ def _no_fma(rotate: bool) -> dict:
     kernel's rotated mean before ``max - mean``): no FMA contraction there; the unrotated kernels keep their compile
     options. (An FMA there moved k_scale by 1 ulp on the H100.)"""
     return dict(enable_fp_fusion=False) if rotate else {}
-
-
-@functools.lru_cache(maxsize=None)  # called per store launch: no tensor built per step
-def rot_scale(n: int) -> float:
-    """fp32 ``1/sqrt(n)``: the store kernels multiply the +-1 products by it (``reference.rotate_keys_ref``)."""
-    return float(torch.tensor(1.0 / math.sqrt(n), dtype=torch.float32))
 
 
 # ============================================================================ first prefill: stats -> scales

@@ -26,10 +26,11 @@ import triton
 import triton.language as tl
 
 from .decode import _pow2
+from .hadamard import _key_factor, _rotate_keys
 from .launch import LeanLaunch
 from .pack import _bad_rows, _quantize_universal, _universal_scales, keeps_int8_k
 from .quant import check_qk_smooth, factor_arg
-from .store import TAIL_ROWS, _key_factor, _no_fma, _pack_rows, _rotate_keys, _rotate_kw
+from .store import TAIL_ROWS, _no_fma, _pack_rows, _rotate_kw
 
 __all__ = ["store_step"]
 
@@ -57,7 +58,7 @@ def _store_step_kernel(
     """grid (b*H,): program (b, r) stores the token of the head in slot ``r`` of the group order (group g's
     slot s holds head ``h_g[s]``, a device map) and, when the buffer fills, packs that head's oldest waiting
     block into the group. k, v ``[b, H, 1, D]``; kt ``[b, H, C, D]``, vt ``[b, H, D, C]``; lens, arrive,
-    overflow int32. ROTATE: the token's K is rotated first (``store._rotate_keys``, smf the factors ``[b, H, D]``)."""
+    overflow int32. ROTATE: the token's K is rotated first (``hadamard._rotate_keys``, smf the factors ``[b, H, D]``)."""
     i_bh = tl.program_id(0)
     i_b, r = i_bh // H, i_bh % H
     n_blocks = tl.load(lens)

@@ -74,10 +74,11 @@ DEFAULT_SCALE_HEADROOM = "auto"
 #: (kept to measure against: eval/bench_layer_step.py, eval/bench_store.py; CPU tensors without
 #: TRITON_INTERPRET=1 always take it). Both store the same codes, scales and head choice (tests).
 FUSED_STORE = True
-#: True: an eager decode step's token (fused store, no block to pack, unrotated layer) is written by the step's decode
-#: launch (``turbo_decode_attention(store=...)``): one launch per layer and step instead of two, and the store's host
-#: path gone (issue 18's eager bar). Until that launch, the buffers are kept out of the layer's ``__dict__`` and
-#: any other read of them stores the token first (``_settle``). False = the store's own launch in ``update``.
+#: True: an eager decode step's token (fused store, no block to pack; a rotated layer's K rotated there) is written by
+#: the step's decode launch (``turbo_decode_attention(store=...)``): one launch per layer and step instead of two, and
+#: the store's host path gone (issue 18's eager bar). Until that launch, the buffers are kept out of the layer's
+#: ``__dict__`` and any other read of them stores the token first (``_settle``). False = the store's own launch in
+#: ``update``.
 DEFER_DECODE_STORE = True
 _DEFERRED = ("k_tail", "v_tail", "nonfinite")  # what a deferred store writes: read through _settle until it ran
 
@@ -662,7 +663,7 @@ class TurboLayer(CacheLayerMixin):
         """``update`` of a decode token shaped like the last deferred one (``_token_shape``) whose store the
         step's decode launch can take, or None (then ``update``): plain generate()'s steady step without
         ``update``'s first-prefill, shape and rotation checks, which a deferred token of this shape passed already
-        (``_clear`` forgets the shape; a rotated layer never defers)."""
+        (``_clear`` forgets the shape)."""
         if value_states.shape != key_states.shape or not self._defers(key_states):
             return None
         self._defer(key_states, value_states)
@@ -681,8 +682,9 @@ class TurboLayer(CacheLayerMixin):
 
     def _defers(self, key_states: torch.Tensor) -> bool:
         """Whether this decode token's store is left to the step's decode launch (``DEFER_DECODE_STORE``): one
-        token, no block to pack, an unrotated layer on the Triton store path, nothing deferred already."""
-        return (key_states.shape[2] == 1 and DEFER_DECODE_STORE and not self.rotated and "_pend" not in self.__dict__
+        token, no block to pack, the Triton store path, nothing deferred already. A rotated layer's token is
+        deferred raw: the decode launch rotates it as the store kernel would."""
+        return (key_states.shape[2] == 1 and DEFER_DECODE_STORE and "_pend" not in self.__dict__
                 and not self._packs(1) and self._fused(key_states))
 
     def _packs(self, T: int) -> bool:

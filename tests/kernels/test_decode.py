@@ -542,8 +542,8 @@ class _RecordingJit:
         return lambda *a, **kw: self.kernel
 
 
-@pytest.mark.parametrize("case", ["int4-split", "mixed-window", "int8-key_valid", "rotated-no-store", "chunk-no-store",
-                                  "chunk-strided-query"])
+@pytest.mark.parametrize("case", ["int4-split", "mixed-window", "int8-key_valid", "rotated-store", "rotated-no-store",
+                                  "chunk-no-store", "chunk-strided-query"])
 def test_run_step_relaunches_with_the_arguments_of_run(case, monkeypatch):
     """``_DecodeStatic.run_step`` (a step like the last one ``run`` launched, with or without a stored token) hands the
     launcher exactly what ``run``'s relaunch does, the output's address aside, also after another call regrew the
@@ -573,7 +573,7 @@ def test_run_step_relaunches_with_the_arguments_of_run(case, monkeypatch):
     packed = to_packed(groups, "cpu")
     stor = DK.decode_storage(kt, vt, ks, vs, mu, None, packed)
     kv = case == "int8-key_valid"
-    entry = DK.decode_entry(q, packed, stor, not kv, True, window=window, n_splits=2, rotate=case == "rotated-no-store")
+    entry = DK.decode_entry(q, packed, stor, not kv, True, window=window, n_splits=2, rotate=case.startswith("rotated"))
     g = torch.Generator().manual_seed(1)
     k, v = (torch.randn(1, 2, 1, 32, generator=g).to(torch.bfloat16) for _ in range(2))
     nf = torch.zeros(1, dtype=torch.int32)

@@ -38,6 +38,8 @@ CONFIGS = [
     (96, 4, 3, 5, 64, "rotate"),  # blocks of 32 (block-diagonal), a chunk: M = 15 rows
     (128, (4, 2), 4, 1, 64, "store"),  # an eager decode step: the new token stored by the decode launch
     (64, 8, 3, 1, 64, "store"),
+    (256, 4, 4, 1, 64, "rotate-store"),  # Gemma-3's heads: the token's K rotated (mul.rn) and stored by the launch
+    (256, 4, 4, 1, 64, "gemma"),  # Gemma-3-270M's eager step: INT8 K blocks, window, softcap, rotated, stored token
     (256, 4, 4, 1, 64, "k8"),  # INT8 K + INT4 V blocks (issue 23: Gemma-3's shape), masks and softcap on
     (128, (4, 2), 4, 1, 64, "k8"),
     (64, 2, 3, 1, 16, "k8"),  # block 16: the restoring loop over INT8 K
@@ -50,16 +52,15 @@ def _compile(D, bits, G, Lq, BS, variant):
     from triton.backends.compiler import GPUTarget
 
     from turbo_attn_hf.kernels.decode import _decode_kernel, _merge_chunk, _pow2
-    from turbo_attn_hf.kernels.rotation import rotation_block
+    from turbo_attn_hf.kernels.rotation import rot_scale, rotation_block
 
     bits0, bits1 = (bits, bits) if isinstance(bits, int) else bits  # a pair: one launch for two bit groups
     sig = dict(q="*bf16", sk="*fp32", mk="*fp32", kt="*i8", vt="*i8", sv="*fp32", qsm="*fp32", kvalid="*i8", o="*bf16",
                po="*fp32", pml="*fp32", cnt="*i32", lens="*i32", kn="*bf16", vn="*bf16", nf="*i32")
     for g, bg in (("0", bits0), ("1", bits1)):
         code = "*i8" if bg == 8 else "*u8"
-        sig.update({"heads" + g: "*i32", "kp" + g: "*i8" if variant == "k8" else code, "ks" + g: "*i8", "kz" + g: "*i8",
-                    "vp" + g: code,
-                    "vsz" + g: "*i8"})
+        sig.update({"heads" + g: "*i32", "kp" + g: "*i8" if variant in ("k8", "gemma") else code, "ks" + g: "*i8",
+                    "kz" + g: "*i8", "vp" + g: code, "vsz" + g: "*i8"})
     for name in ("n_blocks", "n_tail", "n_sink", "tail_cap", "Lq", "kv_len", "kv_row", "T0", "TPS0", "TPS1", "S0", "S1",
                  "N_M", "B", "window"):
         sig[name] = "i32"
@@ -77,14 +78,16 @@ def _compile(D, bits, G, Lq, BS, variant):
     BD, M = _pow2(D), G * Lq
     BM = min(64, max(4, _pow2(M)))
     split = variant != "nosplit"
-    masks = variant in ("masks", "lens", "k8")
+    masks = variant in ("masks", "lens", "k8", "gemma")
+    rotate = variant in ("rotate", "rotate-store", "gemma")
+    store = variant in ("store", "rotate-store", "gemma")
     cx = dict(G=G, D=D, BD=BD, BS=BS, BM=BM, BITS0=bits0, BITS1=bits1, TWO_GROUPS=not isinstance(bits, int),
-              K8=variant == "k8",
+              K8=variant in ("k8", "gemma"),
               IS_CAUSAL=True, HAS_WINDOW=masks, HAS_SOFTCAP=masks,
               HAS_MEAN=True, HAS_KVALID=masks, USE_SAS=masks, SPLIT=split, FUSED_MERGE=split,
               FOLD=variant != "restore", USE_ASM=True, SC=_merge_chunk(8, BM, BD, 1), LENS=variant == "lens",
-              ROTATE=variant == "rotate", ROT_N=rotation_block(D) if variant == "rotate" else 1,
-              HAS_FACTOR=variant == "rotate", STORE=variant == "store", COUNT=variant == "store")
+              ROTATE=rotate, ROT_N=rotation_block(D) if rotate else 1, HAS_FACTOR=rotate,
+              ROT_C=rot_scale(rotation_block(D)) if rotate else 1.0, STORE=store, COUNT=store)
     sig.update({k: "constexpr" for k in cx})
     src = triton.compiler.ASTSource(fn=_decode_kernel, signature=sig, constexprs=cx)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1, num_stages=2))

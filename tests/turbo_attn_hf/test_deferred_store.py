@@ -1,7 +1,8 @@
 """An eager decode step's token stored by the step's decode launch (cache.DEFER_DECODE_STORE, decode.py STORE) ==
 the store's own launch before attention (DEFER off), bit for bit: every step's attention output, the INT8 buffer,
-the packed blocks and the non-finite count. And a read of the buffers between update and attention (crop, beam
-reorder, a direct read) stores the token first, so nothing sees a stale buffer.
+the packed blocks and the non-finite count, rotated layers (``rotate_qk``) included. And a read of the buffers
+between update and attention (crop, beam reorder, a direct read) stores the token first, so nothing sees a stale
+buffer.
 
 CPU: the Triton interpreter (tests/conftest.py), d 64, block 16: block packs, sinks and recent blocks come at small T.
 """
@@ -70,12 +71,16 @@ def _assert_same_layers(a, b):
     assert a.nonfinite_tokens() == b.nonfinite_tokens()
 
 
-@pytest.mark.parametrize("preset", ["int8", "int4", "mixed"])
-def test_decode_launch_stores_the_step_token(preset, device):
-    """Steps across a block pack (that step stores with its own launch), a token with an inf (counted)."""
+@pytest.mark.parametrize("preset,rotate", [("int8", "none"), ("int4", "none"), ("mixed", "none"),
+                                           ("int4", "hadamard"), ("int8", "smooth_hadamard"),
+                                           ("mixed", "smooth_hadamard")])
+def test_decode_launch_stores_the_step_token(preset, rotate, device):
+    """Steps across a block pack (that step stores with its own launch), a token with an inf (counted). A rotated
+    layer's token is rotated by the decode launch as by the store kernel (``rotate_qk``, with and without the K -> Q
+    smoothing factors)."""
     if device.type != "cuda" and not C.use_triton(device):
         pytest.skip("the deferred store runs where the Triton kernels do")
-    cfg = _cfg(preset)
+    cfg = _cfg(preset, rotate_qk=rotate)
     prompt, steps = BS + 5, BS - 2
     a, out_a, deferred = _steps(cfg, True, prompt, steps, device, bad_step=4)
     b, out_b, kept = _steps(cfg, False, prompt, steps, device, bad_step=4)
@@ -110,19 +115,20 @@ def test_a_deferred_step_is_one_launch(device):
     assert count_launches(lambda: step(BS + 2, read=True))["total"] == 2
 
 
-@pytest.mark.parametrize("what", ["read", "crop", "reorder"])
+@pytest.mark.parametrize("what", ["read", "crop", "reorder", "read-rotated"])
 def test_a_read_before_attention_stores_the_token_first(what, device):
-    """Whatever reads the buffers between update and attention finds the token stored (the store's own launch)."""
+    """Whatever reads the buffers between update and attention finds the token stored (the store's own launch; a
+    rotated layer's raw token rotated by it)."""
     if device.type != "cuda" and not C.use_triton(device):
         pytest.skip("the deferred store runs where the Triton kernels do")
-    cfg = _cfg("int4")
+    cfg = _cfg("int4", rotate_qk="smooth_hadamard" if what.endswith("rotated") else "none")
     prompt, steps = BS + 3, 4
     seen = []
 
     def between(layer, s):
         if s != 2:
             return
-        if what == "read":
+        if what.startswith("read"):
             seen.append(layer.k_tail[:, :, layer.n_tail - 1].clone())
         elif what == "crop":
             layer.crop(layer.get_seq_length())  # keeps every token, through the crop path
@@ -136,7 +142,7 @@ def test_a_read_before_attention_stores_the_token_first(what, device):
     for x, y in zip(out_a, out_b):
         assert torch.equal(x, y)
     _assert_same_layers(a, b)
-    if what == "read":
+    if what.startswith("read"):
         assert torch.equal(seen[0].cpu(), b.k_tail[:, :, prompt + 2].cpu())
 
 
