@@ -43,7 +43,9 @@ static cache take turns, one generate(max_new_tokens=1) each: ``ttft_rounds_ms``
 minutes at a time, and a row's own reps take whatever mode it is in (eval/PERF_NOTES.md, session 20); skipped where
 the rounds would not fit the time budget.
 ``--decode-rounds R`` (issue 18's eager bar): the same rounds, each turn a generate(1) and a generate(1 + N):
-``decode_rounds_ms`` and ``decode_paired_vs_sdpa_dynamic`` (median of each round's step ratio).
+``decode_rounds_ms`` and ``decode_paired_vs_sdpa_dynamic`` (median of each round's step ratio); and from the same
+calls, with a clock after every token, ``decode_step_med_rounds_ms`` / ``decode_step_med_paired_vs_sdpa_dynamic``:
+each round's median decode step instead of its mean, which a slow spell of the host within a call does not move.
 ``--rounds-only``: the rounds without the rows' own reps (``..._rounds.json``, beside the headline file). Compiled
 configs take no rounds: a compiled config alternating with another in one process had its CUDA graph recorded again
 during the rounds (eval/PERF_NOTES.md, session 23); their rows count ``captures`` and ``graph_breaks`` instead.
@@ -87,7 +89,7 @@ NOT_IMPLEMENTED = "not implemented: generate(cache_implementation='static') did 
 SKIPPED = "skipped: time budget"
 ROUNDS_ONLY = "rows not run (--rounds-only): see the *_rounds keys"
 OOM = "OOM"
-ROUND_KEYS = ("ttft_rounds_ms", "decode_rounds_ms")  # printed per row when present
+ROUND_KEYS = ("ttft_rounds_ms", "decode_rounds_ms", "decode_step_med_rounds_ms")  # printed per row when present
 ROW_KEYS = ("config", "batch", "context", "ttft_ms", "decode_ms_per_step", "tokens_per_s", "peak_gib")
 FORMULAS = {
     "ttft_ms": "median wall time of model.generate(ids, max_new_tokens=1), torch.cuda.synchronize() before/after",
@@ -108,6 +110,13 @@ FORMULAS = {
                         "decode_rounds_s",
     "decode_paired_vs_sdpa_dynamic": "median over those rounds of the step / sdpa_dynamic's step in the same round "
                                      "(issue 18's eager bar: <= 1)",
+    "decode_step_med_rounds_ms": "--decode-rounds R: per round, the median of the wall times of the generate(1+N)'s "
+                                 "own N decode steps (a StoppingCriteria clock, CUDA synchronised after every "
+                                 "token, as step_ms); median of the R rounds, per-round seconds in "
+                                 "decode_step_med_rounds_s. A slow spell of the host shorter than half a call does "
+                                 "not move it; the clock's sync adds the same to every config",
+    "decode_step_med_paired_vs_sdpa_dynamic": "median over those rounds of that step median / sdpa_dynamic's in the "
+                                              "same round",
     "graph_breaks": "*_compiled: dynamo graph breaks counted over the row's compiles (0 = the decode step is one "
                     "graph, replayed as one CUDA graph)",
     "captures": "*_compiled: CUDA-graph captures during the row's timed reps (0 = the step's graph only replays)",
@@ -444,12 +453,15 @@ def measure(model, spec: dict, b: int, T: int, n: int, reps: int, layers: int, p
     return row
 
 
-def eager_rounds(model, specs: list[dict], b: int, T: int, rounds: int, seconds_left: float, n: int = 0) -> dict:
+def eager_rounds(model, specs: list[dict], b: int, T: int, rounds: int, seconds_left: float, n: int = 0,
+                 step_meds: Optional[dict] = None) -> dict:
     """``--ttft-rounds`` (``n`` 0) / ``--decode-rounds`` (``n`` = N): the shape's configs without a static cache take
     turns, per round one ``generate(max_new_tokens=1)`` each (with ``n``: then a ``generate(1 + n)``, the round's step
     ``(t(1 + n) - t(1)) / n``), after two warm-up calls each: ``{config: [seconds per round]}`` (TTFTs, or steps), the
     host's drift falling on every config alike (a row's own reps take whatever mode the host is in then). ``{}`` when
-    the rounds would not fit ``seconds_left`` (judged from the warm-up calls) or a call fails (OOM)."""
+    the rounds would not fit ``seconds_left`` (judged from the warm-up calls) or a call fails (OOM).
+    ``step_meds`` (with ``n``): filled with ``{config: [seconds per round]}``, the median of the generate(1 + n)'s own
+    decode steps (:func:`step_clock`): a slow spell of the host shorter than half the call leaves it alone."""
     import torch
 
     specs = [s for s in specs if not s["static"]]
@@ -462,7 +474,16 @@ def eager_rounds(model, specs: list[dict], b: int, T: int, rounds: int, seconds_
     def call(spec: dict) -> float:
         set_impl(model, spec["impl"])
         t1 = generate_timed(model, ids, mask, spec, 1)[0]
-        return (generate_timed(model, ids, mask, spec, 1 + n)[0] - t1) / n if n else t1
+        if not n:
+            return t1
+        if step_meds is None:
+            return (generate_timed(model, ids, mask, spec, 1 + n)[0] - t1) / n
+        from transformers import StoppingCriteriaList
+
+        clock = step_clock()
+        tn = generate_timed(model, ids, mask, spec, 1 + n, stopping=StoppingCriteriaList([clock]))[0]
+        step_meds.setdefault(spec["name"], []).append(statistics.median(u - t for t, u in zip(clock.t, clock.t[1:])))
+        return (tn - t1) / n
 
     def time_call(spec: dict) -> float:  # a warm-up call's wall seconds
         call(spec)
@@ -475,6 +496,8 @@ def eager_rounds(model, specs: list[dict], b: int, T: int, rounds: int, seconds_
         per_round = sum(time_call(s) for s in specs)  # the warm-up calls, the second one timed
         if seconds_left and rounds * per_round > seconds_left:
             return {}
+        if step_meds is not None:
+            step_meds.clear()  # the warm-up calls' steps
         for _, spec, t in alternating(specs, rounds, call, warm=0):
             times[spec["name"]].append(t)
     except Exception as e:  # noqa: BLE001 - the rows stand without the rounds
@@ -525,7 +548,7 @@ def add_ratios(rows: list[dict]) -> None:
             if r.get(val) and base.get(val) and r["config"] != base_cfg:
                 r[key] = r[val] / base[val]
         base = by.get(("sdpa_dynamic", r["batch"], r["context"]), {})
-        for what in ("ttft", "decode"):
+        for what in ("ttft", "decode", "decode_step_med"):
             r.pop(f"{what}_paired_vs_sdpa_dynamic", None)
             if r.get(f"{what}_rounds_s") and base.get(f"{what}_rounds_s") and r["config"] != "sdpa_dynamic":
                 r[f"{what}_paired_vs_sdpa_dynamic"] = statistics.median(
@@ -679,11 +702,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         left = opt["max_seconds"] - (time.perf_counter() - t_start) if opt["max_seconds"] else 0.0
         alt = eager_rounds(model, specs, b, T, args.ttft_rounds, max(left, 1e-9) if opt["max_seconds"] else 0.0)
         left = opt["max_seconds"] - (time.perf_counter() - t_start) if opt["max_seconds"] else 0.0
+        step_meds: dict = {}
         alt_dec = eager_rounds(model, specs, b, T, args.decode_rounds, max(left, 1e-9) if opt["max_seconds"] else 0.0,
-                               n)
+                               n, step_meds)
         for spec in specs:
             row: dict = {"config": spec["name"], "batch": b, "context": T}
-            for what, times in (("ttft", alt), ("decode", alt_dec)):
+            for what, times in (("ttft", alt), ("decode", alt_dec), ("decode_step_med", step_meds if alt_dec else {})):
                 if times.get(spec["name"]):
                     row.update({f"{what}_rounds_ms": statistics.median(times[spec["name"]]) * 1e3,
                                 f"{what}_rounds_s": times[spec["name"]]})
@@ -738,7 +762,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if any(r.get(k) for r in data["rows"] for k in ROUND_KEYS):
         print("\nrounds (ms; paired = median of the per-round ratios):")
         print_table(data["rows"], ["config", "batch", "context", "ttft_rounds_ms", "ttft_paired_vs_sdpa_dynamic",
-                                   "decode_rounds_ms", "decode_paired_vs_sdpa_dynamic"])
+                                   "decode_rounds_ms", "decode_paired_vs_sdpa_dynamic", "decode_step_med_rounds_ms",
+                                   "decode_step_med_paired_vs_sdpa_dynamic"])
     profs = [p for p in data["profile"] if "decode_step" in p]
     if profs:
         print("\nprofile (one decode step; prefill = generate(1)):")

@@ -49,6 +49,10 @@ def test_dry_run_writes_rows(tmp_path):
     for r in rows:
         assert len(r["decode_rounds_s"]) == 2 and math.isfinite(r["decode_rounds_ms"])
     assert math.isfinite(rows[1]["decode_paired_vs_sdpa_dynamic"]) and "decode_paired_vs_sdpa_dynamic" not in rows[0]
+    for r in rows:  # the same calls' median decode step (a clock after every token): a step time, so positive
+        assert len(r["decode_step_med_rounds_s"]) == 2 and r["decode_step_med_rounds_ms"] > 0
+    assert rows[1]["decode_step_med_paired_vs_sdpa_dynamic"] > 0
+    assert "decode_step_med_paired_vs_sdpa_dynamic" not in rows[0]
     for r in rows:  # --step-times: N decode steps of one more generate(1 + N), after the first token
         assert len(r["step_ms"]) == data["config"]["new_tokens"] and min(r["step_ms"]) > 0
         assert r["step_ms_max"] == max(r["step_ms"]) == r["step_ms"][r["step_ms_max_at"]]
