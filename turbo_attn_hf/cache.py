@@ -80,6 +80,9 @@ FUSED_STORE = True
 #: ``__dict__`` and any other read of them stores the token first (``_settle``). False = the store's own launch in
 #: ``update``.
 DEFER_DECODE_STORE = True
+#: with DEFER_DECODE_STORE, a rotated layer's token too (its K rotated by the decode launch, bit for bit as the store
+#: kernel rotates it; session 32). False = its store's own launch, to measure the two against each other on the GPU.
+DEFER_ROTATED_STORE = True
 _DEFERRED = ("k_tail", "v_tail", "nonfinite")  # what a deferred store writes: read through _settle until it ran
 
 
@@ -684,8 +687,8 @@ class TurboLayer(CacheLayerMixin):
         """Whether this decode token's store is left to the step's decode launch (``DEFER_DECODE_STORE``): one
         token, no block to pack, the Triton store path, nothing deferred already. A rotated layer's token is
         deferred raw: the decode launch rotates it as the store kernel would."""
-        return (key_states.shape[2] == 1 and DEFER_DECODE_STORE and "_pend" not in self.__dict__
-                and not self._packs(1) and self._fused(key_states))
+        return (key_states.shape[2] == 1 and DEFER_DECODE_STORE and (DEFER_ROTATED_STORE or not self.rotated)
+                and "_pend" not in self.__dict__ and not self._packs(1) and self._fused(key_states))
 
     def _packs(self, T: int) -> bool:
         """Appending ``T`` tokens fills the INT8 buffer's ``recent_blocks + 1`` blocks after the sinks (``_store``

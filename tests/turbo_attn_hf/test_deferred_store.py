@@ -191,3 +191,14 @@ def test_steady_steps_skip_the_layers_update(device, monkeypatch):
     assert layer._token_shape is None
     layer.reset()
     assert layer._token_shape is None
+
+
+def test_rotated_layers_defer_unless_switched_off(device, monkeypatch):
+    """``DEFER_ROTATED_STORE`` (the GPU A/B of session 32's rotated store) keeps a rotated layer's store in its own
+    launch and leaves unrotated layers deferring."""
+    if device.type != "cuda" and not C.use_triton(device):
+        pytest.skip("the deferred store runs where the Triton kernels do")
+    monkeypatch.setattr(C, "DEFER_ROTATED_STORE", False)
+    for rotate, defers in (("hadamard", False), ("none", True)):
+        _, _, deferred = _steps(_cfg("int4", rotate_qk=rotate), True, BS + 3, 2, device)
+        assert all(deferred) == defers and any(deferred) == defers, rotate
