@@ -15,6 +15,8 @@ upper bound of sdpa's host time; see ``--sdpa``).
 
     python -m eval.experiments.host_step                 # int8/int4/mixed, 1 x 1k, decode + first prefill
     python -m eval.experiments.host_step --profile int4  # cProfile of the decode loop (tottime top 25)
+    # Gemma-3's rotated layers, their token stored by its own launch vs by the decode launch (alternating rounds):
+    python -m eval.experiments.host_step --presets int4 --heads 4,1,256 --rotate-qk smooth_hadamard --ab-rotated-store 5
 
 Numbers: median over ``--reps`` of (loop time / (layers x steps)), in microseconds per layer call.
 """
@@ -194,7 +196,7 @@ class _Attn(torch.nn.Module):
 
 def run_config(preset: str, *, batch: int, context: int, steps: int, reps: int, layers: int, hq: int, hk: int,
                d: int, padded: bool, profile: bool = False, sdpa: bool = False, device: str = "cpu",
-               prefill_attention: str = "") -> dict:
+               prefill_attention: str = "", rotate_qk: str = "") -> dict:
     from turbo_attn_hf.attention import turbo_attention_forward
     from turbo_attn_hf.cache import TurboCache
     from turbo_attn_hf.masks import turbo_mask
@@ -234,6 +236,8 @@ def run_config(preset: str, *, batch: int, context: int, steps: int, reps: int, 
         tcfg = TurboConfig.preset(preset)
         if prefill_attention:
             tcfg = dataclasses.replace(tcfg, prefill_attention=prefill_attention)
+        if rotate_qk:
+            tcfg = dataclasses.replace(tcfg, rotate_qk=rotate_qk)
 
         def new_cache():
             return TurboCache(tcfg, config=cfg)
@@ -316,6 +320,28 @@ def run_config(preset: str, *, batch: int, context: int, steps: int, reps: int, 
     return out
 
 
+def ab_rotated_store(presets: list, rounds: int, **kw) -> list:
+    """Rotated layers' decode host, the store's own launch against the decode launch's (``DEFER_ROTATED_STORE``),
+    alternating per round in this process: one row per (preset, mode) with the median of the per-round minimums."""
+    import turbo_attn_hf.cache as cache_mod
+
+    mins: dict = {}
+    try:
+        for _ in range(rounds):
+            for deferred in (False, True):
+                cache_mod.DEFER_ROTATED_STORE = deferred
+                for p in presets:
+                    out = run_config(p, **dict(kw, reps=3))
+                    mins.setdefault((p, deferred), []).append(out["decode_min"])
+    finally:
+        cache_mod.DEFER_ROTATED_STORE = True
+    rows = [dict(preset=p, rotate_qk=kw["rotate_qk"], store="decode launch" if deferred else "own launch",
+                 decode_us_per_layer=statistics.median(v), per_round_min=v) for (p, deferred), v in mins.items()]
+    for r in rows:
+        print(json.dumps(r), flush=True)
+    return rows
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--presets", default="int8,int4,mixed")
@@ -338,6 +364,11 @@ def main(argv=None) -> None:
                     help="the presets' prefill_attention (exact: the H100 default, profiled on CPU)")
     ap.add_argument("--store-launch", action="store_true",
                     help="cache.DEFER_DECODE_STORE off: the decode step's store in its own launch (before session 22)")
+    ap.add_argument("--rotate-qk", default="", help="the presets' rotate_qk (hadamard, smooth_hadamard: Gemma-3's "
+                                                    "layers with --heads 4,1,256)")
+    ap.add_argument("--ab-rotated-store", type=int, default=0, metavar="R",
+                    help="R alternating rounds per preset, cache.DEFER_ROTATED_STORE off (the store's own launch) "
+                         "and on (the decode launch stores the rotated token): medians of the per-round minimums")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -360,8 +391,12 @@ def main(argv=None) -> None:
     if a.sdpa:
         rows.append(run_config("sdpa", sdpa=True, profile=(a.profile == "sdpa"), **kw))
         print(json.dumps(rows[-1]), flush=True)
+    if a.ab_rotated_store:
+        rows += ab_rotated_store(a.presets.split(","), a.ab_rotated_store, rotate_qk=a.rotate_qk or "hadamard", **kw)
+        a.presets = ""
     for p in filter(None, a.presets.split(",")):
-        rows.append(run_config(p, profile=(p == a.profile), prefill_attention=a.prefill_attention, **kw))
+        rows.append(run_config(p, profile=(p == a.profile), prefill_attention=a.prefill_attention,
+                               rotate_qk=a.rotate_qk, **kw))
         print(json.dumps(rows[-1]), flush=True)
     if a.json:
         with open(a.json, "w") as f:
