@@ -8,11 +8,9 @@ needed. ``triton.jit`` returns interpreter functions when TRITON_INTERPRET=1 is 
 CPU), so the compiles run in a subprocess without it (this file doubles as its script).
 """
 import json
-import os
-import subprocess
 import sys
 
-import pytest
+import sm90
 
 # (D, bits, G, Lq, block, variant), bits an int or a pair (two groups in one launch): head_dim 64/80/96/128/256 x bits 2/4/8 x GQA 1..8 (3 and 7 included) x
 # one token and a chunk; block 16 (P·V dot padded) and 32 (no fold); the restoring loop; no split; masks.
@@ -93,56 +91,9 @@ def _compile(D, bits, G, Lq, BS, variant):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1, num_stages=2))
 
 
-def _probe():
-    """None if a trivial kernel compiles for sm_90 here, else the reason it cannot."""
-    try:
-        import triton
-        import triton.language as tl
-        from triton.backends.compiler import GPUTarget
-
-        @triton.jit
-        def _copy(x, y):
-            tl.store(y + tl.arange(0, 16), tl.load(x + tl.arange(0, 16)))
-
-        src = triton.compiler.ASTSource(fn=_copy, signature=dict(x="*fp32", y="*fp32"))
-        triton.compile(src, target=GPUTarget("cuda", 90, 32))
-        return None
-    except Exception as e:  # noqa: BLE001 - any failure means "cannot compile for sm_90 on this machine"
-        return f"{type(e).__name__}: {str(e)[-300:]}"
-
-
-def _main(cfgs):
-    reason = _probe()
-    if reason is not None:
-        print(json.dumps({"unavailable": reason}))
-        return
-    res = {}
-    for c in cfgs:
-        try:
-            _compile(*c)
-            res[repr(tuple(c))] = None
-        except Exception as e:  # noqa: BLE001 - report every failing configuration, not only the first
-            causes = []  # the innermost cause names the real reason (Triton's message shows only the call site)
-            while e is not None:
-                causes.append(f"{type(e).__name__}: {str(e)[-600:]}")
-                e = e.__cause__
-            res[repr(tuple(c))] = "\n  raised in ".join(reversed(causes))
-    print(json.dumps({"results": res}))
-
-
 def test_decode_kernel_compiles_for_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, __file__, json.dumps(CONFIGS)], env=env, capture_output=True, text=True,
-                          timeout=900)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    assert proc.returncode == 0 and lines, f"compile subprocess failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}"
-    out = json.loads(lines[-1])
-    if "unavailable" in out:
-        pytest.skip(f"cannot compile Triton kernels for sm_90 on this machine: {out['unavailable']}")
-    failed = {k: v for k, v in out["results"].items() if v is not None}
-    assert not failed, "decode kernel fails to compile for sm_90 (D, bits, G, Lq, block, variant):\n" + "\n".join(
-        f"{k}: {v}" for k, v in failed.items())
+    sm90.run(__file__, CONFIGS, "decode kernel (D, bits, G, Lq, block, variant)")
 
 
 if __name__ == "__main__":
-    _main([tuple(c) for c in json.loads(sys.argv[1])])
+    sm90.main(_compile, json.loads(sys.argv[1]))
