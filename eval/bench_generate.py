@@ -43,9 +43,10 @@ static cache take turns, one generate(max_new_tokens=1) each: ``ttft_rounds_ms``
 minutes at a time, and a row's own reps take whatever mode it is in (eval/PERF_NOTES.md, session 20); skipped where
 the rounds would not fit the time budget.
 ``--decode-rounds R`` (issue 18's eager bar): the same rounds, each turn a generate(1) and a generate(1 + N):
-``decode_rounds_ms`` and ``decode_paired_vs_sdpa_dynamic`` (median of each round's step ratio); and from the same
-calls, with a clock after every token, ``decode_step_med_rounds_ms`` / ``decode_step_med_paired_vs_sdpa_dynamic``:
-each round's median decode step instead of its mean, which a slow spell of the host within a call does not move.
+``decode_rounds_ms`` and ``decode_paired_vs_sdpa_dynamic`` (median of each round's step ratio); with ``--step-times``
+the same calls also carry a clock after every token: ``decode_step_med_rounds_ms`` /
+``decode_step_med_paired_vs_sdpa_dynamic``, each round's median decode step instead of its mean, which a slow spell of
+the host within a call does not move.
 ``--rounds-only``: the rounds without the rows' own reps (``..._rounds.json``, beside the headline file). Compiled
 configs take no rounds: a compiled config alternating with another in one process had its CUDA graph recorded again
 during the rounds (eval/PERF_NOTES.md, session 23); their rows count ``captures`` and ``graph_breaks`` instead.
@@ -110,7 +111,7 @@ FORMULAS = {
                         "decode_rounds_s",
     "decode_paired_vs_sdpa_dynamic": "median over those rounds of the step / sdpa_dynamic's step in the same round "
                                      "(issue 18's eager bar: <= 1)",
-    "decode_step_med_rounds_ms": "--decode-rounds R: per round, the median of the wall times of the generate(1+N)'s "
+    "decode_step_med_rounds_ms": "--decode-rounds R with --step-times: per round, the median of the wall times of the generate(1+N)'s "
                                  "own N decode steps (a StoppingCriteria clock, CUDA synchronised after every "
                                  "token, as step_ms); median of the R rounds, per-round seconds in "
                                  "decode_step_med_rounds_s. A slow spell of the host shorter than half a call does "
@@ -219,13 +220,18 @@ def step_clock():
     return StepClock()
 
 
-def step_times(model, ids, mask, spec: dict, n: int) -> dict:
-    """``--step-times``: each decode step's wall ms of one generate(1 + n) (:func:`step_clock`) and a summary."""
+def clocked_generate(model, ids, mask, spec: dict, n: int) -> tuple[float, list[float]]:
+    """One generate(1 + n) with :func:`step_clock`: (its wall seconds, each decode step's seconds)."""
     from transformers import StoppingCriteriaList
 
     clock = step_clock()
-    generate_timed(model, ids, mask, spec, 1 + n, stopping=StoppingCriteriaList([clock]))
-    steps = [round((b - a) * 1e3, 3) for a, b in zip(clock.t, clock.t[1:])]
+    dt = generate_timed(model, ids, mask, spec, 1 + n, stopping=StoppingCriteriaList([clock]))[0]
+    return dt, [b - a for a, b in zip(clock.t, clock.t[1:])]
+
+
+def step_times(model, ids, mask, spec: dict, n: int) -> dict:
+    """``--step-times``: each decode step's wall ms of one generate(1 + n) (:func:`step_clock`) and a summary."""
+    steps = [round(x * 1e3, 3) for x in clocked_generate(model, ids, mask, spec, n)[1]]
     if not steps:
         return {}
     worst = max(range(len(steps)), key=steps.__getitem__)
@@ -478,11 +484,8 @@ def eager_rounds(model, specs: list[dict], b: int, T: int, rounds: int, seconds_
             return t1
         if step_meds is None:
             return (generate_timed(model, ids, mask, spec, 1 + n)[0] - t1) / n
-        from transformers import StoppingCriteriaList
-
-        clock = step_clock()
-        tn = generate_timed(model, ids, mask, spec, 1 + n, stopping=StoppingCriteriaList([clock]))[0]
-        step_meds.setdefault(spec["name"], []).append(statistics.median(u - t for t, u in zip(clock.t, clock.t[1:])))
+        tn, steps = clocked_generate(model, ids, mask, spec, n)
+        step_meds.setdefault(spec["name"], []).append(statistics.median(steps))
         return (tn - t1) / n
 
     def time_call(spec: dict) -> float:  # a warm-up call's wall seconds
@@ -603,7 +606,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="only the rounds: the rows keep the rounds' keys, their own timed reps are not run")
     ap.add_argument("--profile-step", action="store_true", help="torch.profiler of one decode step per config")
     ap.add_argument("--step-times", action="store_true",
-                    help="one more generate(1+N) per row timing every decode step (step_ms)")
+                    help="one more generate(1+N) per row timing every decode step (step_ms); the decode rounds' "
+                         "calls clock every step too (decode_step_med_rounds_ms)")
     ap.add_argument("--profile-shape", default=None, help="shape to profile (default: the first shape)")
     ap.add_argument("--profile-steps", type=int, default=4, help="decode steps in the profiled run (P)")
     ap.add_argument("--merge", action="store_true",
@@ -702,12 +706,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         left = opt["max_seconds"] - (time.perf_counter() - t_start) if opt["max_seconds"] else 0.0
         alt = eager_rounds(model, specs, b, T, args.ttft_rounds, max(left, 1e-9) if opt["max_seconds"] else 0.0)
         left = opt["max_seconds"] - (time.perf_counter() - t_start) if opt["max_seconds"] else 0.0
-        step_meds: dict = {}
+        step_meds = {} if args.step_times else None  # the rounds' calls stay plain generate() without --step-times
         alt_dec = eager_rounds(model, specs, b, T, args.decode_rounds, max(left, 1e-9) if opt["max_seconds"] else 0.0,
                                n, step_meds)
         for spec in specs:
             row: dict = {"config": spec["name"], "batch": b, "context": T}
-            for what, times in (("ttft", alt), ("decode", alt_dec), ("decode_step_med", step_meds if alt_dec else {})):
+            for what, times in (("ttft", alt), ("decode", alt_dec),
+                                ("decode_step_med", step_meds if alt_dec and step_meds else {})):
                 if times.get(spec["name"]):
                     row.update({f"{what}_rounds_ms": statistics.median(times[spec["name"]]) * 1e3,
                                 f"{what}_rounds_s": times[spec["name"]]})

@@ -57,7 +57,7 @@ from .pack import (PackedKV, _bad_rows, _dequant_tile, _quantize_universal, _uni
                    keeps_int8_k)
 from .quant import check_qk_smooth
 from .reference import SQ_MIN, W_MIN
-from .rotation import rot_scale, rotation_block
+from .rotation import rotate_constexprs, rotation_block
 from .softmax import sas_exp2
 
 __all__ = ["turbo_decode_attention", "decode_entry", "decode_storage", "plan_splits", "group_splits",
@@ -1287,8 +1287,7 @@ class _DecodeStatic:
             const = dict(G=G, D=D, BD=BD, BS=BS, BM=BM, BITS0=g0.bits, BITS1=g1.bits, TWO_GROUPS=H1 > 0,
                          K8=keeps_int8_k(groups),
                          IS_CAUSAL=bool(causal), HAS_WINDOW=bool(window), HAS_SOFTCAP=bool(softcap),
-                         HAS_MEAN=k_mean is not None, ROTATE=bool(rotate), ROT_N=rot_n,
-                         HAS_FACTOR=qk_smooth is not None, ROT_C=rot_scale(rot_n) if rotate else 1.0)
+                         HAS_MEAN=k_mean is not None, **rotate_constexprs(D, rotate, qk_smooth is not None))
             opts = dict(USE_SAS=softmax == "sas", FOLD=bool(fold), USE_ASM=use_asm)
             n_work = b * (H0 + H1) * self.n_m
             self.pairs.append((n_work, operator.itemgetter(*ga), tuple(gs) + (H0, H1, HK), const, opts, dict(

@@ -37,8 +37,8 @@ import math
 
 import torch
 
-__all__ = ["ROTATIONS", "RotationError", "rotation_block", "rot_scale", "hadamard_matrix", "rotate", "smooth_scales",
-           "rotate_qk_pair"]
+__all__ = ["ROTATIONS", "RotationError", "rotation_block", "rot_scale", "rotate_constexprs", "hadamard_matrix",
+           "rotate", "smooth_scales", "rotate_qk_pair"]
 
 ROTATIONS = ("none", "hadamard", "smooth_hadamard")
 #: bounds of the K -> Q smoothing factors (after the geometric-mean normalisation): a dead channel (max 0) or a
@@ -68,6 +68,16 @@ def rotation_block(d: int) -> int:
 def rot_scale(n: int) -> float:
     """fp32 ``1/sqrt(n)``: the kernels that store K multiply its +-1 products by it (``reference.rotate_keys_ref``)."""
     return float(torch.tensor(1.0 / math.sqrt(n), dtype=torch.float32))
+
+
+def rotate_constexprs(d: int, rotate: bool, has_factor: bool) -> dict:
+    """The rotation constexprs of every kernel that stores K (the store kernels, the static step, the decode launch
+    that stores its token) for head dim ``d`` (``has_factor``: smooth_hadamard factors given); all off without
+    ``rotate``, which compiles the unrotated kernels."""
+    if not rotate:
+        return dict(ROTATE=False, ROT_N=16, HAS_FACTOR=False, ROT_C=1.0)
+    n = rotation_block(d)
+    return dict(ROTATE=True, ROT_N=n, HAS_FACTOR=bool(has_factor), ROT_C=rot_scale(n))
 
 
 _CACHE: dict = {}

@@ -56,7 +56,7 @@ from .interpreter import interpreting
 from .launch import LeanLaunch, lean
 from .pack import _bad_rows, _finite, _pack_tile, _quantize_universal, _universal_scales, keeps_int8_k
 from .quant import _multiple, _vec, check_qk_smooth, factor_arg
-from .rotation import rot_scale, rotation_block
+from .rotation import rotate_constexprs
 
 __all__ = ["store_int8_tokens", "kv_stats", "store_kv", "STATS_CHUNK_BLOCKS", "StatsLaunch", "StoreKVLaunch",
            "check_store_kv", "stats_launch", "stats_workspace", "stats_workspace_steps", "store_kv_launch",
@@ -134,7 +134,8 @@ def store_int8_tokens(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, k
             _STORE_KW.clear()
             _STORE_MEMO.clear()
         kw = _STORE_KW[key] = dict(D=D, BD=_pow2(D), BT=_pow2(T), HAS_MEAN=k_mean is not None,
-                                   COUNT=nonfinite is not None, **_rotate_kw(k, rotate, qk_smooth is not None),
+                                   COUNT=nonfinite is not None,
+                                   **rotate_constexprs(k.shape[-1], rotate, qk_smooth is not None),
                                    num_warps=4,
                                    **_no_fma(rotate))
     dev_key = current_cuda_device() if k.is_cuda else -1
@@ -145,15 +146,6 @@ def store_int8_tokens(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, k
 #: store_int8_tokens' constexprs and compiled kernels by call key
 _STORE_KW: dict = {}
 _STORE_MEMO: dict = {}
-
-
-def _rotate_kw(k: torch.Tensor, rotate: bool, has_factor: bool) -> dict:
-    """The rotation constexprs of the store kernels for keys ``k [b, H, T, D]`` (``has_factor``: smooth_hadamard
-    factors given); all off without ``rotate``, which compiles the unrotated kernels."""
-    if not rotate:
-        return dict(ROTATE=False, ROT_N=16, HAS_FACTOR=False, ROT_C=1.0)
-    n = rotation_block(k.shape[-1])
-    return dict(ROTATE=True, ROT_N=n, HAS_FACTOR=bool(has_factor), ROT_C=rot_scale(n))
 
 
 def _no_fma(rotate: bool) -> dict:
@@ -494,7 +486,7 @@ def stats_launch(k: torch.Tensor, v: torch.Tensor, has_mean: bool, block_size: i
         if len(_STATS_PLANS) >= 256:
             _STATS_PLANS.clear()
         launch = _STATS_PLANS[key] = _stats_plan(k, v, has_mean, block_size, headroom, n_lo, rope_dims,
-                                                 _rotate_kw(k, rotate, has_factor), mean_in)
+                                                 rotate_constexprs(k.shape[-1], rotate, has_factor), mean_in)
     return launch
 
 
@@ -915,7 +907,8 @@ def store_kv_launch(k: torch.Tensor, v: torch.Tensor, groups: list, *, take: int
         hit = _STORE_KV_KW[key] = dict(
             D=D, BD=_pow2(D), BS=bs, HAS_SINK=s0 > 0, BSINK=min(_pow2(max(s0, 2)), TAIL_ROWS),
             BREC=min(_pow2(max(C - s0, 2)), TAIL_ROWS), H0=hs[0], H1=hs[1], BITS0=bits[0], BITS1=bits[1],
-            BITS2=bits[2], K8=keeps_int8_k(groups), HAS_MEAN=has_mean, **_rotate_kw(k, rotate, has_factor),
+            BITS2=bits[2], K8=keeps_int8_k(groups), HAS_MEAN=has_mean,
+            **rotate_constexprs(k.shape[-1], rotate, has_factor),
             **_no_fma(rotate)), {}
     common, memo = hit
     split = c == 0  # no stream row waits in the buffer: the tail's tiles run as parallel programs

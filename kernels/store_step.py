@@ -30,7 +30,8 @@ from .hadamard import _key_factor, _rotate_keys
 from .launch import LeanLaunch
 from .pack import _bad_rows, _quantize_universal, _universal_scales, keeps_int8_k
 from .quant import check_qk_smooth, factor_arg
-from .store import TAIL_ROWS, _no_fma, _pack_rows, _rotate_kw
+from .rotation import rotate_constexprs
+from .store import TAIL_ROWS, _no_fma, _pack_rows
 
 __all__ = ["store_step"]
 
@@ -58,7 +59,8 @@ def _store_step_kernel(
     """grid (b*H,): program (b, r) stores the token of the head in slot ``r`` of the group order (group g's
     slot s holds head ``h_g[s]``, a device map) and, when the buffer fills, packs that head's oldest waiting
     block into the group. k, v ``[b, H, 1, D]``; kt ``[b, H, C, D]``, vt ``[b, H, D, C]``; lens, arrive,
-    overflow int32. ROTATE: the token's K is rotated first (``hadamard._rotate_keys``, smf the factors ``[b, H, D]``)."""
+    overflow int32. ROTATE: the token's K is rotated first (``hadamard._rotate_keys``, smf the factors
+    ``[b, H, D]``)."""
     i_bh = tl.program_id(0)
     i_b, r = i_bh // H, i_bh % H
     n_blocks = tl.load(lens)
@@ -169,6 +171,6 @@ def store_step(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, k_mean: 
         H=H, C=C, S0=n_sink, D=D, BD=_pow2(D), BS=bs, BREC=min(_pow2(max(C - n_sink - bs, 2)), TAIL_ROWS),
         H0=hs[0], H1=hs[1], BITS0=slots[0].bits, BITS1=slots[1].bits, BITS2=slots[2].bits,
         K8=keeps_int8_k(groups), HAS_MEAN=k_mean is not None, COUNT=nonfinite is not None,
-        **_rotate_kw(k, rotate, qk_smooth is not None), num_warps=4,
+        **rotate_constexprs(k.shape[-1], rotate, qk_smooth is not None), num_warps=4,
         **_no_fma(rotate),
     )
