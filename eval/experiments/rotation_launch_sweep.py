@@ -10,7 +10,9 @@ compile, PERF_NOTES session 30): the quantization pass's ``[64, 128]`` tile on 4
   warps) — ``quant._qk_tile``, the launcher's choice, patched;
 * decode: ``turbo_decode_attention`` of one token over a filled int4 layer (and an INT8-K one at head_dim 256),
   plain / rotated, per ``num_warps``;
-* stats: the rotated first store's ``_stats_kernel`` (device µs, torch profiler) per ``num_warps``.
+* stats: the rotated first store's ``_stats_kernel`` (device µs, torch profiler) per ``num_warps``;
+* store: the first store's kernels (device µs, torch profiler) per ``store.STORE_NUM_WARPS`` (the store kernel's
+  warps; the stats kernel keeps its own), plain / hadamard / smooth_hadamard.
 
     python -m eval.experiments.rotation_launch_sweep --out eval/results/rotation_launch_sweep_h200.json
 """
@@ -120,6 +122,39 @@ def _stats_rows(args):
     return out
 
 
+def _store_rows(args):
+    """The cache's first store: every kernel's device µs per ``store.STORE_NUM_WARPS``, rotate_qk none / hadamard /
+    smooth_hadamard (the rotated store kernel packs 64-row blocks through the butterfly: its cross-warp layout
+    changes, as the stats kernel's, may cost more than fewer warps' registers)."""
+    from turbo_attn_hf import first_prefill
+    from turbo_attn_hf.cache import TurboLayer
+    from turbo_attn_hf.config import TurboConfig
+    from turbo_attn_hf.kernels import store
+
+    from .rotation_cost import _kernel_us
+
+    out = []
+    orig = store.STORE_NUM_WARPS
+    try:
+        for name, d, L, _, k, v in _layer_inputs(args):
+            for nw in args.store_warps:
+                store.STORE_NUM_WARPS = nw
+                store._STORE_KV_KW.clear()  # its memos hold the kernels compiled for the last warp count
+                for rot in ("none", "hadamard", "smooth_hadamard"):
+                    cfg = dataclasses.replace(TurboConfig.preset("int4"), rotate_qk=rot)
+                    first_prefill.PLANS.clear()  # the first-store plans hold their store launches
+                    us = _kernel_us(lambda: TurboLayer(cfg).update(k, v))
+                    r = {"shape": name, "d": d, "L": L, "store_warps": nw, "rotate_qk": rot, "kernels_us": us,
+                         "total_us": round(sum(us.values()), 2)}
+                    out.append(r)
+                    print(json.dumps(r), flush=True)
+    finally:
+        store.STORE_NUM_WARPS = orig
+        store._STORE_KV_KW.clear()
+        first_prefill.PLANS.clear()
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -128,11 +163,13 @@ def main(argv=None):
     ap.add_argument("--warps", default="1,2", help="decode num_warps to try")
     ap.add_argument("--shapes", default=",".join(n for n, *_ in SHAPES), help="shape names to run")
     ap.add_argument("--stats-warps", default="4,8,16", help="rotated stats kernel num_warps to try")
-    ap.add_argument("--skip", default="", help="quant,decode,stats")
+    ap.add_argument("--store-warps", default="2,4,8", help="store kernel num_warps to try (store.STORE_NUM_WARPS)")
+    ap.add_argument("--skip", default="", help="quant,decode,stats,store")
     a = ap.parse_args(argv)
     a.lens = [int(x) for x in a.lens.split(",") if x]
     a.shapes = a.shapes.split(",")
     a.stats_warps = [int(x) for x in a.stats_warps.split(",") if x]
+    a.store_warps = [int(x) for x in a.store_warps.split(",") if x]
     a.warps = [int(x) for x in a.warps.split(",") if x]
     a.decode = [tuple(int(y) for y in x.split("x")) for x in a.decode.split(",") if x]
     from ..bench_common import bench_graph_ms, machine_info
@@ -147,6 +184,8 @@ def main(argv=None):
         res["decode"] = _decode_rows(a, bench)
     if "stats" not in a.skip:
         res["stats"] = _stats_rows(a)
+    if "store" not in a.skip:
+        res["store"] = _store_rows(a)
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
 
