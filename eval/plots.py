@@ -181,18 +181,26 @@ def plot_generate(path) -> Optional[Path]:
     by = {(r["config"], r["batch"], r["context"]): r for r in rows}
     fig, axes = plt.subplots(1, 2, figsize=(max(10, 1.9 * len(shapes) + 4), 4.2))
     width = 0.8 / max(len(configs), 1)
-    for ax, key, ylabel in ((axes[0], "decode_ms_per_step", "decode ms per step (lower is better)"),
-                            (axes[1], "ttft_ms", "time to first token, ms")):
+    # a --rounds-only file has rows without the rows' own numbers: its bars are the rounds' medians
+    rounds = not any(r.get("decode_ms_per_step") or r.get("ttft_ms") for r in rows)
+    dec_keys = ("decode_step_med_rounds_ms", "decode_rounds_ms") if rounds else ("decode_ms_per_step",)
+    panels = ((axes[0], dec_keys, "decode ms per step (lower is better)" + (f"\n{dec_keys[0]}, else {dec_keys[1]}"
+                                                                              if rounds else "")),
+              (axes[1], ("ttft_rounds_ms",) if rounds else ("ttft_ms",),
+               "time to first token, ms" + (" (ttft_rounds_ms)" if rounds else "")))
+    for ax, keys, ylabel in panels:
+        drawn = False
         for i, cfg in enumerate(configs):
             xs = [x + i * width for x in range(len(shapes))]
-            ys = [(by.get((cfg, b, t)) or {}).get(key) for b, t in shapes]
+            ys = [next((v for v in ((by.get((cfg, b, t)) or {}).get(k) for k in keys) if v), None) for b, t in shapes]
+            drawn = drawn or any(ys)
             style = dict(hatch="//", edgecolor="white") if cfg.endswith("_compiled") else {}
             color = colors.get(cfg) or colors.get(cfg.split("_")[1] if cfg.startswith("turbo_") else "", None)
             ax.bar([x for x, y in zip(xs, ys) if y], [y for y in ys if y], width, color=color, **style,
                    label=cfg if any(ys) else f"{cfg} (no data)")
             for x, (b, t) in zip(xs, shapes):
                 r = by.get((cfg, b, t))
-                if r and r.get(key) is None and r.get("error"):
+                if r and not rounds and r.get(keys[0]) is None and r.get("error"):
                     err = r["error"]
                     mark = "OOM" if err == "OOM" else "n/i" if err.startswith("not implemented") else \
                         "skip" if err.startswith("skipped") else "err"
@@ -202,9 +210,10 @@ def plot_generate(path) -> Optional[Path]:
                       [f"{b}×{t // 1024}k" if t % 1024 == 0 else f"{b}×{t}" for b, t in shapes], fontsize=8)
         ax.set_xlabel("batch × context")
         ax.set_ylabel(ylabel)
-        ax.set_yscale("log")
+        if drawn and not rounds:  # log of nothing is an error; the rounds' bars are of one size: linear
+            ax.set_yscale("log")
         ax.grid(alpha=0.3, axis="y")
-    axes[1].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    axes[1].legend(*axes[0].get_legend_handles_labels(), fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     cfg = data.get("config", {})
     fig.suptitle(_title(data, f"model.generate(), Llama-3-8B-shaped ({cfg.get('layers', '?')} layers), "
                               f"N = {cfg.get('new_tokens', '?')}"), fontsize=9)

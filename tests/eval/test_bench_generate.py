@@ -229,3 +229,18 @@ def test_plot_generate(tmp_path):
     png = plots.plot_generate(p)
     assert png is not None and png.is_file() and png.stat().st_size > 1000
     assert plots.PLOTTERS["bench_generate"] is plots.plot_generate
+
+
+def test_plot_generate_rounds_only(tmp_path):
+    """A `--rounds-only` file (rows without their own numbers) plots its rounds' medians: on the GPU the plot of such a
+    file raised (a log scale over no data) after its JSON was written."""
+    pytest.importorskip("matplotlib")
+    from turbo_attn_hf.eval import plots
+
+    rows = [{"config": c, "batch": 1, "context": 32768, "decode_ms_per_step": None, "ttft_ms": None,
+             "error": bg.ROUNDS_ONLY, "decode_rounds_ms": ms, "decode_step_med_rounds_ms": ms - 1}
+            for c, ms in (("sdpa_dynamic", 41.2), ("turbo_int4_eager", 41.7))]
+    p = tmp_path / "bench_generate_h200_rounds.json"
+    p.write_text(json.dumps({"machine": {"device": "NVIDIA H200"}, "config": {"layers": 32}, "rows": rows}))
+    png = plots.plot_generate(p)
+    assert png is not None and png.is_file() and png.stat().st_size > 1000
