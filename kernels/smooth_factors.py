@@ -3,13 +3,17 @@ cost <= 3 % of the first prefill's store).
 
 ``s_c = sqrt(max_t |k_tc - mean_c|)`` over the finite tokens, normalised to geometric mean 1 per (batch, KV head)
 and clamped to ``rotation.SMOOTH_RANGE`` (SmoothAttention, QServe §4.3, K-only; twin: ``rotation.smooth_scales``,
-~12 full-size torch passes with fp32 temporaries, 0.33-0.64 ms per layer on an H100). Here two launches:
+~12 full-size torch passes with fp32 temporaries, 0.33-0.64 ms per layer on an H100). Here one launch,
+``_smooth_stats_kernel`` (grid: T-chunks x b*Hk):
 
-* ``_smooth_stats_kernel`` (grid: T-chunks x b*Hk): per chunk and channel the sum, min and max of K over the
-  tokens whose every channel is finite (a token with an inf/NaN is left out, as in the twin) and their count;
-* ``_smooth_finish_kernel`` (grid: b*Hk): sums the chunks, ``mean = sum / max(n, 1)``,
-  ``amax = max(max - mean, mean - min)`` — equal to ``max_t |k_t - mean|`` in fp32, since a rounded subtraction
-  is monotonic in each operand — then the twin's sqrt / clamp / geometric mean / clamp.
+* every program: per chunk and channel the sum, min and max of K over the tokens whose every channel is finite (a
+  token with an inf/NaN is left out, as in the twin) and their count, into a partials workspace;
+* the last program of a (b, h) to arrive (an arrival count, as the stats kernel's and the decode split's merge:
+  ``store._stats_kernel``) finishes it (``_smooth_finish``): sums the chunks in chunk order,
+  ``mean = sum / max(n, 1)``, ``amax = max(max - mean, mean - min)`` — equal to ``max_t |k_t - mean|`` in fp32,
+  since a rounded subtraction is monotonic in each operand — then the twin's sqrt / clamp / geometric mean / clamp.
+  A second launch for the finish cost 5.2 / 8.7 us at 1k / 4k tokens of an 8-KV-head layer (H200, PERF_NOTES
+  session 33) besides its host launch.
 
 The factors differ from the twin's only by the mean's summation order (tiles, then chunks) and by
 ``tl.log``/``tl.exp`` vs torch's (a few fp32 ulp; tests/kernels/test_smooth_factors.py states the tolerance).
@@ -36,14 +40,16 @@ def _sum_min_max_init(BD: tl.constexpr):
     return tl.zeros([BD], tl.float32), tl.full([BD], float("inf"), tl.float32), tl.full([BD], float("-inf"), tl.float32)
 
 
-@triton.jit(do_not_specialize=["T", "NSUB"])
+@triton.jit(do_not_specialize=["T", "NSUB", "NC"])
 def _smooth_stats_kernel(
-    k, part, cnt, T, H, NC, NSUB,
+    k, part, cnt, arrive, out, T, H, NC, NSUB, LO, HI,
     stride_kb, stride_kh, stride_kt, stride_kd,
-    D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
+    D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
 ):
     """grid (NC, b*H): tokens ``[i_c*NSUB*BT, (i_c+1)*NSUB*BT)`` of (b, h) of ``k [b, H, T, D]`` (any strides) ->
-    ``part[b*H, NC, 3, BD]`` fp32 (finite tokens' sum, min, max per channel), ``cnt[b*H, NC]`` int32 (their count)."""
+    ``part[b*H, NC, 3, BD]`` fp32 (finite tokens' sum, min, max per channel), ``cnt[b*H, NC]`` int32 (their count);
+    the last of the (b, h)'s NC programs (``arrive[b*H]`` int32, zero before the launch and after it) writes its
+    factors ``out[b*H, D]`` (``_smooth_finish``)."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
     o_d = tl.arange(0, BD)
@@ -69,15 +75,18 @@ def _smooth_stats_kernel(
     tl.store(p_p + BD, b_min)
     tl.store(p_p + 2 * BD, b_max)
     tl.store(cnt + i_bh.to(tl.int64) * NC + i_c, n_ok)
+    # a barrier orders every thread's stores before the program's gpu-scope acq_rel atomic; the finisher reads the
+    # partials from L2 (.cg)
+    tl.debug_barrier()
+    if tl.atomic_add(arrive + i_bh, 1, sem="acq_rel", scope="gpu") == NC - 1:
+        tl.atomic_xchg(arrive + i_bh, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+        _smooth_finish(i_bh.to(tl.int64), part, cnt, out, NC, LO, HI, D, BD, BC)
 
 
-@triton.jit(do_not_specialize=["NC"])
-def _smooth_finish_kernel(
-    part, cnt, out, NC, LO, HI,
-    D: tl.constexpr, BD: tl.constexpr, BC: tl.constexpr,
-):
-    """grid (b*H,): the NC chunks' partials of (b, h) -> ``out[b*H, D]`` fp32 factors (``rotation.smooth_scales``)."""
-    i_bh = tl.program_id(0).to(tl.int64)
+@triton.jit
+def _smooth_finish(i_bh, part, cnt, out, NC, LO, HI, D: tl.constexpr, BD: tl.constexpr, BC: tl.constexpr):
+    """The NC chunks' partials of row ``i_bh`` (= b*H + h) -> ``out[i_bh, :D]`` fp32 factors
+    (``rotation.smooth_scales``)."""
     o_d = tl.arange(0, BD)
     o_c = tl.arange(0, BC)
     m_d = o_d < D
@@ -87,10 +96,11 @@ def _smooth_finish_kernel(
     for c0 in range(0, NC, BC):
         m_c = (c0 + o_c) < NC
         p_p = part + (i_bh * NC + c0 + o_c)[:, None] * (3 * BD) + o_d[None, :]
-        b_sum += tl.sum(tl.load(p_p, mask=m_c[:, None], other=0.0), 0)
-        b_min = tl.minimum(b_min, tl.min(tl.load(p_p + BD, mask=m_c[:, None], other=inf), 0))
-        b_max = tl.maximum(b_max, tl.max(tl.load(p_p + 2 * BD, mask=m_c[:, None], other=-inf), 0))
-        b_n += tl.load(cnt + i_bh * NC + c0 + o_c, mask=m_c, other=0)
+        b_sum += tl.sum(tl.load(p_p, mask=m_c[:, None], other=0.0, cache_modifier=".cg"), 0)
+        b_min = tl.minimum(b_min, tl.min(tl.load(p_p + BD, mask=m_c[:, None], other=inf, cache_modifier=".cg"), 0))
+        b_max = tl.maximum(b_max, tl.max(tl.load(p_p + 2 * BD, mask=m_c[:, None], other=-inf, cache_modifier=".cg"),
+                                         0))
+        b_n += tl.load(cnt + i_bh * NC + c0 + o_c, mask=m_c, other=0, cache_modifier=".cg")
     n = tl.maximum(tl.sum(b_n, 0), 1).to(tl.float32)
     mean = b_sum / n
     # max_t |k_t - mean| exactly (monotonic rounding); >= 0, and 0 when no token is finite (min/max still +-inf)
@@ -106,7 +116,7 @@ def _pow2(n: int) -> int:
 
 
 def smooth_factors_triton(k: torch.Tensor, nsub: int | None = None) -> torch.Tensor:
-    """``rotation.smooth_scales(k)`` by two Triton launches: ``k [b, Hk, T, d]`` (any float dtype, any strides)
+    """``rotation.smooth_scales(k)`` by one Triton launch: ``k [b, Hk, T, d]`` (any float dtype, any strides)
     -> ``s [b, Hk, d]`` fp32. ``nsub``: tiles of tokens per program (default: enough programs to fill the GPU)."""
     if k.dim() != 4:
         raise ValueError(f"keys must be [b, Hk, T, d], got shape {tuple(k.shape)}")
@@ -123,11 +133,23 @@ def smooth_factors_triton(k: torch.Tensor, nsub: int | None = None) -> torch.Ten
     out = torch.empty(b, H, D, device=k.device, dtype=torch.float32)
     lo, hi = SMOOTH_RANGE
     with on_device(k.device):
-        lean(_smooth_stats_kernel)[(NC, b * H)](k, part, cnt, T, H, NC, nsub, *k.stride(), D=D, BD=BD, BT=BT,
-                                                num_warps=4)
-        lean(_smooth_finish_kernel)[(b * H,)](part, cnt, out, NC, lo, hi, D=D, BD=BD, BC=max(1, 4096 // BD),
-                                              num_warps=4)
+        lean(_smooth_stats_kernel)[(NC, b * H)](k, part, cnt, _arrivals(k.device, b * H), out, T, H, NC, nsub, lo, hi,
+                                                *k.stride(), D=D, BD=BD, BT=BT, BC=max(1, 4096 // BD), num_warps=4)
     return out
+
+
+_ARRIVALS: dict = {}
+
+
+def _arrivals(device: torch.device, n: int) -> torch.Tensor:
+    """``_smooth_stats_kernel``'s arrival counters: a zeroed int32 buffer per device, grown on demand, which every
+    launch leaves at zero (each row's finisher resets its own). Launches on one device's stream run in order; not
+    for concurrent streams (as ``store.stats_workspace``)."""
+    key = (device.type, device.index)
+    buf = _ARRIVALS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = _ARRIVALS[key] = torch.zeros(max(n, 64), dtype=torch.int32, device=device)
+    return buf
 
 
 def smooth_factors(k: torch.Tensor, kernel: bool | None = None) -> torch.Tensor:

@@ -6,7 +6,11 @@ mean - min inherit that absolute error, the sqrt halves it, and tl.log/tl.exp vs
 D 64/80/96/128/256 x T 1..1000 x 3 dtypes x 3 layouts x 3 chunkings (interpreter): <= 1.8e-6; 1e-5 leaves a
 margin for the GPU's log/exp.
 """
+import json
+import sys
+
 import pytest
+import sm90
 import torch
 
 from turbo_attn_hf.kernels.rotation import SMOOTH_RANGE, smooth_scales
@@ -90,3 +94,40 @@ def test_dispatch(device):
     """``smooth_factors`` takes the kernels where Triton runs (CUDA or the interpreter), the twin otherwise."""
     k = _keys(1, 1, 20, 64, torch.bfloat16, "contig", seed=5).to(device)
     assert torch.allclose(smooth_factors(k).cpu(), smooth_scales(k.cpu()), rtol=RTOL)
+
+
+def test_one_launch_leaves_its_arrival_counters_at_zero(device):
+    """The last program of each (b, h) finishes the factors (no second launch) and resets that row's arrival count:
+    the next call, of another shape and chunking, starts from zero and matches the twin again."""
+    from eval.bench_store import count_launches
+    from turbo_attn_hf.kernels import smooth_factors as sf
+
+    k1 = _keys(2, 3, 150, 64, torch.bfloat16, "bthd", seed=1)
+    assert count_launches(lambda: _check(k1, device, nsub=1))["triton"] == 1  # NC 5 chunks for each of 6 rows
+    arrive = sf._ARRIVALS[(device.type, device.index)]
+    assert int(arrive.abs().sum()) == 0
+    _check(_keys(1, 2, 90, 128, torch.float16, "contig", seed=2), device, nsub=2)  # NC 2, rows 2
+    assert int(arrive.abs().sum()) == 0
+
+
+def _compile(D):
+    """``_smooth_stats_kernel`` for sm_90 (the arrival count's gpu-scope atomics and the finisher's .cg loads)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from turbo_attn_hf.kernels.smooth_factors import _smooth_stats_kernel
+
+    sig = dict(k="*bf16", part="*fp32", cnt="*i32", arrive="*i32", out="*fp32", T="i32", H="i32", NC="i32",
+               NSUB="i32", LO="fp32", HI="fp32", stride_kb="i32", stride_kh="i32", stride_kt="i32", stride_kd="i32")
+    cx = dict(D=D, BD=D, BT=4096 // D, BC=4096 // D)
+    sig.update({k: "constexpr" for k in cx})
+    src = triton.compiler.ASTSource(fn=_smooth_stats_kernel, signature=sig, constexprs=cx)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+
+
+def test_smooth_stats_kernel_compiles_for_sm90():
+    sm90.run(__file__, [[128], [256]], "smoothing-factor kernel")
+
+
+if __name__ == "__main__":
+    sm90.main(_compile, json.loads(sys.argv[1]))
