@@ -175,6 +175,20 @@ def save_results(name: str, payload: dict, out_dir: Optional[Path], plot: Option
     return path
 
 
+class RowLog:
+    """The rows of a GPU experiment by section, its JSON rewritten after every row: a command cut by the device's
+    time limit keeps what it measured (session 33 lost two sweeps' files that way)."""
+
+    def __init__(self, path, head: dict):
+        self.path, self.data = Path(path), dict(head)
+
+    def add(self, section: str, row: dict) -> dict:
+        self.data.setdefault(section, []).append(row)
+        print(json.dumps(row, default=_json_default), flush=True)
+        self.path.write_text(json.dumps(self.data, indent=1, default=_json_default))
+        return row
+
+
 def _json_default(o):
     if isinstance(o, float) and not math.isfinite(o):
         return None

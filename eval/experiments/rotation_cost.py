@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import subprocess
 
@@ -71,7 +70,15 @@ def main(argv=None):
     lens = (1024,) if a.quick else (1024, 4096, 16384)
     cfg = {m: dataclasses.replace(TurboConfig.preset("int4"), rotate_qk=m)
            for m in ("none", "hadamard", "smooth_hadamard")}
-    out = {"prefill": [], "store": [], "decode": [], "step": []}
+    from ..bench_common import RowLog
+
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "note": "do_bench medians (ms); *_pct = extra time of the rotated call over the plain one (prefill / "
+                    "decode: min of the two plain timings around it); store = TurboLayer(int4).update(k, v) of a "
+                    "first prefill; step = update of 1 token + attention over a filled int4 layer"}
+    meta["git"] = os.environ.get("TURBO_GIT_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    log = RowLog(a.out, meta)  # the file is rewritten after every row
 
     def rand(*shape, g):
         return torch.randn(*shape, device=dev, dtype=torch.bfloat16, generator=g)
@@ -94,8 +101,7 @@ def main(argv=None):
                 r["kernels_plain_us"] = _kernel_us(lambda: prefill.turbo_attention(q, k, v, causal=True))
                 r["kernels_hadamard_us"] = _kernel_us(
                     lambda: prefill.turbo_attention(q, k, v, causal=True, rotate_qk=True))
-            out["prefill"].append(r)
-            print(json.dumps(r), flush=True)
+            log.add("prefill", r)
 
             st = {"shape": name, "Hk": hk, "d": d, "L": L}
             for m in cfg:
@@ -104,8 +110,7 @@ def main(argv=None):
                     st[f"kernels_{m}_us"] = _kernel_us(lambda: TurboLayer(cfg[m]).update(k, v))
             for m in ("hadamard", "smooth_hadamard"):
                 st[f"{m}_pct"] = _pct(st[f"{m}_ms"], st["none_ms"])
-            out["store"].append(st)
-            print(json.dumps(st), flush=True)
+            log.add("store", st)
             del q, k, v
 
     for name, hq, hk, d in shapes:
@@ -130,8 +135,7 @@ def main(argv=None):
                 if a.profile:
                     r["kernels_plain_us"] = _kernel_us(lambda: turbo_decode_attention(q1, *args, **kw))
                     r["kernels_hadamard_us"] = _kernel_us(lambda: turbo_decode_attention(q1, *args, rotate=True, **kw))
-                out["decode"].append(r)
-                print(json.dumps(r), flush=True)
+                log.add("decode", r)
                 if a.no_step:
                     del layer, k, v
                     continue
@@ -146,18 +150,8 @@ def main(argv=None):
                     stp[f"{m}_ms"] = bench(step)
                     del lay
                 stp["smooth_hadamard_pct"] = _pct(stp["smooth_hadamard_ms"], stp["none_ms"])
-                out["step"].append(stp)
-                print(json.dumps(stp), flush=True)
+                log.add("step", stp)
                 del layer, k, v
-
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "note": "do_bench medians (ms); *_pct = extra time of the rotated call over the plain one (prefill / "
-                    "decode: min of the two plain timings around it); store = TurboLayer(int4).update(k, v) of a "
-                    "first prefill; step = update of 1 token + attention over a filled int4 layer"}
-    meta["git"] = os.environ.get("TURBO_GIT_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    with open(a.out, "w") as f:
-        json.dump({**meta, **out}, f, indent=1)
 
 
 if __name__ == "__main__":

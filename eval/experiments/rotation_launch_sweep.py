@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 
 import torch
 
@@ -38,10 +37,9 @@ def _layer_inputs(args):
             yield name, d, L, q, k, v
 
 
-def _quant_rows(args, bench):
+def _quant_rows(args, bench, log):
     from turbo_attn_hf.kernels import quant
 
-    out = []
     orig = quant._qk_tile
     try:
         for name, d, L, q, k, _ in _layer_inputs(args):
@@ -54,19 +52,16 @@ def _quant_rows(args, bench):
                 for rot in (False, True):
                     res = bench(lambda: quant.quantize_qk(q, k, smooth=mean, rotate=rot))
                     r["rotated_us" if rot else "plain_us"] = round(1e3 * res.get("ms_graph", float("nan")), 2)
-                out.append(r)
-                print(json.dumps(r), flush=True)
+                log.add("quant", r)
     finally:
         quant._qk_tile = orig
-    return out
 
 
-def _decode_rows(args, bench):
+def _decode_rows(args, bench, log):
     from turbo_attn_hf.cache import TurboLayer
     from turbo_attn_hf.config import TurboConfig
     from turbo_attn_hf.kernels.decode import turbo_decode_attention
 
-    out = []
     for name, hq, hk, d in (sh for sh in SHAPES if sh[0] in args.shapes):
         for ctx, b in args.decode:
             for k_bits in (("head", 8) if d == 256 else ("head",)):
@@ -84,13 +79,11 @@ def _decode_rows(args, bench):
                     for rot in (False, True):
                         res = bench(lambda: turbo_decode_attention(q1, *dargs, num_warps=nw, rotate=rot, **kw))
                         r["rotated_us" if rot else "plain_us"] = round(1e3 * res.get("ms_graph", float("nan")), 2)
-                    out.append(r)
-                    print(json.dumps(r), flush=True)
+                    log.add("decode", r)
                 del layer, k, v
-    return out
 
 
-def _stats_rows(args):
+def _stats_rows(args, log):
     """The cache's first store, rotated: ``_stats_kernel``'s device µs per ``num_warps`` (8 when rotated today)."""
     from turbo_attn_hf import first_prefill
     from turbo_attn_hf.cache import TurboLayer
@@ -99,7 +92,6 @@ def _stats_rows(args):
 
     from .rotation_cost import _kernel_us
 
-    out = []
     orig = store._stats_plan
     cfg = dataclasses.replace(TurboConfig.preset("int4"), rotate_qk="hadamard")
     try:
@@ -114,15 +106,13 @@ def _stats_rows(args):
                 first_prefill.PLANS.clear()  # the cache's first-store plans hold a stats launch each
                 r = {"shape": name, "d": d, "L": L, "stats_warps": nw,
                      "kernels_us": _kernel_us(lambda: TurboLayer(cfg).update(k, v))}
-                out.append(r)
-                print(json.dumps(r), flush=True)
+                log.add("stats", r)
     finally:
         store._stats_plan = orig
         store._STATS_PLANS.clear()
-    return out
 
 
-def _store_rows(args):
+def _store_rows(args, log):
     """The cache's first store: every kernel's device µs per ``store.STORE_NUM_WARPS``, rotate_qk none / hadamard /
     smooth_hadamard (the rotated store kernel packs 64-row blocks through the butterfly: its cross-warp layout
     changes, as the stats kernel's, may cost more than fewer warps' registers)."""
@@ -133,7 +123,6 @@ def _store_rows(args):
 
     from .rotation_cost import _kernel_us
 
-    out = []
     orig = store.STORE_NUM_WARPS
     try:
         for name, d, L, _, k, v in _layer_inputs(args):
@@ -146,13 +135,11 @@ def _store_rows(args):
                     us = _kernel_us(lambda: TurboLayer(cfg).update(k, v))
                     r = {"shape": name, "d": d, "L": L, "store_warps": nw, "rotate_qk": rot, "kernels_us": us,
                          "total_us": round(sum(us.values()), 2)}
-                    out.append(r)
-                    print(json.dumps(r), flush=True)
+                    log.add("store", r)
     finally:
         store.STORE_NUM_WARPS = orig
         store._STORE_KV_KW.clear()
         first_prefill.PLANS.clear()
-    return out
 
 
 def main(argv=None):
@@ -172,23 +159,21 @@ def main(argv=None):
     a.store_warps = [int(x) for x in a.store_warps.split(",") if x]
     a.warps = [int(x) for x in a.warps.split(",") if x]
     a.decode = [tuple(int(y) for y in x.split("x")) for x in a.decode.split(",") if x]
-    from ..bench_common import bench_graph_ms, machine_info
+    from ..bench_common import RowLog, bench_graph_ms, machine_info
 
     bench = lambda f: bench_graph_ms(f, rep=50)  # noqa: E731
-    res = {"machine": machine_info(),
-           "note": "CUDA-graph medians (µs) of quantize_qk (Q + K of one layer, K's mean subtracted) per (rows, warps) "
-                   "and of turbo_decode_attention (1 token over a filled int4 layer) per num_warps, plain / rotated"}
+    log = RowLog(a.out, {"machine": machine_info(),
+                         "note": "CUDA-graph medians (µs) of quantize_qk (Q + K of one layer, K's mean subtracted) per "
+                                 "(rows, warps) and of turbo_decode_attention (1 token over a filled int4 layer) per "
+                                 "num_warps, plain / rotated; stats / store: the first store's kernels' device µs"})
     if "quant" not in a.skip:
-        res["quant"] = _quant_rows(a, bench)
+        _quant_rows(a, bench, log)
     if "decode" not in a.skip:
-        res["decode"] = _decode_rows(a, bench)
+        _decode_rows(a, bench, log)
     if "stats" not in a.skip:
-        res["stats"] = _stats_rows(a)
+        _stats_rows(a, log)
     if "store" not in a.skip:
-        res["store"] = _store_rows(a)
-    with open(a.out, "w") as f:
-        json.dump(res, f, indent=1)
-
+        _store_rows(a, log)
 
 if __name__ == "__main__":
     main()
