@@ -134,13 +134,17 @@ def timed_prefill(model, ids, impl: str, hooks=(None, None)) -> tuple:
     return (t1 - t0) * 1e3, (c1 - c0) * 1e3, (time.perf_counter() - t0) * 1e3
 
 
-def alternating(cfgs, rounds: int, fn, warm: int = 3) -> list:
+def alternating(cfgs, rounds: int, fn, warm: int = 3, abba: bool = False) -> list:
     """``fn(cfg)`` ``warm`` times per config, then ``rounds`` rounds of one call per config in turn:
-    ``[(round, cfg, result)]`` — the configs alternate, so the host's drift falls on all of them alike."""
+    ``[(round, cfg, result)]`` — the configs alternate, so the host's drift falls on all of them alike. ``abba``:
+    every other round runs the configs in reverse order, so a drift within rounds does not fall on the later configs
+    of a round more than on the first (in a fixed order the last config ran ``len(cfgs) - 1`` turns after the
+    first in every round)."""
     for c in cfgs:
         for _ in range(warm):
             fn(c)
-    return [(r, c, fn(c)) for r in range(rounds) for c in cfgs]
+    order = [list(cfgs), list(reversed(cfgs)) if abba else list(cfgs)]
+    return [(r, c, fn(c)) for r in range(rounds) for c in order[r % 2]]
 
 
 _BATCH_BYTES = None  # first_prefill's default, read at the first first_stores_per_layer call

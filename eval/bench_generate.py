@@ -462,7 +462,8 @@ def measure(model, spec: dict, b: int, T: int, n: int, reps: int, layers: int, p
 def eager_rounds(model, specs: list[dict], b: int, T: int, rounds: int, seconds_left: float, n: int = 0,
                  step_meds: Optional[dict] = None) -> dict:
     """``--ttft-rounds`` (``n`` 0) / ``--decode-rounds`` (``n`` = N): the shape's configs without a static cache take
-    turns, per round one ``generate(max_new_tokens=1)`` each (with ``n``: then a ``generate(1 + n)``, the round's step
+    turns (every other round in reverse order: ``alternating(abba=True)``), per round one
+    ``generate(max_new_tokens=1)`` each (with ``n``: then a ``generate(1 + n)``, the round's step
     ``(t(1 + n) - t(1)) / n``), after two warm-up calls each: ``{config: [seconds per round]}`` (TTFTs, or steps), the
     host's drift falling on every config alike (a row's own reps take whatever mode the host is in then). ``{}`` when
     the rounds would not fit ``seconds_left`` (judged from the warm-up calls) or a call fails (OOM).
@@ -501,7 +502,7 @@ def eager_rounds(model, specs: list[dict], b: int, T: int, rounds: int, seconds_
             return {}
         if step_meds is not None:
             step_meds.clear()  # the warm-up calls' steps
-        for _, spec, t in alternating(specs, rounds, call, warm=0):
+        for _, spec, t in alternating(specs, rounds, call, warm=0, abba=True):
             times[spec["name"]].append(t)
     except Exception as e:  # noqa: BLE001 - the rows stand without the rounds
         if not is_oom(e):
@@ -686,7 +687,8 @@ def main(argv: Optional[list[str]] = None) -> int:
               "shapes": [shape_name(b, T) for b, T in shapes], "configs": [s["name"] for s in specs],
               "compile_config": {k: str(v) for k, v in CompileConfig().to_dict().items()},
               "compile_scope": "fresh per shape: torch._dynamo.reset() before each *_compiled row",
-              "max_seconds": opt["max_seconds"]}
+              "max_seconds": opt["max_seconds"],
+              "rounds_order": "the configs' listed order in even rounds, reversed in odd ones (since session 33)"}
     old_rows, old_prof, runs = _load_merge(out_dir / f"{name}.json", config) if args.merge else ([], [], [])
     this_run = {"machine": info, "argv": sys.argv[1:] if argv is None else list(argv),
                 "shapes": config["shapes"], "configs": config["configs"]}

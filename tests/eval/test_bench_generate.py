@@ -244,3 +244,17 @@ def test_plot_generate_rounds_only(tmp_path):
     p.write_text(json.dumps({"machine": {"device": "NVIDIA H200"}, "config": {"layers": 32}, "rows": rows}))
     png = plots.plot_generate(p)
     assert png is not None and png.is_file() and png.stat().st_size > 1000
+
+
+def test_rounds_alternate_their_order():
+    """``alternating(abba=True)``: every other round runs the configs in reverse, so a drift within rounds does not
+    fall on a round's later configs (the eager rounds ran sdpa first and mixed last in every round until session 33)."""
+    from eval.bench_e2e import alternating
+
+    seen = []
+    out = alternating(["sdpa", "int8", "mixed"], 4, lambda c: seen.append(c) or len(seen), warm=0, abba=True)
+    assert seen == ["sdpa", "int8", "mixed", "mixed", "int8", "sdpa"] * 2
+    assert [(r, c) for r, c, _ in out][:4] == [(0, "sdpa"), (0, "int8"), (0, "mixed"), (1, "mixed")]
+    seen.clear()
+    alternating(["a", "b"], 2, seen.append, warm=1)
+    assert seen == ["a", "b", "a", "b", "a", "b"]  # default: fixed order (host_parts' rounds)
