@@ -57,7 +57,7 @@ from .pack import (PackedKV, _bad_rows, _dequant_tile, _quantize_universal, _uni
                    keeps_int8_k)
 from .quant import check_qk_smooth
 from .reference import SQ_MIN, W_MIN
-from .rotation import rotate_constexprs, rotation_block
+from .rotation import rotate_constexprs
 from .softmax import sas_exp2
 
 __all__ = ["turbo_decode_attention", "decode_entry", "decode_storage", "plan_splits", "group_splits",
@@ -1231,7 +1231,9 @@ class _DecodeStatic:
         G = HQ // HK
         scale = D ** -0.5 if scale is None else float(scale)
         check_qk_smooth(qk_smooth, rotate, k_tail)  # [b, HK, C, D]: factors [b, HK, D] with rotate on
-        rot_n = rotation_block(D) if rotate else 1  # RotationError (a ValueError) for a head dim without one
+        # RotationError (a ValueError) for a head dim without a rotation block
+        rot = rotate_constexprs(D, rotate, qk_smooth is not None)
+        rot_n = rot["ROT_N"] if rotate else 1
         self.q_copy = q.stride(-1) != 1
         qs = q.stride() if not self.q_copy else (HQ * Lq * D, Lq * D, D, 1)
         self.o_shape, self.device, self.rotate = (b, Lq, HQ, D), q.device, bool(rotate)
@@ -1287,7 +1289,7 @@ class _DecodeStatic:
             const = dict(G=G, D=D, BD=BD, BS=BS, BM=BM, BITS0=g0.bits, BITS1=g1.bits, TWO_GROUPS=H1 > 0,
                          K8=keeps_int8_k(groups),
                          IS_CAUSAL=bool(causal), HAS_WINDOW=bool(window), HAS_SOFTCAP=bool(softcap),
-                         HAS_MEAN=k_mean is not None, **rotate_constexprs(D, rotate, qk_smooth is not None))
+                         HAS_MEAN=k_mean is not None, **rot)
             opts = dict(USE_SAS=softmax == "sas", FOLD=bool(fold), USE_ASM=use_asm)
             n_work = b * (H0 + H1) * self.n_m
             self.pairs.append((n_work, operator.itemgetter(*ga), tuple(gs) + (H0, H1, HK), const, opts, dict(

@@ -322,17 +322,20 @@ def run_config(preset: str, *, batch: int, context: int, steps: int, reps: int, 
 
 def ab_rotated_store(presets: list, rounds: int, **kw) -> list:
     """Rotated layers' decode host, the store's own launch against the decode launch's (``DEFER_ROTATED_STORE``),
-    alternating per round in this process: one row per (preset, mode) with the median of the per-round minimums."""
+    alternating per round in this process (every other round reversed: ``bench_e2e.alternating``): one row per
+    (preset, mode) with the median of the per-round minimums."""
     import turbo_attn_hf.cache as cache_mod
+
+    from ..bench_e2e import alternating
+
+    def run(cfg):
+        p, cache_mod.DEFER_ROTATED_STORE = cfg
+        return run_config(p, **dict(kw, reps=3))["decode_min"]
 
     mins: dict = {}
     try:
-        for _ in range(rounds):
-            for deferred in (False, True):
-                cache_mod.DEFER_ROTATED_STORE = deferred
-                for p in presets:
-                    out = run_config(p, **dict(kw, reps=3))
-                    mins.setdefault((p, deferred), []).append(out["decode_min"])
+        for _, cfg, t in alternating([(p, d) for d in (False, True) for p in presets], rounds, run, warm=0, abba=True):
+            mins.setdefault(cfg, []).append(t)
     finally:
         cache_mod.DEFER_ROTATED_STORE = True
     rows = [dict(preset=p, rotate_qk=kw["rotate_qk"], store="decode launch" if deferred else "own launch",
