@@ -47,9 +47,14 @@ the rounds would not fit the time budget.
 the same calls also carry a clock after every token: ``decode_step_med_rounds_ms`` /
 ``decode_step_med_paired_vs_sdpa_dynamic``, each round's median decode step instead of its mean, which a slow spell of
 the host within a call does not move.
-``--rounds-only``: the rounds without the rows' own reps (``..._rounds.json``, beside the headline file). Compiled
-configs take no rounds: a compiled config alternating with another in one process had its CUDA graph recorded again
-during the rounds (eval/PERF_NOTES.md, session 23); their rows count ``captures`` and ``graph_breaks`` instead.
+``--compiled-rounds R`` (issue 18's compiled bar): the same rounds over the shape's compiled configs, each config on
+its own model over the same weights (:func:`sibling_model`: its own compiled forward, CUDA graphs and static cache,
+so a turn replays what the config's warm-up recorded; one model switching configs re-recorded its graphs every turn,
+eval/PERF_NOTES.md session 23): ``compiled_rounds_ms``, ``compiled_step_med_rounds_ms``, ``compiled_ttft_rounds_ms``
+and their ``*_paired_vs_sdpa_compiled``; ``compiled_rounds_captures`` counts graphs recorded during the rounds (0
+expected). A compiled step at 1 x 1k is ~3 ms of host after ~6 ms of GPU work (session 34's profile), so rows
+timed minutes apart differ by the host's mode more than by the attention.
+``--rounds-only``: the rounds without the rows' own reps (``..._rounds.json``, beside the headline file).
 ``--step-times``: one more generate(1 + N) per row with a clock in its stopping criteria (CUDA synchronised after
 every token): ``step_ms``, each decode step's wall time, so a step-time gap between configs can be placed — every
 step, a few slow steps (a block packed, a buffer grown) or the first one.
@@ -90,7 +95,8 @@ NOT_IMPLEMENTED = "not implemented: generate(cache_implementation='static') did 
 SKIPPED = "skipped: time budget"
 ROUNDS_ONLY = "rows not run (--rounds-only): see the *_rounds keys"
 OOM = "OOM"
-ROUND_KEYS = ("ttft_rounds_ms", "decode_rounds_ms", "decode_step_med_rounds_ms")  # printed per row when present
+ROUND_KEYS = ("ttft_rounds_ms", "decode_rounds_ms", "decode_step_med_rounds_ms", "compiled_ttft_rounds_ms",
+              "compiled_rounds_ms", "compiled_step_med_rounds_ms")  # printed per row when present
 ROW_KEYS = ("config", "batch", "context", "ttft_ms", "decode_ms_per_step", "tokens_per_s", "peak_gib")
 FORMULAS = {
     "ttft_ms": "median wall time of model.generate(ids, max_new_tokens=1), torch.cuda.synchronize() before/after",
@@ -118,6 +124,17 @@ FORMULAS = {
                                  "not move it; the clock's sync adds the same to every config",
     "decode_step_med_paired_vs_sdpa_dynamic": "median over those rounds of that step median / sdpa_dynamic's in the "
                                               "same round",
+    "compiled_rounds_ms": "--compiled-rounds R: as decode_rounds_ms over the shape's *_compiled configs, each on its "
+                          "own model over the same weights (its graphs recorded in two warm-up calls, then replayed); "
+                          "per-round seconds in compiled_rounds_s",
+    "compiled_paired_vs_sdpa_compiled": "median over those rounds of the step / sdpa_compiled's step in the same round "
+                                        "(issue 18's compiled bar: <= 1.05 at 1k / 4k)",
+    "compiled_step_med_rounds_ms": "--compiled-rounds R: per round, the median of the generate(1+N)'s own decode steps "
+                                   "(a clock after every token, as decode_step_med_rounds_ms)",
+    "compiled_step_med_paired_vs_sdpa_compiled": "median over the rounds of that step median / sdpa_compiled's",
+    "compiled_ttft_rounds_ms": "--compiled-rounds R: the rounds' generate(1) (the static cache's first prefill)",
+    "compiled_ttft_paired_vs_sdpa_compiled": "median over the rounds of that TTFT / sdpa_compiled's",
+    "compiled_rounds_captures": "CUDA-graph captures during the compiled rounds, all configs (0 = every turn replayed)",
     "graph_breaks": "*_compiled: dynamo graph breaks counted over the row's compiles (0 = the decode step is one "
                     "graph, replayed as one CUDA graph)",
     "captures": "*_compiled: CUDA-graph captures during the row's timed reps (0 = the step's graph only replays)",
@@ -513,6 +530,76 @@ def eager_rounds(model, specs: list[dict], b: int, T: int, rounds: int, seconds_
     return times
 
 
+def sibling_model(model):
+    """A second model over the same weight tensors: its own modules, config, generation config, HF compile state and
+    static cache (``copy.deepcopy`` with the parameters memoised as themselves). Built before the model's first
+    generate(), as nothing of a run is meant to be copied."""
+    import copy
+
+    return copy.deepcopy(model, {id(p): p for p in model.parameters()})
+
+
+def compiled_rounds(model, specs: list[dict], b: int, T: int, rounds: int, n: int, seconds_left: float) -> dict:
+    """``--compiled-rounds``: the shape's compiled configs take turns as :func:`eager_rounds`' do (ABBA order), each
+    on its own :func:`sibling_model` (set up before any of the shape's rows), after two warm-up generate(1 + N)
+    calls each (compile, CUDA-graph recording). A turn: generate(1), then a clocked generate(1 + N).
+    ``{"compiled_ttft": {config: [s]}, "compiled": {...}, "compiled_step_med": {...}, "captures": int}``, or ``{}``
+    when fewer than two compiled configs, a config's warm-up did not take the compiled path (:func:`cache_problem`),
+    the rounds would not fit ``seconds_left`` or a call runs out of memory."""
+    import torch
+
+    specs = [s for s in specs if s["compile"]]
+    if not rounds or len(specs) < 2:
+        return {}
+    g = torch.Generator().manual_seed(1000 * b + T)
+    ids = torch.randint(0, model.config.vocab_size, (b, T), generator=g).to(model.device)
+    mask = torch.ones_like(ids)
+    models = {}
+    out: dict = {"compiled_ttft": {}, "compiled": {}, "compiled_step_med": {}}
+
+    def call(spec: dict) -> None:
+        m = models[spec["name"]]
+        t1 = generate_timed(m, ids, mask, spec, 1)[0]
+        tn, steps = clocked_generate(m, ids, mask, spec, n)
+        for what, v in (("compiled_ttft", t1), ("compiled", (tn - t1) / n),
+                        ("compiled_step_med", statistics.median(steps))):
+            out[what].setdefault(spec["name"], []).append(v)
+
+    reset_compile(model)
+    try:
+        t0 = time.perf_counter()
+        for spec in specs:
+            models[spec["name"]] = m = sibling_model(model)
+            set_impl(m, spec["impl"])
+            problem = cache_problem(spec, _out_cache(generate_timed(m, ids, mask, spec, 1 + n, return_out=True)[1]), m)
+            if problem:  # e.g. no CUDA: HF compiles nothing, and the rounds would not be the compiled path's
+                print(f"compiled rounds: {spec['name']}: {problem}; no rounds", flush=True)
+                return {}
+            generate_timed(m, ids, mask, spec, 1 + n)
+        t_warm = time.perf_counter()
+        for spec in specs:  # a timed turn each: the rounds' cost, and not counted
+            call(spec)
+        per_round = time.perf_counter() - t_warm
+        if seconds_left and rounds * per_round > seconds_left - (t_warm - t0):
+            return {}
+        for v in out.values():
+            v.clear()
+        with graph_captures() as captured:
+            alternating(specs, rounds, call, warm=0, abba=True)
+        out["captures"] = captured[0]
+    except Exception as e:  # noqa: BLE001 - the rows stand without the rounds
+        if not is_oom(e):
+            raise
+        return {}
+    finally:
+        for m in models.values():
+            reset_static_len(m)
+            reset_compile(m)
+        models.clear()
+        free_gpu_memory()
+    return out
+
+
 @contextlib.contextmanager
 def graph_captures():
     """Counts CUDA-graph captures (``torch.cuda.CUDAGraph.capture_end`` calls) inside the block: ``[count]``. A
@@ -541,6 +628,10 @@ def graph_captures():
             del cls.capture_end
 
 
+PAIRED = (("ttft", "sdpa_dynamic"), ("decode", "sdpa_dynamic"), ("decode_step_med", "sdpa_dynamic"),
+          ("compiled_ttft", "sdpa_compiled"), ("compiled", "sdpa_compiled"), ("compiled_step_med", "sdpa_compiled"))
+
+
 def add_ratios(rows: list[dict]) -> None:
     by = {(r["config"], r["batch"], r["context"]): r for r in rows}
     for r in rows:
@@ -551,12 +642,12 @@ def add_ratios(rows: list[dict]) -> None:
             r.pop(key, None)
             if r.get(val) and base.get(val) and r["config"] != base_cfg:
                 r[key] = r[val] / base[val]
-        base = by.get(("sdpa_dynamic", r["batch"], r["context"]), {})
-        for what in ("ttft", "decode", "decode_step_med"):
-            r.pop(f"{what}_paired_vs_sdpa_dynamic", None)
-            if r.get(f"{what}_rounds_s") and base.get(f"{what}_rounds_s") and r["config"] != "sdpa_dynamic":
-                r[f"{what}_paired_vs_sdpa_dynamic"] = statistics.median(
-                    x / y for x, y in zip(r[f"{what}_rounds_s"], base[f"{what}_rounds_s"]))
+        for what, base_cfg in PAIRED:
+            base = by.get((base_cfg, r["batch"], r["context"]), {})
+            key = f"{what}_paired_vs_{base_cfg}"
+            r.pop(key, None)
+            if r.get(f"{what}_rounds_s") and base.get(f"{what}_rounds_s") and r["config"] != base_cfg:
+                r[key] = statistics.median(x / y for x, y in zip(r[f"{what}_rounds_s"], base[f"{what}_rounds_s"]))
 
 
 def merge_rows(old_rows: list[dict], rows: list[dict]) -> list[dict]:
@@ -603,6 +694,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--decode-rounds", type=int, default=0,
                     help="per shape, R rounds of generate(1) + generate(1+N) alternating over the configs without a "
                          "static cache before the rows (decode_rounds_ms, decode_paired_vs_sdpa_dynamic; default 0)")
+    ap.add_argument("--compiled-rounds", type=int, default=0,
+                    help="per shape, R rounds of generate(1) + generate(1+N) alternating over the *_compiled configs, "
+                         "each on its own model over the same weights (compiled_rounds_ms, "
+                         "compiled_paired_vs_sdpa_compiled; default 0)")
     ap.add_argument("--rounds-only", action="store_true",
                     help="only the rounds: the rows keep the rounds' keys, their own timed reps are not run")
     ap.add_argument("--profile-step", action="store_true", help="torch.profiler of one decode step per config")
@@ -711,13 +806,19 @@ def main(argv: Optional[list[str]] = None) -> int:
         step_meds = {} if args.step_times else None  # the rounds' calls stay plain generate() without --step-times
         alt_dec = eager_rounds(model, specs, b, T, args.decode_rounds, max(left, 1e-9) if opt["max_seconds"] else 0.0,
                                n, step_meds)
+        left = opt["max_seconds"] - (time.perf_counter() - t_start) if opt["max_seconds"] else 0.0
+        alt_comp = compiled_rounds(model, specs, b, T, args.compiled_rounds, n,
+                                   max(left, 1e-9) if opt["max_seconds"] else 0.0)
         for spec in specs:
             row: dict = {"config": spec["name"], "batch": b, "context": T}
             for what, times in (("ttft", alt), ("decode", alt_dec),
-                                ("decode_step_med", step_meds if alt_dec and step_meds else {})):
+                                ("decode_step_med", step_meds if alt_dec and step_meds else {}),
+                                *((w, alt_comp.get(w, {})) for w in ("compiled_ttft", "compiled", "compiled_step_med"))):
                 if times.get(spec["name"]):
                     row.update({f"{what}_rounds_ms": statistics.median(times[spec["name"]]) * 1e3,
                                 f"{what}_rounds_s": times[spec["name"]]})
+            if spec["compile"] and "captures" in alt_comp:
+                row["compiled_rounds_captures"] = alt_comp["captures"]
             if args.rounds_only:
                 row["error"] = ROUNDS_ONLY
             elapsed = time.perf_counter() - t_start
@@ -766,11 +867,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     print_table(data["rows"], ["config", "batch", "context", "ttft_ms", "decode_ms_per_step", "tokens_per_s",
                                "peak_gib", "warmup_s", "decode_vs_sdpa_compiled", "decode_vs_sdpa_dynamic",
                                "ttft_vs_sdpa_dynamic", "error"])
-    if any(r.get(k) for r in data["rows"] for k in ROUND_KEYS):
+    if any(r.get(k) for r in data["rows"] for k in ROUND_KEYS[:3]):
         print("\nrounds (ms; paired = median of the per-round ratios):")
         print_table(data["rows"], ["config", "batch", "context", "ttft_rounds_ms", "ttft_paired_vs_sdpa_dynamic",
                                    "decode_rounds_ms", "decode_paired_vs_sdpa_dynamic", "decode_step_med_rounds_ms",
                                    "decode_step_med_paired_vs_sdpa_dynamic"])
+    if any(r.get("compiled_rounds_ms") for r in data["rows"]):
+        print("\ncompiled rounds (ms; paired = median of the per-round ratios to sdpa_compiled):")
+        print_table(data["rows"], ["config", "batch", "context", "compiled_ttft_rounds_ms",
+                                   "compiled_ttft_paired_vs_sdpa_compiled", "compiled_rounds_ms",
+                                   "compiled_paired_vs_sdpa_compiled", "compiled_step_med_rounds_ms",
+                                   "compiled_step_med_paired_vs_sdpa_compiled", "compiled_rounds_captures"])
     profs = [p for p in data["profile"] if "decode_step" in p]
     if profs:
         print("\nprofile (one decode step; prefill = generate(1)):")

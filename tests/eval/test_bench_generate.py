@@ -61,7 +61,7 @@ def test_dry_run_writes_rows(tmp_path):
 
 def test_dry_run_rounds_only(tmp_path):
     """`--decode-rounds 2 --rounds-only`: the eager configs' rounds without the rows' own reps, in a file beside the
-    headline's; a compiled config takes no rounds (two compiled configs in turn re-recorded their CUDA graphs)."""
+    headline's; a compiled config takes no eager rounds (its own are ``--compiled-rounds``)."""
     env = dict(os.environ, TRITON_INTERPRET="0")
     proc = subprocess.run([sys.executable, "-m", "eval.bench_generate", "--dry-run", "--configs",
                            "sdpa_dynamic,turbo_int4_eager,turbo_int4_compiled", "--decode-rounds", "2",
@@ -258,3 +258,70 @@ def test_rounds_alternate_their_order():
     seen.clear()
     alternating(["a", "b"], 2, seen.append, warm=1)
     assert seen == ["a", "b", "a", "b", "a", "b"]  # default: fixed order (host_parts' rounds)
+
+
+def test_sibling_model_shares_weights_only():
+    """``sibling_model``: the compiled rounds' second model holds the same weight tensors (no second copy of 16 GB)
+    and its own config, so switching its attention leaves the first model's alone."""
+    from eval.bench_e2e import TOY, build_model, set_impl
+
+    model = build_model(2, TOY, "cpu", __import__("torch").bfloat16)
+    sib = bg.sibling_model(model)
+    assert sib is not model and sib.config is not model.config
+    assert all(a is b for a, b in zip(model.parameters(), sib.parameters()))
+    assert [n for n, _ in model.named_buffers()] == [n for n, _ in sib.named_buffers()]
+    set_impl(sib, "int4")
+    assert sib.config._attn_implementation != model.config._attn_implementation == "sdpa"
+
+
+def test_compiled_rounds_turns(monkeypatch):
+    """``compiled_rounds``: each compiled config on its own sibling model (two warm-up calls each, then one untimed
+    turn), the rounds in ABBA order, a turn's step (t(1 + N) - t(1)) / N and its steps' median; eager configs take no
+    part, and a single compiled config takes no rounds."""
+    import itertools
+
+    from eval.bench_e2e import TOY, build_model
+
+    model = build_model(2, TOY, "cpu", __import__("torch").bfloat16)
+    calls, clock = [], itertools.count(1)
+
+    def fake_generate(m, ids, mask, spec, n, **kw):
+        calls.append((spec["name"], id(m), n))
+        return (1.0 if n == 1 else 1.0 + (n - 1) * (2.0 if spec["impl"] == "sdpa" else 1.0)), None
+
+    def fake_clocked(m, ids, mask, spec, n):
+        calls.append((spec["name"], id(m), 1 + n))
+        next(clock)
+        return 1.0 + n * (2.0 if spec["impl"] == "sdpa" else 1.0), [0.5] * n
+
+    monkeypatch.setattr(bg, "generate_timed", fake_generate)
+    monkeypatch.setattr(bg, "clocked_generate", fake_clocked)
+    monkeypatch.setattr(bg, "cache_problem", lambda spec, cache, m: None)
+    specs = [bg.parse_config(c) for c in ("sdpa_dynamic", "sdpa_compiled", "turbo_int4_compiled")]
+    out = bg.compiled_rounds(model, specs, 1, 16, 3, 4, 0.0)
+    assert set(out["compiled"]) == {"sdpa_compiled", "turbo_int4_compiled"} and out["captures"] == 0
+    assert out["compiled"]["sdpa_compiled"] == [2.0] * 3 and out["compiled"]["turbo_int4_compiled"] == [1.0] * 3
+    assert out["compiled_step_med"]["sdpa_compiled"] == [0.5] * 3 and len(out["compiled_ttft"]["sdpa_compiled"]) == 3
+    models = {name: {m for nm, m, _ in calls if nm == name} for name in out["compiled"]}
+    assert all(len(v) == 1 for v in models.values()) and id(model) not in set().union(*models.values())
+    assert len(set().union(*models.values())) == 2  # one sibling each
+    timed = [nm for nm, _, n in calls if n == 5][6:]  # after the warm-up calls (2 each) and the untimed turns
+    assert timed == ["sdpa_compiled", "turbo_int4_compiled"] + ["turbo_int4_compiled", "sdpa_compiled"] + [
+        "sdpa_compiled", "turbo_int4_compiled"]
+    rows = [{"config": c, "batch": 1, "context": 16, "compiled_rounds_s": out["compiled"][c]} for c in out["compiled"]]
+    bg.add_ratios(rows)
+    assert rows[1]["compiled_paired_vs_sdpa_compiled"] == 0.5 and "compiled_paired_vs_sdpa_compiled" not in rows[0]
+    assert bg.compiled_rounds(model, specs[:2], 1, 16, 3, 4, 0.0) == {}
+
+
+def test_compiled_rounds_need_the_compiled_path(tmp_path):
+    """On CPU HF compiles nothing (its auto-compile needs CUDA): the compiled rounds say so and take no rounds, rather
+    than reporting an eager static step as the compiled one."""
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    proc = subprocess.run([sys.executable, "-m", "eval.bench_generate", "--dry-run", "--configs",
+                           "sdpa_compiled,turbo_int4_compiled", "--compiled-rounds", "2", "--rounds-only", "--out",
+                           str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "compiled rounds: sdpa_compiled: HF did not compile the decode step" in proc.stdout
+    rows = json.loads(next(tmp_path.glob("bench_generate_*_rounds.json")).read_text())["rows"]
+    assert all("compiled_rounds_s" not in r for r in rows)
