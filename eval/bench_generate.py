@@ -545,7 +545,7 @@ def compiled_rounds(model, specs: list[dict], b: int, T: int, rounds: int, n: in
     calls each (compile, CUDA-graph recording). A turn: generate(1), then a clocked generate(1 + N).
     ``{"compiled_ttft": {config: [s]}, "compiled": {...}, "compiled_step_med": {...}, "captures": int}``, or ``{}``
     when fewer than two compiled configs, a config's warm-up did not take the compiled path (:func:`cache_problem`),
-    the rounds would not fit ``seconds_left`` or a call runs out of memory."""
+    fewer than two rounds fit ``seconds_left`` (as many as fit run) or a call runs out of memory."""
     import torch
 
     specs = [s for s in specs if s["compile"]]
@@ -577,19 +577,24 @@ def compiled_rounds(model, specs: list[dict], b: int, T: int, rounds: int, n: in
                 return {}
             generate_timed(m, ids, mask, spec, 1 + n)
         t_warm = time.perf_counter()
-        for spec in specs:  # a timed turn each: the rounds' cost, and not counted
-            call(spec)
+        with graph_captures() as first:
+            for spec in specs:  # a turn each: the rounds' cost, not counted
+                call(spec)
         per_round = time.perf_counter() - t_warm
-        if seconds_left and rounds * per_round > seconds_left - (t_warm - t0):
+        fit = int((seconds_left - (t_warm - t0)) // per_round) if seconds_left else rounds
+        print(f"compiled rounds: warm-up {t_warm - t0:.0f} s, a round {per_round:.1f} s ({first[0]} graphs recorded "
+              f"in it), {min(rounds, fit)} of {rounds} rounds fit", flush=True)
+        if min(rounds, fit) < 2:
             return {}
         for v in out.values():
             v.clear()
         with graph_captures() as captured:
-            alternating(specs, rounds, call, warm=0, abba=True)
+            alternating(specs, min(rounds, fit), call, warm=0, abba=True)
         out["captures"] = captured[0]
     except Exception as e:  # noqa: BLE001 - the rows stand without the rounds
         if not is_oom(e):
             raise
+        print("compiled rounds: out of memory; no rounds", flush=True)
         return {}
     finally:
         for m in models.values():

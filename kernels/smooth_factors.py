@@ -115,6 +115,21 @@ def _pow2(n: int) -> int:
     return 1 << (max(int(n), 1) - 1).bit_length()
 
 
+def _chunking(T: int, rows: int, BD: int, sms: int, nsub: int | None = None) -> tuple[int, int, int, int]:
+    """``(BT, BC, nsub, NC)``: tokens per tile (a ``[BT, BD]`` fp32 tile of 4K elements, 32 registers a thread;
+    fixed, so no recompile per T), chunks the finisher sums per step, tiles per program and chunks per (b, h).
+    Default ``nsub``: ~4 programs per SM, and at most 4 finisher steps — the finisher is one program of a (b, h)
+    reading its row's partials serially: one KV head at 4k tokens of d 256 in 256 chunks took 81 us (H200,
+    eval/PERF_NOTES.md session 34)."""
+    BT = 4096 // BD
+    BC = max(1, 4096 // BD)
+    n_tiles = max(1, triton.cdiv(T, BT))
+    if nsub is None:
+        nsub = max(triton.cdiv(n_tiles * rows, 4 * sms), triton.cdiv(n_tiles, 4 * BC))
+    nsub = max(1, min(int(nsub), n_tiles))
+    return BT, BC, nsub, triton.cdiv(n_tiles, nsub)
+
+
 def smooth_factors_triton(k: torch.Tensor, nsub: int | None = None) -> torch.Tensor:
     """``rotation.smooth_scales(k)`` by one Triton launch: ``k [b, Hk, T, d]`` (any float dtype, any strides)
     -> ``s [b, Hk, d]`` fp32. ``nsub``: tiles of tokens per program (default: enough programs to fill the GPU)."""
@@ -122,19 +137,14 @@ def smooth_factors_triton(k: torch.Tensor, nsub: int | None = None) -> torch.Ten
         raise ValueError(f"keys must be [b, Hk, T, d], got shape {tuple(k.shape)}")
     b, H, T, D = k.shape
     BD = _pow2(D)
-    BT = 4096 // BD  # a [BT, BD] fp32 tile of 4K elements (32 registers a thread); fixed: no recompile per T
-    n_tiles = max(1, triton.cdiv(T, BT))
-    if nsub is None:  # ~4 programs per SM; a longer chunk per program past that
-        nsub = triton.cdiv(n_tiles * b * H, 4 * sm_count(k.device))
-    nsub = max(1, min(int(nsub), n_tiles))
-    NC = triton.cdiv(n_tiles, nsub)
+    BT, BC, nsub, NC = _chunking(T, b * H, BD, sm_count(k.device) if nsub is None else 0, nsub)
     part = torch.empty(b * H, NC, 3, BD, device=k.device, dtype=torch.float32)
     cnt = torch.empty(b * H, NC, device=k.device, dtype=torch.int32)
     out = torch.empty(b, H, D, device=k.device, dtype=torch.float32)
     lo, hi = SMOOTH_RANGE
     with on_device(k.device):
         lean(_smooth_stats_kernel)[(NC, b * H)](k, part, cnt, _arrivals(k.device, b * H), out, T, H, NC, nsub, lo, hi,
-                                                *k.stride(), D=D, BD=BD, BT=BT, BC=max(1, 4096 // BD), num_warps=4)
+                                                *k.stride(), D=D, BD=BD, BT=BT, BC=BC, num_warps=4)
     return out
 
 
@@ -145,6 +155,9 @@ def _arrivals(device: torch.device, n: int) -> torch.Tensor:
     """``_smooth_stats_kernel``'s arrival counters: a zeroed int32 buffer per device, grown on demand, which every
     launch leaves at zero (each row's finisher resets its own). Launches on one device's stream run in order; not
     for concurrent streams (as ``store.stats_workspace``)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     key = (device.type, device.index)
     buf = _ARRIVALS.get(key)
     if buf is None or buf.numel() < n:
