@@ -135,6 +135,7 @@ FORMULAS = {
     "compiled_ttft_rounds_ms": "--compiled-rounds R: the rounds' generate(1) (the static cache's first prefill)",
     "compiled_ttft_paired_vs_sdpa_compiled": "median over the rounds of that TTFT / sdpa_compiled's",
     "compiled_rounds_captures": "CUDA-graph captures during the compiled rounds, all configs (0 = every turn replayed)",
+    "compiled_turn_captures": "CUDA-graph captures in each of the config's turns (which turns recorded a graph again)",
     "graph_breaks": "*_compiled: dynamo graph breaks counted over the row's compiles (0 = the decode step is one "
                     "graph, replayed as one CUDA graph)",
     "captures": "*_compiled: CUDA-graph captures during the row's timed reps (0 = the step's graph only replays)",
@@ -543,7 +544,8 @@ def compiled_rounds(model, specs: list[dict], b: int, T: int, rounds: int, n: in
     """``--compiled-rounds``: the shape's compiled configs take turns as :func:`eager_rounds`' do (ABBA order), each
     on its own :func:`sibling_model` (set up before any of the shape's rows), after two warm-up generate(1 + N)
     calls each (compile, CUDA-graph recording). A turn: generate(1), then a clocked generate(1 + N).
-    ``{"compiled_ttft": {config: [s]}, "compiled": {...}, "compiled_step_med": {...}, "captures": int}``, or ``{}``
+    ``{"compiled_ttft": {config: [s]}, "compiled": {...}, "compiled_step_med": {...}, "compiled_captures": {config:
+    [graphs recorded in each turn]}, "captures": int}``, or ``{}``
     when fewer than two compiled configs, a config's warm-up did not take the compiled path (:func:`cache_problem`),
     fewer than two rounds fit ``seconds_left`` (as many as fit run) or a call runs out of memory."""
     import torch
@@ -555,14 +557,15 @@ def compiled_rounds(model, specs: list[dict], b: int, T: int, rounds: int, n: in
     ids = torch.randint(0, model.config.vocab_size, (b, T), generator=g).to(model.device)
     mask = torch.ones_like(ids)
     models = {}
-    out: dict = {"compiled_ttft": {}, "compiled": {}, "compiled_step_med": {}}
+    out: dict = {"compiled_ttft": {}, "compiled": {}, "compiled_step_med": {}, "compiled_captures": {}}
 
     def call(spec: dict) -> None:
         m = models[spec["name"]]
-        t1 = generate_timed(m, ids, mask, spec, 1)[0]
-        tn, steps = clocked_generate(m, ids, mask, spec, n)
+        with graph_captures() as turn:
+            t1 = generate_timed(m, ids, mask, spec, 1)[0]
+            tn, steps = clocked_generate(m, ids, mask, spec, n)
         for what, v in (("compiled_ttft", t1), ("compiled", (tn - t1) / n),
-                        ("compiled_step_med", statistics.median(steps))):
+                        ("compiled_step_med", statistics.median(steps)), ("compiled_captures", turn[0])):
             out[what].setdefault(spec["name"], []).append(v)
 
     reset_compile(model)
@@ -824,6 +827,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                                 f"{what}_rounds_s": times[spec["name"]]})
             if spec["compile"] and "captures" in alt_comp:
                 row["compiled_rounds_captures"] = alt_comp["captures"]
+                row["compiled_turn_captures"] = alt_comp["compiled_captures"].get(spec["name"])
             if args.rounds_only:
                 row["error"] = ROUNDS_ONLY
             elapsed = time.perf_counter() - t_start

@@ -302,6 +302,7 @@ def test_compiled_rounds_turns(monkeypatch):
     assert set(out["compiled"]) == {"sdpa_compiled", "turbo_int4_compiled"} and out["captures"] == 0
     assert out["compiled"]["sdpa_compiled"] == [2.0] * 3 and out["compiled"]["turbo_int4_compiled"] == [1.0] * 3
     assert out["compiled_step_med"]["sdpa_compiled"] == [0.5] * 3 and len(out["compiled_ttft"]["sdpa_compiled"]) == 3
+    assert out["compiled_captures"]["turbo_int4_compiled"] == [0, 0, 0]  # per turn
     models = {name: {m for nm, m, _ in calls if nm == name} for name in out["compiled"]}
     assert all(len(v) == 1 for v in models.values()) and id(model) not in set().union(*models.values())
     assert len(set().union(*models.values())) == 2  # one sibling each
