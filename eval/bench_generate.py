@@ -547,7 +547,8 @@ def compiled_rounds(model, specs: list[dict], b: int, T: int, rounds: int, n: in
     ``{"compiled_ttft": {config: [s]}, "compiled": {...}, "compiled_step_med": {...}, "compiled_captures": {config:
     [graphs recorded in each turn]}, "captures": int}``, or ``{}``
     when fewer than two compiled configs, a config's warm-up did not take the compiled path (:func:`cache_problem`),
-    fewer than two rounds fit ``seconds_left`` (as many as fit run) or a call runs out of memory."""
+    fewer than two rounds fit ``seconds_left`` (counted from the call; rounds run while the next one fits) or a call
+    runs out of memory."""
     import torch
 
     specs = [s for s in specs if s["compile"]]
@@ -583,17 +584,22 @@ def compiled_rounds(model, specs: list[dict], b: int, T: int, rounds: int, n: in
         with graph_captures() as first:
             for spec in specs:  # a turn each: the rounds' cost, not counted
                 call(spec)
-        per_round = time.perf_counter() - t_warm
-        fit = int((seconds_left - (t_warm - t0)) // per_round) if seconds_left else rounds
-        print(f"compiled rounds: warm-up {t_warm - t0:.0f} s, a round {per_round:.1f} s ({first[0]} graphs recorded "
-              f"in it), {min(rounds, fit)} of {rounds} rounds fit", flush=True)
-        if min(rounds, fit) < 2:
-            return {}
+        print(f"compiled rounds: warm-up {t_warm - t0:.0f} s, a first turn each {time.perf_counter() - t_warm:.1f} s "
+              f"({first[0]} graphs recorded in it)", flush=True)
         for v in out.values():
             v.clear()
+        deadline = t0 + seconds_left if seconds_left else float("inf")
+        done, last = 0, 0.0
         with graph_captures() as captured:
-            alternating(specs, min(rounds, fit), call, warm=0, abba=True)
+            # round by round against the deadline: a first turn that records graphs says little about a round's time
+            while done < rounds and time.perf_counter() + 1.2 * last < deadline:
+                t_r = time.perf_counter()
+                alternating(specs if done % 2 == 0 else specs[::-1], 1, call, warm=0)  # ABBA order
+                last, done = time.perf_counter() - t_r, done + 1
         out["captures"] = captured[0]
+        print(f"compiled rounds: {done} of {rounds} rounds, the last {last:.1f} s", flush=True)
+        if done < 2:
+            return {}
     except Exception as e:  # noqa: BLE001 - the rows stand without the rounds
         if not is_oom(e):
             raise

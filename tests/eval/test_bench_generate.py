@@ -313,6 +313,7 @@ def test_compiled_rounds_turns(monkeypatch):
     bg.add_ratios(rows)
     assert rows[1]["compiled_paired_vs_sdpa_compiled"] == 0.5 and "compiled_paired_vs_sdpa_compiled" not in rows[0]
     assert bg.compiled_rounds(model, specs[:2], 1, 16, 3, 4, 0.0) == {}
+    assert bg.compiled_rounds(model, specs, 1, 16, 3, 4, 1e-9) == {}  # past its deadline: no round, no result
 
 
 def test_compiled_rounds_need_the_compiled_path(tmp_path):
