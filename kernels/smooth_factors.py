@@ -26,9 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .device import on_device, sm_count
+from .device import current_cuda_device, on_device, sm_count
 from .interpreter import use_triton
-from .launch import lean
+from .launch import LeanLaunch, lean
 from .rotation import SMOOTH_RANGE, smooth_scales
 
 __all__ = ["smooth_factors", "smooth_factors_triton"]
@@ -123,11 +123,11 @@ def _chunking(T: int, rows: int, BD: int, sms: int, nsub: int | None = None) -> 
     eval/PERF_NOTES.md session 34)."""
     BT = 4096 // BD
     BC = max(1, 4096 // BD)
-    n_tiles = max(1, triton.cdiv(T, BT))
+    n_tiles = max(1, -(-T // BT))  # plain integer ceil: triton.cdiv is a constexpr function, microseconds a call
     if nsub is None:
-        nsub = max(triton.cdiv(n_tiles * rows, 4 * sms), triton.cdiv(n_tiles, 4 * BC))
+        nsub = max(-(-n_tiles * rows // (4 * sms)), -(-n_tiles // (4 * BC)))
     nsub = max(1, min(int(nsub), n_tiles))
-    return BT, BC, nsub, triton.cdiv(n_tiles, nsub)
+    return BT, BC, nsub, -(-n_tiles // nsub)
 
 
 def smooth_factors_triton(k: torch.Tensor, nsub: int | None = None) -> torch.Tensor:
@@ -138,14 +138,35 @@ def smooth_factors_triton(k: torch.Tensor, nsub: int | None = None) -> torch.Ten
     b, H, T, D = k.shape
     BD = _pow2(D)
     BT, BC, nsub, NC = _chunking(T, b * H, BD, sm_count(k.device) if nsub is None else 0, nsub)
-    part = torch.empty(b * H, NC, 3, BD, device=k.device, dtype=torch.float32)
-    cnt = torch.empty(b * H, NC, device=k.device, dtype=torch.int32)
+    part, cnt = _scratch(k.device, b * H * NC * 3 * BD, b * H * NC)
     out = torch.empty(b, H, D, device=k.device, dtype=torch.float32)
     lo, hi = SMOOTH_RANGE
+    strides = k.stride()
+    # every fact Triton specialises on but the pointers' alignment (LeanLaunch.launch_memo checks that): the first
+    # store of each smooth_hadamard layer relaunches without the per-argument facts and the binder
+    key = (k.dtype, H, strides, D, current_cuda_device() if k.is_cuda else -1)
     with on_device(k.device):
-        lean(_smooth_stats_kernel)[(NC, b * H)](k, part, cnt, _arrivals(k.device, b * H), out, T, H, NC, nsub, lo, hi,
-                                                *k.stride(), D=D, BD=BD, BT=BT, BC=BC, num_warps=4)
+        lean(_smooth_stats_kernel).launch_memo(
+            _MEMO, key, (NC, b * H), (k, part, cnt, _arrivals(k.device, b * H), out),
+            (T, H, NC, nsub, lo, hi, *strides), dict(D=D, BD=BD, BT=BT, BC=BC, num_warps=4), LeanLaunch.hooks_active())
     return out
+
+
+_MEMO: dict = {}  # LeanLaunch.launch_memo's kernels by the call's facts
+_SCRATCH: dict = {}
+
+
+def _scratch(device: torch.device, n_part: int, n_cnt: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pass's partials (fp32) and token counts (int32): a per-device workspace grown on demand. Each program
+    writes its own slots before its arrival and the finisher reads them after the last one, so launches on one
+    stream can share it (not concurrent streams, as ``_arrivals``)."""
+    key = (device.type, device.index)
+    ws = _SCRATCH.get(key)
+    if ws is None or ws[0].numel() < n_part or ws[1].numel() < n_cnt:
+        n_part, n_cnt = max(n_part, 0 if ws is None else ws[0].numel()), max(n_cnt, 0 if ws is None else ws[1].numel())
+        ws = _SCRATCH[key] = (torch.empty(n_part, dtype=torch.float32, device=device),
+                              torch.empty(n_cnt, dtype=torch.int32, device=device))
+    return ws[0][:n_part], ws[1][:n_cnt]
 
 
 _ARRIVALS: dict = {}
