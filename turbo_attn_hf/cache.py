@@ -604,25 +604,27 @@ class TurboLayer(CacheLayerMixin):
         same format and K/V shape recorded (``first_prefill``): queued in ``batch`` (the cache's, launched with its
         other layers) where the prompt's attention will not read the cache (``prefill_attention`` exact), else the
         layer's and its groups' buffers and two relaunches now; their tensors become views on first use
-        (``__getattr__``). False: nothing done (no replay; ``first_prefill.record`` records none for smooth_hadamard,
-        whose factors launch first, on the layer's device: the guarded path)."""
+        (``__getattr__``). A smooth_hadamard layer makes its factors first (its own launch: ``_rotate_keys``), and the
+        replay takes them as an input. False: no replay (the layer may have fixed its factors)."""
         ks, vs = key_states.shape, value_states.shape
         if not self._one_buffer or len(ks) != 4 or len(vs) != 4 or not self._fused(key_states):
             return False
         b, hk, T, d = ks
         if T == 0 or vs[0] != b or vs[1] != hk or vs[3] != d:
             return False
+        if self.smoothed:  # the factors are part of the plan's key (the recording layer had fixed its own)
+            self._rotate_keys(key_states)
         plan = first_prefill.PLANS.get(self._first_store_key(key_states, value_states))
         rp = plan.replay if plan is not None else None
         if rp is None:
             return False
-        gen = None
+        gen, f = None, first_prefill.factors_of(self, key_states)
         if batch is not None and prefill_attention_path(self.turbo_config, key_states.device) == "exact":
-            gen = batch.add(rp, key_states, value_states)
+            gen = batch.add(rp, key_states, value_states, f)
         if gen is not None:
             bufs, j = None, len(gen.items) - 1
         else:
-            bufs = first_prefill.replay(rp, key_states, value_states)
+            bufs = first_prefill.replay(rp, key_states, value_states, f)
             if bufs is None:
                 return False
         self.dtype, self.device = key_states.dtype, key_states.device

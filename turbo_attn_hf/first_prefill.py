@@ -9,7 +9,8 @@ prompt, on the path to the first token (a 1k prompt is host-bound).
   store launches (``kernels.store.StatsLaunch`` / ``StoreKVLaunch``): no check, key or constexpr per layer.
 * :class:`Replay` (:func:`record`, after that first layer's launches): the byte size of the layer's and each bit
   group's storage buffer, each launch's compiled kernel, grid and scalars, and where each of its pointers pointed —
-  an input (K, V), the stats workspace, or a byte offset into one of the new buffers — plus
+  an input (K, V, a smooth_hadamard layer's K -> Q factors), the stats workspace, or a byte offset into one of the
+  new buffers — plus
   where each storage tensor of the layer and its groups lies in those buffers. :func:`replay` allocates the buffers
   of the next layer and relaunches with their addresses; the layer's tensors become views on first use
   (``kernels.arena.lazy_view``), after the first token.
@@ -62,8 +63,9 @@ PLANS: dict = {}
 
 class Replay:
     """A recorded first store (module doc). ``launches``: ``(compiled kernel, grid, pointer template, scalars)``, a
-    template entry ``(i, byte offset)`` into the addresses ``[new buffers..., K, V, workspace..., fixed
-    head maps...]`` (``fixed``: the kept head maps' addresses, the groups hold them);
+    template entry ``(i, byte offset)`` into the addresses ``[new buffers..., K, V, factors, workspace..., fixed
+    head maps...]`` (factors: a smooth_hadamard layer's ``qk_smooth``, its own launch's output, made before the
+    replay; ``fixed``: the kept head maps' addresses, the groups hold them);
     ``layer_views`` / ``groups[i][2]``: ``{attribute: arena.view_spec}`` in the buffers ``[layer, group 0, ...]``."""
 
     __slots__ = ("dev_key", "sizes", "launches", "ws_shapes", "workspace", "layer_views", "groups", "fixed",
@@ -80,19 +82,19 @@ class Replay:
 def record(layer: Any, plan: FirstStorePlan, k: torch.Tensor, v: torch.Tensor, stats_args: tuple,
            store_args: list) -> Optional[Replay]:
     """The :class:`Replay` of the first store ``layer`` just made with ``plan`` (``*_args``: the tensors its two
-    launches took), or None where it cannot be replayed: a smooth_hadamard layer (its factors launch first, per
-    layer), storage not in one buffer each, a RoPE-pair mean (a new tensor), a launch not memoised (Triton's
-    interpreter, launch hooks, unaligned pointers) or a pointer to anything else."""
+    launches took), or None where it cannot be replayed: storage not in one buffer each, a RoPE-pair mean (a new
+    tensor), a launch not memoised (Triton's interpreter, launch hooks, unaligned pointers) or a pointer to anything
+    else. A smooth_hadamard layer's factors are an input, as K and V: each layer's own launch makes them first."""
     from .kernels.store import stats_workspace
 
-    if layer.smoothed or plan.rot or plan.store is None or layer._flat is None or any(g.flat is None for g in layer.groups):
+    if plan.rot or plan.store is None or layer._flat is None or any(g.flat is None for g in layer.groups):
         return None
     dev_key = current_cuda_device() if k.is_cuda else -1
     bufs = [layer._flat] + [g.flat for g in layer.groups]
     ws_shapes = (plan.stats.part_shape, plan.stats.cnt_shape)
     ws = stats_workspace(k.device, *ws_shapes)
     fixed = tuple(g.heads for g in layer.groups if view_spec(g.heads, bufs) is None)  # kept head maps: fixed
-    ins = (k, v, *ws, *fixed)
+    ins = (k, v, factors_of(layer, k), *ws, *fixed)
 
     def where(t: torch.Tensor) -> Optional[tuple]:  # (index in replay's address list, byte offset)
         at = buffer_offset(t, bufs)
@@ -136,21 +138,29 @@ def record(layer: Any, plan: FirstStorePlan, k: torch.Tensor, v: torch.Tensor, s
     return rp
 
 
-def _fits(rp: Replay, k: torch.Tensor, v: torch.Tensor) -> bool:
+def factors_of(layer: Any, k: torch.Tensor) -> torch.Tensor:
+    """The factors input of a layer's first store: its ``qk_smooth`` (smooth_hadamard), else ``k`` (a placeholder
+    no launch points to, so the address list keeps one layout)."""
+    f = getattr(layer, "qk_smooth", None)
+    return k if f is None else f
+
+
+def _fits(rp: Replay, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor) -> bool:
     """Whether ``rp``'s launches take these inputs: the device it recorded on, 16-byte aligned pointers."""
-    return rp.dev_key == (current_cuda_device() if k.is_cuda else -1) and not (k.data_ptr() | v.data_ptr()) & 15
+    return (rp.dev_key == (current_cuda_device() if k.is_cuda else -1)
+            and not (k.data_ptr() | v.data_ptr() | f.data_ptr()) & 15)
 
 
-def replay(rp: Replay, k: torch.Tensor, v: torch.Tensor) -> Optional[list]:
-    """Run a recorded first store over new ``k, v`` (the recorded shapes and strides) into new buffers: returns
-    them (``[layer, group 0, ...]``), or None — nothing launched or allocated — when it cannot (another device,
-    launch hooks, a pointer off 16-byte alignment, launches not memoised)."""
-    if rp.launches is None or LeanLaunch.hooks_active() or not _fits(rp, k, v):
+def replay(rp: Replay, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor) -> Optional[list]:
+    """Run a recorded first store over new ``k, v`` and factors ``f`` (:func:`factors_of`; the recorded shapes and
+    strides) into new buffers: returns them (``[layer, group 0, ...]``), or None — nothing launched or allocated —
+    when it cannot (another device, launch hooks, a pointer off 16-byte alignment, launches not memoised)."""
+    if rp.launches is None or LeanLaunch.hooks_active() or not _fits(rp, k, v, f):
         return None
     dev = k.device
     bufs = [torch.empty(n, dtype=torch.uint8, device=dev) for n in rp.sizes]
     at = [b.data_ptr() for b in bufs]  # the template's address list: the new buffers, then the inputs
-    at += (k.data_ptr(), v.data_ptr())
+    at += (k.data_ptr(), v.data_ptr(), f.data_ptr())
     at += [t.data_ptr() for t in rp.workspace(dev, *rp.ws_shapes)]
     at += rp.fixed
     for hit, grid, tpl, scalars in rp.launches:
@@ -171,18 +181,19 @@ class Batch:
     def items(self) -> list:
         return self.gen.items
 
-    def add(self, rp: Replay, k: torch.Tensor, v: torch.Tensor) -> Optional["Queue"]:
-        """Queue a layer's first store as ``rp`` recorded it; returns the :class:`Queue` it joined (the layer's
-        place: its last item), or None (nothing queued) where it cannot wait: another device than the recording's,
-        a pointer off 16-byte alignment, K/V over half of ``BATCH_BYTES``."""
+    def add(self, rp: Replay, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor) -> Optional["Queue"]:
+        """Queue a layer's first store as ``rp`` recorded it (``f``: :func:`factors_of`, kept alive with K/V);
+        returns the :class:`Queue` it joined (the layer's place: its last item), or None (nothing queued) where it
+        cannot wait: another device than the recording's, a pointer off 16-byte alignment, K/V over half of
+        ``BATCH_BYTES``."""
         n = k.numel() * k.element_size() + v.numel() * v.element_size()
-        if 2 * n > BATCH_BYTES or not _fits(rp, k, v):
+        if 2 * n > BATCH_BYTES or not _fits(rp, k, v, f):
             return None
         gen = self.gen
         if gen.nbytes + n > BATCH_BYTES:
             self.flush()
             gen = self.gen
-        gen.items.append((rp, k, v))
+        gen.items.append((rp, k, v, f))
         gen.nbytes += n
         return gen
 
@@ -197,11 +208,11 @@ class Batch:
             bigs = launch_layers([gen.items[j] for j in js])
             for jl, j in enumerate(js):
                 out[j] = (bigs, jl)
-        gen.items, gen.out = [(it[0],) for it in gen.items], out  # K/V no longer kept alive
+        gen.items, gen.out = [(it[0],) for it in gen.items], out  # K/V (and factors) no longer kept alive
 
 
 class Queue:
-    """One flush's worth of a :class:`Batch`: ``items`` ``(replay, k, v)``; ``out`` once launched: per item
+    """One flush's worth of a :class:`Batch`: ``items`` ``(replay, k, v, factors)``; ``out`` once launched: per item
     the buffers and its index in them."""
 
     __slots__ = ("batch", "items", "nbytes", "out")
@@ -233,26 +244,26 @@ class Queued:
 
 
 def launch_layers(items: list) -> list:
-    """The queued first stores ``items`` (``(replay, k, v)``) of one :class:`Replay` in one launch per
+    """The queued first stores ``items`` (``(replay, k, v, factors)``) of one :class:`Replay` in one launch per
     recorded launch: the kernels' ``LAYERS`` grid axis over the items, each pointer moved per layer by an int64
     table (elements; the layer's and groups' buffers ``sizes`` bytes apart in one allocation each, the inputs where
     they are, the stats workspaces ``stats_workspace_steps`` apart, the kept head maps shared). Returns the
     buffers."""
     from .kernels.store import stats_workspace_steps
 
-    rp, k0, v0 = items[0]
+    rp, k0, v0, f0 = items[0]
     dev, n = k0.device, len(items)
     with on_device(dev):
         bigs = [torch.empty(n * size, dtype=torch.uint8, device=dev) for size in rp.sizes]
         ws = rp.workspace(dev, *rp.ws_shapes, layers=n)
         s_part, s_sum, s_arr = stats_workspace_steps(*rp.ws_shapes)
-        ins = (k0, v0, *ws, *rp.fixed_t)
+        ins = (k0, v0, f0, *ws, *rp.fixed_t)
         addr = [b.data_ptr() for b in bigs] + [t.data_ptr() for t in ins]
-        steps = np.array(rp.sizes + (0, 0, s_part, s_sum, s_part, s_arr) + (0,) * (len(rp.fixed_t) + 1),
+        steps = np.array(rp.sizes + (0, 0, 0, s_part, s_sum, s_part, s_arr) + (0,) * (len(rp.fixed_t) + 1),
                          dtype=np.int64)
         delta = np.outer(np.arange(n, dtype=np.int64), steps)  # [layers, addresses + a zero]: bytes from layer 0's
-        kv = np.array([(k.data_ptr(), v.data_ptr()) for _, k, v in items], dtype=np.int64)
-        delta[:, len(bigs):len(bigs) + 2] = kv - kv[0]
+        kvf = np.array([(k.data_ptr(), v.data_ptr(), f.data_ptr()) for _, k, v, f in items], dtype=np.int64)
+        delta[:, len(bigs):len(bigs) + 3] = kvf - kvf[0]
         table = torch.from_numpy(np.concatenate([(delta[:, b[8]] // b[9]).reshape(-1) for b in rp.batched]))
         if dev.type == "cuda":  # through pinned memory: a pageable copy would wait for the stream
             table = table.pin_memory().to(dev, non_blocking=True)

@@ -25,6 +25,7 @@ from eval.experiments.host_step import install_stubs, _model_config
 install_stubs()
 from turbo_attn_hf import first_prefill as FP
 from turbo_attn_hf.cache import TurboCache
+from turbo_attn_hf.config import TurboConfig
 from turbo_attn_hf.kernels.arena import view_spec
 from turbo_attn_hf.kernels.launch import LeanLaunch
 
@@ -42,7 +43,7 @@ def run(preset, replay):
     if not replay:
         FP.replay = lambda *a: None
     try:
-        c = TurboCache(preset, config=cfg)
+        c = TurboCache(TurboConfig.from_spec(preset), config=cfg)
         out = []
         for i, (k, v) in enumerate(kvs):
             n = len(calls)
@@ -54,7 +55,8 @@ def run(preset, replay):
                 for j, b in enumerate(bufs):
                     if b.data_ptr() <= x < b.data_ptr() + b.numel():
                         return ("buf", j, x - b.data_ptr())
-                return {k.data_ptr(): "k", v.data_ptr(): "v"}.get(x, x)
+                f = lay.qk_smooth.data_ptr() if lay.qk_smooth is not None else None
+                return {k.data_ptr(): "k", v.data_ptr(): "v", f: "f"}.get(x, x)
             launched = [(grid, [rel(x) for x in call]) for grid, call in calls[n:]]
             views = {name: view_spec(getattr(lay, name), bufs) for name in FP.LAYER_VIEWS}
             for j, grp in enumerate(lay.groups):
@@ -64,20 +66,24 @@ def run(preset, replay):
     finally:
         FP.replay = saved
 
-for preset in ("int8", "int4", "mixed"):
+for preset in ("int8", "int4", "mixed", "int4:rotate_qk=smooth_hadamard", "mixed:rotate_qk=smooth_hadamard"):
     FP.PLANS.clear()
     new, old = run(preset, True), run(preset, False)
     assert [r[0] for r in new] == [False, True, True, True], (preset, [r[0] for r in new])
     assert not any(r[0] for r in old)
+    smooth = "smooth" in preset  # the layer's own factors launch (memoised), then the replay's two
     for i in (1, 2, 3):
         a, b = new[i], old[i]
-        assert len(a[1]) == 2 and a[1] == b[1], (preset, i)
+        assert len(a[1]) == 2 + smooth and a[1] == b[1], (preset, i, a[1], b[1])
         assert a[2:] == b[2:], (preset, i)
+        if smooth:
+            assert sum(x == "f" for _, call in a[1] for x in call) == 3, (preset, i)  # factors: out, stats and store in
 print("OK")
 '''
 
 
 def test_replayed_layers_launch_with_the_general_paths_pointers_and_views():
+    """Plain and smooth_hadamard layers (their factors an input of the replay, made by the layer's own launch)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the stubs replace the interpreter
     r = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout[-2000:] + r.stderr[-4000:]
@@ -169,7 +175,7 @@ def _same(a, b):
     return a == b
 
 
-@pytest.mark.parametrize("preset", ["int8", "int4", "mixed", "mixed:packed_k_bits=8"])
+@pytest.mark.parametrize("preset", ["int8", "int4", "mixed", "mixed:packed_k_bits=8", "int4:rotate_qk=smooth_hadamard"])
 def test_generate_with_queued_first_stores_equals_the_layer_by_layer_store(preset, device, monkeypatch):
     """generate() on a turbo model whose prompt attention is exact: every layer but the first queues its first store
     and the last layer's update launches the queue (one flush per prompt); tokens and every stored byte equal the
