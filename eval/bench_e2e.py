@@ -134,17 +134,22 @@ def timed_prefill(model, ids, impl: str, hooks=(None, None)) -> tuple:
     return (t1 - t0) * 1e3, (c1 - c0) * 1e3, (time.perf_counter() - t0) * 1e3
 
 
-def alternating(cfgs, rounds: int, fn, warm: int = 3, abba: bool = False) -> list:
+def alternating(cfgs, rounds: int, fn, warm: int = 3, abba: bool = False, more=None) -> list:
     """``fn(cfg)`` ``warm`` times per config, then ``rounds`` rounds of one call per config in turn:
     ``[(round, cfg, result)]`` — the configs alternate, so the host's drift falls on all of them alike. ``abba``:
     every other round runs the configs in reverse order, so a drift within rounds does not fall on the later configs
     of a round more than on the first (in a fixed order the last config ran ``len(cfgs) - 1`` turns after the
-    first in every round)."""
+    first in every round). ``more()``: asked before each round; False ends the rounds there (a deadline)."""
     for c in cfgs:
         for _ in range(warm):
             fn(c)
     order = [list(cfgs), list(reversed(cfgs)) if abba else list(cfgs)]
-    return [(r, c, fn(c)) for r in range(rounds) for c in order[r % 2]]
+    out = []
+    for r in range(rounds):
+        if more is not None and not more():
+            break
+        out += [(r, c, fn(c)) for c in order[r % 2]]
+    return out
 
 
 _BATCH_BYTES = None  # first_prefill's default, read at the first first_stores_per_layer call

@@ -581,23 +581,23 @@ def compiled_rounds(model, specs: list[dict], b: int, T: int, rounds: int, n: in
                 return {}
             generate_timed(m, ids, mask, spec, 1 + n)
         t_warm = time.perf_counter()
-        with graph_captures() as first:
-            for spec in specs:  # a turn each: the rounds' cost, not counted
-                call(spec)
+        for spec in specs:  # a turn each: the rounds' cost, not counted
+            call(spec)
         print(f"compiled rounds: warm-up {t_warm - t0:.0f} s, a first turn each {time.perf_counter() - t_warm:.1f} s "
-              f"({first[0]} graphs recorded in it)", flush=True)
+              f"({sum(sum(c) for c in out['compiled_captures'].values())} graphs recorded in it)", flush=True)
         for v in out.values():
             v.clear()
         deadline = t0 + seconds_left if seconds_left else float("inf")
-        done, last = 0, 0.0
-        with graph_captures() as captured:
-            # round by round against the deadline: a first turn that records graphs says little about a round's time
-            while done < rounds and time.perf_counter() + 1.2 * last < deadline:
-                t_r = time.perf_counter()
-                alternating(specs if done % 2 == 0 else specs[::-1], 1, call, warm=0)  # ABBA order
-                last, done = time.perf_counter() - t_r, done + 1
-        out["captures"] = captured[0]
-        print(f"compiled rounds: {done} of {rounds} rounds, the last {last:.1f} s", flush=True)
+        clock = [time.perf_counter(), 0.0]  # the last round's start and length
+
+        def more() -> bool:  # the next round fits the deadline: a first turn that records graphs says little
+            now = time.perf_counter()
+            clock[:] = now, now - clock[0]
+            return now + 1.2 * clock[1] < deadline
+
+        done = len(alternating(specs, rounds, call, warm=0, abba=True, more=more)) // len(specs)
+        out["captures"] = sum(sum(c) for c in out["compiled_captures"].values())
+        print(f"compiled rounds: {done} of {rounds} rounds, the last {clock[1]:.1f} s", flush=True)
         if done < 2:
             return {}
     except Exception as e:  # noqa: BLE001 - the rows stand without the rounds

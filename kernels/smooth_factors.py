@@ -138,7 +138,7 @@ def smooth_factors_triton(k: torch.Tensor, nsub: int | None = None) -> torch.Ten
     b, H, T, D = k.shape
     BD = _pow2(D)
     BT, BC, nsub, NC = _chunking(T, b * H, BD, sm_count(k.device) if nsub is None else 0, nsub)
-    part, cnt = _scratch(k.device, b * H * NC * 3 * BD, b * H * NC)
+    part, cnt, arrive = _workspace(k.device, b * H * NC * 3 * BD, b * H * NC, b * H)
     out = torch.empty(b, H, D, device=k.device, dtype=torch.float32)
     lo, hi = SMOOTH_RANGE
     strides = k.stride()
@@ -147,43 +147,32 @@ def smooth_factors_triton(k: torch.Tensor, nsub: int | None = None) -> torch.Ten
     key = (k.dtype, H, strides, D, current_cuda_device() if k.is_cuda else -1)
     with on_device(k.device):
         lean(_smooth_stats_kernel).launch_memo(
-            _MEMO, key, (NC, b * H), (k, part, cnt, _arrivals(k.device, b * H), out),
+            _MEMO, key, (NC, b * H), (k, part, cnt, arrive, out),
             (T, H, NC, nsub, lo, hi, *strides), dict(D=D, BD=BD, BT=BT, BC=BC, num_warps=4), LeanLaunch.hooks_active())
     return out
 
 
 _MEMO: dict = {}  # LeanLaunch.launch_memo's kernels by the call's facts
-_SCRATCH: dict = {}
+_WORKSPACE: dict = {}
 
 
-def _scratch(device: torch.device, n_part: int, n_cnt: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The pass's partials (fp32) and token counts (int32): a per-device workspace grown on demand. Each program
-    writes its own slots before its arrival and the finisher reads them after the last one, so launches on one
-    stream can share it (not concurrent streams, as ``_arrivals``)."""
-    key = (device.type, device.index)
-    ws = _SCRATCH.get(key)
-    if ws is None or ws[0].numel() < n_part or ws[1].numel() < n_cnt:
-        n_part, n_cnt = max(n_part, 0 if ws is None else ws[0].numel()), max(n_cnt, 0 if ws is None else ws[1].numel())
-        ws = _SCRATCH[key] = (torch.empty(n_part, dtype=torch.float32, device=device),
-                              torch.empty(n_cnt, dtype=torch.int32, device=device))
-    return ws[0][:n_part], ws[1][:n_cnt]
-
-
-_ARRIVALS: dict = {}
-
-
-def _arrivals(device: torch.device, n: int) -> torch.Tensor:
-    """``_smooth_stats_kernel``'s arrival counters: a zeroed int32 buffer per device, grown on demand, which every
-    launch leaves at zero (each row's finisher resets its own). Launches on one device's stream run in order; not
-    for concurrent streams (as ``store.stats_workspace``)."""
+def _workspace(device: torch.device, n_part: int, n_cnt: int, n_rows: int) -> tuple:
+    """The pass's per-device workspace, grown on demand: partials (fp32) and token counts (int32), which each program
+    writes before its arrival and the finisher reads after the last one, and the arrival counters (int32, zeroed;
+    every launch leaves them at zero: each row's finisher resets its own). Launches on one device's stream run in
+    order, so they share it; not for concurrent streams (as ``store.stats_workspace``)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     key = (device.type, device.index)
-    buf = _ARRIVALS.get(key)
-    if buf is None or buf.numel() < n:
-        buf = _ARRIVALS[key] = torch.zeros(max(n, 64), dtype=torch.int32, device=device)
-    return buf
+    ws = _WORKSPACE.get(key)
+    want = (n_part, n_cnt, max(n_rows, 64))
+    if ws is None or any(t.numel() < n for t, n in zip(ws, want)):
+        n_part, n_cnt, n_rows = (max(n, 0 if ws is None else t.numel()) for n, t in zip(want, ws or want))
+        ws = _WORKSPACE[key] = (torch.empty(n_part, dtype=torch.float32, device=device),
+                                torch.empty(n_cnt, dtype=torch.int32, device=device),
+                                torch.zeros(n_rows, dtype=torch.int32, device=device))
+    return ws[0][:n_part], ws[1][:n_cnt], ws[2]
 
 
 def smooth_factors(k: torch.Tensor, kernel: bool | None = None) -> torch.Tensor:

@@ -522,11 +522,15 @@ class TurboLayer(CacheLayerMixin):
         """K as the store takes it: raw where the Triton store kernels rotate it themselves (``_rot_kw``), else in
         the stored (rotated) basis as those kernels compute it (``reference.rotate_keys_ref``: fp32 butterfly, not
         rounded to K's dtype; the static step's store does the same, so both layouts store the same codes);
-        smooth_hadamard's factors fixed by the first keys that arrive."""
+        smooth_hadamard's factors fixed by the first keys that arrive (:meth:`_fix_smooth_factors`)."""
+        self._fix_smooth_factors(key_states)
+        return key_states if self._fused(key_states) else rotate_keys_ref(key_states, self.qk_smooth)
+
+    def _fix_smooth_factors(self, key_states: torch.Tensor) -> None:
+        """smooth_hadamard: the K -> Q factors from the first keys that arrive, kept for the layer's life."""
         if self.smoothed and self.qk_smooth is None and key_states.shape[2] > 0:
             # one Triton pass over K where the kernels run (issue 23: the torch twin cost +120..361 % of the store)
             self.qk_smooth = smooth_factors(key_states, kernel=use_triton(key_states.device))
-        return key_states if self._fused(key_states) else rotate_keys_ref(key_states, self.qk_smooth)
 
     @property
     def _rot_kw(self) -> dict:
@@ -604,16 +608,15 @@ class TurboLayer(CacheLayerMixin):
         same format and K/V shape recorded (``first_prefill``): queued in ``batch`` (the cache's, launched with its
         other layers) where the prompt's attention will not read the cache (``prefill_attention`` exact), else the
         layer's and its groups' buffers and two relaunches now; their tensors become views on first use
-        (``__getattr__``). A smooth_hadamard layer makes its factors first (its own launch: ``_rotate_keys``), and the
-        replay takes them as an input. False: no replay (the layer may have fixed its factors)."""
+        (``__getattr__``). A smooth_hadamard layer fixes its factors first (their own launch), and the replay takes
+        them as an input. False: no replay (the layer may have fixed its factors)."""
         ks, vs = key_states.shape, value_states.shape
         if not self._one_buffer or len(ks) != 4 or len(vs) != 4 or not self._fused(key_states):
             return False
         b, hk, T, d = ks
         if T == 0 or vs[0] != b or vs[1] != hk or vs[3] != d:
             return False
-        if self.smoothed:  # the factors are part of the plan's key (the recording layer had fixed its own)
-            self._rotate_keys(key_states)
+        self._fix_smooth_factors(key_states)  # part of the plan's key: the recording layer had fixed its own
         plan = first_prefill.PLANS.get(self._first_store_key(key_states, value_states))
         rp = plan.replay if plan is not None else None
         if rp is None:

@@ -258,6 +258,9 @@ def test_rounds_alternate_their_order():
     seen.clear()
     alternating(["a", "b"], 2, seen.append, warm=1)
     assert seen == ["a", "b", "a", "b", "a", "b"]  # default: fixed order (host_parts' rounds)
+    left = iter([True, True, False])  # more(): asked before each round, False ends the rounds there
+    out = alternating(["a", "b"], 5, lambda c: c, warm=0, abba=True, more=lambda: next(left))
+    assert [(r, c) for r, c, _ in out] == [(0, "a"), (0, "b"), (1, "b"), (1, "a")]
 
 
 def test_sibling_model_shares_weights_only():

@@ -104,7 +104,7 @@ def test_one_launch_leaves_its_arrival_counters_at_zero(device):
 
     k1 = _keys(2, 3, 150, 64, torch.bfloat16, "bthd", seed=1)
     assert count_launches(lambda: _check(k1, device, nsub=1))["triton"] == 1  # NC 5 chunks for each of 6 rows
-    arrive = sf._arrivals(device, 0)  # the buffer the call used (a bare "cuda" device is the current one)
+    arrive = sf._workspace(device, 0, 0, 0)[2]  # the counters the call used (a bare "cuda" device: the current one)
     assert int(arrive.abs().sum()) == 0
     _check(_keys(1, 2, 90, 128, torch.float16, "contig", seed=2), device, nsub=2)  # NC 2, rows 2
     assert int(arrive.abs().sum()) == 0
@@ -158,7 +158,7 @@ sf.smooth_factors_triton(k)
 assert seen == [], seen  # the first call compiles (here: the stub) and memoises
 sf.smooth_factors_triton(k[:, :, :200])  # another length, same facts: relaunched
 assert len(seen) == 1 and seen[0][1][5] == 200, seen
-ws = sf._SCRATCH[("cpu", None)]
+ws = sf._WORKSPACE[("cpu", None)]
 assert seen[0][1][1] == ws[0].data_ptr() and seen[0][1][2] == ws[1].data_ptr()  # the shared partials / counts
 print("OK")
 '''
