@@ -13,6 +13,8 @@ Providers, timed in the same process with ``triton.testing.do_bench`` (median, 2
   turbo_sas     the same with SAS softmax
   kernel_exact  ``int8_flash_attention`` alone, on operands quantized beforehand (kernel only)
   kernel_sas    the same with SAS softmax
+  turbo_hopper  ``turbo_exact`` with the Gluon Hopper kernel (``TURBO_PREFILL_KERNEL=hopper``; sm_90, issue 20)
+  kernel_hopper ``kernel_exact`` on the Gluon Hopper kernel
 TFLOP/s = 4·b·h·L²·d / time (halved when causal) for every provider (INT8 "TOPS" for turbo, the same count).
 Each turbo output is checked against sdpa_flash (relative L2 error, column ``err``).
 Writes ``<out>/bench_prefill.json`` (rows + machine line + formulas) and, with matplotlib, a PNG.
@@ -40,7 +42,8 @@ from .bench_common import (
 TOTAL_TOKENS = 16384
 HIDDEN = 2048
 FLOPS_FORMULA = "4 * batch * heads * L^2 * head_dim, halved when causal; TFLOP/s = FLOPs / median time"
-ALL_PROVIDERS = ("sdpa_cudnn", "sdpa_flash", "sage", "turbo_exact", "turbo_sas", "kernel_exact", "kernel_sas")
+ALL_PROVIDERS = ("sdpa_cudnn", "sdpa_flash", "sage", "turbo_exact", "turbo_sas", "kernel_exact", "kernel_sas", "turbo_hopper",
+                 "kernel_hopper")
 QUICK_SHAPES = [(128, 1024), (128, 4096), (128, 8192), (128, 16384), (64, 4096), (256, 4096)]
 
 
@@ -91,6 +94,15 @@ def make_providers(q, k, v, causal: bool, names, dry_run: bool = False) -> dict[
     for m in ("exact", "sas"):
         if f"turbo_{m}" in names:
             out[f"turbo_{m}"] = (lambda m=m: prefill.turbo_attention(q, k, v, causal=causal, softmax=m))
+    if "turbo_hopper" in names:
+        def turbo_hopper():
+            old = prefill._KERNEL[0]
+            prefill._KERNEL[0] = "hopper"  # part of turbo_attention's plan key: the plans of both kernels coexist
+            try:
+                return prefill.turbo_attention(q, k, v, causal=causal)
+            finally:
+                prefill._KERNEL[0] = old
+        out["turbo_hopper"] = turbo_hopper
     if any(n.startswith("kernel_") for n in names):
         d = q.shape[-1]
         q8, sq = quant.quantize_per_token(q, scale=d ** -0.5 * reference.LOG2E)
@@ -105,6 +117,10 @@ def make_providers(q, k, v, causal: bool, names, dry_run: bool = False) -> dict[
                 out[f"kernel_{m}"] = (lambda m=m: prefill.int8_flash_attention(
                     q8, sq, k8, sk, v8t, sv, causal=causal, softmax=m, Lk=L, out_dtype=q.dtype,
                     block_n=bn if by_channel else None))
+        if "kernel_hopper" in names:
+            out["kernel_hopper"] = lambda: prefill.int8_flash_attention(
+                q8, sq, k8, sk, v8t, sv, causal=causal, Lk=L, out_dtype=q.dtype, block_n=bn if by_channel else None,
+                _kernel="hopper")
     return {n: out[n] for n in names if n in out}
 
 

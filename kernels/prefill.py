@@ -63,10 +63,13 @@ kernels without Triton's per-call binder (``LeanLaunch.launch_memo``). CPU, laun
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
+from . import prefill_hopper
 from .device import current_cuda_device
 from .launch import LeanLaunch, lean
 from .quant import (_check_device, _mean_arg, _pow2, _qk_spec, _quant_qk_kernel, _quant_v_kernel, _v_channel_amax,
@@ -127,6 +130,11 @@ _GPU_CONFIGS = {
 _INTERPRET_CONFIG = (32, 1, 1)
 _GPU_BLOCK_N = (32, 64, 128)
 _INTERPRET_BLOCK_N = (16, 32, 64, 128)
+#: which INT8 kernel runs the attention: "portable" (``_int8_attn_fwd_kernel``, every GPU) or "hopper" (the Gluon
+#: kernel of ``prefill_hopper`` on sm_90 where it takes the call, the portable one elsewhere). Opt-in
+#: (``TURBO_PREFILL_KERNEL=hopper``) until its measurements make it a default (issue 20).
+PREFILL_KERNELS = ("portable", "hopper")
+_KERNEL = [os.environ.get("TURBO_PREFILL_KERNEL", "portable")]
 
 
 # ------------------------------------------------------------------------------------------ kernel
@@ -487,8 +495,32 @@ def _key_valid_arg(key_valid, unused):
     return kv, kv.stride(0)
 
 
+def kernel_choice() -> str:
+    """The prefill kernel in use (``TURBO_PREFILL_KERNEL``), checked."""
+    if _KERNEL[0] not in PREFILL_KERNELS:
+        raise ValueError(f"TURBO_PREFILL_KERNEL={_KERNEL[0]!r} must be one of {PREFILL_KERNELS}")
+    return _KERNEL[0]
+
+
+def hopper_takes(device, d, block_n, *, causal, window, softcap, has_key_valid, use_sas, block_p) -> str:
+    """'' when the Gluon Hopper kernel runs this call, else why not (a phrase for a log line or an error)."""
+    if interpreting() or device.type != "cuda":
+        return "not a CUDA device"
+    if not prefill_hopper.gluon_available():
+        return f"Triton {triton.__version__} is not one the Gluon kernel was tested with {prefill_hopper.TESTED_TRITON}"
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        return "not an sm_90 GPU"
+    if not prefill_hopper.supports(d=d, block_n=block_n, causal=causal, window=window, softcap=softcap,
+                                   has_key_valid=has_key_valid, use_sas=use_sas, block_p=block_p):
+        return "its options (head_dim 64/128, block_n 128, no window, softcap, padding mask or SAS, block P scale)"
+    return ""
+
+
 def _launch(q8, sq, k8, sk, v8t, sv, out, *, causal, window, softcap, key_valid, use_sas, thr2, block_p,
-            Lk, block_n, config=None):
+            Lk, block_n, config=None, hopper=False):
+    if hopper:
+        psum = (block_n * MAGIC_BITS + 2**31) % 2**32 - 2**31
+        return prefill_hopper.launch_ws(q8, sq, k8, sk, v8t, sv, out, causal=causal, Lk=Lk, psum_bias=psum)
     kv, stride_kvb = _key_valid_arg(key_valid, sq)
     grid, scalars, kw = _attn_spec(q8, sq, k8, sk, v8t, sv, out, stride_kvb, causal=causal, window=window,
                                    softcap=softcap, has_key_valid=key_valid is not None, use_sas=use_sas, thr2=thr2,
@@ -544,7 +576,7 @@ def _check_out(out, shape, dtype, device):
 # ---------------------------------------------------------------------------------- public: kernels
 def int8_flash_attention(q8, sq, k8, sk, v8t, sv, *, causal=True, window=None, softcap=None, key_valid=None,
                          softmax="exact", sas_threshold=6.0, Lk=None, out_dtype=torch.bfloat16,
-                         p_scale=DEFAULT_P_SCALE, out=None, block_n=None, _config=None):
+                         p_scale=DEFAULT_P_SCALE, out=None, block_n=None, _config=None, _kernel=None):
     """The INT8 flash-attention kernel alone, on quantized operands (for kernel-only benchmarks).
 
     q8: ``[b, Hq, Lq, d]`` int8, sq: ``[b, Hq, Lq]`` fp32 with the softmax scale and log2(e) folded in
@@ -553,7 +585,8 @@ def int8_flash_attention(q8, sq, k8, sk, v8t, sv, *, causal=True, window=None, s
     KV block of the loop is the V block) or sv ``[b, Hk, 1, d]`` (``quantize_v_channels``: the KV block is
     ``block_n``, default 64, which must divide Lpad). Lk: number of real keys (default k8.shape[2]).
     Returns ``o [b, Lq, Hq, d]`` in ``out_dtype`` (written into ``out`` if given). Other arguments: see
-    ``turbo_attention``. ``_config=(BLOCK_M, num_warps, num_stages)`` overrides the tile table.
+    ``turbo_attention``. ``_config=(BLOCK_M, num_warps, num_stages)`` overrides the tile table; ``_kernel``
+    ("portable" / "hopper") overrides ``TURBO_PREFILL_KERNEL``, and "hopper" raises where that kernel cannot run.
     """
     _check_device(q8, "q8")
     for name, t, dt in (("q8", q8, torch.int8), ("k8", k8, torch.int8), ("v8t", v8t, torch.int8),
@@ -601,11 +634,17 @@ def int8_flash_attention(q8, sq, k8, sk, v8t, sv, *, causal=True, window=None, s
     _check_options(causal, window, softcap, softmax, p_scale, sas_threshold)
     _check_key_valid(key_valid, b, Lk, q8.device)
     out = _check_out(out, (b, lq, hq, d), out_dtype, q8.device)
+    choice = kernel_choice() if _kernel is None else _kernel
+    why = hopper_takes(q8.device, d, block_n, causal=causal, window=window, softcap=softcap,
+                       has_key_valid=key_valid is not None, use_sas=softmax == "sas",
+                       block_p=p_scale == "block") if choice == "hopper" else "not chosen"
+    if _kernel == "hopper" and why:
+        raise ValueError(f"the Hopper prefill kernel cannot run this call: {why}; use _kernel='portable'")
     if lq == 0 or b * hq == 0:
         return out
     return _launch(q8, sq, k8, sk, v8t, sv, out, causal=causal, window=window, softcap=softcap,
                    key_valid=key_valid, use_sas=softmax == "sas", thr2=float(sas_threshold) * LOG2E,
-                   block_p=p_scale == "block", Lk=Lk, block_n=block_n, config=_config)
+                   block_p=p_scale == "block", Lk=Lk, block_n=block_n, config=_config, hopper=not why)
 
 
 def turbo_attention(q, k, v, *, scale=None, causal=True, window=None, softcap=None, key_valid=None,
@@ -643,7 +682,7 @@ def turbo_attention(q, k, v, *, scale=None, causal=True, window=None, softcap=No
     try:  # everything the checks and the launches read; a repeated call (every layer of a prefill) skips both
         key = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device, v.shape, v.stride(),
                v.dtype, v.device, scale, causal, window, softcap, softmax, sas_threshold, smooth_k, p_scale, block_n,
-               v_scale, bool(rotate_qk),
+               v_scale, bool(rotate_qk), _KERNEL[0],
                None if qk_smooth is None else (qk_smooth.shape, qk_smooth.stride(), qk_smooth.dtype, qk_smooth.device),
                None if key_valid is None else (key_valid.shape, key_valid.stride(), key_valid.dtype, key_valid.device),
                None if out is None else (out.shape, out.stride(), out.dtype, out.device),
@@ -722,7 +761,7 @@ class _AttnPlan:
     device, relaunched without Triton's binder while every pointer is 16-byte aligned (``LeanLaunch.launch_memo``)."""
 
     __slots__ = ("cuda", "device", "dtype", "shapes", "smooth", "mean_stride", "mean_direct", "channel", "block_n",
-                 "kv_arg", "qk", "v", "attn", "memo")
+                 "kv_arg", "qk", "v", "attn", "memo", "hopper")
 
     def __init__(self, q, k, v, key_valid, out, k_mean, *, scale, causal, window, softcap, softmax, sas_threshold,
                  smooth_k, p_scale, block_n, v_scale, rotate_qk=False, has_factor=False):
@@ -755,6 +794,9 @@ class _AttnPlan:
                                use_sas=softmax == "sas", thr2=float(sas_threshold) * LOG2E,
                                block_p=p_scale == "block", Lk=lk, block_n=block_n)
         self.memo = ({}, {}, {})
+        self.hopper = kernel_choice() == "hopper" and not hopper_takes(
+            dev, d, block_n, causal=causal, window=window, softcap=softcap, has_key_valid=key_valid is not None,
+            use_sas=softmax == "sas", block_p=p_scale == "block")
 
     def run(self, q, k, v, key_valid, out, k_mean, qk_smooth=None):
         dev = self.device
@@ -788,6 +830,9 @@ class _AttnPlan:
         amax = _v_channel_amax(v) if self.channel else sv  # after K's pass: V marks poisoned keys in sk
         lean(_quant_v_kernel).launch_memo(memo_v, dev_key, grid, (v, amax, v8t, sv, sk), scalars, kw, hooks)
         grid, scalars, kw = self.attn
+        if self.hopper:
+            return prefill_hopper.launch_ws(q8, sq, k8, sk, v8t, sv, out, causal=kw["IS_CAUSAL"], Lk=scalars[1],
+                                            psum_bias=kw["PSUM_BIAS"])
         lean(_int8_attn_fwd_kernel).launch_memo(memo_attn, dev_key, grid, (q8, sq, k8, sk, v8t, sv, kv, out),
                                                 scalars, kw, hooks)
         return out

@@ -1,0 +1,288 @@
+"""INT8 flash-attention forward for Hopper (sm_90) in Gluon: warp-specialized, TMA-fed, two consumer warpgroups.
+
+The same quantized math as ``prefill._int8_attn_fwd_kernel`` (INT-FlashAttention with block-scaled P, the magic
+number conversions, ``reference.int8_flash_attention`` is the twin of both), on the same operands
+(``q8 [b, Hq, Lq, d]``, ``sq``, ``k8 [b, Hk, Lk, d]``, ``sk``, ``v8t [b, Hk, d, Lpad]``, ``sv``), scheduled as
+FlashAttention-3 does on Hopper (issue 20):
+- a producer partition (one warpgroup, few registers) copies the Q tile once and each KV block's K and V^T tiles
+  into a ring of shared-memory slots with TMA, guarded by ``ready`` / ``empty`` mbarriers;
+- two consumer warpgroups own 64 query rows each of a 128-row tile and share every K/V slot: each runs
+  ``IGMMA`` Q.K^T, the online softmax and ``IGMMA`` P.V on its rows, so one's softmax overlaps the other's MMA
+  (the warp schedulers interleave them; FA3's "ping-pong" without explicit ordering).
+Why Gluon: ``tl.dot`` gives neither the producer/consumer split nor async wgmma control (``eval/PERF_NOTES.md``,
+prefill rows 1-15; DESIGN.md §8). Gluon's API moves between Triton releases, so the path is gated on the versions
+it was compiled and tested with (``TESTED_TRITON``) and the portable kernel stays the fallback for everything
+outside ``supports``: a sliding window, softcap, a padding mask, SAS, static P scale, head_dim outside 64/128.
+
+Both 8-bit wgmma operands must be K-major: K tiles ``[BN, d]`` (d contiguous) are the B operand of Q.K^T through
+a permuted view, V^T tiles ``[d, BN]`` (tokens contiguous) that of P.V; P goes from registers (int8 A operand).
+Non-finite inputs follow ``reference.nonfinite_rows`` as the portable kernel does: a NaN key scale found by a scan
+of sk before the loop starts l at NaN in the rows that see it; masked blocks keep NaN in the row max.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl  # PropagateNan: Gluon reuses triton.language's enum
+
+from .reference import MAGIC, MAGIC_BITS, P_BLOCK_GAP, SQ_MIN
+
+try:  # Gluon is experimental: a Triton without it (or with another API) keeps the portable kernel
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                 warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    HAVE_GLUON = True
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    HAVE_GLUON = False
+
+__all__ = ["HAVE_GLUON", "TESTED_TRITON", "BLOCK_M", "BLOCK_N", "supports", "gluon_available", "launch_ws"]
+
+#: Triton releases this kernel was compiled (CPU test) and run with; another release falls back to the portable kernel
+TESTED_TRITON = ("3.6",)
+#: query rows of a program (two consumer warpgroups of 64) and keys of a KV block (the V scale block)
+BLOCK_M = 128
+BLOCK_N = 128
+HEAD_DIMS = (64, 128)
+#: ring slots of K/V tiles per head dim (32 KB a slot at d 128)
+_STAGES = {64: 4, 128: 3}
+#: registers per thread of the second consumer and the producer (setmaxnreg); the default partition is consumer 0
+_WORKER_REGS = (232, 40)
+
+
+def gluon_available() -> bool:
+    """Gluon imports and the installed Triton is one this kernel was tested with."""
+    return HAVE_GLUON and triton.__version__.rsplit(".", 1)[0] in TESTED_TRITON
+
+
+def supports(*, d: int, block_n: int, causal: bool, window, softcap, has_key_valid: bool, use_sas: bool,
+             block_p: bool) -> bool:
+    """Whether this kernel computes the call (else the portable kernel does). Device and Triton are the caller's."""
+    del causal  # both, bottom-right causal and full
+    return (d in HEAD_DIMS and block_n == BLOCK_N and window is None and softcap is None and not has_key_valid
+            and not use_sas and block_p)
+
+
+if HAVE_GLUON:
+    _MAGIC = gl.constexpr(MAGIC)
+    _MAGIC_BITS = gl.constexpr(MAGIC_BITS)
+    _GAP = gl.constexpr(P_BLOCK_GAP)
+    _SQ_MIN = gl.constexpr(SQ_MIN)
+    _FIRST_HALF = gl.constexpr(0)  # consumer partitions' HALF: partition arguments must be constexpr objects
+    _SECOND_HALF = gl.constexpr(1)
+
+    @gluon.jit
+    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_row, k_row, v_row, n_blocks,
+                  BN: gl.constexpr, STAGES: gl.constexpr):
+        """The Q tile once (both halves), then K [BN, d] and V^T [d, BN] of each block into slot j % STAGES."""
+        HALF: gl.constexpr = q_desc.block_type.shape[0]
+        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem.index(0))
+        tma.async_copy_global_to_shared(q_desc, [q_row + HALF, 0], q_bar, q_smem.index(1))
+        for j in range(n_blocks):
+            s = j % STAGES
+            mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
+            mbarrier.expect(ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [k_row + j * BN, 0], ready.index(s), k_smem.index(s))
+            tma.async_copy_global_to_shared(v_desc, [v_row, j * BN], ready.index(s), v_smem.index(s))
+
+    @gluon.jit
+    def _first_nan_key(p_sk, lo, hi, SCAN: gl.constexpr):
+        """Smallest key index in [lo, hi) whose scale is NaN, else hi (``prefill._first_nan_key``)."""
+        lay: gl.constexpr = gl.BlockedLayout([SCAN // 128], [32], [4], [0])
+        first = gl.full([SCAN], 0, gl.int32, lay) + hi
+        for s in range(lo, hi, SCAN):
+            o = s + gl.arange(0, SCAN, layout=lay)
+            x = gl.load(p_sk + o, mask=o < hi, other=0.0)
+            first = gl.minimum(first, gl.where(x != x, o, hi))
+        return gl.min(first, 0)
+
+    @gluon.jit
+    def _block(acc, l_i, m_i, c_i, q, k_t, v_t, sq, p_sk, p_sv, start_n, o_pos, Lk,
+               s_l: gl.constexpr, o_l: gl.constexpr, p_l: gl.constexpr, MASKED: gl.constexpr,
+               IS_CAUSAL: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, PSUM_BIAS: gl.constexpr):
+        """One KV block of one consumer: ``prefill._attn_update`` (block P scale, exp2 softmax) on wgmma tiles."""
+        BM: gl.constexpr = q.type.shape[0]
+        s_acc = warpgroup_mma(q, k_t, gl.zeros([BM, BN], gl.int32, layout=s_l), use_acc=False, is_async=True)
+        o_n = start_n + gl.arange(0, BN, layout=gl.SliceLayout(0, s_l))
+        if MASKED:
+            sk = gl.load(p_sk + o_n, mask=o_n < Lk, other=0.0)
+        else:
+            sk = gl.load(p_sk + o_n)
+        sv = gl.load(p_sv + gl.arange(0, D, layout=gl.SliceLayout(0, o_l)))
+        s_acc = warpgroup_mma_wait(0, deps=(s_acc, ))
+        t = gl.fma((s_acc + _MAGIC_BITS).to(gl.float32, bitcast=True), sk[None, :], -(sk * _MAGIC)[None, :])
+        if MASKED:
+            m_s = (o_n < Lk)[None, :]
+            if IS_CAUSAL:
+                m_s = m_s & (o_n[None, :] <= o_pos[:, None])
+            t = gl.where(m_s, t, float("-inf"))
+        bmax = gl.max(t, 1) * sq
+        if MASKED:
+            m_new = gl.maximum(m_i, bmax, propagate_nan=tl.PropagateNan.ALL)
+        else:
+            m_new = gl.maximum(m_i, bmax)
+        c_new = gl.maximum(bmax, m_new - _GAP)
+        c_safe = gl.where(c_new == float("-inf"), 0.0, c_new)
+        r = gl.exp2(c_i - c_safe)
+        p = gl.exp2(gl.fma(t, sq[:, None], -c_safe[:, None]))
+        pbits = gl.fma(p, 127.0, _MAGIC).to(gl.int32, bitcast=True)
+        l_i = l_i * r + (gl.sum(pbits, 1) - PSUM_BIAS).to(gl.float32)
+        if MASKED and not IS_CAUSAL:  # the tail block: every row sees its keys < Lk (sk 0 past it)
+            l_i = l_i + gl.sum(sk * 0.0, 0)
+        p8 = gl.convert_layout(pbits.to(gl.int8), p_l)
+        pv = warpgroup_mma(p8, v_t, gl.zeros([BM, D], gl.int32, layout=o_l), use_acc=False, is_async=True)
+        pv = warpgroup_mma_wait(0, deps=(pv, ))
+        pv_f = gl.fma((pv + _MAGIC_BITS).to(gl.float32, bitcast=True), sv[None, :], -(sv * _MAGIC)[None, :])
+        acc = gl.fma(acc, gl.convert_layout(r, gl.SliceLayout(1, o_l))[:, None], pv_f)
+        return acc, l_i, m_new, c_new
+
+    @gluon.jit
+    def _consumer(q_smem, k_smem, v_smem, q_bar, ready, empty, SQ, SK, SV, O, Lq, Lk, i_m, i_b, i_hq, i_hk,
+                  stride_sqb, stride_sqh, stride_skb, stride_skh, stride_svb, stride_svh, stride_svn,
+                  stride_ob, stride_om, stride_oh, n_blocks,
+                  HALF: gl.constexpr, IS_CAUSAL: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
+                  STAGES: gl.constexpr, PSUM_BIAS: gl.constexpr):
+        """Rows [i_m * 128 + 64 HALF, +64) of one (b, head): the portable kernel's program of BLOCK_M 64."""
+        BM: gl.constexpr = 64
+        s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
+        o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 32])
+        p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=4)
+        row_l: gl.constexpr = gl.SliceLayout(1, s_l)
+        m0 = i_m * (2 * BM) + HALF * BM
+        o_m = m0 + gl.arange(0, BM, layout=row_l)
+        o_pos = o_m + (Lk - Lq)
+        sq = gl.load(SQ + i_b * stride_sqb + i_hq * stride_sqh + o_m, mask=o_m < Lq, other=0.0)
+        l_i = gl.where(sq == sq, 0.0, sq)  # a NaN query scale starts l at NaN
+        sq = gl.maximum(sq, _SQ_MIN, propagate_nan=tl.PropagateNan.ALL)
+        p_sk = SK + i_b * stride_skb + i_hk * stride_skh
+        p_sv = SV + i_b * stride_svb + i_hk * stride_svh
+        pos_min = m0 + (Lk - Lq)
+        hi = Lk
+        if IS_CAUSAL:
+            hi = gl.minimum(hi, pos_min + BM)
+        full_hi = Lk // BN * BN
+        if IS_CAUSAL:
+            full_hi = gl.minimum(full_hi, (pos_min + 1) // BN * BN)
+        full_hi = gl.minimum(gl.maximum(full_hi, 0), hi)
+        if IS_CAUSAL:
+            first = _first_nan_key(p_sk, 0, gl.minimum(hi, Lk), 1024)
+            l_i = l_i + gl.where(first <= o_pos, float("nan"), 0.0)
+        else:
+            first = _first_nan_key(p_sk, 0, full_hi, 1024)
+            l_i = l_i + gl.where(first < full_hi, float("nan"), 0.0)
+        m_i = gl.full([BM], float("-inf"), gl.float32, row_l)
+        c_i = gl.full([BM], float("-inf"), gl.float32, row_l)
+        acc = gl.zeros([BM, D], gl.float32, layout=o_l)
+        q = q_smem.index(HALF)
+        mbarrier.wait(q_bar, 0)
+        n_full = full_hi // BN
+        n_mine = gl.cdiv(hi, BN)
+        for j in range(n_full):
+            s = j % STAGES
+            mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+            acc, l_i, m_i, c_i = _block(acc, l_i, m_i, c_i, q, k_smem.index(s).permute((1, 0)),
+                                        v_smem.index(s).permute((1, 0)), sq, p_sk, p_sv + j * stride_svn, j * BN,
+                                        o_pos, Lk, s_l, o_l, p_l, False, IS_CAUSAL, BN, D, PSUM_BIAS)
+            mbarrier.arrive(empty.index(s), count=1)
+        for j in range(n_full, n_blocks):
+            s = j % STAGES
+            mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+            if j < n_mine:  # the other half's diagonal block lies past this half's rows: wait, release, skip
+                acc, l_i, m_i, c_i = _block(acc, l_i, m_i, c_i, q, k_smem.index(s).permute((1, 0)),
+                                            v_smem.index(s).permute((1, 0)), sq, p_sk, p_sv + j * stride_svn,
+                                            j * BN, o_pos, Lk, s_l, o_l, p_l, True, IS_CAUSAL, BN, D, PSUM_BIAS)
+            mbarrier.arrive(empty.index(s), count=1)
+        has_key = l_i != 0
+        l_o = gl.convert_layout(gl.where(has_key, l_i, 1.0), gl.SliceLayout(1, o_l))
+        o = acc / l_o[:, None]
+        o = gl.where(gl.convert_layout(has_key, gl.SliceLayout(1, o_l))[:, None], o, 0.0)
+        r_o = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, o_l))
+        c_o = gl.arange(0, D, layout=gl.SliceLayout(0, o_l))
+        p_o = (O + i_b.to(gl.int64) * stride_ob + i_hq.to(gl.int64) * stride_oh + r_o[:, None].to(gl.int64) * stride_om
+               + c_o[None, :])
+        gl.store(p_o, o.to(O.dtype.element_ty), mask=(r_o < Lq)[:, None])
+
+    @gluon.jit(do_not_specialize=["Lq", "Lk", "K_ROWS"])
+    def _int8_attn_fwd_ws_kernel(q_desc, k_desc, v_desc, SQ, SK, SV, O, Lq, Lk, K_ROWS, HQ, HK,
+                                 stride_sqb, stride_sqh, stride_skb, stride_skh, stride_svb, stride_svh, stride_svn,
+                                 stride_ob, stride_om, stride_oh,
+                                 IS_CAUSAL: gl.constexpr, D: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+                                 PSUM_BIAS: gl.constexpr, R1: gl.constexpr, R2: gl.constexpr):
+        """grid (cdiv(Lq, 128) * b * HQ,), row blocks of one head neighbours, the longest causal ones first.
+        q_desc over q8 as [b HQ Lq, d] (block [64, d]), k_desc over k8 as [b HK Lk, d] (block [BN, d]),
+        v_desc over v8t as [b HK d, Lpad] (block [d, BN]); rows a tile reads past its head are masked.
+        K_ROWS: k8's rows per head (>= Lk)."""
+        HALF_M: gl.constexpr = q_desc.block_type.shape[0]
+        n_m = gl.cdiv(Lq, 2 * HALF_M)
+        pid = gl.program_id(0)
+        i_m = n_m - 1 - pid % n_m
+        i_bh = pid // n_m
+        i_b = i_bh // HQ
+        i_hq = i_bh % HQ
+        i_hk = i_hq // (HQ // HK)
+        hi = Lk
+        if IS_CAUSAL:
+            hi = gl.minimum(hi, i_m * (2 * HALF_M) + 2 * HALF_M + (Lk - Lq))
+        n_blocks = gl.cdiv(hi, BN)
+        q_smem = gl.allocate_shared_memory(gl.int8, [2, HALF_M, D], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(gl.int8, [STAGES, BN, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(gl.int8, [STAGES, D, BN], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)  # both consumers release a slot
+        fence_async_shared()
+        q_row = i_bh * Lq + i_m * (2 * HALF_M)
+        k_row = (i_b * HK + i_hk) * K_ROWS  # k8 may hold more rows than the Lk keys attended
+        v_row = (i_b * HK + i_hk) * D
+        # tuples spelled out: concatenating them in a jit function unwraps the constexprs
+        gl.warp_specialize([
+            (_consumer, (q_smem, k_smem, v_smem, q_bar, ready, empty, SQ, SK, SV, O, Lq, Lk, i_m, i_b, i_hq, i_hk,
+                         stride_sqb, stride_sqh, stride_skb, stride_skh, stride_svb, stride_svh, stride_svn,
+                         stride_ob, stride_om, stride_oh, n_blocks, _FIRST_HALF, IS_CAUSAL, BN, D, STAGES, PSUM_BIAS)),
+            (_consumer, (q_smem, k_smem, v_smem, q_bar, ready, empty, SQ, SK, SV, O, Lq, Lk, i_m, i_b, i_hq, i_hk,
+                         stride_sqb, stride_sqh, stride_skb, stride_skh, stride_svb, stride_svh, stride_svn,
+                         stride_ob, stride_om, stride_oh, n_blocks, _SECOND_HALF, IS_CAUSAL, BN, D, STAGES, PSUM_BIAS)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_row, k_row, v_row,
+                         n_blocks, BN, STAGES)),
+        ], [4, 4], [R1, R2])
+
+
+def descriptors(q8: torch.Tensor, k8: torch.Tensor, v8t: torch.Tensor):
+    """TMA descriptors of the three int8 operands as 2-D tensors (contiguous per head, as the quantizers write them)."""
+    b, hq, lq, d = q8.shape
+    hk, lk, lpad = k8.shape[1], k8.shape[2], v8t.shape[3]
+    lay_q = gl.NVMMASharedLayout.get_default_for([BLOCK_M // 2, d], gl.int8)
+    lay_k = gl.NVMMASharedLayout.get_default_for([BLOCK_N, d], gl.int8)
+    lay_v = gl.NVMMASharedLayout.get_default_for([d, BLOCK_N], gl.int8)
+    return (TensorDescriptor(q8, [b * hq * lq, d], [d, 1], [BLOCK_M // 2, d], lay_q),
+            TensorDescriptor(k8, [b * hk * lk, d], [d, 1], [BLOCK_N, d], lay_k),
+            TensorDescriptor(v8t, [b * hk * d, lpad], [lpad, 1], [d, BLOCK_N], lay_v))
+
+
+def ws_spec(q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, psum_bias: int):
+    """(grid, scalars, constexprs) of ``_int8_attn_fwd_ws_kernel`` after its three descriptors and 4 tensors."""
+    b, hq, lq, d = q8.shape
+    hk = k8.shape[1]
+    stride_svn = sv.stride(2) if sv.shape[2] > 1 else 0
+    grid = (-(-lq // BLOCK_M) * b * hq,)
+    scalars = (lq, Lk, k8.shape[2], hq, hk, sq.stride(0), sq.stride(1), sk.stride(0), sk.stride(1), sv.stride(0), sv.stride(1),
+               stride_svn, out.stride(0), out.stride(1), out.stride(2))
+    kw = dict(IS_CAUSAL=bool(causal), D=d, BN=BLOCK_N, STAGES=_STAGES[d], PSUM_BIAS=psum_bias, R1=_WORKER_REGS[0],
+              R2=_WORKER_REGS[1], num_warps=4)
+    return grid, scalars, kw
+
+
+def launch_ws(q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, psum_bias: int):
+    """Run the kernel (CUDA sm_90, contiguous operands: ``int8_flash_attention`` checks them)."""
+    if not (q8.is_contiguous() and k8.is_contiguous() and v8t.is_contiguous()):
+        raise ValueError("the Hopper kernel takes contiguous q8, k8, v8t (as the quantizers write them)")
+    grid, scalars, kw = ws_spec(q8, sq, k8, sk, v8t, sv, out, causal=causal, Lk=Lk, psum_bias=psum_bias)
+    _int8_attn_fwd_ws_kernel[grid](*descriptors(q8, k8, v8t), sq, sk, sv, out, *scalars, **kw)
+    return out

@@ -1,0 +1,81 @@
+"""The Gluon Hopper prefill kernel (kernels/prefill_hopper.py, issue 20).
+
+CPU: the path choice and its refusals (the sm_90 compile: test_prefill_hopper_compile.py). GPU (marked ``gpu``, sm_90): outputs
+against the portable INT8 kernel on the same operands, causal and not, GQA, ragged lengths, poisoned keys.
+"""
+import pytest
+import torch
+
+from turbo_attn_hf.kernels import prefill, prefill_hopper, quant, reference
+
+def _operands(b, hq, hk, lq, lk, d, device, seed=0, poison=()):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q, k, v = (torch.randn(b, h, L, d, generator=g).to(device=device, dtype=torch.bfloat16)
+               for h, L in ((hq, lq), (hk, lk), (hk, lk)))
+    for bi, hi, t in poison:
+        k[bi, hi, t, 3] = float("nan")
+    q8, sq = quant.quantize_per_token(q, scale=d ** -0.5 * reference.LOG2E)
+    k8, sk = quant.quantize_per_token(k, smooth=reference.k_smooth_mean(k))
+    v8t, sv = quant.quantize_v_blocks(v, prefill_hopper.BLOCK_N)
+    return q8, sq, k8, sk, v8t, sv
+
+
+def test_the_portable_kernel_stays_the_default_and_hopper_refuses_what_it_cannot_run(monkeypatch):
+    assert prefill.kernel_choice() in prefill.PREFILL_KERNELS
+    cpu = torch.device("cpu")
+    assert prefill.hopper_takes(cpu, 128, 128, causal=True, window=None, softcap=None, has_key_valid=False,
+                                use_sas=False, block_p=True) == "not a CUDA device"
+    assert not prefill_hopper.supports(d=128, block_n=128, causal=True, window=64, softcap=None, has_key_valid=False,
+                                       use_sas=False, block_p=True)
+    assert not prefill_hopper.supports(d=256, block_n=128, causal=True, window=None, softcap=None,
+                                       has_key_valid=False, use_sas=False, block_p=True)
+    assert prefill_hopper.supports(d=64, block_n=128, causal=False, window=None, softcap=None, has_key_valid=False,
+                                   use_sas=False, block_p=True)
+    monkeypatch.setattr(prefill, "_KERNEL", ["fastest"])
+    with pytest.raises(ValueError, match="TURBO_PREFILL_KERNEL"):
+        prefill.kernel_choice()
+
+
+def test_forcing_the_hopper_kernel_off_sm90_is_a_clear_error():
+    ops = _operands(1, 2, 1, 32, 32, 64, "cpu")
+    with pytest.raises(ValueError, match="Hopper prefill kernel cannot run this call"):
+        prefill.int8_flash_attention(*ops, causal=True, _kernel="hopper")
+
+
+# ----------------------------------------------------------------------------------------------------- GPU
+sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+                               and prefill_hopper.gluon_available()), reason="needs an sm_90 GPU and Gluon")
+
+CASES = [  # b, hq, hk, lq, lk, d, causal
+    (1, 4, 4, 1024, 1024, 128, True), (2, 8, 2, 777, 1500, 128, True), (1, 4, 1, 300, 300, 128, False),
+    (2, 4, 2, 4096, 4096, 64, True), (1, 2, 2, 129, 4000, 64, False), (1, 8, 8, 1, 257, 128, True),
+]
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c)))
+def test_the_hopper_kernel_matches_the_portable_one(case):
+    b, hq, hk, lq, lk, d, causal = case
+    ops = _operands(b, hq, hk, lq, lk, d, "cuda", seed=lq + lk)
+    ref = prefill.int8_flash_attention(*ops, causal=causal, _kernel="portable").float()
+    out = prefill.int8_flash_attention(*ops, causal=causal, _kernel="hopper").float()
+    torch.cuda.synchronize()
+    assert out.isfinite().all()
+    diff = (out - ref).abs()
+    # the same integer dots, scales and softmax in the same order; the FMA contraction of the two compilers may
+    # round an fp32 step differently, which can move one p8 level
+    assert float(diff.max()) < 2e-2, float(diff.max())
+    assert float((diff > 0).float().mean()) < 0.05
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_poisoned_key_poisons_exactly_the_rows_that_see_it(causal):
+    lq = lk = 700
+    ops = _operands(1, 2, 1, lq, lk, 128, "cuda", poison=[(0, 0, 400)])
+    ref = prefill.int8_flash_attention(*ops, causal=causal, _kernel="portable")
+    out = prefill.int8_flash_attention(*ops, causal=causal, _kernel="hopper")
+    assert torch.equal(out.isnan(), ref.isnan())
+    assert out.isnan().any()

@@ -1,0 +1,53 @@
+"""The Gluon Hopper prefill kernel (kernels/prefill_hopper.py) compiles for sm_90 on a CPU-only machine, through
+Triton's real pipeline (Gluon -> TTGIR -> LLVM -> PTX -> ptxas), so CI notices when a Triton release stops compiling
+it (issue 20: Gluon's API moves between releases). Each case also checks the SASS for what the design rests on: both
+dots on 8-bit wgmma, TMA loads in the producer, and the producer handing its registers to the consumers. Runs in a
+subprocess without TRITON_INTERPRET (``sm90.py``); this file doubles as its script."""
+import json
+import sys
+
+import pytest
+
+import sm90
+
+CONFIGS = [(128, True), (128, False), (64, True), (64, False)]  # (head_dim, causal)
+
+
+def _compile(d, causal):
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    from turbo_attn_hf.kernels import prefill_hopper as ph
+
+    b, hq, hk, L = 1, 4, 2, 256
+    q8, k8 = torch.zeros(b, hq, L, d, dtype=torch.int8), torch.zeros(b, hk, L, d, dtype=torch.int8)
+    v8t = torch.zeros(b, hk, d, L, dtype=torch.int8)
+    sq, sk, sv = torch.zeros(b, hq, L), torch.zeros(b, hk, L), torch.zeros(b, hk, L // ph.BLOCK_N, d)
+    out = torch.empty(b, L, hq, d, dtype=torch.bfloat16)
+    grid, scalars, kw = ph.ws_spec(q8, sq, k8, sk, v8t, sv, out, causal=causal, Lk=L, psum_bias=5)
+    fn = ph._int8_attn_fwd_ws_kernel
+    args = list(ph.descriptors(q8, k8, v8t)) + [sq, sk, sv, out] + list(scalars)
+    sig = {p.name: mangle_type(a) for p, a in zip(fn.params, args)}
+    cx = {k: v for k, v in kw.items() if k != "num_warps"}
+    sig.update({k: "constexpr" for k in cx})
+    sass = triton.compile(GluonASTSource(fn, sig, constexprs=cx), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": kw["num_warps"]}).asm["sass"]
+    for what, pattern in (("8-bit wgmma", f"IGMMA.64x{ph.BLOCK_N}x32.S8.S8"), ("TMA loads", "UTMALDG"),
+                          ("register hand-over", "USETMAXREG.DEALLOC")):
+        if pattern not in sass:
+            raise AssertionError(f"no {what} ({pattern}) in the SASS")
+
+
+def test_the_gluon_prefill_kernel_compiles_for_sm90():
+    from turbo_attn_hf.kernels import prefill_hopper
+
+    if not prefill_hopper.gluon_available():
+        pytest.skip("Gluon of a tested Triton release is not installed")
+    sm90.run(__file__, CONFIGS, "Gluon prefill kernel (head_dim, causal)")
+
+
+if __name__ == "__main__":
+    sm90.main(_compile, json.loads(sys.argv[1]))
