@@ -74,19 +74,26 @@ if HAVE_GLUON:
     _SECOND_HALF = gl.constexpr(1)
 
     @gluon.jit
-    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_row, k_row, v_row, n_blocks,
-                  BN: gl.constexpr, STAGES: gl.constexpr):
-        """The Q tile once (both halves), then K [BN, d] and V^T [d, BN] of each block into slot j % STAGES."""
+    def _producer(q_desc, k_desc, v_desc, sk_desc, sv_desc, q_smem, k_smem, v_smem, sk_smem, sv_smem, q_bar, ready,
+                  empty, q_row, k_row, v_row, sv_row, sv_step, n_blocks, BN: gl.constexpr, D: gl.constexpr,
+                  STAGES: gl.constexpr):
+        """The Q tile once (both halves), then per block into slot j % STAGES: K [BN, d], V^T [d, BN], the keys'
+        scales sk [BN] and V's channel scales sv [d] (so no consumer waits on a global load in its loop)."""
         HALF: gl.constexpr = q_desc.block_type.shape[0]
         mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem.index(0))
         tma.async_copy_global_to_shared(q_desc, [q_row + HALF, 0], q_bar, q_smem.index(1))
+        nbytes: gl.constexpr = (k_desc.block_type.nbytes + v_desc.block_type.nbytes + sk_desc.block_type.nbytes
+                                + sv_desc.block_type.nbytes)
         for j in range(n_blocks):
             s = j % STAGES
             mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
-            mbarrier.expect(ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [k_row + j * BN, 0], ready.index(s), k_smem.index(s))
-            tma.async_copy_global_to_shared(v_desc, [v_row, j * BN], ready.index(s), v_smem.index(s))
+            bar = ready.index(s)
+            mbarrier.expect(bar, nbytes)
+            tma.async_copy_global_to_shared(k_desc, [k_row + j * BN, 0], bar, k_smem.index(s))
+            tma.async_copy_global_to_shared(v_desc, [v_row, j * BN], bar, v_smem.index(s))
+            tma.async_copy_global_to_shared(sk_desc, [k_row + j * BN], bar, sk_smem.index(s))
+            tma.async_copy_global_to_shared(sv_desc, [(sv_row + j * sv_step) * D], bar, sv_smem.index(s))
 
     @gluon.jit
     def _first_nan_key(p_sk, lo, hi, SCAN: gl.constexpr):
@@ -100,20 +107,13 @@ if HAVE_GLUON:
         return gl.min(first, 0)
 
     @gluon.jit
-    def _block(acc, l_i, m_i, c_i, q, k_t, v_t, sq, p_sk, p_sv, start_n, o_pos, Lk,
-               s_l: gl.constexpr, o_l: gl.constexpr, p_l: gl.constexpr, MASKED: gl.constexpr,
-               IS_CAUSAL: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, PSUM_BIAS: gl.constexpr):
-        """One KV block of one consumer: ``prefill._attn_update`` (block P scale, exp2 softmax) on wgmma tiles."""
-        BM: gl.constexpr = q.type.shape[0]
-        s_acc = warpgroup_mma(q, k_t, gl.zeros([BM, BN], gl.int32, layout=s_l), use_acc=False, is_async=True)
-        o_n = start_n + gl.arange(0, BN, layout=gl.SliceLayout(0, s_l))
+    def _softmax(s_i32, sk, sq, l_i, m_i, c_i, o_n, o_pos, Lk, p_l: gl.constexpr, MASKED: gl.constexpr,
+                 IS_CAUSAL: gl.constexpr, PSUM_BIAS: gl.constexpr):
+        """``prefill._attn_update`` up to P (block P scale, exp2 softmax): the block's int32 scores -> P's int8
+        codes in the P.V operand's layout, the rescale r and the new l, m, c."""
         if MASKED:
-            sk = gl.load(p_sk + o_n, mask=o_n < Lk, other=0.0)
-        else:
-            sk = gl.load(p_sk + o_n)
-        sv = gl.load(p_sv + gl.arange(0, D, layout=gl.SliceLayout(0, o_l)))
-        s_acc = warpgroup_mma_wait(0, deps=(s_acc, ))
-        t = gl.fma((s_acc + _MAGIC_BITS).to(gl.float32, bitcast=True), sk[None, :], -(sk * _MAGIC)[None, :])
+            sk = gl.where(o_n < Lk, sk, 0.0)  # the tile's tail holds the next head's scales: 0 as a masked load
+        t = gl.fma((s_i32 + _MAGIC_BITS).to(gl.float32, bitcast=True), sk[None, :], -(sk * _MAGIC)[None, :])
         if MASKED:
             m_s = (o_n < Lk)[None, :]
             if IS_CAUSAL:
@@ -132,33 +132,28 @@ if HAVE_GLUON:
         l_i = l_i * r + (gl.sum(pbits, 1) - PSUM_BIAS).to(gl.float32)
         if MASKED and not IS_CAUSAL:  # the tail block: every row sees its keys < Lk (sk 0 past it)
             l_i = l_i + gl.sum(sk * 0.0, 0)
-        p8 = gl.convert_layout(pbits.to(gl.int8), p_l)
-        pv = warpgroup_mma(p8, v_t, gl.zeros([BM, D], gl.int32, layout=o_l), use_acc=False, is_async=True)
-        pv = warpgroup_mma_wait(0, deps=(pv, ))
-        pv_f = gl.fma((pv + _MAGIC_BITS).to(gl.float32, bitcast=True), sv[None, :], -(sv * _MAGIC)[None, :])
-        acc = gl.fma(acc, gl.convert_layout(r, gl.SliceLayout(1, o_l))[:, None], pv_f)
-        return acc, l_i, m_new, c_new
+        return gl.convert_layout(pbits.to(gl.int8), p_l), r, l_i, m_new, c_new
 
     @gluon.jit
-    def _consumer(q_smem, k_smem, v_smem, q_bar, ready, empty, SQ, SK, SV, O, Lq, Lk, i_m, i_b, i_hq, i_hk,
-                  stride_sqb, stride_sqh, stride_skb, stride_skh, stride_svb, stride_svh, stride_svn,
-                  stride_ob, stride_om, stride_oh, n_blocks,
+    def _consumer(q_smem, k_smem, v_smem, sk_smem, sv_smem, q_bar, ready, empty, SQ, SK, O, Lq, Lk, i_m, i_b, i_hq,
+                  stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh, k_row, n_blocks,
                   HALF: gl.constexpr, IS_CAUSAL: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
-                  STAGES: gl.constexpr, PSUM_BIAS: gl.constexpr):
-        """Rows [i_m * 128 + 64 HALF, +64) of one (b, head): the portable kernel's program of BLOCK_M 64."""
+                  STAGES: gl.constexpr, PSUM_BIAS: gl.constexpr, PIPELINE: gl.constexpr):
+        """Rows [i_m * 128 + 64 HALF, +64) of one (b, head): the portable kernel's program of BLOCK_M 64. PIPELINE:
+        the next block's Q.K^T is issued before this block's softmax (FA3's intra-warpgroup overlap), at the cost of a
+        second score accumulator in registers."""
         BM: gl.constexpr = 64
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 32])
         p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=4)
         row_l: gl.constexpr = gl.SliceLayout(1, s_l)
+        col_l: gl.constexpr = gl.SliceLayout(0, s_l)
         m0 = i_m * (2 * BM) + HALF * BM
         o_m = m0 + gl.arange(0, BM, layout=row_l)
         o_pos = o_m + (Lk - Lq)
         sq = gl.load(SQ + i_b * stride_sqb + i_hq * stride_sqh + o_m, mask=o_m < Lq, other=0.0)
         l_i = gl.where(sq == sq, 0.0, sq)  # a NaN query scale starts l at NaN
         sq = gl.maximum(sq, _SQ_MIN, propagate_nan=tl.PropagateNan.ALL)
-        p_sk = SK + i_b * stride_skb + i_hk * stride_skh
-        p_sv = SV + i_b * stride_svb + i_hk * stride_svh
         pos_min = m0 + (Lk - Lq)
         hi = Lk
         if IS_CAUSAL:
@@ -168,32 +163,59 @@ if HAVE_GLUON:
             full_hi = gl.minimum(full_hi, (pos_min + 1) // BN * BN)
         full_hi = gl.minimum(gl.maximum(full_hi, 0), hi)
         if IS_CAUSAL:
-            first = _first_nan_key(p_sk, 0, gl.minimum(hi, Lk), 1024)
+            first = _first_nan_key(SK + k_row, 0, gl.minimum(hi, Lk), 1024)
             l_i = l_i + gl.where(first <= o_pos, float("nan"), 0.0)
         else:
-            first = _first_nan_key(p_sk, 0, full_hi, 1024)
+            first = _first_nan_key(SK + k_row, 0, full_hi, 1024)
             l_i = l_i + gl.where(first < full_hi, float("nan"), 0.0)
         m_i = gl.full([BM], float("-inf"), gl.float32, row_l)
         c_i = gl.full([BM], float("-inf"), gl.float32, row_l)
         acc = gl.zeros([BM, D], gl.float32, layout=o_l)
+        s_zero = gl.zeros([BM, BN], gl.int32, layout=s_l)
+        o_zero = gl.zeros([BM, D], gl.int32, layout=o_l)
         q = q_smem.index(HALF)
-        mbarrier.wait(q_bar, 0)
         n_full = full_hi // BN
         n_mine = gl.cdiv(hi, BN)
-        for j in range(n_full):
+        mbarrier.wait(q_bar, 0)
+        s_i32 = s_zero
+        if PIPELINE:
+            mbarrier.wait(ready.index(0), 0)
+            s_i32 = warpgroup_mma_wait(0, deps=(warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero,
+                                                              use_acc=False, is_async=True), ))
+        for j in range(n_mine):
             s = j % STAGES
-            mbarrier.wait(ready.index(s), (j // STAGES) & 1)
-            acc, l_i, m_i, c_i = _block(acc, l_i, m_i, c_i, q, k_smem.index(s).permute((1, 0)),
-                                        v_smem.index(s).permute((1, 0)), sq, p_sk, p_sv + j * stride_svn, j * BN,
-                                        o_pos, Lk, s_l, o_l, p_l, False, IS_CAUSAL, BN, D, PSUM_BIAS)
+            if PIPELINE:
+                # the next block's Q.K^T runs on the tensor cores during this block's softmax (the last block issues
+                # its own again: its slot is still held, and a constant issue pattern keeps the loop one body)
+                jn = gl.minimum(j + 1, n_mine - 1)
+                sn = jn % STAGES
+                if jn != j:
+                    mbarrier.wait(ready.index(sn), (jn // STAGES) & 1)
+                s_next = warpgroup_mma(q, k_smem.index(sn).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            else:
+                mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+                s_i32 = warpgroup_mma_wait(0, deps=(warpgroup_mma(q, k_smem.index(s).permute((1, 0)), s_zero,
+                                                                  use_acc=False, is_async=True), ))
+            sk = sk_smem.index(s).load(col_l)
+            o_n = j * BN + gl.arange(0, BN, layout=col_l)
+            if j < n_full:
+                p8, r, l_i, m_i, c_i = _softmax(s_i32, sk, sq, l_i, m_i, c_i, o_n, o_pos, Lk, p_l, False, IS_CAUSAL,
+                                                PSUM_BIAS)
+            else:
+                p8, r, l_i, m_i, c_i = _softmax(s_i32, sk, sq, l_i, m_i, c_i, o_n, o_pos, Lk, p_l, True, IS_CAUSAL,
+                                                PSUM_BIAS)
+            pv = warpgroup_mma(p8, v_smem.index(s).permute((1, 0)), o_zero, use_acc=False, is_async=True)
+            if PIPELINE:
+                s_i32, pv = warpgroup_mma_wait(0, deps=(s_next, pv))
+            else:
+                pv = warpgroup_mma_wait(0, deps=(pv, ))
+            sv = sv_smem.index(s).load(gl.SliceLayout(0, o_l))
             mbarrier.arrive(empty.index(s), count=1)
-        for j in range(n_full, n_blocks):
+            pv_f = gl.fma((pv + _MAGIC_BITS).to(gl.float32, bitcast=True), sv[None, :], -(sv * _MAGIC)[None, :])
+            acc = gl.fma(acc, gl.convert_layout(r, gl.SliceLayout(1, o_l))[:, None], pv_f)
+        for j in range(n_mine, n_blocks):  # the other half's diagonal block lies past these rows: wait, release
             s = j % STAGES
             mbarrier.wait(ready.index(s), (j // STAGES) & 1)
-            if j < n_mine:  # the other half's diagonal block lies past this half's rows: wait, release, skip
-                acc, l_i, m_i, c_i = _block(acc, l_i, m_i, c_i, q, k_smem.index(s).permute((1, 0)),
-                                            v_smem.index(s).permute((1, 0)), sq, p_sk, p_sv + j * stride_svn,
-                                            j * BN, o_pos, Lk, s_l, o_l, p_l, True, IS_CAUSAL, BN, D, PSUM_BIAS)
             mbarrier.arrive(empty.index(s), count=1)
         has_key = l_i != 0
         l_o = gl.convert_layout(gl.where(has_key, l_i, 1.0), gl.SliceLayout(1, o_l))
@@ -206,15 +228,15 @@ if HAVE_GLUON:
         gl.store(p_o, o.to(O.dtype.element_ty), mask=(r_o < Lq)[:, None])
 
     @gluon.jit(do_not_specialize=["Lq", "Lk", "K_ROWS"])
-    def _int8_attn_fwd_ws_kernel(q_desc, k_desc, v_desc, SQ, SK, SV, O, Lq, Lk, K_ROWS, HQ, HK,
-                                 stride_sqb, stride_sqh, stride_skb, stride_skh, stride_svb, stride_svh, stride_svn,
-                                 stride_ob, stride_om, stride_oh,
+    def _int8_attn_fwd_ws_kernel(q_desc, k_desc, v_desc, sk_desc, sv_desc, SQ, SK, O, Lq, Lk, K_ROWS, HQ, HK, NBLK,
+                                 SV_STEP, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh,
                                  IS_CAUSAL: gl.constexpr, D: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-                                 PSUM_BIAS: gl.constexpr, R1: gl.constexpr, R2: gl.constexpr):
+                                 PSUM_BIAS: gl.constexpr, PIPELINE: gl.constexpr, R1: gl.constexpr, R2: gl.constexpr):
         """grid (cdiv(Lq, 128) * b * HQ,), row blocks of one head neighbours, the longest causal ones first.
-        q_desc over q8 as [b HQ Lq, d] (block [64, d]), k_desc over k8 as [b HK Lk, d] (block [BN, d]),
-        v_desc over v8t as [b HK d, Lpad] (block [d, BN]); rows a tile reads past its head are masked.
-        K_ROWS: k8's rows per head (>= Lk)."""
+        q_desc over q8 as [b HQ Lq, d] (block [64, d]), k_desc over k8 as [b HK K_ROWS, d] (block [BN, d]),
+        v_desc over v8t as [b HK d, Lpad] (block [d, BN]), sk_desc over sk as [b HK K_ROWS] (block [BN]), sv_desc over
+        sv as [b HK NBLK d] (block [d]; SV_STEP 0: one block of channel scales for every KV block). Rows a tile reads
+        past its head are masked. K_ROWS: k8's and sk's rows per head (>= Lk). SK: sk itself (the NaN scan)."""
         HALF_M: gl.constexpr = q_desc.block_type.shape[0]
         n_m = gl.cdiv(Lq, 2 * HALF_M)
         pid = gl.program_id(0)
@@ -230,6 +252,8 @@ if HAVE_GLUON:
         q_smem = gl.allocate_shared_memory(gl.int8, [2, HALF_M, D], q_desc.layout)
         k_smem = gl.allocate_shared_memory(gl.int8, [STAGES, BN, D], k_desc.layout)
         v_smem = gl.allocate_shared_memory(gl.int8, [STAGES, D, BN], v_desc.layout)
+        sk_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BN], sk_desc.layout)
+        sv_smem = gl.allocate_shared_memory(gl.float32, [STAGES, D], sv_desc.layout)
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -239,50 +263,63 @@ if HAVE_GLUON:
             mbarrier.init(empty.index(i), count=2)  # both consumers release a slot
         fence_async_shared()
         q_row = i_bh * Lq + i_m * (2 * HALF_M)
-        k_row = (i_b * HK + i_hk) * K_ROWS  # k8 may hold more rows than the Lk keys attended
+        k_row = (i_b * HK + i_hk) * K_ROWS  # k8 and sk may hold more rows than the Lk keys attended
         v_row = (i_b * HK + i_hk) * D
+        sv_row = (i_b * HK + i_hk) * NBLK
         # tuples spelled out: concatenating them in a jit function unwraps the constexprs
         gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, v_smem, q_bar, ready, empty, SQ, SK, SV, O, Lq, Lk, i_m, i_b, i_hq, i_hk,
-                         stride_sqb, stride_sqh, stride_skb, stride_skh, stride_svb, stride_svh, stride_svn,
-                         stride_ob, stride_om, stride_oh, n_blocks, _FIRST_HALF, IS_CAUSAL, BN, D, STAGES, PSUM_BIAS)),
-            (_consumer, (q_smem, k_smem, v_smem, q_bar, ready, empty, SQ, SK, SV, O, Lq, Lk, i_m, i_b, i_hq, i_hk,
-                         stride_sqb, stride_sqh, stride_skb, stride_skh, stride_svb, stride_svh, stride_svn,
-                         stride_ob, stride_om, stride_oh, n_blocks, _SECOND_HALF, IS_CAUSAL, BN, D, STAGES, PSUM_BIAS)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_row, k_row, v_row,
-                         n_blocks, BN, STAGES)),
+            (_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, q_bar, ready, empty, SQ, SK, O, Lq, Lk, i_m, i_b,
+                         i_hq, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh, k_row, n_blocks, _FIRST_HALF,
+                         IS_CAUSAL, BN, D, STAGES, PSUM_BIAS, PIPELINE)),
+            (_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, q_bar, ready, empty, SQ, SK, O, Lq, Lk, i_m, i_b,
+                         i_hq, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh, k_row, n_blocks, _SECOND_HALF,
+                         IS_CAUSAL, BN, D, STAGES, PSUM_BIAS, PIPELINE)),
+            (_producer, (q_desc, k_desc, v_desc, sk_desc, sv_desc, q_smem, k_smem, v_smem, sk_smem, sv_smem, q_bar,
+                         ready, empty, q_row, k_row, v_row, sv_row, SV_STEP, n_blocks, BN, D, STAGES)),
         ], [4, 4], [R1, R2])
 
 
-def descriptors(q8: torch.Tensor, k8: torch.Tensor, v8t: torch.Tensor):
-    """TMA descriptors of the three int8 operands as 2-D tensors (contiguous per head, as the quantizers write them)."""
+def _tma_operand(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when TMA can read it as a dense array (contiguous, 16-byte aligned), else a copy that is."""
+    return t if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
+
+
+def descriptors(q8, k8, v8t, sk, sv):
+    """TMA descriptors of the operands as dense 2-D (int8 tiles) and 1-D (scales) arrays."""
     b, hq, lq, d = q8.shape
     hk, lk, lpad = k8.shape[1], k8.shape[2], v8t.shape[3]
     lay_q = gl.NVMMASharedLayout.get_default_for([BLOCK_M // 2, d], gl.int8)
     lay_k = gl.NVMMASharedLayout.get_default_for([BLOCK_N, d], gl.int8)
     lay_v = gl.NVMMASharedLayout.get_default_for([d, BLOCK_N], gl.int8)
+    lay_sk = gl.NVMMASharedLayout.get_default_for([BLOCK_N], gl.float32)
+    lay_sv = gl.NVMMASharedLayout.get_default_for([d], gl.float32)
     return (TensorDescriptor(q8, [b * hq * lq, d], [d, 1], [BLOCK_M // 2, d], lay_q),
             TensorDescriptor(k8, [b * hk * lk, d], [d, 1], [BLOCK_N, d], lay_k),
-            TensorDescriptor(v8t, [b * hk * d, lpad], [lpad, 1], [d, BLOCK_N], lay_v))
+            TensorDescriptor(v8t, [b * hk * d, lpad], [lpad, 1], [d, BLOCK_N], lay_v),
+            TensorDescriptor(sk, [sk.numel()], [1], [BLOCK_N], lay_sk),
+            TensorDescriptor(sv, [sv.numel()], [1], [d], lay_sv))
 
 
-def ws_spec(q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, psum_bias: int):
-    """(grid, scalars, constexprs) of ``_int8_attn_fwd_ws_kernel`` after its three descriptors and 4 tensors."""
+def ws_spec(q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, psum_bias: int, pipeline: bool = True):
+    """(grid, scalars, constexprs) of ``_int8_attn_fwd_ws_kernel`` after its five descriptors and 3 tensors
+    (sk and sv dense: ``_tma_operand``)."""
     b, hq, lq, d = q8.shape
-    hk = k8.shape[1]
-    stride_svn = sv.stride(2) if sv.shape[2] > 1 else 0
+    hk, nblk = k8.shape[1], sv.shape[2]
+    if sk.shape[2] != k8.shape[2]:
+        raise ValueError(f"sk {tuple(sk.shape)} and k8 {tuple(k8.shape)} must hold the same rows per head")
     grid = (-(-lq // BLOCK_M) * b * hq,)
-    scalars = (lq, Lk, k8.shape[2], hq, hk, sq.stride(0), sq.stride(1), sk.stride(0), sk.stride(1), sv.stride(0), sv.stride(1),
-               stride_svn, out.stride(0), out.stride(1), out.stride(2))
-    kw = dict(IS_CAUSAL=bool(causal), D=d, BN=BLOCK_N, STAGES=_STAGES[d], PSUM_BIAS=psum_bias, R1=_WORKER_REGS[0],
+    scalars = (lq, Lk, k8.shape[2], hq, hk, nblk, 1 if nblk > 1 else 0, sq.stride(0), sq.stride(1),
+               out.stride(0), out.stride(1), out.stride(2))
+    kw = dict(IS_CAUSAL=bool(causal), D=d, BN=BLOCK_N, STAGES=_STAGES[d], PSUM_BIAS=psum_bias, PIPELINE=bool(pipeline), R1=_WORKER_REGS[0],
               R2=_WORKER_REGS[1], num_warps=4)
     return grid, scalars, kw
 
 
-def launch_ws(q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, psum_bias: int):
-    """Run the kernel (CUDA sm_90, contiguous operands: ``int8_flash_attention`` checks them)."""
-    if not (q8.is_contiguous() and k8.is_contiguous() and v8t.is_contiguous()):
-        raise ValueError("the Hopper kernel takes contiguous q8, k8, v8t (as the quantizers write them)")
-    grid, scalars, kw = ws_spec(q8, sq, k8, sk, v8t, sv, out, causal=causal, Lk=Lk, psum_bias=psum_bias)
-    _int8_attn_fwd_ws_kernel[grid](*descriptors(q8, k8, v8t), sq, sk, sv, out, *scalars, **kw)
+def launch_ws(q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, psum_bias: int, pipeline: bool = True):
+    """Run the kernel (CUDA sm_90; ``int8_flash_attention`` checks the operands' shapes and dtypes). ``pipeline``:
+    see ``_consumer`` (off: each block's Q.K^T waited for before its softmax; an A/B switch)."""
+    q8, k8, v8t, sk, sv = (_tma_operand(t) for t in (q8, k8, v8t, sk, sv))
+    grid, scalars, kw = ws_spec(q8, sq, k8, sk, v8t, sv, out, causal=causal, Lk=Lk, psum_bias=psum_bias,
+                                pipeline=pipeline)
+    _int8_attn_fwd_ws_kernel[grid](*descriptors(q8, k8, v8t, sk, sv), sq, sk, out, *scalars, **kw)
     return out

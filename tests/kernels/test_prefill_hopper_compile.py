@@ -10,10 +10,10 @@ import pytest
 
 import sm90
 
-CONFIGS = [(128, True), (128, False), (64, True), (64, False)]  # (head_dim, causal)
+CONFIGS = [(128, True, True), (128, False, True), (64, True, True), (64, False, False)]  # (head_dim, causal, pipeline)
 
 
-def _compile(d, causal):
+def _compile(d, causal, pipeline):
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -27,9 +27,10 @@ def _compile(d, causal):
     v8t = torch.zeros(b, hk, d, L, dtype=torch.int8)
     sq, sk, sv = torch.zeros(b, hq, L), torch.zeros(b, hk, L), torch.zeros(b, hk, L // ph.BLOCK_N, d)
     out = torch.empty(b, L, hq, d, dtype=torch.bfloat16)
-    grid, scalars, kw = ph.ws_spec(q8, sq, k8, sk, v8t, sv, out, causal=causal, Lk=L, psum_bias=5)
+    grid, scalars, kw = ph.ws_spec(q8, sq, k8, sk, v8t, sv, out, causal=causal, Lk=L, psum_bias=5,
+                                   pipeline=pipeline)
     fn = ph._int8_attn_fwd_ws_kernel
-    args = list(ph.descriptors(q8, k8, v8t)) + [sq, sk, sv, out] + list(scalars)
+    args = list(ph.descriptors(q8, k8, v8t, sk, sv)) + [sq, sk, out] + list(scalars)
     sig = {p.name: mangle_type(a) for p, a in zip(fn.params, args)}
     cx = {k: v for k, v in kw.items() if k != "num_warps"}
     sig.update({k: "constexpr" for k in cx})
@@ -46,7 +47,7 @@ def test_the_gluon_prefill_kernel_compiles_for_sm90():
 
     if not prefill_hopper.gluon_available():
         pytest.skip("Gluon of a tested Triton release is not installed")
-    sm90.run(__file__, CONFIGS, "Gluon prefill kernel (head_dim, causal)")
+    sm90.run(__file__, CONFIGS, "Gluon prefill kernel (head_dim, causal, pipeline)")
 
 
 if __name__ == "__main__":
