@@ -75,7 +75,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, sk_desc, sv_desc, q_smem, k_smem, v_smem, sk_smem, sv_smem, q_bar, ready,
-                  empty, q_row, k_row, v_row, sv_row, sv_step, n_blocks, BN: gl.constexpr, D: gl.constexpr,
+                  empty, q_row, k_row, sk_row, v_row, sv_row, sv_step, n_blocks, BN: gl.constexpr, D: gl.constexpr,
                   STAGES: gl.constexpr):
         """The Q tile once (both halves), then per block into slot j % STAGES: K [BN, d], V^T [d, BN], the keys'
         scales sk [BN] and V's channel scales sv [d] (so no consumer waits on a global load in its loop)."""
@@ -92,7 +92,7 @@ if HAVE_GLUON:
             mbarrier.expect(bar, nbytes)
             tma.async_copy_global_to_shared(k_desc, [k_row + j * BN, 0], bar, k_smem.index(s))
             tma.async_copy_global_to_shared(v_desc, [v_row, j * BN], bar, v_smem.index(s))
-            tma.async_copy_global_to_shared(sk_desc, [k_row + j * BN], bar, sk_smem.index(s))
+            tma.async_copy_global_to_shared(sk_desc, [sk_row + j * BN], bar, sk_smem.index(s))
             tma.async_copy_global_to_shared(sv_desc, [(sv_row + j * sv_step) * D], bar, sv_smem.index(s))
 
     @gluon.jit
@@ -135,13 +135,40 @@ if HAVE_GLUON:
         return gl.convert_layout(pbits.to(gl.int8), p_l), r, l_i, m_new, c_new
 
     @gluon.jit
-    def _consumer(q_smem, k_smem, v_smem, sk_smem, sv_smem, q_bar, ready, empty, SQ, SK, O, Lq, Lk, i_m, i_b, i_hq,
-                  stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh, k_row, n_blocks,
+    def _probs(s_i32, sk_smem, j, n_full, sq, l_i, m_i, c_i, o_pos, Lk, col_l: gl.constexpr, p_l: gl.constexpr,
+               IS_CAUSAL: gl.constexpr, BN: gl.constexpr, PSUM_BIAS: gl.constexpr):
+        """``_softmax`` of block j (its key scales from the slot ``sk_smem``), masked past the unmasked blocks."""
+        sk = sk_smem.load(col_l)
+        o_n = j * BN + gl.arange(0, BN, layout=col_l)
+        if j < n_full:
+            p8, r, l_i, m_i, c_i = _softmax(s_i32, sk, sq, l_i, m_i, c_i, o_n, o_pos, Lk, p_l, False, IS_CAUSAL,
+                                            PSUM_BIAS)
+        else:
+            p8, r, l_i, m_i, c_i = _softmax(s_i32, sk, sq, l_i, m_i, c_i, o_n, o_pos, Lk, p_l, True, IS_CAUSAL,
+                                            PSUM_BIAS)
+        return p8, r, l_i, m_i, c_i
+
+    @gluon.jit
+    def _fold(acc, r, pv, sv_smem, o_l: gl.constexpr):
+        """acc * r + float(P.V) * sv: the block's int32 P.V with V's channel scales from the slot ``sv_smem``."""
+        sv = sv_smem.load(gl.SliceLayout(0, o_l))
+        pv_f = gl.fma((pv + _MAGIC_BITS).to(gl.float32, bitcast=True), sv[None, :], -(sv * _MAGIC)[None, :])
+        return gl.fma(acc, gl.convert_layout(r, gl.SliceLayout(1, o_l))[:, None], pv_f)
+
+    @gluon.jit
+    def _take_turn(turn, k, HALF: gl.constexpr):
+        """Wait for this half's k-th turn at the tensor cores (half 0 takes the even phases first)."""
+        mbarrier.wait(turn.index(HALF), (k & 1) ^ (1 - HALF))
+
+    @gluon.jit
+    def _consumer(q_smem, k_smem, v_smem, sk_smem, sv_smem, q_bar, ready, empty, turn, SQ, SK, O, Lq, Lk, i_m, i_b,
+                  i_hq, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh, sk_row, n_blocks,
                   HALF: gl.constexpr, IS_CAUSAL: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
-                  STAGES: gl.constexpr, PSUM_BIAS: gl.constexpr, PIPELINE: gl.constexpr):
-        """Rows [i_m * 128 + 64 HALF, +64) of one (b, head): the portable kernel's program of BLOCK_M 64. PIPELINE:
-        the next block's Q.K^T is issued before this block's softmax (FA3's intra-warpgroup overlap), at the cost of a
-        second score accumulator in registers."""
+                  STAGES: gl.constexpr, PSUM_BIAS: gl.constexpr, PINGPONG: gl.constexpr):
+        """Rows [i_m * 128 + 64 HALF, +64) of one (b, head): the portable kernel's program of BLOCK_M 64.
+        PINGPONG (FA3's inter-warpgroup schedule): the two halves take turns at the tensor cores, each issuing this
+        block's Q.K^T with the previous block's P.V in its turn, so one half's softmax runs while the other's MMAs
+        do; a slot is released a block later. Off: Q.K^T, softmax, P.V in order, each waited for."""
         BM: gl.constexpr = 64
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 32])
@@ -163,10 +190,10 @@ if HAVE_GLUON:
             full_hi = gl.minimum(full_hi, (pos_min + 1) // BN * BN)
         full_hi = gl.minimum(gl.maximum(full_hi, 0), hi)
         if IS_CAUSAL:
-            first = _first_nan_key(SK + k_row, 0, gl.minimum(hi, Lk), 1024)
+            first = _first_nan_key(SK + sk_row, 0, gl.minimum(hi, Lk), 1024)
             l_i = l_i + gl.where(first <= o_pos, float("nan"), 0.0)
         else:
-            first = _first_nan_key(SK + k_row, 0, full_hi, 1024)
+            first = _first_nan_key(SK + sk_row, 0, full_hi, 1024)
             l_i = l_i + gl.where(first < full_hi, float("nan"), 0.0)
         m_i = gl.full([BM], float("-inf"), gl.float32, row_l)
         c_i = gl.full([BM], float("-inf"), gl.float32, row_l)
@@ -177,46 +204,57 @@ if HAVE_GLUON:
         n_full = full_hi // BN
         n_mine = gl.cdiv(hi, BN)
         mbarrier.wait(q_bar, 0)
-        s_i32 = s_zero
-        if PIPELINE:
+        if PINGPONG:
+            # every half takes n_blocks + 1 turns: a Q.K^T per block of its own, the last P.V, a turn per skipped block
             mbarrier.wait(ready.index(0), 0)
-            s_i32 = warpgroup_mma_wait(0, deps=(warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero,
-                                                              use_acc=False, is_async=True), ))
-        for j in range(n_mine):
-            s = j % STAGES
-            if PIPELINE:
-                # the next block's Q.K^T runs on the tensor cores during this block's softmax (the last block issues
-                # its own again: its slot is still held, and a constant issue pattern keeps the loop one body)
-                jn = gl.minimum(j + 1, n_mine - 1)
-                sn = jn % STAGES
-                if jn != j:
-                    mbarrier.wait(ready.index(sn), (jn // STAGES) & 1)
-                s_next = warpgroup_mma(q, k_smem.index(sn).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            else:
+            _take_turn(turn, 0, HALF)
+            s_tok = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            mbarrier.arrive(turn.index(1 - HALF), count=1)
+            s_i32 = warpgroup_mma_wait(0, deps=(s_tok, ))
+            p8, r, l_i, m_i, c_i = _probs(s_i32, sk_smem.index(0), 0, n_full, sq, l_i, m_i, c_i, o_pos, Lk, col_l,
+                                          p_l, IS_CAUSAL, BN, PSUM_BIAS)
+            for j in range(1, n_mine):
+                s = j % STAGES
+                sp = (j - 1) % STAGES
+                mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+                _take_turn(turn, j, HALF)
+                s_tok = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                pv_tok = warpgroup_mma(p8, v_smem.index(sp).permute((1, 0)), o_zero, use_acc=False, is_async=True)
+                mbarrier.arrive(turn.index(1 - HALF), count=1)
+                s_i32, pv = warpgroup_mma_wait(0, deps=(s_tok, pv_tok))
+                acc = _fold(acc, r, pv, sv_smem.index(sp), o_l)
+                mbarrier.arrive(empty.index(sp), count=1)
+                p8, r, l_i, m_i, c_i = _probs(s_i32, sk_smem.index(s), j, n_full, sq, l_i, m_i, c_i, o_pos, Lk,
+                                              col_l, p_l, IS_CAUSAL, BN, PSUM_BIAS)
+            sp = (n_mine - 1) % STAGES
+            _take_turn(turn, n_mine, HALF)
+            pv_tok = warpgroup_mma(p8, v_smem.index(sp).permute((1, 0)), o_zero, use_acc=False, is_async=True)
+            mbarrier.arrive(turn.index(1 - HALF), count=1)
+            pv = warpgroup_mma_wait(0, deps=(pv_tok, ))
+            acc = _fold(acc, r, pv, sv_smem.index(sp), o_l)
+            mbarrier.arrive(empty.index(sp), count=1)
+            for j in range(n_mine, n_blocks):  # the other half's diagonal block lies past these rows
+                s = j % STAGES
+                mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+                _take_turn(turn, j + 1, HALF)
+                mbarrier.arrive(turn.index(1 - HALF), count=1)
+                mbarrier.arrive(empty.index(s), count=1)
+        else:
+            for j in range(n_mine):
+                s = j % STAGES
                 mbarrier.wait(ready.index(s), (j // STAGES) & 1)
                 s_i32 = warpgroup_mma_wait(0, deps=(warpgroup_mma(q, k_smem.index(s).permute((1, 0)), s_zero,
                                                                   use_acc=False, is_async=True), ))
-            sk = sk_smem.index(s).load(col_l)
-            o_n = j * BN + gl.arange(0, BN, layout=col_l)
-            if j < n_full:
-                p8, r, l_i, m_i, c_i = _softmax(s_i32, sk, sq, l_i, m_i, c_i, o_n, o_pos, Lk, p_l, False, IS_CAUSAL,
-                                                PSUM_BIAS)
-            else:
-                p8, r, l_i, m_i, c_i = _softmax(s_i32, sk, sq, l_i, m_i, c_i, o_n, o_pos, Lk, p_l, True, IS_CAUSAL,
-                                                PSUM_BIAS)
-            pv = warpgroup_mma(p8, v_smem.index(s).permute((1, 0)), o_zero, use_acc=False, is_async=True)
-            if PIPELINE:
-                s_i32, pv = warpgroup_mma_wait(0, deps=(s_next, pv))
-            else:
+                p8, r, l_i, m_i, c_i = _probs(s_i32, sk_smem.index(s), j, n_full, sq, l_i, m_i, c_i, o_pos, Lk,
+                                              col_l, p_l, IS_CAUSAL, BN, PSUM_BIAS)
+                pv = warpgroup_mma(p8, v_smem.index(s).permute((1, 0)), o_zero, use_acc=False, is_async=True)
                 pv = warpgroup_mma_wait(0, deps=(pv, ))
-            sv = sv_smem.index(s).load(gl.SliceLayout(0, o_l))
-            mbarrier.arrive(empty.index(s), count=1)
-            pv_f = gl.fma((pv + _MAGIC_BITS).to(gl.float32, bitcast=True), sv[None, :], -(sv * _MAGIC)[None, :])
-            acc = gl.fma(acc, gl.convert_layout(r, gl.SliceLayout(1, o_l))[:, None], pv_f)
-        for j in range(n_mine, n_blocks):  # the other half's diagonal block lies past these rows: wait, release
-            s = j % STAGES
-            mbarrier.wait(ready.index(s), (j // STAGES) & 1)
-            mbarrier.arrive(empty.index(s), count=1)
+                acc = _fold(acc, r, pv, sv_smem.index(s), o_l)
+                mbarrier.arrive(empty.index(s), count=1)
+            for j in range(n_mine, n_blocks):  # the other half's diagonal block lies past these rows: wait, release
+                s = j % STAGES
+                mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+                mbarrier.arrive(empty.index(s), count=1)
         has_key = l_i != 0
         l_o = gl.convert_layout(gl.where(has_key, l_i, 1.0), gl.SliceLayout(1, o_l))
         o = acc / l_o[:, None]
@@ -228,15 +266,16 @@ if HAVE_GLUON:
         gl.store(p_o, o.to(O.dtype.element_ty), mask=(r_o < Lq)[:, None])
 
     @gluon.jit(do_not_specialize=["Lq", "Lk", "K_ROWS"])
-    def _int8_attn_fwd_ws_kernel(q_desc, k_desc, v_desc, sk_desc, sv_desc, SQ, SK, O, Lq, Lk, K_ROWS, HQ, HK, NBLK,
+    def _int8_attn_fwd_ws_kernel(q_desc, k_desc, v_desc, sk_desc, sv_desc, SQ, SK, O, Lq, Lk, K_ROWS, SK_ROW, HQ, HK, NBLK,
                                  SV_STEP, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh,
                                  IS_CAUSAL: gl.constexpr, D: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-                                 PSUM_BIAS: gl.constexpr, PIPELINE: gl.constexpr, R1: gl.constexpr, R2: gl.constexpr):
+                                 PSUM_BIAS: gl.constexpr, PINGPONG: gl.constexpr, R1: gl.constexpr, R2: gl.constexpr):
         """grid (cdiv(Lq, 128) * b * HQ,), row blocks of one head neighbours, the longest causal ones first.
         q_desc over q8 as [b HQ Lq, d] (block [64, d]), k_desc over k8 as [b HK K_ROWS, d] (block [BN, d]),
-        v_desc over v8t as [b HK d, Lpad] (block [d, BN]), sk_desc over sk as [b HK K_ROWS] (block [BN]), sv_desc over
-        sv as [b HK NBLK d] (block [d]; SV_STEP 0: one block of channel scales for every KV block). Rows a tile reads
-        past its head are masked. K_ROWS: k8's and sk's rows per head (>= Lk). SK: sk itself (the NaN scan)."""
+        v_desc over v8t as [b HK d, Lpad] (block [d, BN]), sk_desc over sk as [b HK SK_ROW] (block [BN]; SK_ROW a
+        multiple of 4: a 1-D TMA copy starts 16-byte aligned), sv_desc over sv as [b HK NBLK d] (block [d]; SV_STEP 0:
+        one block of channel scales for every KV block). Rows a tile reads past its head are masked. K_ROWS: k8's rows
+        per head, SK_ROW sk's (both >= Lk). SK: sk itself (the NaN scan)."""
         HALF_M: gl.constexpr = q_desc.block_type.shape[0]
         n_m = gl.cdiv(Lq, 2 * HALF_M)
         pid = gl.program_id(0)
@@ -257,25 +296,29 @@ if HAVE_GLUON:
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
+        mbarrier.init(turn.index(0), count=1)
+        mbarrier.init(turn.index(1), count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # both consumers release a slot
         fence_async_shared()
         q_row = i_bh * Lq + i_m * (2 * HALF_M)
         k_row = (i_b * HK + i_hk) * K_ROWS  # k8 and sk may hold more rows than the Lk keys attended
+        sk_row = (i_b * HK + i_hk) * SK_ROW
         v_row = (i_b * HK + i_hk) * D
         sv_row = (i_b * HK + i_hk) * NBLK
         # tuples spelled out: concatenating them in a jit function unwraps the constexprs
         gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, q_bar, ready, empty, SQ, SK, O, Lq, Lk, i_m, i_b,
-                         i_hq, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh, k_row, n_blocks, _FIRST_HALF,
-                         IS_CAUSAL, BN, D, STAGES, PSUM_BIAS, PIPELINE)),
-            (_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, q_bar, ready, empty, SQ, SK, O, Lq, Lk, i_m, i_b,
-                         i_hq, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh, k_row, n_blocks, _SECOND_HALF,
-                         IS_CAUSAL, BN, D, STAGES, PSUM_BIAS, PIPELINE)),
+            (_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, q_bar, ready, empty, turn, SQ, SK, O, Lq, Lk, i_m,
+                         i_b, i_hq, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh, sk_row, n_blocks,
+                         _FIRST_HALF, IS_CAUSAL, BN, D, STAGES, PSUM_BIAS, PINGPONG)),
+            (_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, q_bar, ready, empty, turn, SQ, SK, O, Lq, Lk, i_m,
+                         i_b, i_hq, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh, sk_row, n_blocks,
+                         _SECOND_HALF, IS_CAUSAL, BN, D, STAGES, PSUM_BIAS, PINGPONG)),
             (_producer, (q_desc, k_desc, v_desc, sk_desc, sv_desc, q_smem, k_smem, v_smem, sk_smem, sv_smem, q_bar,
-                         ready, empty, q_row, k_row, v_row, sv_row, SV_STEP, n_blocks, BN, D, STAGES)),
+                         ready, empty, q_row, k_row, sk_row, v_row, sv_row, SV_STEP, n_blocks, BN, D, STAGES)),
         ], [4, 4], [R1, R2])
 
 
@@ -300,26 +343,28 @@ def descriptors(q8, k8, v8t, sk, sv):
             TensorDescriptor(sv, [sv.numel()], [1], [d], lay_sv))
 
 
-def ws_spec(q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, psum_bias: int, pipeline: bool = True):
+def ws_spec(q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, psum_bias: int, pingpong: bool = True):
     """(grid, scalars, constexprs) of ``_int8_attn_fwd_ws_kernel`` after its five descriptors and 3 tensors
-    (sk and sv dense: ``_tma_operand``)."""
+    (sk and sv dense with sk's rows a multiple of 4: ``launch_ws``)."""
     b, hq, lq, d = q8.shape
     hk, nblk = k8.shape[1], sv.shape[2]
-    if sk.shape[2] != k8.shape[2]:
-        raise ValueError(f"sk {tuple(sk.shape)} and k8 {tuple(k8.shape)} must hold the same rows per head")
+    if sk.shape[2] < Lk or sk.shape[2] % 4:
+        raise ValueError(f"sk {tuple(sk.shape)} must hold >= Lk = {Lk} rows per head, a multiple of 4")
     grid = (-(-lq // BLOCK_M) * b * hq,)
-    scalars = (lq, Lk, k8.shape[2], hq, hk, nblk, 1 if nblk > 1 else 0, sq.stride(0), sq.stride(1),
+    scalars = (lq, Lk, k8.shape[2], sk.shape[2], hq, hk, nblk, 1 if nblk > 1 else 0, sq.stride(0), sq.stride(1),
                out.stride(0), out.stride(1), out.stride(2))
-    kw = dict(IS_CAUSAL=bool(causal), D=d, BN=BLOCK_N, STAGES=_STAGES[d], PSUM_BIAS=psum_bias, PIPELINE=bool(pipeline), R1=_WORKER_REGS[0],
-              R2=_WORKER_REGS[1], num_warps=4)
+    kw = dict(IS_CAUSAL=bool(causal), D=d, BN=BLOCK_N, STAGES=_STAGES[d], PSUM_BIAS=psum_bias,
+              PINGPONG=bool(pingpong), R1=_WORKER_REGS[0], R2=_WORKER_REGS[1], num_warps=4)
     return grid, scalars, kw
 
 
-def launch_ws(q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, psum_bias: int, pipeline: bool = True):
-    """Run the kernel (CUDA sm_90; ``int8_flash_attention`` checks the operands' shapes and dtypes). ``pipeline``:
-    see ``_consumer`` (off: each block's Q.K^T waited for before its softmax; an A/B switch)."""
+def launch_ws(q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, psum_bias: int, pingpong: bool = True):
+    """Run the kernel (CUDA sm_90; ``int8_flash_attention`` checks the operands' shapes and dtypes). ``pingpong``:
+    see ``_consumer`` (off: an A/B switch)."""
     q8, k8, v8t, sk, sv = (_tma_operand(t) for t in (q8, k8, v8t, sk, sv))
+    if sk.shape[2] % 4:  # rows of whole 16-byte units (1-D TMA copies start aligned); the pad is never read as a key
+        sk = torch.nn.functional.pad(sk, (0, 4 - sk.shape[2] % 4))
     grid, scalars, kw = ws_spec(q8, sq, k8, sk, v8t, sv, out, causal=causal, Lk=Lk, psum_bias=psum_bias,
-                                pipeline=pipeline)
+                                pingpong=pingpong)
     _int8_attn_fwd_ws_kernel[grid](*descriptors(q8, k8, v8t, sk, sv), sq, sk, out, *scalars, **kw)
     return out

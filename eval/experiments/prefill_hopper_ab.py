@@ -41,10 +41,10 @@ def main(argv=None) -> int:
                 fns = {
                     "portable": lambda: prefill.int8_flash_attention(q8, sq, k8, sk, v8t, sv, causal=causal,
                                                                      _kernel="portable"),
-                    "hopper_pipelined": lambda: prefill_hopper.launch_ws(q8, sq, k8, sk, v8t, sv, out, causal=causal,
-                                                                         Lk=L, psum_bias=psum, pipeline=True),
+                    "hopper_pingpong": lambda: prefill_hopper.launch_ws(q8, sq, k8, sk, v8t, sv, out, causal=causal,
+                                                                        Lk=L, psum_bias=psum, pingpong=True),
                     "hopper_plain": lambda: prefill_hopper.launch_ws(q8, sq, k8, sk, v8t, sv, out, causal=causal,
-                                                                     Lk=L, psum_bias=psum, pipeline=False),
+                                                                     Lk=L, psum_bias=psum, pingpong=False),
                     "sdpa_cudnn": None,
                 }
                 ref = fns["portable"]().float()
