@@ -2,13 +2,15 @@
 
 The same quantized math as ``prefill._int8_attn_fwd_kernel`` (INT-FlashAttention with block-scaled P, the magic
 number conversions, ``reference.int8_flash_attention`` is the twin of both), on the same operands
-(``q8 [b, Hq, Lq, d]``, ``sq``, ``k8 [b, Hk, Lk, d]``, ``sk``, ``v8t [b, Hk, d, Lpad]``, ``sv``), scheduled as
-FlashAttention-3 does on Hopper (issue 20):
+(``q8 [b, Hq, Lq, d]``, ``sq``, ``k8 [b, Hk, Lk, d]``, ``sk``, ``v8t [b, Hk, d, Lpad]``, ``sv``), split into
+warp-specialized partitions as FlashAttention-3 is on Hopper (issue 20):
 - a producer partition (one warpgroup, few registers) copies the Q tile once and each KV block's K and V^T tiles
   into a ring of shared-memory slots with TMA, guarded by ``ready`` / ``empty`` mbarriers;
-- two consumer warpgroups own 64 query rows each of a 128-row tile and share every K/V slot: each runs
-  ``IGMMA`` Q.K^T, the online softmax and ``IGMMA`` P.V on its rows, so one's softmax overlaps the other's MMA
-  (the warp schedulers interleave them; FA3's "ping-pong" without explicit ordering).
+- two consumer warpgroups own 64 query rows each of a 128-row tile and share every slot: each runs ``IGMMA`` Q.K^T,
+  the online softmax and ``IGMMA`` P.V on its rows in order; the warp schedulers interleave the two halves.
+Measured on an H200 (PERF_NOTES session 35): bit for bit the portable kernel's output, at 0.88-1.08x its speed. The
+loop is bound by its per-element ALU work, not by MMA issue: FA3's schedules (the next Q.K^T before the softmax, the
+halves taking turns) were slower here. The kernel is the base for cutting that work (issue 20); it is opt-in.
 Why Gluon: ``tl.dot`` gives neither the producer/consumer split nor async wgmma control (``eval/PERF_NOTES.md``,
 prefill rows 1-15; DESIGN.md §8). Gluon's API moves between Triton releases, so the path is gated on the versions
 it was compiled and tested with (``TESTED_TRITON``) and the portable kernel stays the fallback for everything
@@ -156,19 +158,13 @@ if HAVE_GLUON:
         return gl.fma(acc, gl.convert_layout(r, gl.SliceLayout(1, o_l))[:, None], pv_f)
 
     @gluon.jit
-    def _take_turn(turn, k, HALF: gl.constexpr):
-        """Wait for this half's k-th turn at the tensor cores (half 0 takes the even phases first)."""
-        mbarrier.wait(turn.index(HALF), (k & 1) ^ (1 - HALF))
-
-    @gluon.jit
-    def _consumer(q_smem, k_smem, v_smem, sk_smem, sv_smem, q_bar, ready, empty, turn, SQ, SK, O, Lq, Lk, i_m, i_b,
-                  i_hq, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh, sk_row, n_blocks,
+    def _consumer(q_smem, k_smem, v_smem, sk_smem, sv_smem, q_bar, ready, empty, SQ, SK, O, Lq, Lk, i_m, i_b, i_hq,
+                  stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh, sk_row, n_blocks,
                   HALF: gl.constexpr, IS_CAUSAL: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
-                  STAGES: gl.constexpr, PSUM_BIAS: gl.constexpr, PINGPONG: gl.constexpr):
-        """Rows [i_m * 128 + 64 HALF, +64) of one (b, head): the portable kernel's program of BLOCK_M 64.
-        PINGPONG (FA3's inter-warpgroup schedule): the two halves take turns at the tensor cores, each issuing this
-        block's Q.K^T with the previous block's P.V in its turn, so one half's softmax runs while the other's MMAs
-        do; a slot is released a block later. Off: Q.K^T, softmax, P.V in order, each waited for."""
+                  STAGES: gl.constexpr, PSUM_BIAS: gl.constexpr):
+        """Rows [i_m * 128 + 64 HALF, +64) of one (b, head): the portable kernel's program of BLOCK_M 64, block by
+        block Q.K^T, softmax, P.V, each waited for (the schedules that overlap them within or across the halves were
+        slower: PERF_NOTES session 35)."""
         BM: gl.constexpr = 64
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 32])
@@ -204,57 +200,21 @@ if HAVE_GLUON:
         n_full = full_hi // BN
         n_mine = gl.cdiv(hi, BN)
         mbarrier.wait(q_bar, 0)
-        if PINGPONG:
-            # every half takes n_blocks + 1 turns: a Q.K^T per block of its own, the last P.V, a turn per skipped block
-            mbarrier.wait(ready.index(0), 0)
-            _take_turn(turn, 0, HALF)
-            s_tok = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            mbarrier.arrive(turn.index(1 - HALF), count=1)
-            s_i32 = warpgroup_mma_wait(0, deps=(s_tok, ))
-            p8, r, l_i, m_i, c_i = _probs(s_i32, sk_smem.index(0), 0, n_full, sq, l_i, m_i, c_i, o_pos, Lk, col_l,
-                                          p_l, IS_CAUSAL, BN, PSUM_BIAS)
-            for j in range(1, n_mine):
-                s = j % STAGES
-                sp = (j - 1) % STAGES
-                mbarrier.wait(ready.index(s), (j // STAGES) & 1)
-                _take_turn(turn, j, HALF)
-                s_tok = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                pv_tok = warpgroup_mma(p8, v_smem.index(sp).permute((1, 0)), o_zero, use_acc=False, is_async=True)
-                mbarrier.arrive(turn.index(1 - HALF), count=1)
-                s_i32, pv = warpgroup_mma_wait(0, deps=(s_tok, pv_tok))
-                acc = _fold(acc, r, pv, sv_smem.index(sp), o_l)
-                mbarrier.arrive(empty.index(sp), count=1)
-                p8, r, l_i, m_i, c_i = _probs(s_i32, sk_smem.index(s), j, n_full, sq, l_i, m_i, c_i, o_pos, Lk,
-                                              col_l, p_l, IS_CAUSAL, BN, PSUM_BIAS)
-            sp = (n_mine - 1) % STAGES
-            _take_turn(turn, n_mine, HALF)
-            pv_tok = warpgroup_mma(p8, v_smem.index(sp).permute((1, 0)), o_zero, use_acc=False, is_async=True)
-            mbarrier.arrive(turn.index(1 - HALF), count=1)
-            pv = warpgroup_mma_wait(0, deps=(pv_tok, ))
-            acc = _fold(acc, r, pv, sv_smem.index(sp), o_l)
-            mbarrier.arrive(empty.index(sp), count=1)
-            for j in range(n_mine, n_blocks):  # the other half's diagonal block lies past these rows
-                s = j % STAGES
-                mbarrier.wait(ready.index(s), (j // STAGES) & 1)
-                _take_turn(turn, j + 1, HALF)
-                mbarrier.arrive(turn.index(1 - HALF), count=1)
-                mbarrier.arrive(empty.index(s), count=1)
-        else:
-            for j in range(n_mine):
-                s = j % STAGES
-                mbarrier.wait(ready.index(s), (j // STAGES) & 1)
-                s_i32 = warpgroup_mma_wait(0, deps=(warpgroup_mma(q, k_smem.index(s).permute((1, 0)), s_zero,
-                                                                  use_acc=False, is_async=True), ))
-                p8, r, l_i, m_i, c_i = _probs(s_i32, sk_smem.index(s), j, n_full, sq, l_i, m_i, c_i, o_pos, Lk,
-                                              col_l, p_l, IS_CAUSAL, BN, PSUM_BIAS)
-                pv = warpgroup_mma(p8, v_smem.index(s).permute((1, 0)), o_zero, use_acc=False, is_async=True)
-                pv = warpgroup_mma_wait(0, deps=(pv, ))
-                acc = _fold(acc, r, pv, sv_smem.index(s), o_l)
-                mbarrier.arrive(empty.index(s), count=1)
-            for j in range(n_mine, n_blocks):  # the other half's diagonal block lies past these rows: wait, release
-                s = j % STAGES
-                mbarrier.wait(ready.index(s), (j // STAGES) & 1)
-                mbarrier.arrive(empty.index(s), count=1)
+        for j in range(n_mine):
+            s = j % STAGES
+            mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+            s_i32 = warpgroup_mma_wait(0, deps=(warpgroup_mma(q, k_smem.index(s).permute((1, 0)), s_zero,
+                                                              use_acc=False, is_async=True), ))
+            p8, r, l_i, m_i, c_i = _probs(s_i32, sk_smem.index(s), j, n_full, sq, l_i, m_i, c_i, o_pos, Lk,
+                                          col_l, p_l, IS_CAUSAL, BN, PSUM_BIAS)
+            pv = warpgroup_mma(p8, v_smem.index(s).permute((1, 0)), o_zero, use_acc=False, is_async=True)
+            pv = warpgroup_mma_wait(0, deps=(pv, ))
+            acc = _fold(acc, r, pv, sv_smem.index(s), o_l)
+            mbarrier.arrive(empty.index(s), count=1)
+        for j in range(n_mine, n_blocks):  # the other half's diagonal block lies past these rows: wait, release
+            s = j % STAGES
+            mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+            mbarrier.arrive(empty.index(s), count=1)
         has_key = l_i != 0
         l_o = gl.convert_layout(gl.where(has_key, l_i, 1.0), gl.SliceLayout(1, o_l))
         o = acc / l_o[:, None]
@@ -269,7 +229,7 @@ if HAVE_GLUON:
     def _int8_attn_fwd_ws_kernel(q_desc, k_desc, v_desc, sk_desc, sv_desc, SQ, SK, O, Lq, Lk, K_ROWS, SK_ROW, HQ, HK, NBLK,
                                  SV_STEP, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh,
                                  IS_CAUSAL: gl.constexpr, D: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-                                 PSUM_BIAS: gl.constexpr, PINGPONG: gl.constexpr, R1: gl.constexpr, R2: gl.constexpr):
+                                 PSUM_BIAS: gl.constexpr, R1: gl.constexpr, R2: gl.constexpr):
         """grid (cdiv(Lq, 128) * b * HQ,), row blocks of one head neighbours, the longest causal ones first.
         q_desc over q8 as [b HQ Lq, d] (block [64, d]), k_desc over k8 as [b HK K_ROWS, d] (block [BN, d]),
         v_desc over v8t as [b HK d, Lpad] (block [d, BN]), sk_desc over sk as [b HK SK_ROW] (block [BN]; SK_ROW a
@@ -296,10 +256,7 @@ if HAVE_GLUON:
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
-        mbarrier.init(turn.index(0), count=1)
-        mbarrier.init(turn.index(1), count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # both consumers release a slot
@@ -311,12 +268,12 @@ if HAVE_GLUON:
         sv_row = (i_b * HK + i_hk) * NBLK
         # tuples spelled out: concatenating them in a jit function unwraps the constexprs
         gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, q_bar, ready, empty, turn, SQ, SK, O, Lq, Lk, i_m,
-                         i_b, i_hq, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh, sk_row, n_blocks,
-                         _FIRST_HALF, IS_CAUSAL, BN, D, STAGES, PSUM_BIAS, PINGPONG)),
-            (_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, q_bar, ready, empty, turn, SQ, SK, O, Lq, Lk, i_m,
-                         i_b, i_hq, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh, sk_row, n_blocks,
-                         _SECOND_HALF, IS_CAUSAL, BN, D, STAGES, PSUM_BIAS, PINGPONG)),
+            (_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, q_bar, ready, empty, SQ, SK, O, Lq, Lk, i_m, i_b,
+                         i_hq, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh, sk_row, n_blocks,
+                         _FIRST_HALF, IS_CAUSAL, BN, D, STAGES, PSUM_BIAS)),
+            (_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, q_bar, ready, empty, SQ, SK, O, Lq, Lk, i_m, i_b,
+                         i_hq, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh, sk_row, n_blocks,
+                         _SECOND_HALF, IS_CAUSAL, BN, D, STAGES, PSUM_BIAS)),
             (_producer, (q_desc, k_desc, v_desc, sk_desc, sv_desc, q_smem, k_smem, v_smem, sk_smem, sv_smem, q_bar,
                          ready, empty, q_row, k_row, sk_row, v_row, sv_row, SV_STEP, n_blocks, BN, D, STAGES)),
         ], [4, 4], [R1, R2])
@@ -343,7 +300,7 @@ def descriptors(q8, k8, v8t, sk, sv):
             TensorDescriptor(sv, [sv.numel()], [1], [d], lay_sv))
 
 
-def ws_spec(q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, psum_bias: int, pingpong: bool = True):
+def ws_spec(q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, psum_bias: int):
     """(grid, scalars, constexprs) of ``_int8_attn_fwd_ws_kernel`` after its five descriptors and 3 tensors
     (sk and sv dense with sk's rows a multiple of 4: ``launch_ws``)."""
     b, hq, lq, d = q8.shape
@@ -353,18 +310,16 @@ def ws_spec(q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, psum_bias: i
     grid = (-(-lq // BLOCK_M) * b * hq,)
     scalars = (lq, Lk, k8.shape[2], sk.shape[2], hq, hk, nblk, 1 if nblk > 1 else 0, sq.stride(0), sq.stride(1),
                out.stride(0), out.stride(1), out.stride(2))
-    kw = dict(IS_CAUSAL=bool(causal), D=d, BN=BLOCK_N, STAGES=_STAGES[d], PSUM_BIAS=psum_bias,
-              PINGPONG=bool(pingpong), R1=_WORKER_REGS[0], R2=_WORKER_REGS[1], num_warps=4)
+    kw = dict(IS_CAUSAL=bool(causal), D=d, BN=BLOCK_N, STAGES=_STAGES[d], PSUM_BIAS=psum_bias, R1=_WORKER_REGS[0],
+              R2=_WORKER_REGS[1], num_warps=4)
     return grid, scalars, kw
 
 
-def launch_ws(q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, psum_bias: int, pingpong: bool = True):
-    """Run the kernel (CUDA sm_90; ``int8_flash_attention`` checks the operands' shapes and dtypes). ``pingpong``:
-    see ``_consumer`` (off: an A/B switch)."""
+def launch_ws(q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, psum_bias: int):
+    """Run the kernel (CUDA sm_90; ``int8_flash_attention`` checks the operands' shapes and dtypes)."""
     q8, k8, v8t, sk, sv = (_tma_operand(t) for t in (q8, k8, v8t, sk, sv))
     if sk.shape[2] % 4:  # rows of whole 16-byte units (1-D TMA copies start aligned); the pad is never read as a key
         sk = torch.nn.functional.pad(sk, (0, 4 - sk.shape[2] % 4))
-    grid, scalars, kw = ws_spec(q8, sq, k8, sk, v8t, sv, out, causal=causal, Lk=Lk, psum_bias=psum_bias,
-                                pingpong=pingpong)
+    grid, scalars, kw = ws_spec(q8, sq, k8, sk, v8t, sv, out, causal=causal, Lk=Lk, psum_bias=psum_bias)
     _int8_attn_fwd_ws_kernel[grid](*descriptors(q8, k8, v8t, sk, sv), sq, sk, out, *scalars, **kw)
     return out

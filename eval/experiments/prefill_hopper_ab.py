@@ -41,10 +41,8 @@ def main(argv=None) -> int:
                 fns = {
                     "portable": lambda: prefill.int8_flash_attention(q8, sq, k8, sk, v8t, sv, causal=causal,
                                                                      _kernel="portable"),
-                    "hopper_pingpong": lambda: prefill_hopper.launch_ws(q8, sq, k8, sk, v8t, sv, out, causal=causal,
-                                                                        Lk=L, psum_bias=psum, pingpong=True),
-                    "hopper_plain": lambda: prefill_hopper.launch_ws(q8, sq, k8, sk, v8t, sv, out, causal=causal,
-                                                                     Lk=L, psum_bias=psum, pingpong=False),
+                    "hopper": lambda: prefill_hopper.launch_ws(q8, sq, k8, sk, v8t, sv, out, causal=causal, Lk=L,
+                                                               psum_bias=psum),
                     "sdpa_cudnn": None,
                 }
                 ref = fns["portable"]().float()
