@@ -74,6 +74,14 @@ def info() -> int:
                                   else torch.device("cpu"))
     table = ", ".join(f"sm_{k}x: {v}" for k, v in sorted(PREFILL_ATTENTION_BY_CAPABILITY.items()))
     print(f"prefill attention (auto): {here} here | {table} | other GPUs and CPU: int8")
+    from turbo_attn_hf.kernels import prefill, prefill_hopper
+
+    choice = prefill._KERNEL[0]  # shown as set: an invalid value is an error at the first prefill, not here
+    choice = choice if choice in prefill.PREFILL_KERNELS else f"{choice!r}, not one of the kernels"
+    print(f"INT8 prefill kernel: {choice} (TURBO_PREFILL_KERNEL: {', '.join(prefill.PREFILL_KERNELS)}; "
+          f"hopper = the Gluon sm_90 kernel, head_dim {'/'.join(map(str, prefill_hopper.HEAD_DIMS))}, Triton "
+          f"{'/'.join(prefill_hopper.TESTED_TRITON)}: {'available' if prefill_hopper.gluon_available() else 'unavailable'}"
+          " here)")
     from turbo_attn_hf.config import QK_NORM_MODEL_TYPES
 
     print(f"packed K (packed_k_bits auto): INT8 K + packed V for q/k-norm families ({', '.join(QK_NORM_MODEL_TYPES)}), "
