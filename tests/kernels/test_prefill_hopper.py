@@ -80,3 +80,16 @@ def test_a_poisoned_key_poisons_exactly_the_rows_that_see_it(causal):
     out = prefill.int8_flash_attention(*ops, causal=causal, _kernel="hopper")
     assert torch.equal(out.isnan(), ref.isnan())
     assert out.isnan().any()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's path (CPU); on sm_90 the GPU tests cover it")
+def test_choosing_hopper_where_it_cannot_run_keeps_the_portable_kernel(monkeypatch):
+    """TURBO_PREFILL_KERNEL=hopper is a preference: turbo_attention runs the portable kernel where the Gluon one
+    cannot (here: the interpreter), with the same output, and keeps separate plans per choice."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 40, 64, generator=g).to(torch.bfloat16) for _ in range(3))
+    want = prefill.turbo_attention(q, k, v, causal=True)
+    monkeypatch.setattr(prefill, "_KERNEL", ["hopper"])
+    got = prefill.turbo_attention(q, k, v, causal=True)
+    assert torch.equal(got, want)
+    assert not any(p.hopper for p in prefill._PLANS.values())
