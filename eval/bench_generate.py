@@ -46,7 +46,10 @@ the rounds would not fit the time budget.
 ``decode_rounds_ms`` and ``decode_paired_vs_sdpa_dynamic`` (median of each round's step ratio); with ``--step-times``
 the same calls also carry a clock after every token: ``decode_step_med_rounds_ms`` /
 ``decode_step_med_paired_vs_sdpa_dynamic``, each round's median decode step instead of its mean, which a slow spell of
-the host within a call does not move.
+the host within a call does not move. And ``decode_step_p10_ms`` / ``decode_step_p10_vs_sdpa_dynamic``: the 10th percentile of
+each config's clocked steps pooled over all rounds, and their ratio, unpaired: the host runs in two speed states
+(24 / 48 ms a 32-layer step, session 35), and a round's two turns may fall into different ones, which no pairing
+cancels (:func:`p10`); the same for the compiled rounds (``compiled_step_p10_*``).
 ``--compiled-rounds R`` (issue 18's compiled bar): the same rounds over the shape's compiled configs, each config on
 its own model over the same weights (:func:`sibling_model`: its own compiled forward, CUDA graphs and static cache,
 so a turn replays what the config's warm-up recorded; one model switching configs re-recorded its graphs every turn,
@@ -124,6 +127,12 @@ FORMULAS = {
                                  "not move it; the clock's sync adds the same to every config",
     "decode_step_med_paired_vs_sdpa_dynamic": "median over those rounds of that step median / sdpa_dynamic's in the "
                                               "same round",
+    "decode_step_p10_ms": "--decode-rounds R with --step-times: the 10th percentile of all the rounds' clocked decode "
+                          "steps of the config (each in decode_step_pool_s); the host's fast state's step (p10())",
+    "decode_step_p10_vs_sdpa_dynamic": "decode_step_p10_ms / sdpa_dynamic's (unpaired: a round's turns may fall into "
+                                       "different host states, which pairing does not cancel)",
+    "compiled_step_p10_ms": "--compiled-rounds R: as decode_step_p10_ms over the compiled turns' clocked steps",
+    "compiled_step_p10_vs_sdpa_compiled": "compiled_step_p10_ms / sdpa_compiled's",
     "compiled_rounds_ms": "--compiled-rounds R: as decode_rounds_ms over the shape's *_compiled configs, each on its "
                           "own model over the same weights (its graphs recorded in two warm-up calls, then replayed); "
                           "per-round seconds in compiled_rounds_s",
@@ -478,7 +487,7 @@ def measure(model, spec: dict, b: int, T: int, n: int, reps: int, layers: int, p
 
 
 def eager_rounds(model, specs: list[dict], b: int, T: int, rounds: int, seconds_left: float, n: int = 0,
-                 step_meds: Optional[dict] = None) -> dict:
+                 step_meds: Optional[dict] = None, step_pool: Optional[dict] = None) -> dict:
     """``--ttft-rounds`` (``n`` 0) / ``--decode-rounds`` (``n`` = N): the shape's configs without a static cache take
     turns (every other round in reverse order: ``alternating(abba=True)``), per round one
     ``generate(max_new_tokens=1)`` each (with ``n``: then a ``generate(1 + n)``, the round's step
@@ -486,7 +495,8 @@ def eager_rounds(model, specs: list[dict], b: int, T: int, rounds: int, seconds_
     host's drift falling on every config alike (a row's own reps take whatever mode the host is in then). ``{}`` when
     the rounds would not fit ``seconds_left`` (judged from the warm-up calls) or a call fails (OOM).
     ``step_meds`` (with ``n``): filled with ``{config: [seconds per round]}``, the median of the generate(1 + n)'s own
-    decode steps (:func:`step_clock`): a slow spell of the host shorter than half the call leaves it alone."""
+    decode steps (:func:`step_clock`): a slow spell of the host shorter than half the call leaves it alone.
+    ``step_pool`` (with ``step_meds``): filled with ``{config: [every clocked step of the rounds]}`` (:func:`p10`)."""
     import torch
 
     specs = [s for s in specs if not s["static"]]
@@ -505,6 +515,8 @@ def eager_rounds(model, specs: list[dict], b: int, T: int, rounds: int, seconds_
             return (generate_timed(model, ids, mask, spec, 1 + n)[0] - t1) / n
         tn, steps = clocked_generate(model, ids, mask, spec, n)
         step_meds.setdefault(spec["name"], []).append(statistics.median(steps))
+        if step_pool is not None:
+            step_pool.setdefault(spec["name"], []).extend(steps)
         return (tn - t1) / n
 
     def time_call(spec: dict) -> float:  # a warm-up call's wall seconds
@@ -520,6 +532,8 @@ def eager_rounds(model, specs: list[dict], b: int, T: int, rounds: int, seconds_
             return {}
         if step_meds is not None:
             step_meds.clear()  # the warm-up calls' steps
+        if step_pool is not None:
+            step_pool.clear()
         for _, spec, t in alternating(specs, rounds, call, warm=0, abba=True):
             times[spec["name"]].append(t)
     except Exception as e:  # noqa: BLE001 - the rows stand without the rounds
@@ -544,8 +558,8 @@ def compiled_rounds(model, specs: list[dict], b: int, T: int, rounds: int, n: in
     """``--compiled-rounds``: the shape's compiled configs take turns as :func:`eager_rounds`' do (ABBA order), each
     on its own :func:`sibling_model` (set up before any of the shape's rows), after two warm-up generate(1 + N)
     calls each (compile, CUDA-graph recording). A turn: generate(1), then a clocked generate(1 + N).
-    ``{"compiled_ttft": {config: [s]}, "compiled": {...}, "compiled_step_med": {...}, "compiled_captures": {config:
-    [graphs recorded in each turn]}, "captures": int}``, or ``{}``
+    ``{"compiled_ttft": {config: [s]}, "compiled": {...}, "compiled_step_med": {...}, "compiled_step_pool": {config:
+    [every clocked step]}, "compiled_captures": {config: [graphs recorded in each turn]}, "captures": int}``, or ``{}``
     when fewer than two compiled configs, a config's warm-up did not take the compiled path (:func:`cache_problem`),
     fewer than two rounds fit ``seconds_left`` (counted from the call; rounds run while the next one fits) or a call
     runs out of memory."""
@@ -558,7 +572,8 @@ def compiled_rounds(model, specs: list[dict], b: int, T: int, rounds: int, n: in
     ids = torch.randint(0, model.config.vocab_size, (b, T), generator=g).to(model.device)
     mask = torch.ones_like(ids)
     models = {}
-    out: dict = {"compiled_ttft": {}, "compiled": {}, "compiled_step_med": {}, "compiled_captures": {}}
+    out: dict = {"compiled_ttft": {}, "compiled": {}, "compiled_step_med": {}, "compiled_step_pool": {},
+                 "compiled_captures": {}}
 
     def call(spec: dict) -> None:
         m = models[spec["name"]]
@@ -568,6 +583,7 @@ def compiled_rounds(model, specs: list[dict], b: int, T: int, rounds: int, n: in
         for what, v in (("compiled_ttft", t1), ("compiled", (tn - t1) / n),
                         ("compiled_step_med", statistics.median(steps)), ("compiled_captures", turn[0])):
             out[what].setdefault(spec["name"], []).append(v)
+        out["compiled_step_pool"].setdefault(spec["name"], []).extend(steps)
 
     reset_compile(model)
     try:
@@ -646,6 +662,18 @@ PAIRED = (("ttft", "sdpa_dynamic"), ("decode", "sdpa_dynamic"), ("decode_step_me
           ("compiled_ttft", "sdpa_compiled"), ("compiled", "sdpa_compiled"), ("compiled_step_med", "sdpa_compiled"))
 
 
+#: (pooled steps, base config): the ratio of the 10th percentiles of all the rounds' clocked steps
+POOLED = (("decode_step", "sdpa_dynamic"), ("compiled_step", "sdpa_compiled"))
+
+
+def p10(steps: list[float]) -> float:
+    """The 10th percentile of a config's clocked decode steps over all its rounds. Why: the GPU machine's host runs
+    in two speed states for seconds to minutes (HF's decode step is host-bound, 24 against 48 ms at 32 layers), and a
+    round's two turns, seconds apart, may fall into different ones, which no pairing of rounds cancels. While each
+    config spends over a tenth of its steps in the fast state, the p10s compare fast state with fast state."""
+    return statistics.quantiles(steps, n=10)[0] if len(steps) > 1 else steps[0]
+
+
 def add_ratios(rows: list[dict]) -> None:
     by = {(r["config"], r["batch"], r["context"]): r for r in rows}
     for r in rows:
@@ -662,6 +690,12 @@ def add_ratios(rows: list[dict]) -> None:
             r.pop(key, None)
             if r.get(f"{what}_rounds_s") and base.get(f"{what}_rounds_s") and r["config"] != base_cfg:
                 r[key] = statistics.median(x / y for x, y in zip(r[f"{what}_rounds_s"], base[f"{what}_rounds_s"]))
+        for what, base_cfg in POOLED:
+            base = by.get((base_cfg, r["batch"], r["context"]), {})
+            key = f"{what}_p10_vs_{base_cfg}"
+            r.pop(key, None)
+            if r.get(f"{what}_p10_ms") and base.get(f"{what}_p10_ms") and r["config"] != base_cfg:
+                r[key] = r[f"{what}_p10_ms"] / base[f"{what}_p10_ms"]
 
 
 def merge_rows(old_rows: list[dict], rows: list[dict]) -> list[dict]:
@@ -818,8 +852,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         alt = eager_rounds(model, specs, b, T, args.ttft_rounds, max(left, 1e-9) if opt["max_seconds"] else 0.0)
         left = opt["max_seconds"] - (time.perf_counter() - t_start) if opt["max_seconds"] else 0.0
         step_meds = {} if args.step_times else None  # the rounds' calls stay plain generate() without --step-times
+        step_pool: dict = {}
         alt_dec = eager_rounds(model, specs, b, T, args.decode_rounds, max(left, 1e-9) if opt["max_seconds"] else 0.0,
-                               n, step_meds)
+                               n, step_meds, step_pool)
         left = opt["max_seconds"] - (time.perf_counter() - t_start) if opt["max_seconds"] else 0.0
         alt_comp = compiled_rounds(model, specs, b, T, args.compiled_rounds, n,
                                    max(left, 1e-9) if opt["max_seconds"] else 0.0)
@@ -831,6 +866,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                 if times.get(spec["name"]):
                     row.update({f"{what}_rounds_ms": statistics.median(times[spec["name"]]) * 1e3,
                                 f"{what}_rounds_s": times[spec["name"]]})
+            for what, pool in (("decode_step", step_pool if alt_dec else {}),
+                               ("compiled_step", alt_comp.get("compiled_step_pool", {}))):
+                if pool.get(spec["name"]):
+                    row.update({f"{what}_p10_ms": p10(pool[spec["name"]]) * 1e3,
+                                f"{what}_pool_s": pool[spec["name"]]})
             if spec["compile"] and "captures" in alt_comp:
                 row["compiled_rounds_captures"] = alt_comp["captures"]
                 row["compiled_turn_captures"] = alt_comp["compiled_captures"].get(spec["name"])
@@ -886,13 +926,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("\nrounds (ms; paired = median of the per-round ratios):")
         print_table(data["rows"], ["config", "batch", "context", "ttft_rounds_ms", "ttft_paired_vs_sdpa_dynamic",
                                    "decode_rounds_ms", "decode_paired_vs_sdpa_dynamic", "decode_step_med_rounds_ms",
-                                   "decode_step_med_paired_vs_sdpa_dynamic"])
+                                   "decode_step_med_paired_vs_sdpa_dynamic", "decode_step_p10_ms",
+                                   "decode_step_p10_vs_sdpa_dynamic"])
     if any(r.get("compiled_rounds_ms") for r in data["rows"]):
         print("\ncompiled rounds (ms; paired = median of the per-round ratios to sdpa_compiled):")
         print_table(data["rows"], ["config", "batch", "context", "compiled_ttft_rounds_ms",
                                    "compiled_ttft_paired_vs_sdpa_compiled", "compiled_rounds_ms",
                                    "compiled_paired_vs_sdpa_compiled", "compiled_step_med_rounds_ms",
-                                   "compiled_step_med_paired_vs_sdpa_compiled", "compiled_rounds_captures"])
+                                   "compiled_step_med_paired_vs_sdpa_compiled", "compiled_step_p10_ms",
+                                   "compiled_step_p10_vs_sdpa_compiled", "compiled_rounds_captures"])
     profs = [p for p in data["profile"] if "decode_step" in p]
     if profs:
         print("\nprofile (one decode step; prefill = generate(1)):")

@@ -53,6 +53,12 @@ def test_dry_run_writes_rows(tmp_path):
         assert len(r["decode_step_med_rounds_s"]) == 2 and r["decode_step_med_rounds_ms"] > 0
     assert rows[1]["decode_step_med_paired_vs_sdpa_dynamic"] > 0
     assert "decode_step_med_paired_vs_sdpa_dynamic" not in rows[0]
+    for r in rows:  # every clocked step of the rounds, pooled: 2 rounds x N steps, and their 10th percentile
+        assert len(r["decode_step_pool_s"]) == 2 * data["config"]["new_tokens"]
+        assert r["decode_step_p10_ms"] == pytest.approx(bg.p10(r["decode_step_pool_s"]) * 1e3)
+    assert rows[1]["decode_step_p10_vs_sdpa_dynamic"] == pytest.approx(
+        rows[1]["decode_step_p10_ms"] / rows[0]["decode_step_p10_ms"])
+    assert "decode_step_p10_vs_sdpa_dynamic" not in rows[0]
     for r in rows:  # --step-times: N decode steps of one more generate(1 + N), after the first token
         assert len(r["step_ms"]) == data["config"]["new_tokens"] and min(r["step_ms"]) > 0
         assert r["step_ms_max"] == max(r["step_ms"]) == r["step_ms"][r["step_ms_max_at"]]
@@ -306,6 +312,7 @@ def test_compiled_rounds_turns(monkeypatch):
     assert out["compiled"]["sdpa_compiled"] == [2.0] * 3 and out["compiled"]["turbo_int4_compiled"] == [1.0] * 3
     assert out["compiled_step_med"]["sdpa_compiled"] == [0.5] * 3 and len(out["compiled_ttft"]["sdpa_compiled"]) == 3
     assert out["compiled_captures"]["turbo_int4_compiled"] == [0, 0, 0]  # per turn
+    assert out["compiled_step_pool"]["sdpa_compiled"] == [0.5] * 12  # 3 turns x N = 4 clocked steps
     models = {name: {m for nm, m, _ in calls if nm == name} for name in out["compiled"]}
     assert all(len(v) == 1 for v in models.values()) and id(model) not in set().union(*models.values())
     assert len(set().union(*models.values())) == 2  # one sibling each
@@ -315,6 +322,10 @@ def test_compiled_rounds_turns(monkeypatch):
     rows = [{"config": c, "batch": 1, "context": 16, "compiled_rounds_s": out["compiled"][c]} for c in out["compiled"]]
     bg.add_ratios(rows)
     assert rows[1]["compiled_paired_vs_sdpa_compiled"] == 0.5 and "compiled_paired_vs_sdpa_compiled" not in rows[0]
+    rows = [{"config": "sdpa_compiled", "batch": 1, "context": 16, "compiled_step_p10_ms": 8.0},
+            {"config": "turbo_int4_compiled", "batch": 1, "context": 16, "compiled_step_p10_ms": 6.0}]
+    bg.add_ratios(rows)
+    assert rows[1]["compiled_step_p10_vs_sdpa_compiled"] == 0.75 and "compiled_step_p10_vs_sdpa_compiled" not in rows[0]
     assert bg.compiled_rounds(model, specs[:2], 1, 16, 3, 4, 0.0) == {}
     assert bg.compiled_rounds(model, specs, 1, 16, 3, 4, 1e-9) == {}  # past its deadline: no round, no result
 
@@ -330,3 +341,11 @@ def test_compiled_rounds_need_the_compiled_path(tmp_path):
     assert "compiled rounds: sdpa_compiled: HF did not compile the decode step" in proc.stdout
     rows = json.loads(next(tmp_path.glob("bench_generate_*_rounds.json")).read_text())["rows"]
     assert all("compiled_rounds_s" not in r for r in rows)
+
+
+def test_p10_reads_the_fast_state_of_a_two_state_host():
+    """Steps from a host in two states (25 ms and 48 ms, the slow one 70 % of the time): the pooled p10 is the fast
+    state's step, so two configs compare fast with fast whatever share of their turns fell into the slow state."""
+    fast, slow = [0.025 + 1e-4 * i for i in range(30)], [0.048] * 70
+    assert 0.025 <= bg.p10(fast + slow) < 0.0285
+    assert bg.p10([0.03]) == 0.03
