@@ -110,9 +110,10 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _softmax(s_i32, sk, sq, l_i, m_i, c_i, o_n, o_pos, Lk, p_l: gl.constexpr, MASKED: gl.constexpr,
-                 IS_CAUSAL: gl.constexpr, PSUM_BIAS: gl.constexpr):
+                 IS_CAUSAL: gl.constexpr, PSUM_BIAS: gl.constexpr, ROWSUM_MMA: gl.constexpr):
         """``prefill._attn_update`` up to P (block P scale, exp2 softmax): the block's int32 scores -> P's int8
-        codes in the P.V operand's layout, the rescale r and the new l, m, c."""
+        codes in the P.V operand's layout, the rescale r and the new l, m, c (ROWSUM_MMA: l not yet rescaled nor
+        summed: the caller adds P's row sums from the tensor cores, ``fma(l, r, sum)``)."""
         if MASKED:
             sk = gl.where(o_n < Lk, sk, 0.0)  # the tile's tail holds the next head's scales: 0 as a masked load
         t = gl.fma((s_i32 + _MAGIC_BITS).to(gl.float32, bitcast=True), sk[None, :], -(sk * _MAGIC)[None, :])
@@ -131,23 +132,24 @@ if HAVE_GLUON:
         r = gl.exp2(c_i - c_safe)
         p = gl.exp2(gl.fma(t, sq[:, None], -c_safe[:, None]))
         pbits = gl.fma(p, 127.0, _MAGIC).to(gl.int32, bitcast=True)
-        l_i = l_i * r + (gl.sum(pbits, 1) - PSUM_BIAS).to(gl.float32)
-        if MASKED and not IS_CAUSAL:  # the tail block: every row sees its keys < Lk (sk 0 past it)
+        if MASKED and not IS_CAUSAL:  # the tail block: every row sees its keys < Lk (sk 0 past it); + 0 is exact
             l_i = l_i + gl.sum(sk * 0.0, 0)
+        if not ROWSUM_MMA:
+            l_i = l_i * r + (gl.sum(pbits, 1) - PSUM_BIAS).to(gl.float32)
         return gl.convert_layout(pbits.to(gl.int8), p_l), r, l_i, m_new, c_new
 
     @gluon.jit
     def _probs(s_i32, sk_smem, j, n_full, sq, l_i, m_i, c_i, o_pos, Lk, col_l: gl.constexpr, p_l: gl.constexpr,
-               IS_CAUSAL: gl.constexpr, BN: gl.constexpr, PSUM_BIAS: gl.constexpr):
+               IS_CAUSAL: gl.constexpr, BN: gl.constexpr, PSUM_BIAS: gl.constexpr, ROWSUM_MMA: gl.constexpr):
         """``_softmax`` of block j (its key scales from the slot ``sk_smem``), masked past the unmasked blocks."""
         sk = sk_smem.load(col_l)
         o_n = j * BN + gl.arange(0, BN, layout=col_l)
         if j < n_full:
             p8, r, l_i, m_i, c_i = _softmax(s_i32, sk, sq, l_i, m_i, c_i, o_n, o_pos, Lk, p_l, False, IS_CAUSAL,
-                                            PSUM_BIAS)
+                                            PSUM_BIAS, ROWSUM_MMA)
         else:
             p8, r, l_i, m_i, c_i = _softmax(s_i32, sk, sq, l_i, m_i, c_i, o_n, o_pos, Lk, p_l, True, IS_CAUSAL,
-                                            PSUM_BIAS)
+                                            PSUM_BIAS, ROWSUM_MMA)
         return p8, r, l_i, m_i, c_i
 
     @gluon.jit
@@ -158,13 +160,14 @@ if HAVE_GLUON:
         return gl.fma(acc, gl.convert_layout(r, gl.SliceLayout(1, o_l))[:, None], pv_f)
 
     @gluon.jit
-    def _consumer(q_smem, k_smem, v_smem, sk_smem, sv_smem, q_bar, ready, empty, SQ, SK, O, Lq, Lk, i_m, i_b, i_hq,
-                  stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh, sk_row, n_blocks,
+    def _consumer(q_smem, k_smem, v_smem, sk_smem, sv_smem, ones_smem, q_bar, ready, empty, SQ, SK, O, Lq, Lk, i_m,
+                  i_b, i_hq, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh, sk_row, n_blocks,
                   HALF: gl.constexpr, IS_CAUSAL: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
-                  STAGES: gl.constexpr, PSUM_BIAS: gl.constexpr):
+                  STAGES: gl.constexpr, PSUM_BIAS: gl.constexpr, ROWSUM_MMA: gl.constexpr):
         """Rows [i_m * 128 + 64 HALF, +64) of one (b, head): the portable kernel's program of BLOCK_M 64, block by
         block Q.K^T, softmax, P.V, each waited for (the schedules that overlap them within or across the halves were
-        slower: PERF_NOTES session 35)."""
+        slower: PERF_NOTES session 35). ROWSUM_MMA: P's row sums (l's increments) by an m64n8 IGMMA of P with a tile
+        of ones (``ones_smem``) issued beside P.V, instead of ~64 integer adds a thread and block: the same int32 sums."""
         BM: gl.constexpr = 64
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 32])
@@ -196,6 +199,8 @@ if HAVE_GLUON:
         acc = gl.zeros([BM, D], gl.float32, layout=o_l)
         s_zero = gl.zeros([BM, BN], gl.int32, layout=s_l)
         o_zero = gl.zeros([BM, D], gl.int32, layout=o_l)
+        n8_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 32])
+        n8_zero = gl.zeros([BM, 8], gl.int32, layout=n8_l)
         q = q_smem.index(HALF)
         n_full = full_hi // BN
         n_mine = gl.cdiv(hi, BN)
@@ -206,9 +211,14 @@ if HAVE_GLUON:
             s_i32 = warpgroup_mma_wait(0, deps=(warpgroup_mma(q, k_smem.index(s).permute((1, 0)), s_zero,
                                                               use_acc=False, is_async=True), ))
             p8, r, l_i, m_i, c_i = _probs(s_i32, sk_smem.index(s), j, n_full, sq, l_i, m_i, c_i, o_pos, Lk,
-                                          col_l, p_l, IS_CAUSAL, BN, PSUM_BIAS)
+                                          col_l, p_l, IS_CAUSAL, BN, PSUM_BIAS, ROWSUM_MMA)
             pv = warpgroup_mma(p8, v_smem.index(s).permute((1, 0)), o_zero, use_acc=False, is_async=True)
-            pv = warpgroup_mma_wait(0, deps=(pv, ))
+            if ROWSUM_MMA:  # every column of P.ones is the row sum
+                rs = warpgroup_mma(p8, ones_smem.permute((1, 0)), n8_zero, use_acc=False, is_async=True)
+                pv, rs = warpgroup_mma_wait(0, deps=(pv, rs))
+                l_i = gl.fma(l_i, r, gl.convert_layout(gl.max(rs, 1), row_l).to(gl.float32))
+            else:
+                pv = warpgroup_mma_wait(0, deps=(pv, ))
             acc = _fold(acc, r, pv, sv_smem.index(s), o_l)
             mbarrier.arrive(empty.index(s), count=1)
         for j in range(n_mine, n_blocks):  # the other half's diagonal block lies past these rows: wait, release
@@ -229,7 +239,8 @@ if HAVE_GLUON:
     def _int8_attn_fwd_ws_kernel(q_desc, k_desc, v_desc, sk_desc, sv_desc, SQ, SK, O, Lq, Lk, K_ROWS, SK_ROW, HQ, HK, NBLK,
                                  SV_STEP, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh,
                                  IS_CAUSAL: gl.constexpr, D: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-                                 PSUM_BIAS: gl.constexpr, R1: gl.constexpr, R2: gl.constexpr):
+                                 PSUM_BIAS: gl.constexpr, ROWSUM_MMA: gl.constexpr, R1: gl.constexpr,
+                                 R2: gl.constexpr):
         """grid (cdiv(Lq, 128) * b * HQ,), row blocks of one head neighbours, the longest causal ones first.
         q_desc over q8 as [b HQ Lq, d] (block [64, d]), k_desc over k8 as [b HK K_ROWS, d] (block [BN, d]),
         v_desc over v8t as [b HK d, Lpad] (block [d, BN]), sk_desc over sk as [b HK SK_ROW] (block [BN]; SK_ROW a
@@ -256,6 +267,9 @@ if HAVE_GLUON:
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ones_smem = gl.allocate_shared_memory(gl.int8, [8, BN], gl.NVMMASharedLayout.get_default_for([8, BN], gl.int8))
+        if ROWSUM_MMA:
+            ones_smem.store(gl.full([8, BN], 1, gl.int8, layout=gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])))
         mbarrier.init(q_bar, count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
@@ -268,12 +282,12 @@ if HAVE_GLUON:
         sv_row = (i_b * HK + i_hk) * NBLK
         # tuples spelled out: concatenating them in a jit function unwraps the constexprs
         gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, q_bar, ready, empty, SQ, SK, O, Lq, Lk, i_m, i_b,
-                         i_hq, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh, sk_row, n_blocks,
-                         _FIRST_HALF, IS_CAUSAL, BN, D, STAGES, PSUM_BIAS)),
-            (_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, q_bar, ready, empty, SQ, SK, O, Lq, Lk, i_m, i_b,
-                         i_hq, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh, sk_row, n_blocks,
-                         _SECOND_HALF, IS_CAUSAL, BN, D, STAGES, PSUM_BIAS)),
+            (_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, ones_smem, q_bar, ready, empty, SQ, SK, O, Lq, Lk,
+                         i_m, i_b, i_hq, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh, sk_row, n_blocks,
+                         _FIRST_HALF, IS_CAUSAL, BN, D, STAGES, PSUM_BIAS, ROWSUM_MMA)),
+            (_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, ones_smem, q_bar, ready, empty, SQ, SK, O, Lq, Lk,
+                         i_m, i_b, i_hq, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh, sk_row, n_blocks,
+                         _SECOND_HALF, IS_CAUSAL, BN, D, STAGES, PSUM_BIAS, ROWSUM_MMA)),
             (_producer, (q_desc, k_desc, v_desc, sk_desc, sv_desc, q_smem, k_smem, v_smem, sk_smem, sv_smem, q_bar,
                          ready, empty, q_row, k_row, sk_row, v_row, sv_row, SV_STEP, n_blocks, BN, D, STAGES)),
         ], [4, 4], [R1, R2])
@@ -300,7 +314,7 @@ def descriptors(q8, k8, v8t, sk, sv):
             TensorDescriptor(sv, [sv.numel()], [1], [d], lay_sv))
 
 
-def ws_spec(q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, psum_bias: int):
+def ws_spec(q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, psum_bias: int, rowsum_mma: bool = False):
     """(grid, scalars, constexprs) of ``_int8_attn_fwd_ws_kernel`` after its five descriptors and 3 tensors
     (sk and sv dense with sk's rows a multiple of 4: ``launch_ws``)."""
     b, hq, lq, d = q8.shape
@@ -310,16 +324,18 @@ def ws_spec(q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, psum_bias: i
     grid = (-(-lq // BLOCK_M) * b * hq,)
     scalars = (lq, Lk, k8.shape[2], sk.shape[2], hq, hk, nblk, 1 if nblk > 1 else 0, sq.stride(0), sq.stride(1),
                out.stride(0), out.stride(1), out.stride(2))
-    kw = dict(IS_CAUSAL=bool(causal), D=d, BN=BLOCK_N, STAGES=_STAGES[d], PSUM_BIAS=psum_bias, R1=_WORKER_REGS[0],
-              R2=_WORKER_REGS[1], num_warps=4)
+    kw = dict(IS_CAUSAL=bool(causal), D=d, BN=BLOCK_N, STAGES=_STAGES[d], PSUM_BIAS=psum_bias,
+              ROWSUM_MMA=bool(rowsum_mma), R1=_WORKER_REGS[0], R2=_WORKER_REGS[1], num_warps=4)
     return grid, scalars, kw
 
 
-def launch_ws(q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, psum_bias: int):
-    """Run the kernel (CUDA sm_90; ``int8_flash_attention`` checks the operands' shapes and dtypes)."""
+def launch_ws(q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, psum_bias: int, rowsum_mma: bool = False):
+    """Run the kernel (CUDA sm_90; ``int8_flash_attention`` checks the operands' shapes and dtypes). ``rowsum_mma``:
+    see ``_consumer`` (off until measured on a GPU: an A/B switch)."""
     q8, k8, v8t, sk, sv = (_tma_operand(t) for t in (q8, k8, v8t, sk, sv))
     if sk.shape[2] % 4:  # rows of whole 16-byte units (1-D TMA copies start aligned); the pad is never read as a key
         sk = torch.nn.functional.pad(sk, (0, 4 - sk.shape[2] % 4))
-    grid, scalars, kw = ws_spec(q8, sq, k8, sk, v8t, sv, out, causal=causal, Lk=Lk, psum_bias=psum_bias)
+    grid, scalars, kw = ws_spec(q8, sq, k8, sk, v8t, sv, out, causal=causal, Lk=Lk, psum_bias=psum_bias,
+                                rowsum_mma=rowsum_mma)
     _int8_attn_fwd_ws_kernel[grid](*descriptors(q8, k8, v8t, sk, sv), sq, sk, out, *scalars, **kw)
     return out

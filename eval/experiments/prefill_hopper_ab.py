@@ -43,6 +43,8 @@ def main(argv=None) -> int:
                                                                      _kernel="portable"),
                     "hopper": lambda: prefill_hopper.launch_ws(q8, sq, k8, sk, v8t, sv, out, causal=causal, Lk=L,
                                                                psum_bias=psum),
+                    "hopper_rowsum_mma": lambda: prefill_hopper.launch_ws(q8, sq, k8, sk, v8t, sv, out, causal=causal,
+                                                                          Lk=L, psum_bias=psum, rowsum_mma=True),
                     "sdpa_cudnn": None,
                 }
                 ref = fns["portable"]().float()

@@ -72,6 +72,20 @@ def test_the_hopper_kernel_matches_the_portable_one(case):
 
 @pytest.mark.gpu
 @sm90
+@pytest.mark.parametrize("case", [CASES[1], CASES[4]], ids=lambda c: "x".join(map(str, c)))
+def test_row_sums_on_the_tensor_cores_give_the_same_output(case):
+    """``rowsum_mma``: P's row sums from an IGMMA with a tile of ones are the integer adds' sums, exactly."""
+    b, hq, hk, lq, lk, d, causal = case
+    q8, sq, k8, sk, v8t, sv = _operands(b, hq, hk, lq, lk, d, "cuda", seed=7)
+    psum = (prefill_hopper.BLOCK_N * reference.MAGIC_BITS + 2**31) % 2**32 - 2**31
+    outs = [prefill_hopper.launch_ws(q8, sq, k8, sk, v8t, sv, torch.empty(b, lq, hq, d, device="cuda",
+                                     dtype=torch.bfloat16), causal=causal, Lk=lk, psum_bias=psum, rowsum_mma=on)
+            for on in (False, True)]
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.gpu
+@sm90
 @pytest.mark.parametrize("causal", [True, False])
 def test_a_poisoned_key_poisons_exactly_the_rows_that_see_it(causal):
     lq = lk = 700

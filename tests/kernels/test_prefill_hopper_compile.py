@@ -11,10 +11,10 @@ import pytest
 
 import sm90
 
-CONFIGS = [(128, True), (128, False), (64, True), (64, False)]  # (head_dim, causal)
+CONFIGS = [(128, True, False), (128, False, True), (64, True, True), (64, False, False)]  # (head_dim, causal, rowsum_mma)
 
 
-def _compile(d, causal):
+def _compile(d, causal, rowsum_mma):
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -28,7 +28,8 @@ def _compile(d, causal):
     v8t = torch.zeros(b, hk, d, L, dtype=torch.int8)
     sq, sk, sv = torch.zeros(b, hq, L), torch.zeros(b, hk, L), torch.zeros(b, hk, L // ph.BLOCK_N, d)
     out = torch.empty(b, L, hq, d, dtype=torch.bfloat16)
-    grid, scalars, kw = ph.ws_spec(q8, sq, k8, sk, v8t, sv, out, causal=causal, Lk=L, psum_bias=5)
+    grid, scalars, kw = ph.ws_spec(q8, sq, k8, sk, v8t, sv, out, causal=causal, Lk=L, psum_bias=5,
+                                   rowsum_mma=rowsum_mma)
     fn = ph._int8_attn_fwd_ws_kernel
     args = list(ph.descriptors(q8, k8, v8t, sk, sv)) + [sq, sk, out] + list(scalars)
     sig = {p.name: mangle_type(a) for p, a in zip(fn.params, args)}
@@ -47,7 +48,7 @@ def test_the_gluon_prefill_kernel_compiles_for_sm90():
 
     if not prefill_hopper.gluon_available():
         pytest.skip("Gluon of a tested Triton release is not installed")
-    sm90.run(__file__, CONFIGS, "Gluon prefill kernel (head_dim, causal)")
+    sm90.run(__file__, CONFIGS, "Gluon prefill kernel (head_dim, causal, rowsum_mma)")
 
 
 if __name__ == "__main__":
