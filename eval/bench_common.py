@@ -152,6 +152,20 @@ def write_json(name: str, payload: dict, out_dir: Optional[Path] = None) -> Path
     return path
 
 
+def print_row(row: dict, rows: list) -> None:
+    """Keep an experiment's row and print it as one JSON line (a device call's output shows each as it comes)."""
+    rows.append(row)
+    print(json.dumps(row, default=_json_default), flush=True)
+
+
+def write_rows(experiment: str, rows: list, path) -> None:
+    """An experiment's rows with the machine line into the JSON file ``path``."""
+    with open(path, "w") as f:
+        json.dump({"experiment": experiment, "machine": machine_info(), "rows": rows}, f, indent=1,
+                  default=_json_default)
+    print("wrote", path)
+
+
 def write_report(out_dir, name: str, payload: dict, markdown: str) -> None:
     """``<out_dir>/<name>.json`` + ``<name>.md`` (a table for the README), and the Markdown on stdout."""
     out = Path(out_dir)

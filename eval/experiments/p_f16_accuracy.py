@@ -10,7 +10,6 @@ outlier RMSE, against fp64, beside today's fp32 P on the same inputs.
 from __future__ import annotations
 
 import argparse
-import json
 
 
 class _F16Exp2:
@@ -34,7 +33,7 @@ def main(argv=None) -> int:
 
     from turbo_attn_hf.kernels import reference as R
 
-    from eval.bench_common import machine_info
+    from eval.bench_common import print_row, write_rows
     from eval.kernel_accuracy import metrics, sample
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -56,11 +55,8 @@ def main(argv=None) -> int:
                     o = R.turbo_attention(q, k, v, causal=False).float()
                 finally:
                     R.torch = torch
-                row = dict(dist=dist, L=L, p=mode, **metrics(o, ref))
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-    json.dump({"experiment": "p_f16_accuracy", "machine": machine_info(), "rows": rows}, open(a.out, "w"), indent=1)
-    print("wrote", a.out)
+                print_row(dict(dist=dist, L=L, p=mode, **metrics(o, ref)), rows)
+    write_rows("p_f16_accuracy", rows, a.out)
     return 0
 
 

@@ -7,7 +7,6 @@ kernel's output (the same math: 0 expected). FA3 protocol shapes (16k tokens, hi
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 import triton
@@ -16,7 +15,7 @@ import triton
 def main(argv=None) -> int:
     from turbo_attn_hf.kernels import prefill, prefill_hopper, quant, reference
 
-    from eval.bench_common import machine_info
+    from eval.bench_common import print_row, write_rows
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dims", default="128,64")
@@ -64,10 +63,8 @@ def main(argv=None) -> int:
                         row.update(ms=ms, tflops=fl / ms / 1e9)
                     except Exception as e:  # noqa: BLE001 - one variant failing must not stop the table
                         row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
-    json.dump({"experiment": "prefill_hopper_ab", "machine": machine_info(), "rows": rows}, open(a.out, "w"), indent=1)
-    print("wrote", a.out)
+                    print_row(row, rows)
+    write_rows("prefill_hopper_ab", rows, a.out)
     return 0
 
 
