@@ -46,10 +46,10 @@ the rounds would not fit the time budget.
 ``decode_rounds_ms`` and ``decode_paired_vs_sdpa_dynamic`` (median of each round's step ratio); with ``--step-times``
 the same calls also carry a clock after every token: ``decode_step_med_rounds_ms`` /
 ``decode_step_med_paired_vs_sdpa_dynamic``, each round's median decode step instead of its mean, which a slow spell of
-the host within a call does not move. And ``decode_step_p10_ms`` / ``decode_step_p10_vs_sdpa_dynamic``: the 10th percentile of
-each config's clocked steps pooled over all rounds, and their ratio, unpaired: the host runs in two speed states
-(24 / 48 ms a 32-layer step, session 35), and a round's two turns may fall into different ones, which no pairing
-cancels (:func:`p10`); the same for the compiled rounds (``compiled_step_p10_*``).
+the host within a call does not move. And ``decode_step_p10_ms`` / ``decode_step_p10_vs_sdpa_dynamic``: the 10th
+percentile of each config's clocked steps pooled over all rounds, and their ratio, unpaired: the host runs in two
+speed states (24 / 48 ms a 32-layer step, session 35), and a round's two turns may fall into different ones, which no
+pairing cancels (:func:`p10`); the same for the compiled rounds (``compiled_step_p10_*``).
 ``--compiled-rounds R`` (issue 18's compiled bar): the same rounds over the shape's compiled configs, each config on
 its own model over the same weights (:func:`sibling_model`: its own compiled forward, CUDA graphs and static cache,
 so a turn replays what the config's warm-up recorded; one model switching configs re-recorded its graphs every turn,

@@ -42,8 +42,8 @@ from .bench_common import (
 TOTAL_TOKENS = 16384
 HIDDEN = 2048
 FLOPS_FORMULA = "4 * batch * heads * L^2 * head_dim, halved when causal; TFLOP/s = FLOPs / median time"
-ALL_PROVIDERS = ("sdpa_cudnn", "sdpa_flash", "sage", "turbo_exact", "turbo_sas", "kernel_exact", "kernel_sas", "turbo_hopper",
-                 "kernel_hopper")
+ALL_PROVIDERS = ("sdpa_cudnn", "sdpa_flash", "sage", "turbo_exact", "turbo_sas", "kernel_exact", "kernel_sas",
+                 "turbo_hopper", "kernel_hopper")
 QUICK_SHAPES = [(128, 1024), (128, 4096), (128, 8192), (128, 16384), (64, 4096), (256, 4096)]
 
 

@@ -132,7 +132,7 @@ _GPU_BLOCK_N = (32, 64, 128)
 _INTERPRET_BLOCK_N = (16, 32, 64, 128)
 #: which INT8 kernel runs the attention: "portable" (``_int8_attn_fwd_kernel``, every GPU) or "hopper" (the Gluon
 #: kernel of ``prefill_hopper`` on sm_90 where it takes the call, the portable one elsewhere). Opt-in
-#: (``TURBO_PREFILL_KERNEL=hopper``): 0.88-1.08x the portable kernel on an H200 so far (issue 20, PERF_NOTES s35).
+#: (``TURBO_PREFILL_KERNEL=hopper``): 0.88-1.09x the portable kernel on an H200 so far (issue 20, PERF_NOTES s35).
 PREFILL_KERNELS = ("portable", "hopper")
 _KERNEL = [os.environ.get("TURBO_PREFILL_KERNEL", "portable")]
 

@@ -8,7 +8,7 @@ warp-specialized partitions as FlashAttention-3 is on Hopper (issue 20):
   into a ring of shared-memory slots with TMA, guarded by ``ready`` / ``empty`` mbarriers;
 - two consumer warpgroups own 64 query rows each of a 128-row tile and share every slot: each runs ``IGMMA`` Q.K^T,
   the online softmax and ``IGMMA`` P.V on its rows in order; the warp schedulers interleave the two halves.
-Measured on an H200 (PERF_NOTES session 35): bit for bit the portable kernel's output, at 0.88-1.08x its speed. The
+Measured on an H200 (PERF_NOTES session 35): bit for bit the portable kernel's output, at 0.88-1.09x its speed. The
 loop is bound by its per-element ALU work, not by MMA issue: FA3's schedules (the next Q.K^T before the softmax, the
 halves taking turns) were slower here. The kernel is the base for cutting that work (issue 20); it is opt-in.
 Why Gluon: ``tl.dot`` gives neither the producer/consumer split nor async wgmma control (``eval/PERF_NOTES.md``,
@@ -167,7 +167,8 @@ if HAVE_GLUON:
         """Rows [i_m * 128 + 64 HALF, +64) of one (b, head): the portable kernel's program of BLOCK_M 64, block by
         block Q.K^T, softmax, P.V, each waited for (the schedules that overlap them within or across the halves were
         slower: PERF_NOTES session 35). ROWSUM_MMA: P's row sums (l's increments) by an m64n8 IGMMA of P with a tile
-        of ones (``ones_smem``) issued beside P.V, instead of ~64 integer adds a thread and block: the same int32 sums."""
+        of ones (``ones_smem``) issued beside P.V, instead of ~64 integer adds a thread and block: the same int32
+        sums."""
         BM: gl.constexpr = 64
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 32])
@@ -236,8 +237,8 @@ if HAVE_GLUON:
         gl.store(p_o, o.to(O.dtype.element_ty), mask=(r_o < Lq)[:, None])
 
     @gluon.jit(do_not_specialize=["Lq", "Lk", "K_ROWS"])
-    def _int8_attn_fwd_ws_kernel(q_desc, k_desc, v_desc, sk_desc, sv_desc, SQ, SK, O, Lq, Lk, K_ROWS, SK_ROW, HQ, HK, NBLK,
-                                 SV_STEP, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh,
+    def _int8_attn_fwd_ws_kernel(q_desc, k_desc, v_desc, sk_desc, sv_desc, SQ, SK, O, Lq, Lk, K_ROWS, SK_ROW, HQ, HK,
+                                 NBLK, SV_STEP, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh,
                                  IS_CAUSAL: gl.constexpr, D: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
                                  PSUM_BIAS: gl.constexpr, ROWSUM_MMA: gl.constexpr, R1: gl.constexpr,
                                  R2: gl.constexpr):

@@ -80,7 +80,8 @@ def info() -> int:
     choice = choice if choice in prefill.PREFILL_KERNELS else f"{choice!r}, not one of the kernels"
     print(f"INT8 prefill kernel: {choice} (TURBO_PREFILL_KERNEL: {', '.join(prefill.PREFILL_KERNELS)}; "
           f"hopper = the Gluon sm_90 kernel, head_dim {'/'.join(map(str, prefill_hopper.HEAD_DIMS))}, Triton "
-          f"{'/'.join(prefill_hopper.TESTED_TRITON)}: {'available' if prefill_hopper.gluon_available() else 'unavailable'}"
+          f"{'/'.join(prefill_hopper.TESTED_TRITON)}: "
+          f"{'available' if prefill_hopper.gluon_available() else 'unavailable'}"
           " here)")
     from turbo_attn_hf.config import QK_NORM_MODEL_TYPES
 

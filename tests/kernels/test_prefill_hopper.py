@@ -1,7 +1,8 @@
 """The Gluon Hopper prefill kernel (kernels/prefill_hopper.py, issue 20).
 
-CPU: the path choice and its refusals (the sm_90 compile: test_prefill_hopper_compile.py). GPU (marked ``gpu``, sm_90): outputs
-against the portable INT8 kernel on the same operands, causal and not, GQA, ragged lengths, poisoned keys.
+CPU: the path choice and its refusals (the sm_90 compile: test_prefill_hopper_compile.py). GPU (marked ``gpu``,
+sm_90): outputs against the portable INT8 kernel on the same operands, causal and not, GQA, ragged lengths, poisoned
+keys.
 """
 import pytest
 import torch

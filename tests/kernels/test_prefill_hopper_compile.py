@@ -11,7 +11,8 @@ import pytest
 
 import sm90
 
-CONFIGS = [(128, True, False), (128, False, True), (64, True, True), (64, False, False)]  # (head_dim, causal, rowsum_mma)
+# (head_dim, causal, rowsum_mma)
+CONFIGS = [(128, True, False), (128, False, True), (64, True, True), (64, False, False)]
 
 
 def _compile(d, causal, rowsum_mma):
