@@ -96,12 +96,8 @@ def make_providers(q, k, v, causal: bool, names, dry_run: bool = False) -> dict[
             out[f"turbo_{m}"] = (lambda m=m: prefill.turbo_attention(q, k, v, causal=causal, softmax=m))
     if "turbo_hopper" in names:
         def turbo_hopper():
-            old = prefill._KERNEL[0]
-            prefill._KERNEL[0] = "hopper"  # part of turbo_attention's plan key: the plans of both kernels coexist
-            try:
+            with prefill.chosen_kernel("hopper"):
                 return prefill.turbo_attention(q, k, v, causal=causal)
-            finally:
-                prefill._KERNEL[0] = old
         out["turbo_hopper"] = turbo_hopper
     if any(n.startswith("kernel_") for n in names):
         d = q.shape[-1]

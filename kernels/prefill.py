@@ -63,6 +63,7 @@ kernels without Triton's per-call binder (``LeanLaunch.launch_memo``). CPU, laun
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -88,6 +89,7 @@ from .reference import (
     SUPPORTED_HEAD_DIMS,
     V_SCALE_MODES,
     default_block_n,
+    psum_bias,
 )
 from .softmax import sas_exp2
 
@@ -287,7 +289,7 @@ def _attn_update(
     else:
         b_p = tl.math.exp2(b_x)
     # p8 = round(127 p) = bits(127 p + C) - bits(C): its low byte (bits(C)'s is 0, p8 <= 127); the row
-    # sum of p8 = sum(bits) - BLOCK_N bits(C), int32 adds wrapping mod 2^32 (PSUM_BIAS, see _launch)
+    # sum of p8 = sum(bits) - BLOCK_N bits(C), int32 adds wrapping mod 2^32 (PSUM_BIAS: reference.psum_bias)
     b_pbits = tl.math.fma(b_p, 127.0, _MAGIC).to(tl.int32, bitcast=True)
     b_pi = b_pbits.to(tl.int8)
     l_i = l_i * b_r + (tl.sum(b_pbits, 1) - PSUM_BIAS).to(tl.float32)
@@ -481,7 +483,7 @@ def _attn_spec(q8, sq, k8, sk, v8t, sv, out, stride_kvb, *, causal, window, soft
         IS_CAUSAL=bool(causal), HAS_WINDOW=has_window, HAS_SOFTCAP=has_softcap,
         HAS_KEY_VALID=bool(has_key_valid), USE_SAS=bool(use_sas), BLOCK_P_SCALE=bool(block_p),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_pow2(d), HEAD_DIM=d,
-        PSUM_BIAS=(block_n * MAGIC_BITS + 2**31) % 2**32 - 2**31,  # BLOCK_N bits(C) as a wrapped int32
+        PSUM_BIAS=psum_bias(block_n),
         num_warps=num_warps, num_stages=num_stages,
     )
     return grid, scalars, kw
@@ -496,13 +498,25 @@ def _key_valid_arg(key_valid, unused):
 
 
 def kernel_choice() -> str:
-    """The prefill kernel in use (``TURBO_PREFILL_KERNEL``), checked."""
+    """The prefill kernel in use (``TURBO_PREFILL_KERNEL``, or :func:`chosen_kernel`), checked."""
     if _KERNEL[0] not in PREFILL_KERNELS:
         raise ValueError(f"TURBO_PREFILL_KERNEL={_KERNEL[0]!r} must be one of {PREFILL_KERNELS}")
     return _KERNEL[0]
 
 
-def hopper_takes(device, d, block_n, *, causal, window, softcap, has_key_valid, use_sas, block_p) -> str:
+@contextlib.contextmanager
+def chosen_kernel(name: str):
+    """``turbo_attention`` on the prefill kernel ``name`` inside the block (the choice is part of its plans' key, so
+    plans of both kernels coexist)."""
+    old, _KERNEL[0] = _KERNEL[0], name
+    try:
+        kernel_choice()
+        yield
+    finally:
+        _KERNEL[0] = old
+
+
+def hopper_takes(device, d, block_n, *, window, softcap, key_valid, softmax, p_scale) -> str:
     """'' when the Gluon Hopper kernel runs this call, else why not (a phrase for a log line or an error)."""
     if interpreting() or device.type != "cuda":
         return "not a CUDA device"
@@ -510,8 +524,9 @@ def hopper_takes(device, d, block_n, *, causal, window, softcap, has_key_valid, 
         return f"Triton {triton.__version__} is not one the Gluon kernel was tested with {prefill_hopper.TESTED_TRITON}"
     if torch.cuda.get_device_capability(device) != (9, 0):
         return "not an sm_90 GPU"
-    if not prefill_hopper.supports(d=d, block_n=block_n, causal=causal, window=window, softcap=softcap,
-                                   has_key_valid=has_key_valid, use_sas=use_sas, block_p=block_p):
+    if not prefill_hopper.supports(d=d, block_n=block_n, window=window, softcap=softcap,
+                                   has_key_valid=key_valid is not None, use_sas=softmax == "sas",
+                                   block_p=p_scale == "block"):
         return "its options (head_dim 64/128, block_n 128, no window, softcap, padding mask or SAS, block P scale)"
     return ""
 
@@ -519,8 +534,7 @@ def hopper_takes(device, d, block_n, *, causal, window, softcap, has_key_valid, 
 def _launch(q8, sq, k8, sk, v8t, sv, out, *, causal, window, softcap, key_valid, use_sas, thr2, block_p,
             Lk, block_n, config=None, hopper=False):
     if hopper:
-        psum = (block_n * MAGIC_BITS + 2**31) % 2**32 - 2**31
-        return prefill_hopper.launch_ws(q8, sq, k8, sk, v8t, sv, out, causal=causal, Lk=Lk, psum_bias=psum)
+        return prefill_hopper.launch_ws(q8, sq, k8, sk, v8t, sv, out, causal=causal, Lk=Lk)
     kv, stride_kvb = _key_valid_arg(key_valid, sq)
     grid, scalars, kw = _attn_spec(q8, sq, k8, sk, v8t, sv, out, stride_kvb, causal=causal, window=window,
                                    softcap=softcap, has_key_valid=key_valid is not None, use_sas=use_sas, thr2=thr2,
@@ -635,9 +649,8 @@ def int8_flash_attention(q8, sq, k8, sk, v8t, sv, *, causal=True, window=None, s
     _check_key_valid(key_valid, b, Lk, q8.device)
     out = _check_out(out, (b, lq, hq, d), out_dtype, q8.device)
     choice = kernel_choice() if _kernel is None else _kernel
-    why = hopper_takes(q8.device, d, block_n, causal=causal, window=window, softcap=softcap,
-                       has_key_valid=key_valid is not None, use_sas=softmax == "sas",
-                       block_p=p_scale == "block") if choice == "hopper" else "not chosen"
+    why = hopper_takes(q8.device, d, block_n, window=window, softcap=softcap, key_valid=key_valid, softmax=softmax,
+                       p_scale=p_scale) if choice == "hopper" else "not chosen"
     if _kernel == "hopper" and why:
         raise ValueError(f"the Hopper prefill kernel cannot run this call: {why}; use _kernel='portable'")
     if lq == 0 or b * hq == 0:
@@ -795,8 +808,7 @@ class _AttnPlan:
                                block_p=p_scale == "block", Lk=lk, block_n=block_n)
         self.memo = ({}, {}, {})
         self.hopper = kernel_choice() == "hopper" and not hopper_takes(
-            dev, d, block_n, causal=causal, window=window, softcap=softcap, has_key_valid=key_valid is not None,
-            use_sas=softmax == "sas", block_p=p_scale == "block")
+            dev, d, block_n, window=window, softcap=softcap, key_valid=key_valid, softmax=softmax, p_scale=p_scale)
 
     def run(self, q, k, v, key_valid, out, k_mean, qk_smooth=None):
         dev = self.device
@@ -831,8 +843,7 @@ class _AttnPlan:
         lean(_quant_v_kernel).launch_memo(memo_v, dev_key, grid, (v, amax, v8t, sv, sk), scalars, kw, hooks)
         grid, scalars, kw = self.attn
         if self.hopper:
-            return prefill_hopper.launch_ws(q8, sq, k8, sk, v8t, sv, out, causal=kw["IS_CAUSAL"], Lk=scalars[1],
-                                            psum_bias=kw["PSUM_BIAS"])
+            return prefill_hopper.launch_ws(q8, sq, k8, sk, v8t, sv, out, causal=kw["IS_CAUSAL"], Lk=scalars[1])
         lean(_int8_attn_fwd_kernel).launch_memo(memo_attn, dev_key, grid, (q8, sq, k8, sk, v8t, sv, kv, out),
                                                 scalars, kw, hooks)
         return out

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl  # PropagateNan: Gluon reuses triton.language's enum
 
-from .reference import MAGIC, MAGIC_BITS, P_BLOCK_GAP, SQ_MIN
+from .reference import MAGIC, MAGIC_BITS, P_BLOCK_GAP, SQ_MIN, psum_bias
 
 try:  # Gluon is experimental: a Triton without it (or with another API) keeps the portable kernel
     from triton.experimental import gluon
@@ -40,7 +40,7 @@ try:  # Gluon is experimental: a Triton without it (or with another API) keeps t
 except ImportError:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
-__all__ = ["HAVE_GLUON", "TESTED_TRITON", "BLOCK_M", "BLOCK_N", "supports", "gluon_available", "launch_ws"]
+__all__ = ["HAVE_GLUON", "TESTED_TRITON", "BLOCK_M", "BLOCK_N", "HEAD_DIMS", "supports", "gluon_available", "launch_ws"]
 
 #: Triton releases this kernel was compiled (CPU test) and run with; another release falls back to the portable kernel
 TESTED_TRITON = ("3.6",)
@@ -59,10 +59,9 @@ def gluon_available() -> bool:
     return HAVE_GLUON and triton.__version__.rsplit(".", 1)[0] in TESTED_TRITON
 
 
-def supports(*, d: int, block_n: int, causal: bool, window, softcap, has_key_valid: bool, use_sas: bool,
-             block_p: bool) -> bool:
-    """Whether this kernel computes the call (else the portable kernel does). Device and Triton are the caller's."""
-    del causal  # both, bottom-right causal and full
+def supports(*, d: int, block_n: int, window, softcap, has_key_valid: bool, use_sas: bool, block_p: bool) -> bool:
+    """Whether this kernel computes the call (causal bottom-right or full; else the portable kernel does). Device
+    and Triton are the caller's."""
     return (d in HEAD_DIMS and block_n == BLOCK_N and window is None and softcap is None and not has_key_valid
             and not use_sas and block_p)
 
@@ -315,7 +314,7 @@ def descriptors(q8, k8, v8t, sk, sv):
             TensorDescriptor(sv, [sv.numel()], [1], [d], lay_sv))
 
 
-def ws_spec(q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, psum_bias: int, rowsum_mma: bool = False):
+def ws_spec(q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, rowsum_mma: bool = False):
     """(grid, scalars, constexprs) of ``_int8_attn_fwd_ws_kernel`` after its five descriptors and 3 tensors
     (sk and sv dense with sk's rows a multiple of 4: ``launch_ws``)."""
     b, hq, lq, d = q8.shape
@@ -325,18 +324,17 @@ def ws_spec(q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, psum_bias: i
     grid = (-(-lq // BLOCK_M) * b * hq,)
     scalars = (lq, Lk, k8.shape[2], sk.shape[2], hq, hk, nblk, 1 if nblk > 1 else 0, sq.stride(0), sq.stride(1),
                out.stride(0), out.stride(1), out.stride(2))
-    kw = dict(IS_CAUSAL=bool(causal), D=d, BN=BLOCK_N, STAGES=_STAGES[d], PSUM_BIAS=psum_bias,
+    kw = dict(IS_CAUSAL=bool(causal), D=d, BN=BLOCK_N, STAGES=_STAGES[d], PSUM_BIAS=psum_bias(BLOCK_N),
               ROWSUM_MMA=bool(rowsum_mma), R1=_WORKER_REGS[0], R2=_WORKER_REGS[1], num_warps=4)
     return grid, scalars, kw
 
 
-def launch_ws(q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, psum_bias: int, rowsum_mma: bool = False):
+def launch_ws(q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, rowsum_mma: bool = False):
     """Run the kernel (CUDA sm_90; ``int8_flash_attention`` checks the operands' shapes and dtypes). ``rowsum_mma``:
     see ``_consumer`` (off until measured on a GPU: an A/B switch)."""
     q8, k8, v8t, sk, sv = (_tma_operand(t) for t in (q8, k8, v8t, sk, sv))
     if sk.shape[2] % 4:  # rows of whole 16-byte units (1-D TMA copies start aligned); the pad is never read as a key
         sk = torch.nn.functional.pad(sk, (0, 4 - sk.shape[2] % 4))
-    grid, scalars, kw = ws_spec(q8, sq, k8, sk, v8t, sv, out, causal=causal, Lk=Lk, psum_bias=psum_bias,
-                                rowsum_mma=rowsum_mma)
+    grid, scalars, kw = ws_spec(q8, sq, k8, sk, v8t, sv, out, causal=causal, Lk=Lk, rowsum_mma=rowsum_mma)
     _int8_attn_fwd_ws_kernel[grid](*descriptors(q8, k8, v8t, sk, sv), sq, sk, out, *scalars, **kw)
     return out

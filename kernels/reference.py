@@ -113,6 +113,14 @@ DEFAULT_P_SCALE = "block"
 #: C = 1.5 * 2^23 and its bit pattern: round-to-integer and int<->float conversion by one add.
 MAGIC = 12582912.0
 MAGIC_BITS = 0x4B400000
+
+
+def psum_bias(block_n: int) -> int:
+    """``block_n`` times bits(C) as a wrapped int32: the INT8 kernels' row sum of P's code bits (each bits(C) + p8,
+    added in int32 mod 2^32) minus it is the row sum of the codes."""
+    return (block_n * MAGIC_BITS + 2**31) % 2**32 - 2**31
+
+
 #: largest y = -x that sas_exp2 keeps (thresholds above are capped): 2^-125 * POLY3 stays a normal float
 SAS_MAX_Y = 125.0
 

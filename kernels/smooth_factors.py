@@ -163,15 +163,15 @@ def _workspace(device: torch.device, n_part: int, n_cnt: int, n_rows: int) -> tu
     order, so they share it; not for concurrent streams (as ``store.stats_workspace``)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+        device = torch.device("cuda", current_cuda_device())
     key = (device.type, device.index)
     ws = _WORKSPACE.get(key)
     want = (n_part, n_cnt, max(n_rows, 64))
     if ws is None or any(t.numel() < n for t, n in zip(ws, want)):
-        n_part, n_cnt, n_rows = (max(n, 0 if ws is None else t.numel()) for n, t in zip(want, ws or want))
-        ws = _WORKSPACE[key] = (torch.empty(n_part, dtype=torch.float32, device=device),
-                                torch.empty(n_cnt, dtype=torch.int32, device=device),
-                                torch.zeros(n_rows, dtype=torch.int32, device=device))
+        size = want if ws is None else [max(n, t.numel()) for n, t in zip(want, ws)]
+        ws = _WORKSPACE[key] = (torch.empty(size[0], dtype=torch.float32, device=device),
+                                torch.empty(size[1], dtype=torch.int32, device=device),
+                                torch.zeros(size[2], dtype=torch.int32, device=device))
     return ws[0][:n_part], ws[1][:n_cnt], ws[2]
 
 

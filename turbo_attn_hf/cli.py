@@ -76,8 +76,10 @@ def info() -> int:
     print(f"prefill attention (auto): {here} here | {table} | other GPUs and CPU: int8")
     from turbo_attn_hf.kernels import prefill, prefill_hopper
 
-    choice = prefill._KERNEL[0]  # shown as set: an invalid value is an error at the first prefill, not here
-    choice = choice if choice in prefill.PREFILL_KERNELS else f"{choice!r}, not one of the kernels"
+    try:  # an invalid setting is an error at the first prefill; here it is shown
+        choice = prefill.kernel_choice()
+    except ValueError as e:
+        choice = str(e)
     print(f"INT8 prefill kernel: {choice} (TURBO_PREFILL_KERNEL: {', '.join(prefill.PREFILL_KERNELS)}; "
           f"hopper = the Gluon sm_90 kernel, head_dim {'/'.join(map(str, prefill_hopper.HEAD_DIMS))}, Triton "
           f"{'/'.join(prefill_hopper.TESTED_TRITON)}: "

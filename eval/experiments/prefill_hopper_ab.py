@@ -33,17 +33,15 @@ def main(argv=None) -> int:
             q8, sq = quant.quantize_per_token(q, scale=d ** -0.5 * reference.LOG2E)
             k8, sk = quant.quantize_per_token(k, smooth=reference.k_smooth_mean(k))
             v8t, sv = quant.quantize_v_blocks(v, prefill_hopper.BLOCK_N)
-            psum = (prefill_hopper.BLOCK_N * reference.MAGIC_BITS + 2**31) % 2**32 - 2**31
             for causal in (False, True):
                 fl = 4 * b * h * L * L * d / (2 if causal else 1)
                 out = torch.empty(b, L, h, d, device="cuda", dtype=torch.bfloat16)
                 fns = {
                     "portable": lambda: prefill.int8_flash_attention(q8, sq, k8, sk, v8t, sv, causal=causal,
                                                                      _kernel="portable"),
-                    "hopper": lambda: prefill_hopper.launch_ws(q8, sq, k8, sk, v8t, sv, out, causal=causal, Lk=L,
-                                                               psum_bias=psum),
+                    "hopper": lambda: prefill_hopper.launch_ws(q8, sq, k8, sk, v8t, sv, out, causal=causal, Lk=L),
                     "hopper_rowsum_mma": lambda: prefill_hopper.launch_ws(q8, sq, k8, sk, v8t, sv, out, causal=causal,
-                                                                          Lk=L, psum_bias=psum, rowsum_mma=True),
+                                                                          Lk=L, rowsum_mma=True),
                     "sdpa_cudnn": None,
                 }
                 ref = fns["portable"]().float()

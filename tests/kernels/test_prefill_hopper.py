@@ -24,13 +24,13 @@ def _operands(b, hq, hk, lq, lk, d, device, seed=0, poison=()):
 def test_the_portable_kernel_stays_the_default_and_hopper_refuses_what_it_cannot_run(monkeypatch):
     assert prefill.kernel_choice() in prefill.PREFILL_KERNELS
     cpu = torch.device("cpu")
-    assert prefill.hopper_takes(cpu, 128, 128, causal=True, window=None, softcap=None, has_key_valid=False,
-                                use_sas=False, block_p=True) == "not a CUDA device"
-    assert not prefill_hopper.supports(d=128, block_n=128, causal=True, window=64, softcap=None, has_key_valid=False,
+    assert prefill.hopper_takes(cpu, 128, 128, window=None, softcap=None, key_valid=None, softmax="exact",
+                                p_scale="block") == "not a CUDA device"
+    assert not prefill_hopper.supports(d=128, block_n=128, window=64, softcap=None, has_key_valid=False,
                                        use_sas=False, block_p=True)
-    assert not prefill_hopper.supports(d=256, block_n=128, causal=True, window=None, softcap=None,
-                                       has_key_valid=False, use_sas=False, block_p=True)
-    assert prefill_hopper.supports(d=64, block_n=128, causal=False, window=None, softcap=None, has_key_valid=False,
+    assert not prefill_hopper.supports(d=256, block_n=128, window=None, softcap=None, has_key_valid=False,
+                                       use_sas=False, block_p=True)
+    assert prefill_hopper.supports(d=64, block_n=128, window=None, softcap=None, has_key_valid=False,
                                    use_sas=False, block_p=True)
     monkeypatch.setattr(prefill, "_KERNEL", ["fastest"])
     with pytest.raises(ValueError, match="TURBO_PREFILL_KERNEL"):
@@ -78,9 +78,8 @@ def test_row_sums_on_the_tensor_cores_give_the_same_output(case):
     """``rowsum_mma``: P's row sums from an IGMMA with a tile of ones are the integer adds' sums, exactly."""
     b, hq, hk, lq, lk, d, causal = case
     q8, sq, k8, sk, v8t, sv = _operands(b, hq, hk, lq, lk, d, "cuda", seed=7)
-    psum = (prefill_hopper.BLOCK_N * reference.MAGIC_BITS + 2**31) % 2**32 - 2**31
     outs = [prefill_hopper.launch_ws(q8, sq, k8, sk, v8t, sv, torch.empty(b, lq, hq, d, device="cuda",
-                                     dtype=torch.bfloat16), causal=causal, Lk=lk, psum_bias=psum, rowsum_mma=on)
+                                     dtype=torch.bfloat16), causal=causal, Lk=lk, rowsum_mma=on)
             for on in (False, True)]
     assert torch.equal(outs[0], outs[1])
 

@@ -29,7 +29,7 @@ def _compile(d, causal, rowsum_mma):
     v8t = torch.zeros(b, hk, d, L, dtype=torch.int8)
     sq, sk, sv = torch.zeros(b, hq, L), torch.zeros(b, hk, L), torch.zeros(b, hk, L // ph.BLOCK_N, d)
     out = torch.empty(b, L, hq, d, dtype=torch.bfloat16)
-    grid, scalars, kw = ph.ws_spec(q8, sq, k8, sk, v8t, sv, out, causal=causal, Lk=L, psum_bias=5,
+    grid, scalars, kw = ph.ws_spec(q8, sq, k8, sk, v8t, sv, out, causal=causal, Lk=L, 
                                    rowsum_mma=rowsum_mma)
     fn = ph._int8_attn_fwd_ws_kernel
     args = list(ph.descriptors(q8, k8, v8t, sk, sv)) + [sq, sk, out] + list(scalars)
