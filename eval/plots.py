@@ -220,6 +220,83 @@ def plot_generate(path) -> Optional[Path]:
     return _save(fig, path)
 
 
+#: issue 18's bars on turbo's decode step, by (compiled?, batch, context): eager steps <= sdpa + DynamicCache's
+#: everywhere; compiled <= 1.05x sdpa compiled's at 1 x 1k / 1 x 4k, 1/1.5 at 1 x 32k, 1/1.8 at 4 x 8k
+GENERATE_BARS = {(False, None): 1.0, (True, (1, 1024)): 1.05, (True, (1, 4096)): 1.05, (True, (1, 32768)): 1 / 1.5,
+                 (True, (4, 8192)): 1 / 1.8}
+
+#: the ratio keys a row may carry, per estimator, the paired rounds first; a plain row's ratio only for compiled steps
+#: (an eager row timed a minute after sdpa's reads another host mode: 0.9-1.8x in one process, PERF_NOTES s32-s35)
+_BAR_KEYS = {False: (("paired rounds", "decode_paired_vs_sdpa_dynamic"),
+                     ("median step, paired", "decode_step_med_paired_vs_sdpa_dynamic"),
+                     ("p10 step, pooled", "decode_step_p10_vs_sdpa_dynamic")),
+             True: (("paired rounds", "compiled_paired_vs_sdpa_compiled"),
+                    ("median step, paired", "compiled_step_med_paired_vs_sdpa_compiled"),
+                    ("p10 step, pooled", "compiled_step_p10_vs_sdpa_compiled"),
+                    ("one row", "decode_vs_sdpa_compiled"))}
+
+
+def plot_generate_bars(paths, out) -> Optional[Path]:
+    """Issue 18's bars from several bench_generate files (rounds files or plain rows): per shape and preset, turbo's
+    decode step over sdpa's (eager over sdpa + DynamicCache, compiled over sdpa compiled), one marker per estimator
+    the file carries, and the bar as a line. A shape where sdpa ran out of memory and turbo ran is marked "sdpa OOM"."""
+    plt = _plt()
+    if plt is None:
+        return None
+    points, oom, machines = [], set(), set()
+    for path in paths:
+        data = _load(path)
+        m = (data.get("runs") or [{}])[0].get("machine") or data.get("machine") or {}
+        machines.add(f"{m.get('device', '?')} @ {str(m.get('git_commit', '?'))[:7]}")
+        rows = data.get("rows", [])
+        base_oom = {(r["config"], r["batch"], r["context"]) for r in rows if r.get("error") == "OOM"}
+        for r in rows:
+            cfg = r["config"]
+            if not cfg.startswith("turbo_"):
+                continue
+            compiled = cfg.endswith("_compiled")
+            shape = (r["batch"], r["context"])
+            base = "sdpa_compiled" if compiled else "sdpa_dynamic"
+            if (base, *shape) in base_oom and r.get("decode_ms_per_step"):
+                oom.add((compiled, shape, cfg.split("_")[1]))
+            for label, key in _BAR_KEYS[compiled]:
+                if r.get(key):
+                    points.append((compiled, shape, cfg.split("_")[1], label, float(r[key])))
+    if not points and not oom:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
+    markers = {"paired rounds": "o", "median step, paired": "s", "p10 step, pooled": "^", "one row": "D"}
+    colors = {"int8": "tab:green", "int4": "tab:purple", "mixed": "tab:orange"}
+    presets = ("int8", "int4", "mixed")
+    for ax, compiled in zip(axes, (False, True)):
+        shapes = sorted({p[1] for p in points if p[0] == compiled} | {s for c, s, _ in oom if c == compiled},
+                        key=lambda s: (s[0] * s[1], s[0]))
+        for xi, shape in enumerate(shapes):
+            bar = GENERATE_BARS.get((compiled, shape), GENERATE_BARS.get((compiled, None)))
+            if bar is not None:
+                ax.hlines(bar, xi - 0.4, xi + 0.4, colors="k", linestyles="--", linewidth=1)
+            for pi, preset in enumerate(presets):
+                x = xi + (pi - 1) * 0.22
+                for c, s, pr, label, y in points:
+                    if (c, s, pr) == (compiled, shape, preset):
+                        ax.plot(x, y, markers[label], color=colors[preset], markersize=5, alpha=0.85)
+                if (compiled, shape, preset) in oom:
+                    ax.text(x, 0.03, f"{preset}: sdpa OOM", rotation=90, fontsize=6, ha="center", va="bottom",
+                            transform=ax.get_xaxis_transform())
+        ax.set_xticks(range(len(shapes)), [f"{b}×{t // 1024}k" for b, t in shapes], fontsize=8)
+        ax.set_xlabel("batch × context")
+        ax.set_ylabel("turbo step / " + ("sdpa compiled's" if compiled else "sdpa + DynamicCache's") +
+                      " (lower is better)")
+        ax.set_title(("compiled (static cache, CUDA graphs)" if compiled else "eager (dynamic cache)") +
+                     ": -- = issue 18's bar", fontsize=9)
+        ax.grid(alpha=0.3, axis="y")
+    handles = [plt.Line2D([], [], color=colors[p], marker="o", linestyle="") for p in presets]
+    handles += [plt.Line2D([], [], color="gray", marker=mk, linestyle="") for mk in markers.values()]
+    axes[1].legend(handles, list(presets) + list(markers), fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.suptitle("model.generate(), Llama-3-8B-shaped, 32 layers: " + "; ".join(sorted(machines)), fontsize=8)
+    return _save(fig, Path(out))
+
+
 PLOTTERS = {"bench_prefill": plot_prefill, "bench_decode": plot_decode, "bench_e2e": plot_e2e,
             "bench_generate": plot_generate}
 
@@ -230,7 +307,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="turbo-attn plots", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("paths", nargs="*", help="result JSON files (default: eval/results/bench_{prefill,decode,e2e}.json)")
+    ap.add_argument("--bars", metavar="OUT_PNG", help="one plot of issue 18's bars over all the given bench_generate "
+                                                      "files (plot_generate_bars) instead of one plot per file")
     args = ap.parse_args(argv)
+    if args.bars:
+        png = plot_generate_bars([Path(p) for p in args.paths], args.bars)
+        print(f"wrote {png}" if png else "plots: no ratios to plot")
+        return 0
     paths = [Path(p) for p in args.paths] or [RESULTS_DIR / f"{n}.json" for n in PLOTTERS]
     for p in paths:
         if not p.is_file():

@@ -349,3 +349,28 @@ def test_p10_reads_the_fast_state_of_a_two_state_host():
     fast, slow = [0.025 + 1e-4 * i for i in range(30)], [0.048] * 70
     assert 0.025 <= bg.p10(fast + slow) < 0.0285
     assert bg.p10([0.03]) == 0.03
+
+
+def test_plot_generate_bars(tmp_path):
+    """Issue 18's bar plot over several files: a rounds file's estimators, a plain file's compiled ratios and a shape
+    where sdpa ran out of memory; the eager plain row's ratio is left out (host modes, not the bar)."""
+    pytest.importorskip("matplotlib")
+    from turbo_attn_hf.eval import plots
+
+    rounds = [{"config": "sdpa_dynamic", "batch": 1, "context": 4096, "error": bg.ROUNDS_ONLY},
+              {"config": "turbo_int4_eager", "batch": 1, "context": 4096, "error": bg.ROUNDS_ONLY,
+               "decode_paired_vs_sdpa_dynamic": 1.01, "decode_step_p10_vs_sdpa_dynamic": 0.99}]
+    plain = [{"config": "sdpa_compiled", "batch": 8, "context": 32768, "error": "OOM", "decode_ms_per_step": None},
+             {"config": "turbo_int4_compiled", "batch": 8, "context": 32768, "decode_ms_per_step": 9.7},
+             {"config": "turbo_mixed_compiled", "batch": 4, "context": 8192, "decode_ms_per_step": 8.5,
+              "decode_vs_sdpa_compiled": 0.47},
+             {"config": "turbo_int8_eager", "batch": 4, "context": 8192, "decode_vs_sdpa_dynamic": 1.8}]
+    files = []
+    for name, rows in (("a_rounds.json", rounds), ("b.json", plain)):
+        (tmp_path / name).write_text(json.dumps({"runs": [{"machine": {"device": "H200", "git_commit": "abc"}}],
+                                                 "rows": rows}))
+        files.append(tmp_path / name)
+    png = plots.plot_generate_bars(files, tmp_path / "bars.png")
+    assert png is not None and png.is_file() and png.stat().st_size > 1000
+    assert plots.plot_generate_bars([tmp_path / "a_rounds.json"][:0], tmp_path / "none.png") is None
+    assert plots.GENERATE_BARS[(True, (4, 8192))] == pytest.approx(1 / 1.8)
