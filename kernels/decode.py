@@ -39,6 +39,7 @@ Rounding: float -> int8 rounds half away from zero, as in ``reference.py``.
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 import operator
@@ -1118,16 +1119,31 @@ def decode_entry(q: torch.Tensor, groups: Sequence[PackedKV], stor: tuple, no_ke
            min_tiles, block_m, num_warps, num_stages, max_registers, merge, fold, host_lens, rotate)
     st = _STATIC.get(key)
     if st is None or not st.alive(stor):
-        st = _DecodeStatic(q, groups, stor, scale=scale, causal=causal, window=window, softcap=softcap,
-                           n_sink=n_sink, softmax=softmax, sas_threshold=sas_threshold, n_splits=n_splits,
-                           waves=waves, min_tiles=min_tiles, block_m=block_m, num_warps=num_warps,
-                           num_stages=num_stages, max_registers=max_registers, merge=merge, fold=fold,
-                           rotate=rotate)
+        # a new cache of a layout seen before (every generate() makes one): the entry of that layout, rebound
+        lay_key = (tuple(map(_layout, stor)),) + key[1:]
+        proto = _LAYOUTS.get(lay_key)
+        if proto is not None:
+            st = proto.rebound(stor)
+        else:
+            st = _DecodeStatic(q, groups, stor, scale=scale, causal=causal, window=window, softcap=softcap,
+                               n_sink=n_sink, softmax=softmax, sas_threshold=sas_threshold, n_splits=n_splits,
+                               waves=waves, min_tiles=min_tiles, block_m=block_m, num_warps=num_warps,
+                               num_stages=num_stages, max_registers=max_registers, merge=merge, fold=fold,
+                               rotate=rotate)
         if st.cacheable:
             if len(_STATIC) >= _STATIC_MAX:
                 _STATIC.clear()
-            _STATIC[key] = st
+                _LAYOUTS.clear()
+            _STATIC[key] = _LAYOUTS[lay_key] = st
     return st
+
+
+def _layout(t: Optional[torch.Tensor]):
+    """What a decode entry and its compiled launches depend on in one storage tensor besides its address: shape,
+    strides, dtype, device and the address's 16-byte alignment (a launch is specialised on it)."""
+    if t is None:
+        return None
+    return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15 == 0
 
 
 def decode_storage(k_tail, v_tail, k_scale, v_scale, k_mean, qk_smooth, groups: Sequence[PackedKV]) -> tuple:
@@ -1189,6 +1205,10 @@ class _StepLaunch:
 
 _data_ptr = torch.Tensor.data_ptr
 _STATIC: dict = {}
+#: the entries by storage layout (``_layout`` of each tensor in place of its identity): a new cache's first decode
+#: step rebinds one (``_DecodeStatic.rebound``) instead of planning and specialising its launches again (~0.3 ms a
+#: layer on the GPU host, once per generate(); eval/PERF_NOTES.md session 36)
+_LAYOUTS: dict = {}
 _NO_STRIDES = (0, 0, 0, 0)  # the new token's strides without STORE (never read)
 _N_HEAD = 6  # the leading storage tensors of ``stor`` (k_tail .. qk_smooth); the bit groups' follow
 _STATIC_MAX = 512  # layers x (bit layouts, options) of a process; cleared when full (rebuilt on demand)
@@ -1300,6 +1320,19 @@ class _DecodeStatic:
         self.launches = {}
         self.plans = {}  # (pair, visible tiles) -> _step_plan
         self.step = None  # the last launch with host lengths, for ``run_step`` to replay (``_StepLaunch``)
+
+    def rebound(self, stor) -> "_DecodeStatic":
+        """This entry for other storage tensors of the same layout (``_layout``: shapes, strides, dtypes, devices,
+        alignments): everything derived from the layout is shared, the launches keep their compiled kernels with
+        the new tensors' addresses, and no step is recorded yet (``run`` records one)."""
+        st = copy.copy(self)
+        st.refs = tuple(_none_ref if t is None else weakref.ref(t) for t in stor)
+        st.step = None
+        head = tuple(t.data_ptr() for t in self.head(stor))
+        st.launches = {kk: (kw, ran, ptrs if ptrs is None else
+                            (head, tuple(t.data_ptr() for t in self.pairs[kk[0]][1](stor))) + ptrs[2:])
+                       for kk, (kw, ran, ptrs) in self.launches.items()}
+        return st
 
     def alive(self, stor) -> bool:
         """The entry's storage tensors are the objects passed now (ids of dead objects can be reused)."""

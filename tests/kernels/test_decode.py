@@ -371,6 +371,26 @@ def test_static_part_reused_across_steps_and_rebuilt_for_new_storage(device):
     assert ref_k() is None
 
 
+def test_second_storage_of_one_layout_reads_its_own_values(device):
+    """Two caches of one layout (two generate() calls): the second's first call rebinds the first's entry
+    (``_DecodeStatic.rebound``) and reads its own values, and the first cache's entry still reads its own (on a GPU:
+    the rebound launches' addresses)."""
+    from turbo_attn_hf.kernels import decode as DK
+
+    DK._STATIC.clear()
+    DK._LAYOUTS.clear()
+    cases = []
+    for seed in (0, 1):
+        q, k, v, (groups, kt, vt, nt, ks, vs, mu) = make_case(1, 2, 4, 150, 1, 32, [4, 2], 16, n_prefill=150,
+                                                               seed=seed)
+        cases.append((q, groups, to_packed(groups, device), *(t.to(device) for t in (kt, vt, ks, vs, mu)), nt))
+    for q, groups, packed, kt, vt, ks, vs, mu, nt in cases + cases[:1]:
+        out = turbo_decode_attention(q.to(device), packed, kt, vt, nt, ks, vs, mu, n_splits=2)
+        ref = R.turbo_decode_ref(q, groups, kt.cpu(), vt.cpu(), nt, ks.cpu(), vs.cpu(), mu.cpu(), n_splits=2)
+        assert_close(out, ref, ATOL_KERNEL)
+    assert len(DK._STATIC) == 2 and len(DK._LAYOUTS) == 1
+
+
 def test_static_part_not_cached_for_converted_inputs(device):
     """Scales that need a converted copy (here fp64) are converted per call, never cached: a cached copy would
     not follow in-place updates of the caller's tensor."""
@@ -540,6 +560,73 @@ class _RecordingJit:
 
     def __getitem__(self, grid):
         return lambda *a, **kw: self.kernel
+
+
+@pytest.mark.parametrize("case", ["int4-split", "mixed-window", "int8-one-launch"])
+def test_new_storage_of_a_known_layout_rebinds_its_entry(case, monkeypatch):
+    """A new cache's storage of a layout seen before (every generate() makes one) rebinds that layout's entry
+    (``_DecodeStatic.rebound``: no new plan or specialisation): its launches hand the launcher what a fresh entry's do
+    on that storage, the output's address aside; the first storage's entry keeps its own addresses; a storage tensor
+    of another alignment makes a new entry."""
+    import copy
+    from types import SimpleNamespace
+
+    from triton.runtime.driver import driver
+
+    from turbo_attn_hf.kernels import decode as DK
+    from turbo_attn_hf.kernels import launch as launch_mod
+
+    monkeypatch.setattr(launch_mod, "interpreting", lambda: False)  # the GPU host's launch path, kernels faked
+    monkeypatch.setattr(driver, "_active", SimpleNamespace(get_current_device=lambda: 0,
+                                                           get_current_stream=lambda device=None: 7))
+    jit = _RecordingJit(DK._decode_kernel)
+    monkeypatch.setattr(DK, "_DECODE", DK.LeanLaunch(jit))
+    bits = {"mixed-window": [4, 2], "int8-one-launch": [8, 8]}.get(case, [4, 4])
+    window = 48 if case == "mixed-window" else None
+    splits = 1 if case == "int8-one-launch" else 2
+    q, _, _, (groups, kt, vt, nt, ks, vs, mu) = make_case(1, 2, 4, 200, 1, 32, bits, 16, n_prefill=150)
+
+    def storage(gs, *t):
+        packed = to_packed(gs, "cpu")
+        return packed, DK.decode_storage(*t, None, packed)
+
+    def launched(entry, packed, stor):
+        entry.run(q, packed, stor, nt, None)
+        return jit.kernel.calls[-1]
+
+    DK._STATIC.clear()
+    DK._LAYOUTS.clear()
+    pa, sa = storage(groups, kt, vt, ks, vs, mu)
+    ea = DK.decode_entry(q, pa, sa, True, True, window=window, n_splits=splits)
+    ea.run(q, pa, sa, nt, None)  # compiles (the recorder); the next runs relaunch
+    by_a = launched(ea, pa, sa)
+    groups_b = copy.deepcopy(groups)
+    pb, sb = storage(groups_b, kt.clone(), vt.clone(), ks.clone(), vs.clone(), mu.clone())
+    made, init = [], DK._DecodeStatic.__init__
+    monkeypatch.setattr(DK._DecodeStatic, "__init__", lambda self, *a, **kw: made.append(1))  # none may be made
+    eb = DK.decode_entry(q, pb, sb, True, True, window=window, n_splits=splits)
+    assert not made and eb is not ea and eb.alive(sb) and eb.step is None
+    n_calls = len(jit.kernel.calls)
+    by_b = launched(eb, pb, sb)
+    assert len(jit.kernel.calls) == n_calls + 1  # a relaunch: nothing compiled again
+    monkeypatch.setattr(DK._DecodeStatic, "__init__", init)
+    DK._STATIC.clear()
+    DK._LAYOUTS.clear()
+    fresh = DK.decode_entry(q, pb, sb, True, True, window=window, n_splits=splits)
+    fresh.run(q, pb, sb, nt, None)
+    by_fresh = launched(fresh, pb, sb)
+    diff = [i for i, (x, y) in enumerate(zip(by_b, by_fresh)) if x != y]
+    assert len(by_b) == len(by_fresh) and len(diff) == 1, f"positions {diff} differ"  # the output's address
+    assert by_b != by_a and launched(ea, pa, sa)[diff[0] + 1:] == by_a[diff[0] + 1:]
+    if case == "int8-one-launch":  # the rebound entry records its own step, which replays with its addresses
+        assert eb.step is not None and eb.run_step(q, pb, sb, nt, None) is not None
+        assert [x for i, x in enumerate(jit.kernel.calls[-1]) if i != diff[0]] == \
+            [x for i, x in enumerate(by_b) if i != diff[0]]
+    # another alignment of one storage tensor: another layout, a new entry
+    mu_odd = torch.zeros(mu.numel() + 1)[1:].view_as(mu).copy_(mu)
+    pc, sc = storage(groups_b, kt, vt, ks, vs, mu_odd)
+    ec = DK.decode_entry(q, pc, sc, True, True, window=window, n_splits=splits)
+    assert ec.launches == {} and len(DK._LAYOUTS) == 2
 
 
 @pytest.mark.parametrize("case", ["int4-split", "mixed-window", "int8-key_valid", "rotated-store", "rotated-no-store",
