@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .device import current_cuda_device
+from .device import cuda_sm_count, current_cuda_device
 from .hadamard import _key_factor, _rotate_keys, hadamard_rows
 from .interpreter import interpreting
 from .launch import LeanLaunch
@@ -864,11 +864,6 @@ def _stages(*bits: int) -> int:
     return INT2_STAGES if 2 in bits and 8 not in bits else 2
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def stores_in_launch(lq: int, hq: int, hk: int) -> bool:
     """Whether a decode call may take ``store=`` (the step's new token written by the launch): one query token whose
     ``hq // hk`` rows fit one M tile of the default ``block_m``."""
@@ -896,7 +891,7 @@ def plan_splits(n_tiles: int, work_units: int, device: torch.device, waves: Opti
     """
     sms = 4
     if device.type == "cuda":
-        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        sms = cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
     return _plan(n_tiles, work_units, sms, waves, n_splits, min_tiles)
 
 
@@ -964,7 +959,7 @@ def group_splits(n_tiles: int, groups: Sequence[PackedKV], b: int, n_m: int, dev
     of its groups, ``_pair_plan``): what ``reference.turbo_decode_ref`` needs to reproduce the kernel's shares."""
     sms = 4
     if device.type == "cuda":
-        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        sms = cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
     out = {}
     for pair in launch_pairs(groups):
         g0, g1 = pair[0], pair[-1]
@@ -1273,7 +1268,7 @@ class _DecodeStatic:
         reg_cap = {"maxnreg": int(max_registers)} if max_registers and use_asm else {}
         self.sms = 4  # CPU (interpreter): 4 "SMs", so tests exercise the split + merge path
         if q.device.type == "cuda":
-            self.sms = _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
+            self.sms = cuda_sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
         self.plan_opts = (waves, n_splits, min_tiles)
         self.merge, self.num_warps = merge, num_warps
         # qscale: the rotation's 1/sqrt(n) rides in the row scale (the query's INT8 codes do not depend on it)

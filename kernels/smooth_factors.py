@@ -135,43 +135,68 @@ def smooth_factors_triton(k: torch.Tensor, nsub: int | None = None) -> torch.Ten
     -> ``s [b, Hk, d]`` fp32. ``nsub``: tiles of tokens per program (default: enough programs to fill the GPU)."""
     if k.dim() != 4:
         raise ValueError(f"keys must be [b, Hk, T, d], got shape {tuple(k.shape)}")
+    device = k.device
+    # the call's plan by every fact it is derived from: the first store of each smooth_hadamard layer (same shape)
+    # finds it, and with it the workspace's views and the launch's memo key (~50 us of host a layer on the GPU host)
+    pkey = (k.shape, k.stride(), k.dtype, device, nsub)
+    plan = _PLANS.get(pkey)
+    if plan is None or plan[0] is not _WORKSPACE.get(plan[1]):  # new, or the workspace regrew since
+        if len(_PLANS) >= 256:  # many prompt lengths: planned again on demand
+            _PLANS.clear()
+        plan = _PLANS[pkey] = _plan(k, nsub)
+    _, _, (part, cnt, arrive), grid, scalars, kw, key, out_shape = plan
+    out = torch.empty(out_shape, device=device, dtype=torch.float32)
+    # the memo's key: the plan's facts and the device Triton launches on now (read per call)
+    key += (current_cuda_device() if k.is_cuda else -1,)
+    with on_device(device):
+        lean(_smooth_stats_kernel).launch_memo(_MEMO, key, grid, (k, part, cnt, arrive, out), scalars, kw,
+                                               LeanLaunch.hooks_active())
+    return out
+
+
+def _plan(k: torch.Tensor, nsub: int | None) -> tuple:
+    """``(workspace, its key, its views, grid, scalars, constexprs, memo key, output shape)`` of a call on ``k``."""
     b, H, T, D = k.shape
     BD = _pow2(D)
     BT, BC, nsub, NC = _chunking(T, b * H, BD, sm_count(k.device) if nsub is None else 0, nsub)
-    part, cnt, arrive = _workspace(k.device, b * H * NC * 3 * BD, b * H * NC, b * H)
-    out = torch.empty(b, H, D, device=k.device, dtype=torch.float32)
+    views = _workspace(k.device, b * H * NC * 3 * BD, b * H * NC, b * H)
+    ws_key = _device_key(k.device)
     lo, hi = SMOOTH_RANGE
     strides = k.stride()
     # every fact Triton specialises on but the pointers' alignment (LeanLaunch.launch_memo checks that): the first
     # store of each smooth_hadamard layer relaunches without the per-argument facts and the binder
-    key = (k.dtype, H, strides, D, current_cuda_device() if k.is_cuda else -1)
-    with on_device(k.device):
-        lean(_smooth_stats_kernel).launch_memo(
-            _MEMO, key, (NC, b * H), (k, part, cnt, arrive, out),
-            (T, H, NC, nsub, lo, hi, *strides), dict(D=D, BD=BD, BT=BT, BC=BC, num_warps=4), LeanLaunch.hooks_active())
-    return out
+    key = (k.dtype, H, strides, D)
+    return (_WORKSPACE[ws_key], ws_key, views, (NC, b * H), (T, H, NC, nsub, lo, hi, *strides),
+            dict(D=D, BD=BD, BT=BT, BC=BC, num_warps=4), key, (b, H, D))
 
 
 _MEMO: dict = {}  # LeanLaunch.launch_memo's kernels by the call's facts
+_PLANS: dict = {}  # smooth_factors_triton's plans by the call's facts (_plan)
 _WORKSPACE: dict = {}
+
+
+def _device_key(device: torch.device) -> tuple:
+    """``(type, index)`` of ``device``, a bare "cuda" read as the current one."""
+    if device.type == "cuda" and device.index is None:
+        return device.type, current_cuda_device()
+    return device.type, device.index
 
 
 def _workspace(device: torch.device, n_part: int, n_cnt: int, n_rows: int) -> tuple:
     """The pass's per-device workspace, grown on demand: partials (fp32) and token counts (int32), which each program
     writes before its arrival and the finisher reads after the last one, and the arrival counters (int32, zeroed;
     every launch leaves them at zero: each row's finisher resets its own). Launches on one device's stream run in
-    order, so they share it; not for concurrent streams (as ``store.stats_workspace``)."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", current_cuda_device())
-    key = (device.type, device.index)
+    order, so they share it; not for concurrent streams (as ``store.stats_workspace``). A regrown workspace is a new
+    tuple: the plans holding the old one's views are made again."""
+    key = _device_key(torch.device(device))
     ws = _WORKSPACE.get(key)
     want = (n_part, n_cnt, max(n_rows, 64))
     if ws is None or any(t.numel() < n for t, n in zip(ws, want)):
         size = want if ws is None else [max(n, t.numel()) for n, t in zip(want, ws)]
-        ws = _WORKSPACE[key] = (torch.empty(size[0], dtype=torch.float32, device=device),
-                                torch.empty(size[1], dtype=torch.int32, device=device),
-                                torch.zeros(size[2], dtype=torch.int32, device=device))
+        dev = torch.device(*key) if key[1] is not None else torch.device(key[0])
+        ws = _WORKSPACE[key] = (torch.empty(size[0], dtype=torch.float32, device=dev),
+                                torch.empty(size[1], dtype=torch.int32, device=dev),
+                                torch.zeros(size[2], dtype=torch.int32, device=dev))
     return ws[0][:n_part], ws[1][:n_cnt], ws[2]
 
 

@@ -110,6 +110,24 @@ def test_one_launch_leaves_its_arrival_counters_at_zero(device):
     assert int(arrive.abs().sum()) == 0
 
 
+def test_a_call_reuses_its_plan_until_the_workspace_regrows(device):
+    """A call of known facts reuses its plan (the workspace's views, grid, scalars): every smooth_hadamard layer of a
+    prompt has them; a workspace regrown by another call since makes the plan again, on the new buffers."""
+    from turbo_attn_hf.kernels import smooth_factors as sf
+
+    sf._PLANS.clear()
+    k = _keys(1, 2, 40, 64, torch.bfloat16, "contig", seed=3).to(device)
+    _check(k, device)
+    (plan,) = sf._PLANS.values()
+    _check(k, device)
+    assert list(sf._PLANS.values()) == [plan]
+    ws = sf._WORKSPACE[plan[1]]
+    sf._workspace(device, *(t.numel() + 1 for t in ws))  # another call's sizes: a new, larger workspace
+    _check(k, device)
+    (new,) = sf._PLANS.values()
+    assert new is not plan and new[0] is sf._WORKSPACE[plan[1]] and new[2][0].data_ptr() == new[0][0].data_ptr()
+
+
 def _compile(D):
     """``_smooth_stats_kernel`` for sm_90 (the arrival count's gpu-scope atomics and the finisher's .cg loads)."""
     import triton
