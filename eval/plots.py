@@ -239,12 +239,14 @@ _BAR_KEYS = {False: (("paired rounds", "decode_paired_vs_sdpa_dynamic"),
 def plot_generate_bars(paths, out) -> Optional[Path]:
     """Issue 18's bars from several bench_generate files (rounds files or plain rows): per shape and preset, turbo's
     decode step over sdpa's (eager over sdpa + DynamicCache, compiled over sdpa compiled), one marker per estimator
-    the file carries, and the bar as a line. A shape where sdpa ran out of memory and turbo ran is marked "sdpa OOM"."""
+    the file carries, and the bar as a line. A shape where sdpa ran out of memory and turbo ran is marked "sdpa OOM".
+    A path written ``FILE:compiled`` gives its compiled rows only (a file whose eager rows another run replaced)."""
     plt = _plt()
     if plt is None:
         return None
     points, oom, machines = [], set(), set()
     for path in paths:
+        path, _, only = str(path).partition(":")  # "FILE:compiled": that file's compiled rows only
         data = _load(path)
         m = (data.get("runs") or [{}])[0].get("machine") or data.get("machine") or {}
         machines.add(f"{m.get('device', '?')} @ {str(m.get('git_commit', '?'))[:7]}")
@@ -255,6 +257,8 @@ def plot_generate_bars(paths, out) -> Optional[Path]:
             if not cfg.startswith("turbo_"):
                 continue
             compiled = cfg.endswith("_compiled")
+            if only == "compiled" and not compiled:
+                continue
             shape = (r["batch"], r["context"])
             base = "sdpa_compiled" if compiled else "sdpa_dynamic"
             if (base, *shape) in base_oom and r.get("decode_ms_per_step"):
@@ -308,10 +312,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("paths", nargs="*", help="result JSON files (default: eval/results/bench_{prefill,decode,e2e}.json)")
     ap.add_argument("--bars", metavar="OUT_PNG", help="one plot of issue 18's bars over all the given bench_generate "
-                                                      "files (plot_generate_bars) instead of one plot per file")
+                                                      "files (plot_generate_bars; FILE:compiled for a file's compiled "
+                                                      "rows only) instead of one plot per file")
     args = ap.parse_args(argv)
     if args.bars:
-        png = plot_generate_bars([Path(p) for p in args.paths], args.bars)
+        png = plot_generate_bars(args.paths, args.bars)
         print(f"wrote {png}" if png else "plots: no ratios to plot")
         return 0
     paths = [Path(p) for p in args.paths] or [RESULTS_DIR / f"{n}.json" for n in PLOTTERS]

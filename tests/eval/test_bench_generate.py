@@ -372,5 +372,6 @@ def test_plot_generate_bars(tmp_path):
         files.append(tmp_path / name)
     png = plots.plot_generate_bars(files, tmp_path / "bars.png")
     assert png is not None and png.is_file() and png.stat().st_size > 1000
+    assert plots.plot_generate_bars([f"{files[0]}:compiled"], tmp_path / "c.png") is None  # its eager rows left out
     assert plots.plot_generate_bars([tmp_path / "a_rounds.json"][:0], tmp_path / "none.png") is None
     assert plots.GENERATE_BARS[(True, (4, 8192))] == pytest.approx(1 / 1.8)
