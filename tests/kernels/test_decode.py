@@ -562,13 +562,9 @@ class _RecordingJit:
         return lambda *a, **kw: self.kernel
 
 
-@pytest.mark.parametrize("case", ["int4-split", "mixed-window", "int8-one-launch"])
-def test_new_storage_of_a_known_layout_rebinds_its_entry(case, monkeypatch):
-    """A new cache's storage of a layout seen before (every generate() makes one) rebinds that layout's entry
-    (``_DecodeStatic.rebound``: no new plan or specialisation): its launches hand the launcher what a fresh entry's do
-    on that storage, the output's address aside; the first storage's entry keeps its own addresses; a storage tensor
-    of another alignment makes a new entry."""
-    import copy
+def _recording_launches(monkeypatch) -> "_RecordingJit":
+    """The GPU host's launch path with the decode kernel faked: ``LeanLaunch`` over a :class:`_RecordingJit` (the
+    interpreter off, a stub driver). Returns the recorder: ``jit.kernel.calls`` holds each relaunch's arguments."""
     from types import SimpleNamespace
 
     from triton.runtime.driver import driver
@@ -576,11 +572,25 @@ def test_new_storage_of_a_known_layout_rebinds_its_entry(case, monkeypatch):
     from turbo_attn_hf.kernels import decode as DK
     from turbo_attn_hf.kernels import launch as launch_mod
 
-    monkeypatch.setattr(launch_mod, "interpreting", lambda: False)  # the GPU host's launch path, kernels faked
+    monkeypatch.setattr(launch_mod, "interpreting", lambda: False)
     monkeypatch.setattr(driver, "_active", SimpleNamespace(get_current_device=lambda: 0,
                                                            get_current_stream=lambda device=None: 7))
     jit = _RecordingJit(DK._decode_kernel)
     monkeypatch.setattr(DK, "_DECODE", DK.LeanLaunch(jit))
+    return jit
+
+
+@pytest.mark.parametrize("case", ["int4-split", "mixed-window", "int8-one-launch"])
+def test_new_storage_of_a_known_layout_rebinds_its_entry(case, monkeypatch):
+    """A new cache's storage of a layout seen before (every generate() makes one) rebinds that layout's entry
+    (``_DecodeStatic.rebound``: no new plan or specialisation): its launches hand the launcher what a fresh entry's do
+    on that storage, the output's address aside; the first storage's entry keeps its own addresses; a storage tensor
+    of another alignment makes a new entry."""
+    import copy
+
+    from turbo_attn_hf.kernels import decode as DK
+
+    jit = _recording_launches(monkeypatch)
     bits = {"mixed-window": [4, 2], "int8-one-launch": [8, 8]}.get(case, [4, 4])
     window = 48 if case == "mixed-window" else None
     splits = 1 if case == "int8-one-launch" else 2
@@ -638,19 +648,11 @@ def test_run_step_relaunches_with_the_arguments_of_run(case, monkeypatch):
     with and a launch hook."""
     import gc
     import weakref
-    from types import SimpleNamespace
-
-    from triton.runtime.driver import driver
 
     from eval.bench_store import count_launches
     from turbo_attn_hf.kernels import decode as DK
-    from turbo_attn_hf.kernels import launch as launch_mod
 
-    monkeypatch.setattr(launch_mod, "interpreting", lambda: False)  # the GPU host's launch path, kernels faked
-    monkeypatch.setattr(driver, "_active", SimpleNamespace(get_current_device=lambda: 0,
-                                                           get_current_stream=lambda device=None: 7))
-    jit = _RecordingJit(DK._decode_kernel)
-    monkeypatch.setattr(DK, "_DECODE", DK.LeanLaunch(jit))
+    jit = _recording_launches(monkeypatch)
     bits = {"mixed-window": [4, 2], "int8-key_valid": [8, 8]}.get(case, [4, 4])
     window = 48 if case == "mixed-window" else None  # the first visible tile stays put over the steps below
     lq = 3 if case.startswith("chunk") else 1
