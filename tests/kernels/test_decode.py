@@ -600,8 +600,10 @@ def test_new_storage_of_a_known_layout_rebinds_its_entry(case, monkeypatch):
         packed = to_packed(gs, "cpu")
         return packed, DK.decode_storage(*t, None, packed)
 
+    outs = []  # every output kept alive: no two launches get one output address
+
     def launched(entry, packed, stor):
-        entry.run(q, packed, stor, nt, None)
+        outs.append(entry.run(q, packed, stor, nt, None))
         return jit.kernel.calls[-1]
 
     DK._STATIC.clear()
