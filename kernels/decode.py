@@ -1201,8 +1201,8 @@ class _StepLaunch:
 _data_ptr = torch.Tensor.data_ptr
 _STATIC: dict = {}
 #: the entries by storage layout (``_layout`` of each tensor in place of its identity): a new cache's first decode
-#: step rebinds one (``_DecodeStatic.rebound``) instead of planning and specialising its launches again (~0.3 ms a
-#: layer on the GPU host, once per generate(); eval/PERF_NOTES.md session 36)
+#: step rebinds one (``_DecodeStatic.rebound``) instead of planning and specialising its launches again (once per
+#: generate() and layer: 146 -> 89 us of that step's host on the CPU, launches stubbed; eval/PERF_NOTES.md session 36)
 _LAYOUTS: dict = {}
 _NO_STRIDES = (0, 0, 0, 0)  # the new token's strides without STORE (never read)
 _N_HEAD = 6  # the leading storage tensors of ``stor`` (k_tail .. qk_smooth); the bit groups' follow

@@ -137,7 +137,8 @@ def smooth_factors_triton(k: torch.Tensor, nsub: int | None = None) -> torch.Ten
         raise ValueError(f"keys must be [b, Hk, T, d], got shape {tuple(k.shape)}")
     device = k.device
     # the call's plan by every fact it is derived from: the first store of each smooth_hadamard layer (same shape)
-    # finds it, and with it the workspace's views and the launch's memo key (~50 us of host a layer on the GPU host)
+    # finds it, and with it the workspace's views and the launch's memo key (the workspace lookup alone took 27 us a
+    # layer on the GPU host; eval/PERF_NOTES.md session 36)
     pkey = (k.shape, k.stride(), k.dtype, device, nsub)
     plan = _PLANS.get(pkey)
     if plan is None or plan[0] is not _WORKSPACE.get(plan[1]):  # new, or the workspace regrew since
