@@ -1,9 +1,9 @@
 """Where plain generate()'s first decode step after a prompt spends its time (issue 18's eager bar).
 
 Session 36's per-step clocks found turbo's first decode step 11-24 ms slower than sdpa + DynamicCache's at every shape
-(32 layers, H200) while the later steps were equal or faster; the CPU, launches stubbed, explains ~2-4 ms of it. This
-probe runs on the GPU host, every kernel compiled first (two warm-up generate() calls per config), and for each config
-reads, for the first decode step and for a later one (``--later``):
+(32 layers, H200) while the later steps were equal or faster. This probe runs on the GPU host (or, ``--stubbed``, on
+a CPU with Triton's launches stubbed: the same Python path), every kernel compiled first (two warm-up generate()
+calls per config), and for each config reads, for the first decode step and for a later one (``--later``):
 
 * the wall time (median over ``--rounds`` clocked generate() calls, CUDA synchronised after every token);
 * Python's garbage collections that ran inside the step (count per generation and their time, ``gc.callbacks``);
@@ -13,6 +13,9 @@ reads, for the first decode step and for a later one (``--later``):
 
     python -m eval.experiments.first_step_probe --layers 32 --shape 1x4k --configs sdpa_dynamic,turbo_int4_eager \\
         --out eval/results/first_step_probe_h200.json
+    # the same host path on a CPU, launches stubbed (a narrow model: its matmuls stay small)
+    python -m eval.experiments.first_step_probe --stubbed --narrow --layers 8 --shape 1x128 \\
+        --configs sdpa_dynamic,turbo_int8_eager --rounds 12
 """
 from __future__ import annotations
 
@@ -145,10 +148,24 @@ def main(argv=None) -> int:
     ap.add_argument("--later", type=int, default=4, help="the later decode step compared with the first")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tiny", action="store_true", help="bench_e2e's TOY shape (a CPU smoke run)")
+    ap.add_argument("--narrow", action="store_true",
+                    help="Llama-3-8B's attention (32 / 8 heads, head_dim 128) in a 256-wide model: the attention and "
+                         "cache host path at its real shapes, the CPU's matmuls small")
+    ap.add_argument("--stubbed", action="store_true",
+                    help="CPU: Triton's launches stubbed (host_step.install_stubs), so turbo runs the GPU host's "
+                         "Python path (its kernels and launches aside) instead of the PyTorch reference")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.stubbed:
+        if dev == "cuda":
+            raise SystemExit("first_step_probe: --stubbed is for a CPU run (it replaces Triton's launches)")
+        from eval.experiments.host_step import install_stubs
+
+        install_stubs()
     shape = TOY if args.tiny else LLAMA3_8B
+    if args.narrow:
+        shape = dict(LLAMA3_8B, hidden_size=256, intermediate_size=256, vocab_size=256)
     model = build_model(args.layers, shape, dev, torch.bfloat16)
     (b, T), = parse_shapes(args.shape)
     ids = torch.randint(0, shape["vocab_size"], (b, T), device=dev)
