@@ -229,9 +229,10 @@ def _out_cache(out):
     return None
 
 
-def step_clock():
+def step_clock(on_token=None):
     """A StoppingCriteria that never stops and keeps the wall time after each generated token (CUDA synchronised):
-    ``clock.t``; its differences are the decode steps' times (``--step-times``)."""
+    ``clock.t``; its differences are the decode steps' times (``--step-times``). ``on_token(i)``: called after token
+    ``i`` (the prompt's is token 0) is clocked, i.e. as decode step ``i`` begins and step ``i - 1`` ends."""
     import torch
     from transformers import StoppingCriteria
 
@@ -242,6 +243,8 @@ def step_clock():
         def __call__(self, input_ids, scores, **kwargs):
             _sync()
             self.t.append(time.perf_counter())
+            if on_token is not None:
+                on_token(len(self.t) - 1)
             return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
     return StepClock()

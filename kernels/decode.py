@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .device import cuda_sm_count, current_cuda_device
+from .device import current_cuda_device, sm_count
 from .hadamard import _key_factor, _rotate_keys, hadamard_rows
 from .interpreter import interpreting
 from .launch import LeanLaunch
@@ -888,9 +888,7 @@ def plan_splits(n_tiles: int, work_units: int, device: torch.device, waves: Opti
     An explicit ``n_splits`` is only capped by ``n_tiles``. On CPU (interpreter) 4 "SMs" are assumed so
     tests exercise the split + merge path.
     """
-    sms = 4
-    if device.type == "cuda":
-        sms = cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    sms = sm_count(device)
     return _plan(n_tiles, work_units, sms, waves, n_splits, min_tiles)
 
 
@@ -956,9 +954,7 @@ def group_splits(n_tiles: int, groups: Sequence[PackedKV], b: int, n_m: int, dev
                  waves: Optional[float] = None, n_splits: Optional[int] = None, min_tiles: int = 4) -> dict:
     """``{bits: n_splits}`` as the launcher plans them with the fused merge (one plan per launch, over all heads
     of its groups, ``_pair_plan``): what ``reference.turbo_decode_ref`` needs to reproduce the kernel's shares."""
-    sms = 4
-    if device.type == "cuda":
-        sms = cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    sms = sm_count(device)
     out = {}
     for pair in launch_pairs(groups):
         g0, g1 = pair[0], pair[-1]
@@ -1265,9 +1261,7 @@ class _DecodeStatic:
         self.head = operator.itemgetter(2, 4 if k_mean is not None else 2, 0, 1, 3, 5 if qk_smooth is not None else 2)
         use_asm = q.device.type == "cuda" and not _INTERPRET
         reg_cap = {"maxnreg": int(max_registers)} if max_registers and use_asm else {}
-        self.sms = 4  # CPU (interpreter): 4 "SMs", so tests exercise the split + merge path
-        if q.device.type == "cuda":
-            self.sms = cuda_sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
+        self.sms = sm_count(q.device)  # CPU (interpreter): 4 "SMs", so tests exercise the split + merge path
         self.plan_opts = (waves, n_splits, min_tiles)
         self.merge, self.num_warps = merge, num_warps
         # qscale: the rotation's 1/sqrt(n) rides in the row scale (the query's INT8 codes do not depend on it)

@@ -7,7 +7,7 @@ import functools
 
 import torch
 
-__all__ = ["cuda_sm_count", "current_cuda_device", "on_device", "on_tensor_device", "sm_count"]
+__all__ = ["current_cuda_device", "on_device", "on_tensor_device", "sm_count"]
 
 #: the current CUDA device index, read in C (``torch.cuda.current_device()`` adds a Python frame and its lazy-init
 #: check: ~3 us a call on the GPU host, several calls a layer and step); callers hold CUDA tensors, so CUDA is up
@@ -19,11 +19,11 @@ def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of ``device``; 4 off CUDA (the interpreter: a few chunks, so tests cover splits)."""
     if device.type != "cuda":
         return 4
-    return cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.lru_cache(maxsize=None)
-def cuda_sm_count(index: int) -> int:
+def _cuda_sm_count(index: int) -> int:
     """Streaming multiprocessors of CUDA device ``index``, read once (a properties read is ~10 us on the GPU host)."""
     return torch.cuda.get_device_properties(index).multi_processor_count
 

@@ -34,27 +34,17 @@ API_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaStreamSynchronize", "cud
 
 
 def window_criteria(step: int, on_enter, on_exit):
-    """A StoppingCriteria that never stops and calls ``on_enter()`` when decode step ``step`` begins (after token
+    """:func:`bench_generate.step_clock` calling ``on_enter()`` when decode step ``step`` begins (after token
     ``step``, the prompt's being token 0) and ``on_exit()`` when it ends, CUDA synchronised at both edges."""
-    import torch
-    from transformers import StoppingCriteria
+    from eval.bench_generate import step_clock
 
-    from eval.bench_generate import _sync
+    def on_token(i: int) -> None:
+        if i == step:
+            on_enter()
+        elif i == step + 1:
+            on_exit()
 
-    class Window(StoppingCriteria):
-        def __init__(self):
-            self.n = 0
-
-        def __call__(self, input_ids, scores, **kwargs):
-            _sync()
-            if self.n == step:
-                on_enter()
-            elif self.n == step + 1:
-                on_exit()
-            self.n += 1
-            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
-    return Window()
+    return step_clock(on_token)
 
 
 def gc_in_window(run, step: int) -> dict:
