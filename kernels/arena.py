@@ -79,30 +79,33 @@ def view_spec(t: Optional[torch.Tensor], buffers: Sequence[torch.Tensor]) -> Opt
 
 
 def lazy_view(obj: object, name: str) -> object:
-    """For ``__getattr__``: make every view ``obj._lazy = (buffers, {attr: view_spec}[, byte bases])`` names (``None``
-    for ``("none",)``; a view of buffer ``i`` starts ``bases[i]`` bytes in) as an attribute of ``obj``, then return
-    ``name``'s; AttributeError when ``name`` is not one. A first prefill replayed per layer (``turbo_attn_hf.
-    first_prefill``) leaves its layer's views to the first use, after the first token: ~11 ``as_strided`` a layer,
-    ~1.5-2 us each on the GPU host. An attribute set since keeps its value. A ``_lazy`` that is not a tuple is a queued
-    store (``first_prefill.Queued``): its ``resolve()`` launches the queue if it has not and gives the tuple."""
+    """For ``__getattr__``: make every view ``obj._lazy = (buffers, {attr: view_spec}[, byte bases[, typed]])``
+    names (``None`` for ``("none",)``; a view of buffer ``i`` starts ``bases[i]`` bytes in; ``typed``: see
+    :func:`make_views`) as an attribute of ``obj``, then return ``name``'s; AttributeError when ``name`` is not one. A
+    first prefill replayed per layer (``turbo_attn_hf.first_prefill``) leaves its layer's views to the first use,
+    after the first token: ~11 ``as_strided`` a layer, ~1.5-2 us each on the GPU host. An attribute set since keeps
+    its value. A ``_lazy`` that is not a tuple is a queued store (``first_prefill.Queued``): its ``resolve()``
+    launches the queue if it has not and gives the tuple."""
     d = obj.__dict__
     lazy = d.get("_lazy")
     if lazy is not None and type(lazy) is not tuple:  # a store queued, maybe not launched yet: where it lies
         lazy = d["_lazy"] = lazy.resolve()
     if lazy is None or name not in lazy[1]:
         raise AttributeError(f"{type(obj).__name__!r} object has no attribute {name!r}")
-    buffers, views, *bases = d.pop("_lazy")
+    buffers, views, *rest = d.pop("_lazy")
     names = [attr for attr in views if attr not in d]
-    for attr, t in zip(names, make_views(buffers, [views[attr] for attr in names], bases[0] if bases else None)):
+    for attr, t in zip(names, make_views(buffers, [views[attr] for attr in names], *rest)):
         d[attr] = t
     return d[name]
 
 
-def make_views(buffers: Sequence[torch.Tensor], specs: Sequence[tuple], bases: Optional[Sequence[int]] = None
-               ) -> list:
+def make_views(buffers: Sequence[torch.Tensor], specs: Sequence[tuple], bases: Optional[Sequence[int]] = None,
+               typed: Optional[dict] = None) -> list:
     """The tensors ``specs`` (``view_spec``'s tuples) name in ``buffers`` (byte tensors; ``("none",)`` -> None);
-    ``bases``: a view of buffer ``i`` starts ``bases[i]`` bytes in."""
-    typed: dict = {}
+    ``bases``: a view of buffer ``i`` starts ``bases[i]`` bytes in; ``typed``: ``{(i, dtype): buffer i viewed as
+    dtype}``, filled here, for calls over the same buffers to share (one ``view`` each, not one per layer)."""
+    if typed is None:
+        typed = {}
     out = []
     for spec in specs:
         if spec[0] == "none":

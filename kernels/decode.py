@@ -1184,6 +1184,18 @@ class _StepLaunch:
         self.head, self.groups = ptrs[0], ptrs[1]
         self.tail = (tps0, tps1, S0, S1, n_m, b) + ptrs[2] + nstr + ptrs[3]
 
+    def rebased(self, head: tuple, groups: tuple) -> "_StepLaunch":
+        """This launch over other storage of the same layout: ``head`` / ``groups`` its tensors' addresses (``run``'s
+        order); the facts, plan and compiled launch are the layout's."""
+        rec = object.__new__(_StepLaunch)
+        for name in _StepLaunch.__slots__:
+            setattr(rec, name, getattr(self, name))
+        rec.head, rec.groups, rec.kv_ptr, rec.ln_ptr = head, groups, head[2], head[4]  # k_tail and sv stand in
+        rec.no_token = (head[4],) * 3
+        if rec.sizes is None:  # no workspace: sv takes its slots
+            rec.ws = (_none_ref,) + rec.no_token
+        return rec
+
     def workspace(self, device) -> tuple:
         """(a weak reference to the workspace's partials, its three addresses): weak, so a record does not keep a
         regrown workspace's old buffers alive; without one (``sizes`` None) sv takes the slots."""
@@ -1308,19 +1320,21 @@ class _DecodeStatic:
         self.launches = {}
         self.plans = {}  # (pair, visible tiles) -> _step_plan
         self.step = None  # the last launch with host lengths, for ``run_step`` to replay (``_StepLaunch``)
+        self.first = None  # the first one recorded: what a rebound entry's first step replays (``rebound``)
 
     def rebound(self, stor) -> "_DecodeStatic":
         """This entry for other storage tensors of the same layout (``_layout``: shapes, strides, dtypes, devices,
         alignments): everything derived from the layout is shared, the launches keep their compiled kernels with
-        the new tensors' addresses, and no step is recorded yet (``run`` records one)."""
+        the new tensors' addresses, and the step it replays is this entry's first recorded step on them: a new cache's
+        first decode step is usually the last cache's first one again (the same prompt length), and replays."""
         st = object.__new__(_DecodeStatic)  # a shallow copy without copy.copy's __reduce_ex__ round trip (6x faster)
         st.__dict__.update(self.__dict__)
         st.refs = tuple(_none_ref if t is None else weakref.ref(t) for t in stor)
-        st.step = None
         head = tuple(t.data_ptr() for t in self.head(stor))
-        st.launches = {kk: (kw, ran, ptrs if ptrs is None else
-                            (head, tuple(t.data_ptr() for t in self.pairs[kk[0]][1](stor))) + ptrs[2:])
+        pairs = [tuple(t.data_ptr() for t in pair[1](stor)) for pair in self.pairs]
+        st.launches = {kk: (kw, ran, ptrs if ptrs is None else (head, pairs[kk[0]]) + ptrs[2:])
                        for kk, (kw, ran, ptrs) in self.launches.items()}
+        st.step = st.first = None if self.first is None else self.first.rebased(head, pairs[0])
         return st
 
     def alive(self, stor) -> bool:
@@ -1545,6 +1559,8 @@ class _DecodeStatic:
                     self._step_facts(n_blocks, n_tail, t0, ptrs_or, kvalid is None, *k_new, cur),
                     hit, grid, self.device, sizes, head[2].data_ptr(), sv.data_ptr(), tps0, tps1, S0, S1, self.n_m,
                     self.b, nstr)
+                if self.first is None:
+                    self.first = self.step
             if split and not fused:
                 if lens is not None:
                     raise ValueError("merge='kernel' takes host lengths; a launch with lens needs merge='fused'")

@@ -206,8 +206,9 @@ class Batch:
         out = [None] * len(gen.items)
         for js in by_plan.values():
             bigs = launch_layers([gen.items[j] for j in js])
+            typed: dict = {}  # the buffers' typed views, shared by these layers' lazy views (``arena.make_views``)
             for jl, j in enumerate(js):
-                out[j] = (bigs, jl)
+                out[j] = (bigs, jl, typed)
         gen.items, gen.out = [(it[0],) for it in gen.items], out  # K/V (and factors) no longer kept alive
 
 
@@ -223,7 +224,8 @@ class Queue:
 
 class Queued:
     """The ``_lazy`` of a queued layer (``group`` None) or of one of its bit groups: :meth:`resolve` (``arena.
-    lazy_view``, on first use) flushes the queue if it has not launched and gives ``(buffers, views, byte bases)``."""
+    lazy_view``, on first use) flushes the queue if it has not launched and gives ``(buffers, views, byte bases, typed
+    views)``."""
 
     __slots__ = ("gen", "j", "group")
 
@@ -238,9 +240,9 @@ class Queued:
             raise RuntimeError("turbo_int8: this TurboCache layer's first store failed to launch (see the error raised "
                                "by the forward that queued it); reset the cache or start a new one")
         rp = gen.items[self.j][0]
-        bigs, jl = gen.out[self.j]
+        bigs, jl, typed = gen.out[self.j]
         views = rp.layer_views if self.group is None else rp.groups[self.group][2]
-        return bigs, views, tuple(map(jl.__mul__, rp.sizes))
+        return bigs, views, tuple(map(jl.__mul__, rp.sizes)), typed
 
 
 def launch_layers(items: list) -> list:

@@ -23,10 +23,12 @@ import argparse
 import cProfile
 import gc
 import json
+import os
 import pstats
 import statistics
 import sys
 import time
+from typing import Optional
 
 #: the CUDA API calls counted per step (torch.profiler's CPU-side names; a prefix matches)
 API_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaStreamSynchronize", "cudaDeviceSynchronize",
@@ -81,26 +83,29 @@ def api_in_window(run, step: int) -> dict:
     return out
 
 
-def cprofile_in_window(run, step: int) -> dict:
-    """``{function: (calls, own s, cumulative s)}`` of decode step ``step`` (cProfile)."""
+def cprofile_in_window(run, step: int, dump: Optional[str] = None) -> dict:
+    """``{function: (calls, own s, cumulative s)}`` of decode step ``step`` (cProfile); ``dump``: also write the
+    profile there (``pstats`` reads it: callers and callees)."""
     pr = cProfile.Profile()
     run(window_criteria(step, pr.enable, pr.disable))
+    if dump:
+        pr.dump_stats(dump)
     return {f"{f[0].rsplit('site-packages/', 1)[-1]}:{f[1]}({f[2]})": (nc, tt, ct)
             for f, (cc, nc, tt, ct, callers) in pstats.Stats(pr).stats.items()}
 
 
-def profile_diff(first: dict, later: dict, top: int = 25) -> list:
-    """The functions whose cumulative time in the first step exceeds the later step's most: rows of
-    (function, cumulative µs difference, own µs difference, calls difference)."""
+def profile_diff(first: dict, later: dict, top: int = 60, by: int = 1) -> list:
+    """The functions whose time in the first step exceeds the later step's most, by cumulative (``by`` 1) or own
+    (``by`` 2) time: rows of (function, cumulative µs difference, own µs difference, calls difference)."""
     rows = []
     for f in set(first) | set(later):
         a, b = first.get(f, (0, 0.0, 0.0)), later.get(f, (0, 0.0, 0.0))
         rows.append((f, round((a[2] - b[2]) * 1e6, 1), round((a[1] - b[1]) * 1e6, 1), a[0] - b[0]))
-    rows.sort(key=lambda r: -r[1])
+    rows.sort(key=lambda r: -r[by])
     return rows[:top]
 
 
-def probe(model, spec: dict, ids, mask, n: int, rounds: int, later: int) -> dict:
+def probe(model, spec: dict, ids, mask, n: int, rounds: int, later: int, pstats_dir: Optional[str] = None) -> dict:
     from transformers import StoppingCriteriaList
 
     from eval.bench_e2e import set_impl
@@ -119,7 +124,10 @@ def probe(model, spec: dict, ids, mask, n: int, rounds: int, later: int) -> dict
            "first_steps_ms": [round(s[0] * 1e3, 2) for s in steps]}
     for name, fn in (("gc", gc_in_window), ("cuda_api", api_in_window)):
         row[name] = {"first": fn(run, 0), "later": fn(run, later)}
-    row["cprofile_diff"] = profile_diff(cprofile_in_window(run, 0), cprofile_in_window(run, later))
+    dumps = [os.path.join(pstats_dir, f"{spec['name']}_step{i}.pstats") if pstats_dir else None for i in (0, later)]
+    first, later_prof = cprofile_in_window(run, 0, dumps[0]), cprofile_in_window(run, later, dumps[1])
+    row["cprofile_diff"] = profile_diff(first, later_prof)
+    row["cprofile_own_diff"] = profile_diff(first, later_prof, top=30, by=2)
     return row
 
 
@@ -145,6 +153,7 @@ def main(argv=None) -> int:
                     help="CPU: Triton's launches stubbed (host_step.install_stubs), so turbo runs the GPU host's "
                          "Python path (its kernels and launches aside) instead of the PyTorch reference")
     ap.add_argument("--out")
+    ap.add_argument("--pstats", metavar="DIR", help="also write each config's two step profiles there (pstats files)")
     args = ap.parse_args(argv)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if args.stubbed:
@@ -162,7 +171,7 @@ def main(argv=None) -> int:
     mask = torch.ones_like(ids)
     rows = []
     for name in args.configs.split(","):
-        row = probe(model, parse_config(name), ids, mask, args.new_tokens, args.rounds, args.later)
+        row = probe(model, parse_config(name), ids, mask, args.new_tokens, args.rounds, args.later, args.pstats)
         rows.append(row)
         print(f"{row['config']}: first step {row['first_step_ms']:.2f} ms, step {args.later} "
               f"{row['later_step_ms']:.2f} ms; gc first {row['gc']['first']}, later {row['gc']['later']}")
@@ -170,8 +179,10 @@ def main(argv=None) -> int:
             a, c = row["cuda_api"]["first"].get(k, {}), row["cuda_api"]["later"].get(k, {})
             print(f"    {k:32} first {a.get('count', 0):5} ({a.get('cpu_us', 0):8.1f} us)   later "
                   f"{c.get('count', 0):5} ({c.get('cpu_us', 0):8.1f} us)")
-        for f, dcum, down, dn in row["cprofile_diff"][:15]:
-            print(f"    {dcum:9.0f} {down:9.0f} {dn:6}  {f}")
+        for key, n_rows in (("cprofile_diff", 15), ("cprofile_own_diff", 20)):
+            print(f"  {key}: cumulative us, own us, calls (first step - step {args.later})")
+            for f, dcum, down, dn in row[key][:n_rows]:
+                print(f"    {dcum:9.0f} {down:9.0f} {dn:6}  {f}")
     if args.out:
         from eval.bench_common import machine_info
 

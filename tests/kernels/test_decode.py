@@ -617,10 +617,18 @@ def test_new_storage_of_a_known_layout_rebinds_its_entry(case, monkeypatch):
     made, init = [], DK._DecodeStatic.__init__
     monkeypatch.setattr(DK._DecodeStatic, "__init__", lambda self, *a, **kw: made.append(1))  # none may be made
     eb = DK.decode_entry(q, pb, sb, True, True, window=window, n_splits=splits)
-    assert not made and eb is not ea and eb.alive(sb) and eb.step is None
+    assert not made and eb is not ea and eb.alive(sb)
     n_calls = len(jit.kernel.calls)
+    replayed = None  # the rebound entry's first step: ea's first recorded step on sb's addresses
+    if ea.first is not None:
+        assert eb.step is eb.first and eb.step is not ea.first
+        outs.append(eb.run_step(q, pb, sb, nt, None))
+        assert outs[-1] is not None
+        replayed = jit.kernel.calls[-1]
+    else:
+        assert eb.step is None
     by_b = launched(eb, pb, sb)
-    assert len(jit.kernel.calls) == n_calls + 1  # a relaunch: nothing compiled again
+    assert len(jit.kernel.calls) == n_calls + 1 + (replayed is not None)  # relaunches: nothing compiled again
     monkeypatch.setattr(DK._DecodeStatic, "__init__", init)
     DK._STATIC.clear()
     DK._LAYOUTS.clear()
@@ -629,6 +637,8 @@ def test_new_storage_of_a_known_layout_rebinds_its_entry(case, monkeypatch):
     by_fresh = launched(fresh, pb, sb)
     diff = [i for i, (x, y) in enumerate(zip(by_b, by_fresh)) if x != y]
     assert len(by_b) == len(by_fresh) and len(diff) == 1, f"positions {diff} differ"  # the output's address
+    if replayed is not None:
+        assert [x for i, x in enumerate(replayed) if i != diff[0]] == [x for i, x in enumerate(by_fresh) if i != diff[0]]
     assert by_b != by_a and launched(ea, pa, sa)[diff[0] + 1:] == by_a[diff[0] + 1:]
     if case == "int8-one-launch":  # the rebound entry records its own step, which replays with its addresses
         assert eb.step is not None and eb.run_step(q, pb, sb, nt, None) is not None
