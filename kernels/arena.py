@@ -13,7 +13,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-__all__ = ["ALIGN", "buffer_offset", "carve", "layout", "lazy_view", "make_views", "view_spec"]
+__all__ = ["ALIGN", "buffer_offset", "carve", "layout", "lazy_view", "make_views", "stacked_views", "view_spec"]
 
 #: byte alignment of every view (Triton's pointer specialisation needs 16; 128 keeps rows on cache-line starts)
 ALIGN = 128
@@ -79,33 +79,58 @@ def view_spec(t: Optional[torch.Tensor], buffers: Sequence[torch.Tensor]) -> Opt
 
 
 def lazy_view(obj: object, name: str) -> object:
-    """For ``__getattr__``: make every view ``obj._lazy = (buffers, {attr: view_spec}[, byte bases[, typed]])``
-    names (``None`` for ``("none",)``; a view of buffer ``i`` starts ``bases[i]`` bytes in; ``typed``: see
-    :func:`make_views`) as an attribute of ``obj``, then return ``name``'s; AttributeError when ``name`` is not one. A
-    first prefill replayed per layer (``turbo_attn_hf.first_prefill``) leaves its layer's views to the first use,
-    after the first token: ~11 ``as_strided`` a layer, ~1.5-2 us each on the GPU host. An attribute set since keeps
-    its value. A ``_lazy`` that is not a tuple is a queued store (``first_prefill.Queued``): its ``resolve()``
-    launches the queue if it has not and gives the tuple."""
+    """For ``__getattr__``: make every view ``obj._lazy = (buffers, {attr: view_spec}[, byte bases])`` names (``None``
+    for ``("none",)``; a view of buffer ``i`` starts ``bases[i]`` bytes in) as an attribute of ``obj``, then return
+    ``name``'s; AttributeError when ``name`` is not one. ``buffers`` None: the views are made already (``{attr:
+    tensor}``, :func:`stacked_views`). A first prefill replayed per layer (``turbo_attn_hf.first_prefill``) leaves its
+    layer's views to the first use, after the first token. An attribute set since keeps its value. A ``_lazy`` that
+    is not a tuple is a queued store (``first_prefill.Queued``): its ``resolve()`` launches the queue if it has not
+    and gives the tuple."""
     d = obj.__dict__
     lazy = d.get("_lazy")
     if lazy is not None and type(lazy) is not tuple:  # a store queued, maybe not launched yet: where it lies
         lazy = d["_lazy"] = lazy.resolve()
     if lazy is None or name not in lazy[1]:
         raise AttributeError(f"{type(obj).__name__!r} object has no attribute {name!r}")
-    buffers, views, *rest = d.pop("_lazy")
+    buffers, views, *bases = d.pop("_lazy")
+    if buffers is None:
+        for attr, t in views.items():
+            if attr not in d:
+                d[attr] = t
+        return d[name]
     names = [attr for attr in views if attr not in d]
-    for attr, t in zip(names, make_views(buffers, [views[attr] for attr in names], *rest)):
+    for attr, t in zip(names, make_views(buffers, [views[attr] for attr in names], bases[0] if bases else None)):
         d[attr] = t
     return d[name]
 
 
-def make_views(buffers: Sequence[torch.Tensor], specs: Sequence[tuple], bases: Optional[Sequence[int]] = None,
-               typed: Optional[dict] = None) -> list:
+def stacked_views(buffers: Sequence[torch.Tensor], specs: dict, steps: Sequence[int], n: int) -> dict:
+    """``{attr: n views}``: for each ``view_spec`` of ``specs`` (``{attr: spec}``), the views of ``n`` layers whose
+    buffer ``i`` lies ``steps[i]`` bytes after the previous layer's (``("none",)`` -> n Nones). One ``as_strided``
+    and one ``unbind`` per attribute for all layers: ~0.5 us a view on the CPU where a view of its own costs ~1.1
+    (~2 on the GPU host; the first decode step of a cache makes ~14 a layer)."""
+    typed: dict = {}
+    out = {}
+    for attr, spec in specs.items():
+        if spec[0] == "none":
+            out[attr] = (None,) * n
+            continue
+        i, shape, strides, dtype, off = spec
+        base = typed.get((i, dtype))
+        if base is None:
+            base = typed[(i, dtype)] = buffers[i].view(dtype)
+        step, rem = divmod(steps[i], dtype.itemsize)
+        if rem:
+            raise ValueError(f"layers {steps[i]} bytes apart hold no whole {dtype} elements")
+        out[attr] = base.as_strided((n,) + tuple(shape), (step,) + tuple(strides), off).unbind(0)
+    return out
+
+
+def make_views(buffers: Sequence[torch.Tensor], specs: Sequence[tuple], bases: Optional[Sequence[int]] = None
+               ) -> list:
     """The tensors ``specs`` (``view_spec``'s tuples) name in ``buffers`` (byte tensors; ``("none",)`` -> None);
-    ``bases``: a view of buffer ``i`` starts ``bases[i]`` bytes in; ``typed``: ``{(i, dtype): buffer i viewed as
-    dtype}``, filled here, for calls over the same buffers to share (one ``view`` each, not one per layer)."""
-    if typed is None:
-        typed = {}
+    ``bases``: a view of buffer ``i`` starts ``bases[i]`` bytes in."""
+    typed: dict = {}
     out = []
     for spec in specs:
         if spec[0] == "none":

@@ -29,7 +29,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from .kernels.arena import buffer_offset, view_spec
+from .kernels.arena import buffer_offset, stacked_views, view_spec
 from .kernels.device import current_cuda_device, on_device
 from .kernels.launch import LeanLaunch, lean
 
@@ -206,9 +206,9 @@ class Batch:
         out = [None] * len(gen.items)
         for js in by_plan.values():
             bigs = launch_layers([gen.items[j] for j in js])
-            typed: dict = {}  # the buffers' typed views, shared by these layers' lazy views (``arena.make_views``)
+            made: dict = {"n": len(js)}  # the views of these layers, made for all at the first one's use (resolve)
             for jl, j in enumerate(js):
-                out[j] = (bigs, jl, typed)
+                out[j] = (bigs, jl, made)
         gen.items, gen.out = [(it[0],) for it in gen.items], out  # K/V (and factors) no longer kept alive
 
 
@@ -224,8 +224,8 @@ class Queue:
 
 class Queued:
     """The ``_lazy`` of a queued layer (``group`` None) or of one of its bit groups: :meth:`resolve` (``arena.
-    lazy_view``, on first use) flushes the queue if it has not launched and gives ``(buffers, views, byte bases, typed
-    views)``."""
+    lazy_view``, on first use) flushes the queue if it has not launched and gives ``(None, {attr: its view})``: the
+    views of all the flush's layers of one plan are made at the first one's use (``arena.stacked_views``)."""
 
     __slots__ = ("gen", "j", "group")
 
@@ -240,9 +240,12 @@ class Queued:
             raise RuntimeError("turbo_int8: this TurboCache layer's first store failed to launch (see the error raised "
                                "by the forward that queued it); reset the cache or start a new one")
         rp = gen.items[self.j][0]
-        bigs, jl, typed = gen.out[self.j]
-        views = rp.layer_views if self.group is None else rp.groups[self.group][2]
-        return bigs, views, tuple(map(jl.__mul__, rp.sizes)), typed
+        bigs, jl, made = gen.out[self.j]
+        stacked = made.get(self.group)
+        if stacked is None:  # the first use of this kind of view in the flush: every layer's at once
+            views = rp.layer_views if self.group is None else rp.groups[self.group][2]
+            stacked = made[self.group] = stacked_views(bigs, views, rp.sizes, made["n"])
+        return None, {attr: ts[jl] for attr, ts in stacked.items()}
 
 
 def launch_layers(items: list) -> list:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from turbo_attn_hf.kernels.arena import lazy_view, view_spec
+from turbo_attn_hf.kernels.arena import lazy_view, make_views, stacked_views, view_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -105,6 +105,21 @@ def test_lazy_views_are_made_on_first_use_and_keep_later_assignments():
     with pytest.raises(AttributeError):
         h.missing
     assert view_spec(torch.zeros(2), [buf]) is None
+
+
+def test_stacked_views_are_each_layers_own_views():
+    """``stacked_views`` (a flush's layers' views at once) gives what ``make_views`` gives each layer at its byte
+    bases: the same addresses, shapes, strides and dtypes; layers apart by a partial element are refused."""
+    bufs = [torch.zeros(3 * 96, dtype=torch.uint8), torch.zeros(3 * 64, dtype=torch.uint8)]
+    specs = {"a": (0, (2, 4), (1, 2), torch.float32, 4), "b": (1, (8,), (2,), torch.int16, 0), "c": ("none",)}
+    stacked = stacked_views(bufs, specs, (96, 64), 3)
+    for j in range(3):
+        own = make_views(bufs, list(specs.values()), (96 * j, 64 * j))
+        for t, o in zip((stacked[a][j] for a in specs), own):
+            assert (t is None and o is None) or (t.data_ptr(), t.shape, t.stride(), t.dtype) == \
+                (o.data_ptr(), o.shape, o.stride(), o.dtype)
+    with pytest.raises(ValueError, match="whole"):
+        stacked_views(bufs, specs, (98, 64), 3)
 
 
 def test_layer_format_ids_follow_the_format_not_the_objects():
