@@ -675,6 +675,7 @@ class TurboLayer(CacheLayerMixin):
         if value_states.shape != key_states.shape or not self._defers(key_states):
             return None
         self._defer(key_states, value_states)
+        self._first_prefill = False
         return self._placeholders(self.get_seq_length())
 
     def _pop_deferred(self) -> tuple:
@@ -857,8 +858,12 @@ class TurboLayer(CacheLayerMixin):
         return self._placeholders(self.get_seq_length())
 
     def _first_prefill_keys(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple:
-        """The first prefill's own K (raw) / V, marked for the attention function."""
+        """The first prefill's own K (raw) / V, marked for the attention function. A dynamic layer's next decode
+        token of this batch and head layout takes ``defer_token``: ``update``'s checks of it are this prefill's."""
         self._first_prefill = True
+        if not self.is_compileable:  # a static layer never defers
+            b, hk, _, d = key_states.shape
+            self._token_shape = torch.Size((b, hk, 1, d))
         key_states.turbo_cache_layer = self
         value_states.turbo_cache_layer = self
         key_states.turbo_rotated = self.rotated

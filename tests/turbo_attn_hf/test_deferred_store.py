@@ -169,9 +169,10 @@ def test_the_kernel_refuses_a_store_it_cannot_take(device):
 
 
 def test_steady_steps_skip_the_layers_update(device, monkeypatch):
-    """From a layer's second deferred token of one shape on, ``TurboCache.update`` hands the token to
-    ``defer_token`` (no first-prefill, shape or rotation checks); a packing step, another batch and a reset go back
-    through the layer's ``update``. The outputs are test_decode_launch_stores_the_step_token's (the same path)."""
+    """From a dynamic layer's first decode token on (the first prefill's checks of batch and heads are the token's),
+    ``TurboCache.update`` hands a token of that shape to ``defer_token`` (no first-prefill, shape or rotation
+    checks); a packing step, another batch and a reset go back through the layer's ``update``. The outputs are
+    test_decode_launch_stores_the_step_token's (the same path)."""
     if device.type != "cuda" and not C.use_triton(device):
         pytest.skip("the deferred store runs where the Triton kernels do")
     seen = []
@@ -185,7 +186,7 @@ def test_steady_steps_skip_the_layers_update(device, monkeypatch):
     prompt, steps = BS + 5, BS - 2
     layer, _, deferred = _steps(_cfg("int4"), True, prompt, steps, device)
     packs = deferred.count(False)
-    assert packs >= 1 and seen == [prompt] + [1] * (packs + 1)  # the prompt, the first deferral, each pack
+    assert packs >= 1 and seen == [prompt] + [1] * packs  # the prompt, each pack
     assert layer._token_shape == (2, HK, 1, D)
     layer.batch_select_indices(torch.tensor([0], device=device))
     assert layer._token_shape is None

@@ -60,6 +60,8 @@ def test_step_store_matches_the_dynamic_store(cfg, device):
     dyn, sta = TurboLayer(cfg, 0, 1), TurboStaticLayer(cfg, 0, 1, max_cache_len=T0 + n)
     for layer in (dyn, sta):
         layer.update(k[:, :, :T0], v[:, :, :T0])
+        # the dynamic layer's next token of this shape defers its store; a static layer never defers
+        assert layer._token_shape == (None if layer is sta else (b, hk, 1, d))
         for t in range(T0, T0 + n):
             layer.update(k[:, :, t:t + 1], v[:, :, t:t + 1])
     assert sta.lens.tolist() == [dyn.n_blocks, dyn.n_tail] == [sta.n_blocks, sta.n_tail]
