@@ -107,8 +107,8 @@ def lazy_view(obj: object, name: str) -> object:
 def stacked_views(buffers: Sequence[torch.Tensor], specs: dict, steps: Sequence[int], n: int) -> dict:
     """``{attr: n views}``: for each ``view_spec`` of ``specs`` (``{attr: spec}``), the views of ``n`` layers whose
     buffer ``i`` lies ``steps[i]`` bytes after the previous layer's (``("none",)`` -> n Nones). One ``as_strided``
-    and one ``unbind`` per attribute for all layers: ~0.5 us a view on the CPU where a view of its own costs ~1.1
-    (~2 on the GPU host; the first decode step of a cache makes ~14 a layer)."""
+    and one ``unbind`` per attribute for all layers, not a Python-level ``as_strided`` per view: a cache's first
+    decode step makes ~14 views a layer (eval/PERF_NOTES.md session 37)."""
     typed: dict = {}
     out = {}
     for attr, spec in specs.items():
