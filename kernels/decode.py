@@ -1192,8 +1192,8 @@ class _StepLaunch:
             setattr(rec, name, getattr(self, name))
         rec.head, rec.groups, rec.kv_ptr, rec.ln_ptr = head, groups, head[2], head[4]  # k_tail and sv stand in
         rec.no_token = (head[4],) * 3
-        if rec.sizes is None:  # no workspace: sv takes its slots
-            rec.ws = (_none_ref,) + rec.no_token
+        if rec.sizes is None:  # no workspace: the new sv takes its slots
+            rec.ws = rec.workspace(None)
         return rec
 
     def workspace(self, device) -> tuple:

@@ -206,15 +206,15 @@ class Batch:
         out = [None] * len(gen.items)
         for js in by_plan.values():
             bigs = launch_layers([gen.items[j] for j in js])
-            made: dict = {"n": len(js)}  # the views of these layers, made for all at the first one's use (resolve)
+            made: dict = {}  # the views of these layers, made for all at the first one's use (resolve)
             for jl, j in enumerate(js):
-                out[j] = (bigs, jl, made)
+                out[j] = (bigs, jl, len(js), made)
         gen.items, gen.out = [(it[0],) for it in gen.items], out  # K/V (and factors) no longer kept alive
 
 
 class Queue:
     """One flush's worth of a :class:`Batch`: ``items`` ``(replay, k, v, factors)``; ``out`` once launched: per item
-    the buffers and its index in them."""
+    the buffers, its index in them, the layers they hold and those layers' views made so far (shared)."""
 
     __slots__ = ("batch", "items", "nbytes", "out")
 
@@ -240,11 +240,11 @@ class Queued:
             raise RuntimeError("turbo_int8: this TurboCache layer's first store failed to launch (see the error raised "
                                "by the forward that queued it); reset the cache or start a new one")
         rp = gen.items[self.j][0]
-        bigs, jl, made = gen.out[self.j]
+        bigs, jl, n, made = gen.out[self.j]
         stacked = made.get(self.group)
         if stacked is None:  # the first use of this kind of view in the flush: every layer's at once
             views = rp.layer_views if self.group is None else rp.groups[self.group][2]
-            stacked = made[self.group] = stacked_views(bigs, views, rp.sizes, made["n"])
+            stacked = made[self.group] = stacked_views(bigs, views, rp.sizes, n)
         return None, {attr: ts[jl] for attr, ts in stacked.items()}
 
 

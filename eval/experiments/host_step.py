@@ -15,6 +15,8 @@ upper bound of sdpa's host time; see ``--sdpa``).
 
     python -m eval.experiments.host_step                 # int8/int4/mixed, 1 x 1k, decode + first prefill
     python -m eval.experiments.host_step --profile int4  # cProfile of the decode loop (tottime top 25)
+    # each step of new caches alone, split into update / attention (a generate()'s first decode step):
+    python -m eval.experiments.host_step --device cuda --presets int4 --context 4096 --steps 4 --reps 5 --per-step
     # Gemma-3's rotated layers, their token stored by its own launch vs by the decode launch (alternating rounds):
     python -m eval.experiments.host_step --presets int4 --heads 4,1,256 --rotate-qk smooth_hadamard --ab-rotated-store 5
 
@@ -196,7 +198,7 @@ class _Attn(torch.nn.Module):
 
 def run_config(preset: str, *, batch: int, context: int, steps: int, reps: int, layers: int, hq: int, hk: int,
                d: int, padded: bool, profile: bool = False, sdpa: bool = False, device: str = "cpu",
-               prefill_attention: str = "", rotate_qk: str = "") -> dict:
+               prefill_attention: str = "", rotate_qk: str = "", per_step: bool = False) -> dict:
     from turbo_attn_hf.attention import turbo_attention_forward
     from turbo_attn_hf.cache import TurboCache
     from turbo_attn_hf.masks import turbo_mask
@@ -255,13 +257,23 @@ def run_config(preset: str, *, batch: int, context: int, steps: int, reps: int, 
             k, v = cache.update(kp, vp, i)
             attn_fn(mods[i], qp, k, v, m, scaling=scaling, dropout=0.0)
 
-    def decode(cache, n):
-        for s in range(n):
+    def decode(cache, n, first=0, split=None):
+        """Decode steps ``first .. first + n - 1``; ``split``: add each layer's update / attention seconds to it."""
+        clock = time.perf_counter
+        for s in range(first, first + n):
             past = context + s
             m = mask_for(1, past)
             for i in range(layers):
+                if split is None:  # the timed loops: no clock reads inside
+                    k, v = cache.update(k1, v1, i)
+                    attn_fn(mods[i], q1, k, v, m, scaling=scaling, dropout=0.0)
+                    continue
+                t0 = clock()
                 k, v = cache.update(k1, v1, i)
+                t1 = clock()
                 attn_fn(mods[i], q1, k, v, m, scaling=scaling, dropout=0.0)
+                split[0] += t1 - t0
+                split[1] += clock() - t1
 
     # warm: compile-once caches (LeanLaunch keys, _DecodeStatic entries, plans)
     c = new_cache()
@@ -299,6 +311,33 @@ def run_config(preset: str, *, batch: int, context: int, steps: int, reps: int, 
                    prefill_min=round(min(pre), 1))
     if not steps:
         del out["decode_us_per_layer"], out["decode_min"]
+    if per_step and steps:
+        # each decode step of a new cache on its own: a generate()'s first one costs more host (the first prefill's
+        # views made on first use, the layer's decode entry rebound; eval/PERF_NOTES.md session 37)
+        per_rep = []
+        for _ in range(reps):
+            c = new_cache()
+            prefill(c)
+            row = []
+            for s in range(steps):
+                split = [0.0, 0.0]
+                sync()
+                t0 = time.perf_counter()
+                decode(c, 1, s, split)
+                row.append(((time.perf_counter() - t0) / layers * 1e6, [round(x / layers * 1e6, 1) for x in split]))
+            per_rep.append(row)
+        best = [min(per_rep, key=lambda r: r[s][0])[s] for s in range(steps)]  # the fastest new cache, per step
+        out.update(step_us_per_layer=[round(t, 1) for t, _ in best],
+                   step_update_attention_us=[sp for _, sp in best])
+        if profile:
+            c = new_cache()
+            prefill(c)
+            sync()
+            pr = cProfile.Profile()
+            pr.enable()
+            decode(c, 1)
+            pr.disable()
+            _print_per_layer(pr, layers, "a new cache's first decode step")
     if profile and steps:
         c = new_cache()
         prefill(c)
@@ -372,6 +411,9 @@ def main(argv=None) -> None:
     ap.add_argument("--ab-rotated-store", type=int, default=0, metavar="R",
                     help="R alternating rounds per preset, cache.DEFER_ROTATED_STORE off (the store's own launch) "
                          "and on (the decode launch stores the rotated token): medians of the per-round minimums")
+    ap.add_argument("--per-step", action="store_true",
+                    help="also each decode step of new caches on its own (min over reps) and its update / attention "
+                         "split: the first step after a prompt against the later ones")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -399,7 +441,7 @@ def main(argv=None) -> None:
         a.presets = ""
     for p in filter(None, a.presets.split(",")):
         rows.append(run_config(p, profile=(p == a.profile), prefill_attention=a.prefill_attention,
-                               rotate_qk=a.rotate_qk, **kw))
+                               rotate_qk=a.rotate_qk, per_step=a.per_step, **kw))
         print(json.dumps(rows[-1]), flush=True)
     if a.json:
         with open(a.json, "w") as f:
