@@ -511,6 +511,8 @@ def _decode_program(
     # ---- query: fold K's per-channel scale in, per-row symmetric INT8 (round half away), as prepare_query_ref
     p_q = q + i_b64 * stride_qb + o_qh[:, None].to(tl.int64) * stride_qh + o_qi[:, None] * stride_ql + o_d[None, :]
     b_qf = tl.load(p_q, mask=m_r[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+    # K's channel scales read beside the query: with ROTATE the barrier below would otherwise hold this load back
+    b_sk = tl.load(sk + o_kvh + o_d, mask=m_d, other=0.0)
     if ROTATE:  # into K's stored basis, (q · diag(s)) · H±1 in fp32 (padded channels are 0 and form whole blocks)
         if HAS_FACTOR:
             b_qf = b_qf * tl.load(qsm + o_kvh + o_d, mask=m_d, other=0.0)[None, :]
@@ -522,7 +524,6 @@ def _decode_program(
         tl.store(p_rt, b_qf)
         tl.debug_barrier()
         b_qf = tl.load(p_rt)
-    b_sk = tl.load(sk + o_kvh + o_d, mask=m_d, other=0.0)
     b_qs = b_qf * b_sk[None, :]
     b_amax = tl.max(tl.abs(b_qs), 1)
     b_inv = tl.where(b_amax > 0, tl.math.div_rn(tl.full([BM], 127.0, tl.float32), tl.where(b_amax > 0, b_amax, 1.0)),
