@@ -1,6 +1,7 @@
 """Issue 18's eager bar over several bench_generate rounds files pooled: per preset, every round's ratio of turbo's
 step to sdpa + DynamicCache's step in the same round (the round's own step and the median of its clocked steps), their
-median and geometric mean with bootstrap intervals, and each config's first decode step against its later ones.
+median and geometric mean with bootstrap intervals, the same per round from the clocked steps split into the first
+step and the later ones (``step_ratios``), and each config's first decode step against its later ones.
 
     python -m eval.experiments.rounds_pooled [--out eval/results/eager_rounds_pooled_s36_h200.json] FILE...
 
@@ -33,12 +34,40 @@ def gmean(values: list[float]) -> float:
 def first_step(row: dict) -> dict:
     """The first decode step after the prompt against the later ones: medians over the rounds of the clocked steps
     (``decode_step_pool_s`` holds each round's N steps in order), ms."""
+    rounds = _rounds_of(row)
+    if not rounds:
+        return {}
+    return {"first_step_ms": statistics.median(r[0] for r in rounds) * 1e3,
+            "later_steps_ms": statistics.median(x for r in rounds for x in r[1:]) * 1e3}
+
+
+def _rounds_of(row: dict) -> list:
+    """A row's clocked steps per round (``decode_step_pool_s`` in round order), [] without them."""
     pool, rounds = row.get("decode_step_pool_s"), len(row.get("decode_step_med_rounds_s") or [])
     if not pool or not rounds or len(pool) % rounds:
-        return {}
+        return []
     n = len(pool) // rounds
-    return {"first_step_ms": statistics.median(pool[j * n] for j in range(rounds)) * 1e3,
-            "later_steps_ms": statistics.median(x for j in range(rounds) for x in pool[j * n + 1:(j + 1) * n]) * 1e3}
+    return [pool[j * n:(j + 1) * n] for j in range(rounds)]
+
+
+def step_ratios(row: dict, base: dict) -> dict:
+    """Per round, turbo's clocked steps over the base's in the same round, four ways: the mean of all N steps (what
+    the issue's estimator measures), the mean and the median of the later N - 1, and the mean of all N with turbo's
+    first step costing its later median times the base's own first-step factor (what a first step no dearer than
+    the base's would read). Separates the first step's share of a round's ratio from the later steps'."""
+    mine, theirs = _rounds_of(row), _rounds_of(base)
+    out: dict = {}
+    for a, b in zip(mine, theirs):
+        if len(a) != len(b) or len(a) < 2:
+            continue
+        n, a_med, b_med = len(a), statistics.median(a[1:]), statistics.median(b[1:])
+        first_as_base = a_med * b[0] / b_med
+        for key, v in (("steps_mean", statistics.fmean(a) / statistics.fmean(b)),
+                       ("later_steps_mean", statistics.fmean(a[1:]) / statistics.fmean(b[1:])),
+                       ("later_steps_median", a_med / b_med),
+                       ("steps_mean_first_as_base", (first_as_base + sum(a[1:])) / n / statistics.fmean(b))):
+            out.setdefault(key, []).append(v)
+    return out
 
 
 def pooled(paths: list[str], base: str = "sdpa_dynamic") -> dict:
@@ -59,6 +88,8 @@ def pooled(paths: list[str], base: str = "sdpa_dynamic") -> dict:
                 if r.get(key) and b.get(key):
                     ratios.setdefault(r["config"], {}).setdefault(key, []).extend(
                         x / y for x, y in zip(r[key], b[key]))
+            for key, vals in step_ratios(r, b).items():
+                ratios.setdefault(r["config"], {}).setdefault(key, []).extend(vals)
     out = {}
     for cfg, per in sorted(ratios.items()):
         for key, vals in per.items():

@@ -27,3 +27,14 @@ def test_pooled_ratios_are_per_round_and_span_files(tmp_path):
     (fs,) = res["first_steps"]
     assert (fs["first_step_ms"], fs["later_steps_ms"]) == (3000.0, 1000.0)
     assert rp.gmean([0.5, 2.0]) == pytest.approx(1.0)
+
+
+def test_step_ratios_split_the_first_step_from_the_later_ones():
+    # one round of 3 clocked steps each: the base's first step is 1.5x its later ones, turbo's 3x
+    base = {"decode_step_med_rounds_s": [1.0], "decode_step_pool_s": [3.0, 2.0, 2.0]}
+    turbo = {"decode_step_med_rounds_s": [1.0], "decode_step_pool_s": [6.0, 2.0, 2.0]}
+    r = rp.step_ratios(turbo, base)
+    assert r["steps_mean"] == [pytest.approx(10 / 7)]
+    assert r["later_steps_mean"] == [1.0] and r["later_steps_median"] == [1.0]
+    assert r["steps_mean_first_as_base"] == [pytest.approx(1.0)]  # its first step as dear as the base's: a tie
+    assert rp.step_ratios({"decode_step_pool_s": [1.0]}, base) == {}  # no rounds recorded: nothing paired
