@@ -1097,10 +1097,13 @@ def turbo_decode_attention(
 def decode_entry(q: torch.Tensor, groups: Sequence[PackedKV], stor: tuple, no_key_valid: bool, host_lens: bool,
                  *, scale=None, causal=True, window=None, softcap=None, n_sink=0, softmax="exact",
                  sas_threshold=6.0, n_splits=None, waves=None, min_tiles=4, block_m=None, num_warps=1,
-                 num_stages=None, max_registers=None, merge="fused", fold=True, rotate=False) -> "_DecodeStatic":
+                 num_stages=None, max_registers=None, merge="fused", fold=True, rotate=False,
+                 rebind_only=False) -> Optional["_DecodeStatic"]:
     """The static part of a :func:`turbo_decode_attention` call (its options as there; ``stor`` from
     :func:`decode_storage`; ``no_key_valid``: the call passes no ``key_valid``; ``host_lens``: the lengths come from
     the host, not ``lens``): made once per (storage tensor objects, query layout, options) and kept process-wide.
+    ``rebind_only``: None where the entry would be new (no layout seen before): the caller only wants the cheap
+    rebinding, ahead of the call (``q`` may then be any tensor of the call's query layout).
 
     Consecutive decode steps of a layer pass the same buffers, and rebuilding the entry cost ~60 us of Python per
     call (eval/PERF_NOTES.md, decode round 6). Buffers replaced (capacity growth, beam reorder) are new objects,
@@ -1115,6 +1118,8 @@ def decode_entry(q: torch.Tensor, groups: Sequence[PackedKV], stor: tuple, no_ke
         proto = _LAYOUTS.get(lay_key)
         if proto is not None:
             st = proto.rebound(stor)
+        elif rebind_only:
+            return None
         else:
             st = _DecodeStatic(q, groups, stor, scale=scale, causal=causal, window=window, softcap=softcap,
                                n_sink=n_sink, softmax=softmax, sas_threshold=sas_threshold, n_splits=n_splits,

@@ -929,11 +929,9 @@ class TurboLayer(CacheLayerMixin):
             if memo is not None and memo[0] == call and memo[1].alive(stor):
                 entry = memo[1]
             else:
-                entry = dec.decode_entry(query, self.groups, stor, key_valid is None, True, scale=scale,
-                                         causal=causal, window=window, softcap=softcap,
-                                         n_sink=cfg.sink_blocks * cfg.block_size, softmax=cfg.softmax,
-                                         sas_threshold=cfg.sas_threshold, rotate=self.rotated)
-                self._decode_entry = (call, entry)
+                if memo is None:  # this layer's first decode call: what the next cache's may bind ahead (prepare_decode)
+                    _remember_decode_call(self.layer_idx, call)
+                entry = self._bind_decode(dec, query, stor, call)
             # a step like the last: its launch replayed (None: not like it)
             out = entry.run_step(query, self.groups, stor, self.n_tail, key_valid, *(store or ()))
             if out is not None:
@@ -944,6 +942,42 @@ class TurboLayer(CacheLayerMixin):
         from .kernels.reference import turbo_decode_ref
 
         return turbo_decode_ref(query, *args, **kw)
+
+    def _bind_decode(self, dec: Any, query: torch.Tensor, stor: tuple, call: tuple, rebind_only: bool = False):
+        """The decode entry of ``call`` (``attention``'s key of a decode call: the query's layout and the options)
+        over ``stor``, kept as the layer's memo; None with ``rebind_only`` where it would be a new entry."""
+        scale, causal, window, softcap, no_key_valid, cfg = call[4:]
+        entry = dec.decode_entry(query, self.groups, stor, no_key_valid, True, scale=scale, causal=causal,
+                                 window=window, softcap=softcap, n_sink=cfg.sink_blocks * cfg.block_size,
+                                 softmax=cfg.softmax, sas_threshold=cfg.sas_threshold, rotate=self.rotated,
+                                 rebind_only=rebind_only)
+        if entry is not None:
+            self._decode_entry = (call, entry)
+        return entry
+
+    def prepare_decode(self, stand_ins: dict) -> None:
+        """Make the storage views and bind the decode entry that this layer's first decode call will look up, as
+        the same layer position of the last cache made its first one (``_DECODE_CALLS``): a new cache's first decode
+        step otherwise pays both (~100 us a layer on the GPU host, eval/PERF_NOTES.md sessions 37-38).
+        ``TurboCache`` calls it while the GPU is still far behind the prefill, where this host work costs nothing.
+        A call of another query layout or options than remembered finds no match and binds as usual.
+        ``stand_ins``: query stand-ins by layout, shared by the cache's layers."""
+        call = _DECODE_CALLS.get((id(self.turbo_config), self.layer_idx))
+        if (call is None or call[-1] is not self.turbo_config or self._decode_entry is not None
+                or not self.is_initialized or not use_triton(self.device)):
+            return
+        shape, stride, dtype, device = call[:4]
+        here = self.device.index if self.device.type == "cuda" else -1  # Tensor.get_device's numbering
+        if (len(shape) != 4 or shape[0] != self.batch or shape[3] != self.head_dim or shape[1] % self.n_kv_heads
+                or device != here):
+            return
+        q = stand_ins.get(call[:4])
+        if q is None:
+            q = stand_ins[call[:4]] = torch.empty_strided(shape, stride, dtype=dtype, device=self.device)
+        dec = _kernels("decode")
+        stor = dec.decode_storage(self.k_tail, self.v_tail, self.k_scale, self.v_scale, self.k_mean,
+                                  self.qk_smooth if self.rotated else None, self.groups)
+        self._bind_decode(dec, q, stor, call, rebind_only=True)
 
     def decode_inputs(self) -> tuple[tuple, dict]:
         """``(args, kwargs)`` that follow the query in ``turbo_decode_attention`` / ``turbo_decode_ref``
@@ -1447,6 +1481,17 @@ class TurboStaticSlidingWindowLayer(TurboStaticLayer):
 #: ``TurboCache.from_template``'s fresh layers by (class, config and model config ids, template layer kinds): each
 #: turbo layer's class and ``__dict__`` (with the objects checked by identity), cloned for the next generate() —
 #: building 32 layers one attribute at a time cost ~95 us on the CPU box, ~0.5 ms on the GPU host, per prompt
+#: (id of the TurboConfig, layer index) -> the ``attention`` call key of that layer's last first decode call (the
+#: config object is the key's last item, so its id is not reused while remembered): ``TurboLayer.prepare_decode``
+_DECODE_CALLS: dict = {}
+
+
+def _remember_decode_call(layer_idx: int, call: tuple) -> None:
+    if len(_DECODE_CALLS) >= 1024:  # many configs or models in one process: remembered again on demand
+        _DECODE_CALLS.clear()
+    _DECODE_CALLS[(id(call[-1]), layer_idx)] = call
+
+
 _BLANK_LAYERS: dict = {}
 
 
@@ -1511,6 +1556,7 @@ class TurboCache(Cache):
     """
 
     _first_stores: Optional[first_prefill.Batch] = None  # a copy made without __init__ queues nothing
+    _gpu_mark = None  # a CUDA event at a first prefill's middle layer (_prepare_decode)
 
     def __init__(self, turbo_config: TurboConfig | str | None = None, *, config: Any = None,
                  layers: Optional[list] = None, max_cache_len: Optional[int] = None):
@@ -1605,13 +1651,31 @@ class TurboCache(Cache):
         if out is None and (not layer.is_initialized and not self.offloading and isinstance(layer, TurboLayer)
                             and layer._replay_first_prefill(key_states, value_states, self._first_stores)):
             out = layer._first_prefill_keys(key_states, value_states)
+            if layer_idx == len(self.layers) // 2 and key_states.is_cuda:  # how far the GPU is behind: the last layer asks
+                self._gpu_mark = torch.cuda.Event()
+                self._gpu_mark.record()
         if out is None:
             with on_tensor_device(key_states):  # the store kernels launch on the layer's GPU (device_map="auto")
                 out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         batch = self._first_stores
         if batch is not None and batch.items and layer_idx == len(self.layers) - 1:
             batch.flush()  # the forward's last layer: its queued first stores launch together
+        if self._gpu_mark is not None and layer_idx == len(self.layers) - 1:
+            self._prepare_decode()
         return out
+
+    def _prepare_decode(self) -> None:
+        """At a first prefill's last layer: if the GPU has not yet reached the forward's middle layer, it has at
+        least half a prefill of work queued, so the host's wait for the first token starts here; spend it on the
+        first decode step's views and entries (``TurboLayer.prepare_decode``). A GPU that keeps up (a short prompt
+        on a fast GPU: the host is the bottleneck) leaves them to first use, as before."""
+        mark, self._gpu_mark = self._gpu_mark, None
+        if mark.query():
+            return
+        stand_ins: dict = {}
+        for layer in self.layers:
+            if isinstance(layer, TurboLayer) and not layer.is_compileable and layer._first_prefill:
+                layer.prepare_decode(stand_ins)
 
     def nonfinite_tokens(self) -> int:
         """Stored (layer, batch row, KV head, token) vectors whose K or V held an inf/NaN: they were stored as
