@@ -1653,7 +1653,7 @@ class TurboCache(Cache):
             out = layer._first_prefill_keys(key_states, value_states)
             if layer_idx == len(self.layers) // 2 and key_states.is_cuda:  # how far the GPU is behind: the last layer asks
                 self._gpu_mark = torch.cuda.Event()
-                self._gpu_mark.record()
+                self._gpu_mark.record(torch.cuda.current_stream(key_states.device))
         if out is None:
             with on_tensor_device(key_states):  # the store kernels launch on the layer's GPU (device_map="auto")
                 out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
