@@ -15,6 +15,9 @@ import random
 import statistics
 import sys
 
+#: a later step this much over its round's median counts as slow (``first_step``: the host's noise, per config)
+SLOW_STEP = 1.1
+
 #: a round's step (the issue's (t(1 + N) - t(1)) / N) and the median of its clocked steps (--step-times)
 ROUND_KEYS = ("decode_rounds_s", "decode_step_med_rounds_s")
 
@@ -37,8 +40,10 @@ def first_step(row: dict) -> dict:
     rounds = _rounds_of(row)
     if not rounds:
         return {}
+    slow = [x > SLOW_STEP * statistics.median(r[1:]) for r in rounds for x in r[1:]]
     return {"first_step_ms": statistics.median(r[0] for r in rounds) * 1e3,
-            "later_steps_ms": statistics.median(x for r in rounds for x in r[1:]) * 1e3}
+            "later_steps_ms": statistics.median(x for r in rounds for x in r[1:]) * 1e3,
+            "slow_later_steps": sum(slow) / len(slow)}
 
 
 def _rounds_of(row: dict) -> list:
@@ -113,7 +118,8 @@ def main(argv=None) -> int:
                   f"{s['gmean_ci95'][1]:.3f}]  <=1: {s['frac_le_1']:.2f}")
     for f in res["first_steps"]:
         print(f"{f['config']:18} {f['batch']}x{f['context']}: first step {f['first_step_ms']:.1f} ms, later "
-              f"{f['later_steps_ms']:.2f} ms ({f['file'].rsplit('/', 1)[-1]})")
+              f"{f['later_steps_ms']:.2f} ms, {100 * f['slow_later_steps']:.1f} % of them > {SLOW_STEP}x their round's "
+              f"median ({f['file'].rsplit('/', 1)[-1]})")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)

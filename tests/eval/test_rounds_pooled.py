@@ -25,7 +25,7 @@ def test_pooled_ratios_are_per_round_and_span_files(tmp_path):
     assert s["frac_le_1"] == pytest.approx(2 / 3)
     assert "decode_step_med_rounds_s" not in res["ratios"]["turbo_int4_eager"]  # sdpa's row has none: no pairs
     (fs,) = res["first_steps"]
-    assert (fs["first_step_ms"], fs["later_steps_ms"]) == (3000.0, 1000.0)
+    assert (fs["first_step_ms"], fs["later_steps_ms"], fs["slow_later_steps"]) == (3000.0, 1000.0, 0.0)
     assert rp.gmean([0.5, 2.0]) == pytest.approx(1.0)
 
 
