@@ -929,7 +929,7 @@ class TurboLayer(CacheLayerMixin):
             if memo is not None and memo[0] == call and memo[1].alive(stor):
                 entry = memo[1]
             else:
-                if memo is None:  # this layer's first decode call: what the next cache's may bind ahead (prepare_decode)
+                if memo is None:  # the layer's first decode call: the next cache's binds it ahead (prepare_decode)
                     _remember_decode_call(self.layer_idx, call)
                 entry = self._bind_decode(dec, query, stor, call)
             # a step like the last: its launch replayed (None: not like it)
@@ -1478,9 +1478,6 @@ class TurboStaticSlidingWindowLayer(TurboStaticLayer):
         self.record_past = True
 
 
-#: ``TurboCache.from_template``'s fresh layers by (class, config and model config ids, template layer kinds): each
-#: turbo layer's class and ``__dict__`` (with the objects checked by identity), cloned for the next generate() —
-#: building 32 layers one attribute at a time cost ~95 us on the CPU box, ~0.5 ms on the GPU host, per prompt
 #: (id of the TurboConfig, layer index) -> the ``attention`` call key of that layer's last first decode call (the
 #: config object is the key's last item, so its id is not reused while remembered): ``TurboLayer.prepare_decode``
 _DECODE_CALLS: dict = {}
@@ -1492,6 +1489,9 @@ def _remember_decode_call(layer_idx: int, call: tuple) -> None:
     _DECODE_CALLS[(id(call[-1]), layer_idx)] = call
 
 
+#: ``TurboCache.from_template``'s fresh layers by (class, config and model config ids, template layer kinds): each
+#: turbo layer's class and ``__dict__`` (with the objects checked by identity), cloned for the next generate() —
+#: building 32 layers one attribute at a time cost ~95 us on the CPU box, ~0.5 ms on the GPU host, per prompt
 _BLANK_LAYERS: dict = {}
 
 
@@ -1651,7 +1651,8 @@ class TurboCache(Cache):
         if out is None and (not layer.is_initialized and not self.offloading and isinstance(layer, TurboLayer)
                             and layer._replay_first_prefill(key_states, value_states, self._first_stores)):
             out = layer._first_prefill_keys(key_states, value_states)
-            if layer_idx == len(self.layers) // 2 and key_states.is_cuda:  # how far the GPU is behind: the last layer asks
+            if layer_idx == len(self.layers) // 2 and key_states.is_cuda:
+                # the middle layer's event: the last layer asks it how far behind the GPU is (_prepare_decode)
                 self._gpu_mark = torch.cuda.Event()
                 self._gpu_mark.record(torch.cuda.current_stream(key_states.device))
         if out is None:

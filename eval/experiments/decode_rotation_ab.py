@@ -76,7 +76,8 @@ def main(argv=None):
                     for tag, mod in mods:
                         for rot in (False, True):
                             extra = dict(rotate=True, qk_smooth=factors) if rot else {}
-                            f = lambda mod=mod, extra=extra: mod.turbo_decode_attention(q1, *args, **kw, **extra)  # noqa: E731
+                            def f(mod=mod, extra=extra):
+                                return mod.turbo_decode_attention(q1, *args, **kw, **extra)
                             outs[(tag, rot)] = f()
                             timers[(tag, rot)] = _graph_timer(f)
                     if a.baseline:
@@ -89,7 +90,8 @@ def main(argv=None):
                     med = {key: statistics.median(x) for key, x in times.items()}
                     row = dict(preset=preset, shape=name, ctx=ctx, batch=b)
                     for tag, _ in mods:
-                        row[f"{tag}_plain_us"], row[f"{tag}_rot_us"] = round(med[(tag, False)], 2), round(med[(tag, True)], 2)
+                        row[f"{tag}_plain_us"] = round(med[(tag, False)], 2)
+                        row[f"{tag}_rot_us"] = round(med[(tag, True)], 2)
                         row[f"{tag}_rot_pct"] = round(100 * (med[(tag, True)] / med[(tag, False)] - 1), 2)
                     rows.append(row)
                     print(json.dumps(row), flush=True)

@@ -118,8 +118,8 @@ def main(argv=None) -> int:
                   f"{s['gmean_ci95'][1]:.3f}]  <=1: {s['frac_le_1']:.2f}")
     for f in res["first_steps"]:
         print(f"{f['config']:18} {f['batch']}x{f['context']}: first step {f['first_step_ms']:.1f} ms, later "
-              f"{f['later_steps_ms']:.2f} ms, {100 * f['slow_later_steps']:.1f} % of them > {SLOW_STEP}x their round's "
-              f"median ({f['file'].rsplit('/', 1)[-1]})")
+              f"{f['later_steps_ms']:.2f} ms, {100 * f['slow_later_steps']:.1f} % of them > {SLOW_STEP}x their "
+              f"round's median ({f['file'].rsplit('/', 1)[-1]})")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
