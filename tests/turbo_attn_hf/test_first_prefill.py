@@ -268,3 +268,50 @@ def test_a_queue_whose_launch_failed_says_so(monkeypatch):
         queued.resolve()
     with pytest.raises(RuntimeError, match="failed to launch"):
         queued.resolve()
+
+
+@pytest.mark.parametrize("preset", ["int4", "mixed"])
+def test_generate_with_a_prepared_first_decode_step(preset, device, monkeypatch):
+    """generate() whose first prefill finds the GPU behind (the middle layer's event not reached, forced here): the
+    cache prepares every layer's first decode step at the last layer, after the queue's flush
+    (``TurboCache._prepare_decode``), so the decode steps bind no entry of their own; the tokens are those of a
+    generate() that prepares nothing."""
+    from turbo_attn_hf import cache as C
+    from turbo_attn_hf.cache import TurboCache
+
+    if not C.use_triton(torch.device(device)):
+        pytest.skip("the decode entries are the Triton kernels'")
+    m, tc = _tiny_turbo(preset, device=device)
+    ids = torch.randint(0, 96, (1, 90), generator=torch.Generator().manual_seed(2)).to(device)
+
+    class Behind:  # a CUDA event the GPU has not reached
+        def query(self):
+            return False
+
+    update = TurboCache.update
+
+    def marked(self, k, v, layer_idx, *a, **kw):
+        if layer_idx == len(self.layers) - 1 and k.shape[2] > 1 and self.behind:
+            self._gpu_mark = Behind()
+        return update(self, k, v, layer_idx, *a, **kw)
+
+    monkeypatch.setattr(TurboCache, "update", marked)
+    dec = C._kernels("decode")
+    real, calls = dec.decode_entry, []
+    monkeypatch.setattr(dec, "decode_entry", lambda *a, **kw: (calls.append(kw.get("rebind_only", False)),
+                                                                 real(*a, **kw))[1])
+
+    def run(behind):
+        cache = TurboCache(tc, config=m.config)
+        cache.behind = behind
+        calls.clear()
+        with torch.no_grad():
+            out = m.generate(ids, past_key_values=cache, max_new_tokens=6, do_sample=False)
+        return out, list(calls)
+
+    plain, _ = run(False)  # also the calls each layer remembers
+    again, seen = run(False)
+    prepared, seen_prepared = run(True)
+    assert seen == [False] * len(m.model.layers)  # each layer binds at its first decode step
+    assert seen_prepared == [True] * len(m.model.layers)  # bound at the prefill's last layer, none after
+    assert torch.equal(prepared, plain) and torch.equal(again, plain)
