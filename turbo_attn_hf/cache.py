@@ -921,8 +921,7 @@ class TurboLayer(CacheLayerMixin):
                 store = (k, v, self.nonfinite)
             # the decode entry of this layer's last call, reused while the query layout, the options and the storage
             # objects are the same (the entry holds weak references: ``alive``) — skips the process-wide entry key
-            stor = dec.decode_storage(self.k_tail, self.v_tail, self.k_scale, self.v_scale, self.k_mean,
-                                      self.qk_smooth if self.rotated else None, self.groups)
+            stor = self._decode_stor(dec)
             call = (query.shape, query.stride(), query.dtype, query.get_device(), scale, causal, window, softcap,
                     key_valid is None, cfg)
             memo = self._decode_entry
@@ -942,6 +941,11 @@ class TurboLayer(CacheLayerMixin):
         from .kernels.reference import turbo_decode_ref
 
         return turbo_decode_ref(query, *args, **kw)
+
+    def _decode_stor(self, dec: Any) -> tuple:
+        """The layer's storage tensors in a decode entry's order (``decode.decode_storage``)."""
+        return dec.decode_storage(self.k_tail, self.v_tail, self.k_scale, self.v_scale, self.k_mean,
+                                  self.qk_smooth if self.rotated else None, self.groups)
 
     def _bind_decode(self, dec: Any, query: torch.Tensor, stor: tuple, call: tuple, rebind_only: bool = False):
         """The decode entry of ``call`` (``attention``'s key of a decode call: the query's layout and the options)
@@ -963,8 +967,7 @@ class TurboLayer(CacheLayerMixin):
         A call of another query layout or options than remembered finds no match and binds as usual.
         ``stand_ins``: query stand-ins by layout, shared by the cache's layers."""
         call = _DECODE_CALLS.get((id(self.turbo_config), self.layer_idx))
-        if (call is None or call[-1] is not self.turbo_config or self._decode_entry is not None
-                or not self.is_initialized or not use_triton(self.device)):
+        if call is None or self._decode_entry is not None or not self.is_initialized or not use_triton(self.device):
             return
         shape, stride, dtype, device = call[:4]
         here = self.device.index if self.device.type == "cuda" else -1  # Tensor.get_device's numbering
@@ -975,9 +978,7 @@ class TurboLayer(CacheLayerMixin):
         if q is None:
             q = stand_ins[call[:4]] = torch.empty_strided(shape, stride, dtype=dtype, device=self.device)
         dec = _kernels("decode")
-        stor = dec.decode_storage(self.k_tail, self.v_tail, self.k_scale, self.v_scale, self.k_mean,
-                                  self.qk_smooth if self.rotated else None, self.groups)
-        self._bind_decode(dec, q, stor, call, rebind_only=True)
+        self._bind_decode(dec, q, self._decode_stor(dec), call, rebind_only=True)
 
     def decode_inputs(self) -> tuple[tuple, dict]:
         """``(args, kwargs)`` that follow the query in ``turbo_decode_attention`` / ``turbo_decode_ref``

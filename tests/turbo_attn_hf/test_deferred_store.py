@@ -4,6 +4,11 @@ the packed blocks and the non-finite count, rotated layers (``rotate_qk``) inclu
 between update and attention (crop, beam reorder, a direct read) stores the token first, so nothing sees a stale
 buffer.
 
+A new cache's first decode step prepared ahead (``TurboLayer.prepare_decode``, ``TurboCache._prepare_decode``: the
+views and the decode entry bound from the call the same layer position made at the last cache's first decode step)
+takes the bound entry (no ``decode_entry`` call) and gives the unprepared step's outputs bit for bit; a remembered
+call that does not fit binds nothing.
+
 CPU: the Triton interpreter (tests/conftest.py), d 64, block 16: block packs, sinks and recent blocks come at small T.
 """
 import pytest
@@ -32,13 +37,13 @@ def _qkv(b, L, seed):
     return (x.to(torch.bfloat16) for x in (q, k, v))
 
 
-def _steps(cfg, defer, prompt, steps, device, between=None, bad_step=None):
-    """Prefill ``prompt`` tokens, then ``steps`` decode steps (update + attention); ``between(layer, step)`` runs
-    between a step's update and its attention. -> (the layer, every step's attention output)."""
+def _steps(cfg, defer, prompt, steps, device, between=None, bad_step=None, prepare=None, b=2):
+    """Prefill ``prompt`` tokens of ``b`` rows, then ``steps`` decode steps (update + attention); ``prepare(cache)``
+    runs after the prefill, ``between(layer, step)`` between a step's update and its attention. -> (the layer, every
+    step's attention output, whether each step's token was deferred)."""
     old = C.DEFER_DECODE_STORE
     C.DEFER_DECODE_STORE = defer
     try:
-        b = 2
         q, k, v = (x.to(device) for x in _qkv(b, prompt + steps, seed=7))
         if bad_step is not None:
             k[1, 0, prompt + bad_step, 3] = float("inf")
@@ -46,6 +51,8 @@ def _steps(cfg, defer, prompt, steps, device, between=None, bad_step=None):
         kk, vv = cache.update(k[:, :, :prompt], v[:, :, :prompt], 0)
         layer = cache.layers[0]
         layer.attention(q[:, :, :prompt], kk, vv)
+        if prepare is not None:
+            prepare(cache)
         outs, deferred = [], []
         for s in range(steps):
             t = prompt + s
@@ -203,3 +210,88 @@ def test_rotated_layers_defer_unless_switched_off(device, monkeypatch):
     for rotate, defers in (("hadamard", False), ("none", True)):
         _, _, deferred = _steps(_cfg("int4", rotate_qk=rotate), True, BS + 3, 2, device)
         assert all(deferred) == defers and any(deferred) == defers, rotate
+
+
+# ----------------------------------------------------------- the first decode step prepared ahead (prepare_decode)
+@pytest.fixture
+def entry_calls(monkeypatch):
+    """``decode_entry`` calls counted in ``counts[0]``; the cache's own preparation off (on a GPU its event may
+    find the GPU behind), so each test prepares where it says."""
+    monkeypatch.setattr(TurboCache, "_prepare_decode", lambda self: setattr(self, "_gpu_mark", None))
+    dec = C._kernels("decode")
+    counts = [0]
+    real = dec.decode_entry
+
+    def counted(*a, **kw):
+        counts[0] += 1
+        return real(*a, **kw)
+
+    monkeypatch.setattr(dec, "decode_entry", counted)
+    return counts
+
+
+@pytest.mark.parametrize("preset,rotate", [("int8", "none"), ("int4", "none"), ("mixed", "none"),
+                                           ("int4", "smooth_hadamard")])
+def test_a_prepared_first_step_takes_the_bound_entry_and_the_same_numbers(device, entry_calls, preset, rotate):
+    if not C.use_triton(device):
+        pytest.skip("the decode entries are the Triton kernels'")
+    cfg = _cfg(preset, rotate_qk=rotate)
+    prompt, steps = BS + 5, 3
+    _, plain, _ = _steps(cfg, True, prompt, steps, device)  # also the remembered first call and the entry's layout
+    bound = []
+
+    def prepare(cache):
+        layer = cache.layers[0]
+        assert layer._decode_entry is None
+        before = entry_calls[0]
+        layer.prepare_decode({})
+        assert layer._decode_entry is not None and entry_calls[0] == before + 1  # bound ahead, by the rebinding
+        assert "k_tail" in layer.__dict__  # the views are made
+        bound.append(entry_calls[0])
+
+    _, prepared, _ = _steps(cfg, True, prompt, steps, device, prepare=prepare)
+    assert entry_calls[0] == bound[0]  # no decode step looked an entry up
+    for a, b in zip(plain, prepared):
+        assert torch.equal(a, b)
+
+
+def test_a_remembered_call_that_does_not_fit_binds_nothing(device, entry_calls):
+    if not C.use_triton(device):
+        pytest.skip("the decode entries are the Triton kernels'")
+    cfg = _cfg("int4")
+    prompt = BS + 5
+    _steps(cfg, True, prompt, 1, device)  # remembers a batch-2 call
+    prepare = lambda cache: cache.layers[0].prepare_decode({})  # noqa: E731
+    layer, outs, _ = _steps(cfg, True, prompt, 2, device, prepare=prepare, b=1)
+    assert layer._decode_entry[0][0][0] == 1  # bound at its first step, for its own query
+    _, again, _ = _steps(cfg, True, prompt, 2, device, b=1)
+    assert all(torch.equal(a, b) for a, b in zip(outs, again))
+
+
+def test_the_cache_prepares_only_while_the_gpu_is_behind(device, monkeypatch):
+    if not C.use_triton(device):
+        pytest.skip("the decode entries are the Triton kernels'")
+    cfg = _cfg("int8")
+    prompt = BS + 5
+    _steps(cfg, True, prompt, 1, device)
+    prepared = []
+    monkeypatch.setattr(C.TurboLayer, "prepare_decode", lambda self, stand_ins: prepared.append(self.layer_idx))
+
+    class Mark:
+        def __init__(self, done):
+            self.done = done
+
+        def query(self):
+            return self.done
+
+    for done, want in ((True, []), (False, [0])):
+        caches = []
+        _steps(cfg, True, prompt, 0, device, prepare=caches.append)
+        prepared.clear()  # on a GPU the prefill's own event may have prepared already
+        caches[0]._gpu_mark = Mark(done)
+        caches[0]._prepare_decode()
+        assert prepared == want and caches[0]._gpu_mark is None
+    if device.type != "cuda":
+        caches = []
+        _steps(cfg, True, prompt, 0, device, prepare=caches.append)
+        assert caches[0]._gpu_mark is None  # no CUDA event off the GPU
