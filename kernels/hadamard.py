@@ -59,34 +59,3 @@ def _rotate_keys(b_k, b_f, ROTATE: tl.constexpr, ROT_N: tl.constexpr, ROT_C: tl.
     if ROTATE:
         b_k = _mul(hadamard_rows(_mul(b_k.to(tl.float32), b_f[None, :], RN), ROT_N), ROT_C, RN)
     return b_k
-
-
-@triton.jit
-def pm1_matrix(BK: tl.constexpr, N: tl.constexpr):
-    """``[BK, BK]`` bf16 ``H+-1`` (``hadamard_rows``' matrix, BK <= 256) made in registers from the parity of
-    ``i & j``: block-diagonal with blocks of min(N, BK) channels. No load, no ``[BK, BK]`` argument."""
-    NB: tl.constexpr = N if N < BK else BK
-    i = tl.arange(0, BK)[:, None]
-    j = tl.arange(0, BK)[None, :]
-    v = i & j & (NB - 1)  # a block's own Sylvester matrix: the bits inside the block
-    v = v ^ (v >> 4)
-    v = v ^ (v >> 2)
-    v = v ^ (v >> 1)  # bit 0: the parity of the 8 bits of v
-    return tl.where((i // NB) == (j // NB), 1.0 - 2.0 * (v & 1).to(tl.float32), 0.0).to(tl.bfloat16)
-
-
-@triton.jit
-def dot_pm1(x, h, PIECES: tl.constexpr, DOT: tl.constexpr):
-    """``x [R, BK]`` fp32 times ``h = pm1_matrix(BK, N)`` on the tensor cores, for a tile the kernel quantizes in a
-    dot's layout anyway: x as PIECES exact bf16 parts (1: x is bf16 numbers; 2: fp16; 3: any fp32), each product with
-    +-1 exact, the sums in fp32 — ``hadamard_rows`` up to the order of the fp32 additions. DOT: the operands' type
-    (bf16; fp32 holding the same values in the interpreter, whose bf16 ``tl.dot`` is wrong in Triton 3.6)."""
-    hi = x.to(tl.bfloat16)
-    acc = tl.dot(hi.to(DOT), h.to(DOT), out_dtype=tl.float32)
-    if PIECES > 1:
-        r = x - hi.to(tl.float32)
-        mid = r.to(tl.bfloat16)
-        acc = tl.dot(mid.to(DOT), h.to(DOT), acc)
-        if PIECES > 2:
-            acc = tl.dot((r - mid.to(tl.float32)).to(tl.bfloat16).to(DOT), h.to(DOT), acc)
-    return acc

@@ -64,7 +64,6 @@ kernels without Triton's per-call binder (``LeanLaunch.launch_memo``). CPU, laun
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 
 import torch
@@ -74,11 +73,8 @@ import triton.language as tl
 from . import prefill_hopper
 from .device import current_cuda_device
 from .launch import LeanLaunch, lean
-from .hadamard import dot_pm1, pm1_matrix
-from .quant import (_check_device, _mean_arg, _pow2, _qk_spec, _quant_qk_kernel, _quant_v_kernel,
-                    _to_int8_half_away_lim, _v_channel_amax, _v_spec, check_qk_smooth, factor_arg, interpreting,
-                    k_smooth_mean, quantize_per_token, quantize_v_blocks, quantize_v_channels)
-from .rotation import rotation_block
+from .quant import (_check_device, _mean_arg, _pow2, _qk_spec, _quant_qk_kernel, _quant_v_kernel, _v_channel_amax,
+                    _v_spec, check_qk_smooth, factor_arg, interpreting, k_smooth_mean, quantize_per_token, quantize_v_blocks, quantize_v_channels)
 from .reference import (
     DEFAULT_BLOCK_N,
     DEFAULT_P_SCALE,
@@ -141,10 +137,6 @@ _INTERPRET_BLOCK_N = (16, 32, 64, 128)
 #: (``TURBO_PREFILL_KERNEL=hopper``): 0.88-1.09x the portable kernel on an H200 so far (issue 20, PERF_NOTES s35).
 PREFILL_KERNELS = ("portable", "hopper")
 _KERNEL = [os.environ.get("TURBO_PREFILL_KERNEL", "portable")]
-#: whether ``turbo_attention``'s portable kernel quantizes Q itself (``Q_RAW``: no Q pass, no INT8 copy of Q; a
-#: rotated query by one tensor-core dot per tile) or reads the Q+K pass's codes. ``TURBO_Q_IN_KERNEL=0``: the pass
-#: (the A/B of eval/PERF_NOTES.md session 39).
-_Q_IN_KERNEL = [os.environ.get("TURBO_Q_IN_KERNEL", "1") != "0"]
 
 
 # ------------------------------------------------------------------------------------------ kernel
@@ -341,57 +333,12 @@ def _attn_fwd_inner(
     return acc, l_i, m_i, c_i
 
 
-@triton.jit
-def _q_tile_int8(p_q, p_f, o_m, m_m, q_scale, stride_qm, stride_qd, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, ROTATE: tl.constexpr, ROT_N: tl.constexpr, HAS_FACTOR: tl.constexpr,
-                 PIECES: tl.constexpr, DOT: tl.constexpr):
-    """The program's query rows ``o_m`` quantized here (Q_RAW): ``(q8 [BLOCK_M, BLOCK_D] int8, sq [BLOCK_M])``, the
-    codes and scales ``quant._quant_token_rows`` gives a query (no mean; ``q_scale`` carries the softmax scale, and
-    1/sqrt(ROT_N) when rotated) — no Q pass, no INT8 copy of Q written and read back. ROTATE: the rows become
-    ``q . diag(f) . H+-1`` (``p_f``: the KV head's smoothing factors with HAS_FACTOR) by ``hadamard.dot_pm1``, one
-    tensor-core dot per 128 channels (head_dim 256: two, and the last butterfly stage across the halves, which
-    needs no layout change); its sums run in another order than the butterfly's, so a code at a rounding boundary
-    may differ from ``quantize_per_token(rotate=True)``'s by one."""
-    if ROTATE:
-        HB: tl.constexpr = BLOCK_D if BLOCK_D < 128 else 128
-        o_c = tl.arange(0, HB)
-        h = pm1_matrix(HB, ROT_N)
-        m0 = o_c < HEAD_DIM
-        x = tl.load(p_q + o_m[:, None].to(tl.int64) * stride_qm + o_c[None, :] * stride_qd,
-                    mask=m_m[:, None] & m0[None, :], other=0.0).to(tl.float32)
-        if HAS_FACTOR:
-            x = x * tl.load(p_f + o_c, mask=m0, other=1.0)[None, :]
-        x = dot_pm1(x, h, PIECES, DOT)
-        if BLOCK_D > 128:
-            m1 = 128 + o_c < HEAD_DIM
-            x1 = tl.load(p_q + o_m[:, None].to(tl.int64) * stride_qm + (128 + o_c[None, :]) * stride_qd,
-                         mask=m_m[:, None] & m1[None, :], other=0.0).to(tl.float32)
-            if HAS_FACTOR:
-                x1 = x1 * tl.load(p_f + 128 + o_c, mask=m1, other=1.0)[None, :]
-            x1 = dot_pm1(x1, h, PIECES, DOT)
-            if ROT_N > 128:  # channel c pairs with c + 128
-                x, x1 = x + x1, x - x1
-            x = tl.reshape(tl.permute(tl.join(x, x1), (0, 2, 1)), (BLOCK_M, BLOCK_D))
-    else:
-        o_d = tl.arange(0, BLOCK_D)
-        x = tl.load(p_q + o_m[:, None].to(tl.int64) * stride_qm + o_d[None, :] * stride_qd,
-                    mask=m_m[:, None] & (o_d < HEAD_DIM)[None, :], other=0.0).to(tl.float32)
-    amax = tl.reduce(tl.abs(x), 1, _max_nan)  # NaN/Inf exactly for a poisoned token (quant._quant_token_rows)
-    bad = ~(amax < float("inf"))
-    amax = tl.where(bad, 0.0, amax)
-    inv = tl.where(amax > 0, tl.math.div_rn(tl.full([BLOCK_M], 127.0, tl.float32), tl.where(amax > 0, amax, 1.0)),
-                   0.0)
-    q8 = _to_int8_half_away_lim(x, inv[:, None], tl.where(bad, 0, 127)[:, None])
-    sq = tl.math.div_rn(amax, tl.full([BLOCK_M], 127.0, tl.float32)) * q_scale
-    return q8, tl.where(bad, float("nan"), sq)
-
-
 @triton.jit(do_not_specialize=["Lq", "Lk", "stride_sqb", "stride_sqh", "stride_skb", "stride_skh",
                                "stride_kvb"])
 def _int8_attn_fwd_kernel(
-    Q8, SQ, K8, SK, VT, SV, KV, O, SMF,
-    Lq, Lk, HQ, G, window, softcap_in, softcap_out, thr2, q_scale,
-    stride_qb, stride_qh, stride_qm, stride_qd,
+    Q8, SQ, K8, SK, VT, SV, KV, O,
+    Lq, Lk, HQ, G, window, softcap_in, softcap_out, thr2,
+    stride_qb, stride_qh, stride_qm,
     stride_sqb, stride_sqh,
     stride_kb, stride_kh, stride_kn,
     stride_skb, stride_skh,
@@ -399,20 +346,16 @@ def _int8_attn_fwd_kernel(
     stride_svb, stride_svh, stride_svn,
     stride_kvb,
     stride_ob, stride_om, stride_oh,
-    stride_fb, stride_fh,
     IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_KEY_VALID: tl.constexpr, USE_SAS: tl.constexpr, BLOCK_P_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PSUM_BIAS: tl.constexpr, Q_RAW: tl.constexpr = False, ROTATE: tl.constexpr = False, ROT_N: tl.constexpr = 16,
-    HAS_FACTOR: tl.constexpr = False, PIECES: tl.constexpr = 1, DOT: tl.constexpr = tl.bfloat16,
+    PSUM_BIAS: tl.constexpr,
 ):
     """grid (cdiv(Lq, BLOCK_M) * b * HQ,): row blocks of one head are neighbours (K/V stay in L2).
 
     Q8 [b, HQ, Lq, D] int8, SQ [b, HQ, Lq] fp32; K8 [b, HK, Lk, D] int8, SK [b, HK, Lk] fp32;
     VT [b, HK, D, Lpad] int8 (Lpad a multiple of BLOCK_N), SV [b, HK, Lpad / BLOCK_N, D] fp32;
     KV [b, Lk] uint8 key validity (HAS_KEY_VALID); O [b, Lq, HQ, D] (last stride 1). G = HQ // HK.
-    Q_RAW: Q8 is the unquantized query (fp16/bf16/fp32, any strides), quantized per row here (``_q_tile_int8``:
-    ``q_scale``, ROTATE with SMF [b, HK, D] fp32 factors under HAS_FACTOR); SQ is then unused.
     """
     tl.static_assert(BLOCK_D * 127 * 127 < _TWO_POW_22)  # |q8 . k8| < 2^22: exact _i32_to_f32
     tl.static_assert(BLOCK_N * 127 * 127 < _TWO_POW_22)  # |p8 . v8| < 2^22
@@ -430,14 +373,9 @@ def _int8_attn_fwd_kernel(
     m_m, m_d = o_m < Lq, o_d < HEAD_DIM
     o_pos = o_m + (Lk - Lq)  # absolute query positions (bottom-right aligned)
 
-    if Q_RAW:
-        b_q, b_sq = _q_tile_int8(Q8 + i_b64 * stride_qb + i_hq64 * stride_qh, SMF + i_b64 * stride_fb + i_hk64 * stride_fh,
-                                 o_m, m_m, q_scale, stride_qm, stride_qd, BLOCK_M, BLOCK_D, HEAD_DIM, ROTATE, ROT_N,
-                                 HAS_FACTOR, PIECES, DOT)
-    else:
-        p_q = Q8 + i_b64 * stride_qb + i_hq64 * stride_qh + o_m[:, None] * stride_qm + o_d[None, :]
-        b_q = tl.load(p_q, mask=m_m[:, None] & m_d[None, :], other=0)
-        b_sq = tl.load(SQ + i_b64 * stride_sqb + i_hq64 * stride_sqh + o_m, mask=m_m, other=0.0)
+    p_q = Q8 + i_b64 * stride_qb + i_hq64 * stride_qh + o_m[:, None] * stride_qm + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_m[:, None] & m_d[None, :], other=0)
+    b_sq = tl.load(SQ + i_b64 * stride_sqb + i_hq64 * stride_sqh + o_m, mask=m_m, other=0.0)
     l_i = tl.where(b_sq == b_sq, 0.0, b_sq)  # a NaN query scale (poisoned row) starts l at NaN: row stays NaN
     b_sq = _max_nan(b_sq, _SQ_MIN)  # an all-zero query row has sq = 0: keep -inf * sq = -inf
     p_kbase = K8 + i_b64 * stride_kb + i_hk64 * stride_kh
@@ -517,10 +455,8 @@ def _pick_config(head_dim: int, causal: bool, block_n: int):
 
 
 def _attn_spec(q8, sq, k8, sk, v8t, sv, out, stride_kvb, *, causal, window, softcap, has_key_valid, use_sas, thr2,
-               block_p, Lk, block_n, config=None, q_raw=None):
-    """(grid, scalars, kwargs) of ``_int8_attn_fwd_kernel`` on these operands (the 9 tensors come first: the 8 named
-    and the smoothing factors). ``q_raw`` (``_q_raw_spec``): ``q8`` is the unquantized query, quantized in the
-    kernel (Q_RAW)."""
+               block_p, Lk, block_n, config=None):
+    """(grid, scalars, kwargs) of ``_int8_attn_fwd_kernel`` on these operands (the 8 tensors come first)."""
     b, hq, lq, d = q8.shape
     hk = k8.shape[1]
     stride_svn = sv.stride(2) if sv.shape[2] > 1 else 0  # per-channel V scale: the same row every block
@@ -533,8 +469,8 @@ def _attn_spec(q8, sq, k8, sk, v8t, sv, out, stride_kvb, *, causal, window, soft
         int(window) if has_window else 0,
         2.0 / float(softcap) if has_softcap else 0.0,
         float(softcap) * LOG2E if has_softcap else 0.0,
-        float(thr2), q_raw["q_scale"] if q_raw else 1.0,
-        q8.stride(0), q8.stride(1), q8.stride(2), q8.stride(3),
+        float(thr2),
+        q8.stride(0), q8.stride(1), q8.stride(2),
         sq.stride(0), sq.stride(1),
         k8.stride(0), k8.stride(1), k8.stride(2),
         sk.stride(0), sk.stride(1),
@@ -542,7 +478,6 @@ def _attn_spec(q8, sq, k8, sk, v8t, sv, out, stride_kvb, *, causal, window, soft
         sv.stride(0), sv.stride(1), stride_svn,
         stride_kvb,
         out.stride(0), out.stride(1), out.stride(2),
-        *(q_raw["f_strides"] if q_raw else (0, 0)),
     )
     kw = dict(
         IS_CAUSAL=bool(causal), HAS_WINDOW=has_window, HAS_SOFTCAP=has_softcap,
@@ -551,25 +486,7 @@ def _attn_spec(q8, sq, k8, sk, v8t, sv, out, stride_kvb, *, causal, window, soft
         PSUM_BIAS=psum_bias(block_n),
         num_warps=num_warps, num_stages=num_stages,
     )
-    if q_raw:
-        kw.update(q_raw["kw"])
     return grid, scalars, kw
-
-
-def _q_raw_spec(q, q_scale: float, rotate: bool, has_factor: bool, hk: int) -> dict:
-    """``_attn_spec``'s ``q_raw``: the kernel quantizes the query ``q [b, HQ, Lq, d]`` itself (``_q_tile_int8``)
-    with ``q_scale`` (the softmax scale in log2 units); ``rotate``: Hadamard-rotated first (``has_factor``: times the
-    smooth_hadamard factors ``[b, hk, d]`` fp32, contiguous), 1/sqrt(n) folded into the scale."""
-    d = q.shape[3]
-    kw = dict(Q_RAW=True, ROTATE=bool(rotate), HAS_FACTOR=bool(rotate and has_factor), ROT_N=16, PIECES=1,
-              DOT=tl.float32 if interpreting() else tl.bfloat16)
-    if rotate:
-        n = rotation_block(d)
-        q_scale = float(q_scale) / math.sqrt(n)  # H+-1 = sqrt(n) H, as quant._qk_spec
-        # bf16 queries are exact bf16 parts; fp16 needs two (11 bits), fp32 or a factor's product three (24)
-        kw.update(ROT_N=n, PIECES=3 if has_factor or q.dtype == torch.float32 else 2 if q.dtype == torch.float16 else 1)
-    f_strides = (hk * d, d) if rotate and has_factor else (0, 0)
-    return dict(q_scale=float(q_scale), f_strides=f_strides, kw=kw)
 
 
 def _key_valid_arg(key_valid, unused):
@@ -622,7 +539,7 @@ def _launch(q8, sq, k8, sk, v8t, sv, out, *, causal, window, softcap, key_valid,
     grid, scalars, kw = _attn_spec(q8, sq, k8, sk, v8t, sv, out, stride_kvb, causal=causal, window=window,
                                    softcap=softcap, has_key_valid=key_valid is not None, use_sas=use_sas, thr2=thr2,
                                    block_p=block_p, Lk=Lk, block_n=block_n, config=config)
-    lean(_int8_attn_fwd_kernel)[grid](q8, sq, k8, sk, v8t, sv, kv, out, sq, *scalars, **kw)
+    lean(_int8_attn_fwd_kernel)[grid](q8, sq, k8, sk, v8t, sv, kv, out, *scalars, **kw)
     return out
 
 
@@ -778,7 +695,7 @@ def turbo_attention(q, k, v, *, scale=None, causal=True, window=None, softcap=No
     try:  # everything the checks and the launches read; a repeated call (every layer of a prefill) skips both
         key = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device, v.shape, v.stride(),
                v.dtype, v.device, scale, causal, window, softcap, softmax, sas_threshold, smooth_k, p_scale, block_n,
-               v_scale, bool(rotate_qk), _KERNEL[0], _Q_IN_KERNEL[0],
+               v_scale, bool(rotate_qk), _KERNEL[0],
                None if qk_smooth is None else (qk_smooth.shape, qk_smooth.stride(), qk_smooth.dtype, qk_smooth.device),
                None if key_valid is None else (key_valid.shape, key_valid.stride(), key_valid.dtype, key_valid.device),
                None if out is None else (out.shape, out.stride(), out.dtype, out.device),
@@ -857,7 +774,7 @@ class _AttnPlan:
     device, relaunched without Triton's binder while every pointer is 16-byte aligned (``LeanLaunch.launch_memo``)."""
 
     __slots__ = ("cuda", "device", "dtype", "shapes", "smooth", "mean_stride", "mean_direct", "channel", "block_n",
-                 "kv_arg", "qk", "v", "attn", "memo", "hopper", "q_raw")
+                 "kv_arg", "qk", "v", "attn", "memo", "hopper")
 
     def __init__(self, q, k, v, key_valid, out, k_mean, *, scale, causal, window, softcap, softmax, sas_threshold,
                  smooth_k, p_scale, block_n, v_scale, rotate_qk=False, has_factor=False):
@@ -881,31 +798,25 @@ class _AttnPlan:
         self.mean_direct = (k_mean is not None and k_mean.dtype == torch.float32 and k_mean.device == dev
                             and tuple(k_mean.shape) == (b, hk, d) and k_mean.stride() == self.mean_stride)
         scale = d ** -0.5 if scale is None else float(scale)
-        self.hopper = kernel_choice() == "hopper" and not hopper_takes(
-            dev, d, block_n, window=window, softcap=softcap, key_valid=key_valid, softmax=softmax, p_scale=p_scale)
-        self.q_raw = _Q_IN_KERNEL[0] and not self.hopper  # the Gluon kernel reads INT8 Q
-        self.qk = _qk_spec(q, k, scale * LOG2E, 1.0, smb, smh, self.smooth, rotate_qk, has_factor,
-                           with_q=not self.q_raw)
+        self.qk = _qk_spec(q, k, scale * LOG2E, 1.0, smb, smh, self.smooth, rotate_qk, has_factor)
         self.v = _v_spec(v, block_n, hk * lk, lk, self.channel, True)  # poison: sk [b, hk, lk], contiguous
         kv, stride_kvb = _key_valid_arg(key_valid, q)
         self.kv_arg = key_valid is not None
-        q_raw = _q_raw_spec(q, scale * LOG2E, rotate_qk, has_factor, hk) if self.q_raw else None
-        self.attn = _attn_spec(q if self.q_raw else q8, sq, k8, sk, v8t, sv, out if out is not None else o, stride_kvb,
-                               causal=causal, window=window, softcap=softcap, has_key_valid=key_valid is not None,
+        self.attn = _attn_spec(q8, sq, k8, sk, v8t, sv, out if out is not None else o, stride_kvb, causal=causal,
+                               window=window, softcap=softcap, has_key_valid=key_valid is not None,
                                use_sas=softmax == "sas", thr2=float(sas_threshold) * LOG2E,
-                               block_p=p_scale == "block", Lk=lk, block_n=block_n, q_raw=q_raw)
+                               block_p=p_scale == "block", Lk=lk, block_n=block_n)
         self.memo = ({}, {}, {})
+        self.hopper = kernel_choice() == "hopper" and not hopper_takes(
+            dev, d, block_n, window=window, softcap=softcap, key_valid=key_valid, softmax=softmax, p_scale=p_scale)
 
     def run(self, q, k, v, key_valid, out, k_mean, qk_smooth=None):
         dev = self.device
         s_q8, s_sq, s_k8, s_sk, s_v8t, s_sv, s_o = self.shapes
+        q8 = torch.empty(s_q8, dtype=torch.int8, device=dev)
+        sq = torch.empty(s_sq, dtype=torch.float32, device=dev)
         k8 = torch.empty(s_k8, dtype=torch.int8, device=dev)
         sk = torch.empty(s_sk, dtype=torch.float32, device=dev)
-        if self.q_raw:  # the kernel quantizes Q: no INT8 copy (the pointers below are unused)
-            q8 = sq = sk
-        else:
-            q8 = torch.empty(s_q8, dtype=torch.int8, device=dev)
-            sq = torch.empty(s_sq, dtype=torch.float32, device=dev)
         v8t = torch.empty(s_v8t, dtype=torch.int8, device=dev)
         sv = torch.empty(s_sv, dtype=torch.float32, device=dev)
         if out is None:
@@ -933,7 +844,6 @@ class _AttnPlan:
         grid, scalars, kw = self.attn
         if self.hopper:
             return prefill_hopper.launch_ws(q8, sq, k8, sk, v8t, sv, out, causal=kw["IS_CAUSAL"], Lk=scalars[1])
-        lean(_int8_attn_fwd_kernel).launch_memo(memo_attn, dev_key, grid,
-                                                (q if self.q_raw else q8, sq, k8, sk, v8t, sv, kv, out, f), scalars,
-                                                kw, hooks)
+        lean(_int8_attn_fwd_kernel).launch_memo(memo_attn, dev_key, grid, (q8, sq, k8, sk, v8t, sv, kv, out),
+                                                scalars, kw, hooks)
         return out

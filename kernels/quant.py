@@ -344,14 +344,14 @@ def _tokens_spec(x4: torch.Tensor, scale: float, smb: int, smh: int, has_smooth:
 
 
 def _qk_spec(q4: torch.Tensor, k4: torch.Tensor, q_scale: float, k_scale: float, smb: int, smh: int,
-             has_smooth: bool, rotate: bool = False, has_factor: bool = False, with_q: bool = True):
+             has_smooth: bool, rotate: bool = False, has_factor: bool = False):
     """(grid, scalars, kwargs) of ``_quant_qk_kernel``: Q ``[b, HQ, LQ, d]`` and K ``[b, HK, LK, d]`` (same b, d);
     ``rotate``: Hadamard-rotate both in the pass (``has_factor``: with the smoothing factors, fp32 ``[b, HK, d]``
-    contiguous). ``with_q`` False: K's programs only (the attention kernel quantizes Q itself, ``prefill.Q_RAW``)."""
+    contiguous)."""
     b, hq, lq, d = q4.shape
     hk, lk = k4.shape[1], k4.shape[2]
     bt, warps = _qk_tile(d, rotate)
-    nq = -(-lq // bt) * b * hq if with_q else 0
+    nq = -(-lq // bt) * b * hq
     grid = (nq + -(-lk // bt) * b * hk,)
     n = rotation_block(d) if rotate else 16
     if rotate:  # H+-1 = sqrt(n) H: 1/sqrt(n) goes into each row's scale (exact for n = 16, 64, 256)

@@ -124,6 +124,8 @@ def probe(model, spec: dict, ids, mask, n: int, rounds: int, later: int, pstats_
            "first_steps_ms": [round(s[0] * 1e3, 2) for s in steps]}
     for name, fn in (("gc", gc_in_window), ("cuda_api", api_in_window)):
         row[name] = {"first": fn(run, 0), "later": fn(run, later)}
+    if pstats_dir:
+        os.makedirs(pstats_dir, exist_ok=True)
     dumps = [os.path.join(pstats_dir, f"{spec['name']}_step{i}.pstats") if pstats_dir else None for i in (0, later)]
     first, later_prof = cprofile_in_window(run, 0, dumps[0]), cprofile_in_window(run, later, dumps[1])
     row["cprofile_diff"] = profile_diff(first, later_prof)

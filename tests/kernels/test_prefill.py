@@ -163,37 +163,6 @@ def test_kernel_matches_reference_rotated(case, device):
     assert_close(f"{mode}-{d}", ref, out, *tol(device, dtype))
 
 
-# (case, rotate_qk mode): head dims 64-256, fp16 / bf16, HF layout, padding, window, softcap, SAS
-Q_RAW_CASES = [(CASES[i], None) for i in (0, 3, 4, 6, 9, 16)] + [(c[:8] + c[9:], c[8]) for c in ROT_CASES]
-
-
-@pytest.mark.parametrize("case,mode", Q_RAW_CASES, ids=[f"{m or 'plain'}-{_case_id(c)}" for c, m in Q_RAW_CASES])
-def test_query_quantized_in_kernel_equals_the_pass(case, mode, device, monkeypatch):
-    """``Q_RAW`` (``prefill._Q_IN_KERNEL``): the attention kernel quantizes Q itself (``_q_tile_int8``) with the Q+K
-    pass's arithmetic, so without rotation the output is the pass's bit for bit. Rotated, the kernel's tensor-core
-    Hadamard (``hadamard.dot_pm1``) sums in another order than the pass's butterfly: a code on a rounding boundary
-    may move by one, so the outputs agree to the reference tolerance."""
-    from turbo_attn_hf.kernels.rotation import smooth_scales
-
-    b, hq, hk, lq, lk, d, dtype, block_n, opts = case
-    if device.type == "cuda":
-        block_n = max(block_n, 32)
-    opts = dict(opts)
-    q, k, v = make_qkv(b, hq, hk, lq, lk, d, dtype, device, hf_layout=opts.pop("hf_layout", False))
-    if opts.pop("key_valid", False):
-        opts["key_valid"] = padding_mask(b, lk, device)
-    if mode is not None:
-        opts.update(rotate_qk=True, qk_smooth=smooth_scales(k) if mode == "smooth_hadamard" else None)
-    outs = []
-    for q_raw in (True, False):
-        monkeypatch.setattr(prefill, "_Q_IN_KERNEL", [q_raw])
-        outs.append(prefill.turbo_attention(q, k, v, block_n=block_n, **opts))
-    if mode is None:
-        assert torch.equal(outs[0], outs[1])
-    else:
-        assert_close(f"{mode}-{d}", outs[1].float().cpu(), outs[0], *tol(device, dtype))
-
-
 def test_default_tiles_and_fresh_output(device):
     """No out=, default block_n (64) and p_scale; HF-layout fp16 inputs."""
     q, k, v = make_qkv(1, 4, 2, 70, 130, 64, torch.float16, device, hf_layout=True)
@@ -506,11 +475,7 @@ def test_int8_flash_attention_nan_scales(device):
 # The interpreter runs tl.maximum's NaN-dropping maxnumf as np.maximum, which keeps NaN: only the compiled
 # kernel shows whether the loop's row max keeps a NaN score. (d, causal, block_n, options) as the launcher
 # launches them; ~20-40 s per cold compile on 2 CPU cores.
-# (d, causal, block_n, options); "q_raw": the kernel quantizes Q itself (``turbo_attention``'s default), rotated by
-# its tensor-core Hadamard ("hadamard", "smooth_hadamard": three bf16 parts) or not ("none")
-PREFILL_COMPILE_CASES = [(128, True, 128, {}), (64, False, 64, {"key_valid": True, "softcap": 30.0, "softmax": "sas"}),
-                         (128, True, 128, {"q_raw": "smooth_hadamard"}), (256, True, 128, {"q_raw": "hadamard"}),
-                         (64, True, 128, {"q_raw": "none"})]
+PREFILL_COMPILE_CASES = [(128, True, 128, {}), (64, False, 64, {"key_valid": True, "softcap": 30.0, "softmax": "sas"})]
 
 
 def test_prefill_kernel_compiles_for_sm90_keeping_nan():
@@ -529,26 +494,11 @@ def test_prefill_kernel_compiles_for_sm90_keeping_nan():
         assert res["max_nan"] > 0, f"{case}: no NaN-keeping max in the PTX ({res})"
 
 
-def _q_raw_call(d, causal, block_n, mode):
-    """``(args, kwargs)`` of ``_int8_attn_fwd_kernel`` as ``turbo_attention``'s plan launches it with Q quantized in
-    the kernel (bf16 Q, meta tensors)."""
-    b, hq, hk, L = 2, 16, 4, 4096
-    meta = dict(device="meta")
-    q = torch.empty(b, hq, L, d, dtype=torch.bfloat16, **meta)
-    k8, v8t = torch.empty(b, hk, L, d, dtype=torch.int8, **meta), torch.empty(b, hk, d, L, dtype=torch.int8, **meta)
-    sq, sk = torch.empty(b, hq, L, **meta), torch.empty(b, hk, L, **meta)
-    sv, f = torch.empty(b, hk, L // block_n, d, **meta), torch.empty(b, hk, d, **meta)
-    out = torch.empty(b, L, hq, d, dtype=torch.bfloat16, **meta)
-    rotate = mode != "none"
-    q_raw = prefill._q_raw_spec(q, d ** -0.5 * R.LOG2E, rotate, mode == "smooth_hadamard", hk)
-    _, scalars, kw = prefill._attn_spec(q, sq, k8, sk, v8t, sv, out, 0, causal=causal, window=None, softcap=None,
-                                        has_key_valid=False, use_sas=False, thr2=0.0, block_p=True, Lk=L,
-                                        block_n=block_n, q_raw=q_raw)
-    return (q, sq, k8, sk, v8t, sv, sq, out, f, *scalars), kw
+def _compile_prefill_sm90(d, causal, block_n, opts):
+    """PTX of ``_int8_attn_fwd_kernel`` for sm_90 with the arguments ``int8_flash_attention`` launches it with
+    (recorded on meta tensors; 16-byte aligned pointers, integers as the JIT specializes them)."""
+    from triton.backends.compiler import GPUTarget
 
-
-def _recorded_call(d, causal, block_n, opts):
-    """``(args, kwargs)`` that ``int8_flash_attention`` launches ``_int8_attn_fwd_kernel`` with (meta tensors)."""
     kernel, calls = prefill._int8_attn_fwd_kernel, []
 
     class Recorder:
@@ -569,19 +519,7 @@ def _recorded_call(d, causal, block_n, opts):
                                      softcap=opts.get("softcap"), softmax=opts.get("softmax", "exact"))
     finally:
         prefill._int8_attn_fwd_kernel, prefill._check_device = kernel, check
-    (call,) = calls
-    return call
-
-
-def _compile_prefill_sm90(d, causal, block_n, opts):
-    """PTX of ``_int8_attn_fwd_kernel`` for sm_90 with the arguments ``int8_flash_attention`` (or, with "q_raw",
-    ``turbo_attention``) launches it with (recorded on meta tensors; 16-byte aligned pointers, integers as the JIT
-    specializes them)."""
-    from triton.backends.compiler import GPUTarget
-
-    kernel = prefill._int8_attn_fwd_kernel
-    args, kw = _q_raw_call(d, causal, block_n, opts["q_raw"]) if "q_raw" in opts else _recorded_call(d, causal,
-                                                                                                     block_n, opts)
+    (args, kw), = calls
     names = [p.name for p in kernel.params if not p.is_constexpr]
     dns = {p.name for p in kernel.params if p.do_not_specialize}
     types = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int8: "*i8", torch.uint8: "*u8"}
