@@ -1,0 +1,277 @@
+"""Issue 22's checks on several devices: generate() with the model split over GPUs by ``device_map`` (one process)
+and by transformers' tensor parallelism (``torchrun``, one process a rank), turbo_int8 against sdpa.
+
+Each run loads the model once per attention implementation and, for turbo_int8, generates with every preset
+(``set_turbo_config``): greedy tokens (``--new-tokens``, 128 by default), one seeded sampling run and one 2-beam run
+(they must finish; their tokens are recorded), the cache's class, and where the cache lives:
+
+* ``device-map``: the layers split in two halves over the first two GPUs (an explicit map: a 135M model would sit on
+  one GPU under ``"auto"``), or ``--single`` on one device — the reference. Records each TurboCache layer's device.
+* ``tp``: ``from_pretrained(..., distributed_config=DistributedConfig(tp_plan="auto"))`` under ``torchrun --nproc-per-node N`` (TP 1 without torchrun).
+  Rank 0 writes the file. Records layer 0's KV heads and head bits on every rank (gathered): each rank holds only its
+  heads, ``mixed``'s 2-bit heads spread over the ranks. SmolLM2's 3 KV heads do not split over 2 ranks, so TP runs on
+  a model with an even KV head count (``make-model``; random weights: sdpa's own TP 2 tokens may leave TP 1's at a
+  near tie, so ``compare`` reports sdpa's first divergence beside turbo's).
+* ``--bench BxL`` (either mode): decode ms/step and TTFT per config at batch B × context L on random prompt ids
+  (``bench_generate``'s protocol: t(1 + N) − t(1) over N, medians of ``--bench-reps``), for issue 22's TP 2 vs
+  single-GPU ratio at 8 × 16k.
+* ``compare A B``: per config, whether the greedy tokens are equal and the first index where they differ.
+* ``make-model DIR``: a random Llama (``--tiny`` for the CPU test, else 8 layers, 16 query / 8 KV heads of 128).
+
+    python -m eval.multi_gpu device-map --gguf DIR/SmolLM2-135M-Instruct.Q4_1.gguf --single --out one.json
+    python -m eval.multi_gpu device-map --gguf DIR/SmolLM2-135M-Instruct.Q4_1.gguf --out two.json
+    python -m eval.multi_gpu compare one.json two.json
+    python -m eval.multi_gpu make-model /tmp/tpm && python -m eval.multi_gpu tp --model /tmp/tpm --out tp1.json
+    torchrun --nproc-per-node 2 -m eval.multi_gpu tp --model /tmp/tpm --out tp2.json [--bench 8x16k]
+    python -m eval.multi_gpu compare tp1.json tp2.json
+
+On CPU (no GPU) ``tp`` runs with the gloo backend and turbo's PyTorch twins (``tests/eval/test_multi_gpu.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+PRESETS = ("int8", "int4", "mixed")
+PROMPT = "Question: A farmer has 17 sheep and buys 5 more, then sells 8. How many sheep are left? Answer step by step."
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _world() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _split_map(n_layers: int, devices: list) -> dict:
+    """An explicit device_map: the decoder layers in equal runs over ``devices``, embeddings on the first, the final
+    norm and the head on the last."""
+    per = -(-n_layers // len(devices))
+    m = {"model.embed_tokens": devices[0], "model.rotary_emb": devices[0], "model.norm": devices[-1],
+         "lm_head": devices[-1]}
+    for i in range(n_layers):
+        m[f"model.layers.{i}"] = devices[i // per]
+    return m
+
+
+def _tp_config():
+    """transformers' tensor-parallel request: ``DistributedConfig(tp_plan="auto")`` (5.17 through 5.24; the bare
+    ``tp_plan=`` keyword of ``from_pretrained`` is deprecated)."""
+    from transformers.distributed import DistributedConfig
+
+    return DistributedConfig(tp_plan="auto")
+
+
+def _load(args, attn: str):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    import turbo_attn_hf  # noqa: F401  (registers turbo_int8)
+
+    src = args.model or os.path.dirname(args.gguf)
+    kw = dict(gguf_file=os.path.basename(args.gguf)) if args.gguf else {}
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    if args.mode == "tp":
+        if _world() > 1:
+            kw["distributed_config"] = _tp_config()
+        elif torch.cuda.is_available():
+            kw["device_map"] = {"": 0}
+    elif not torch.cuda.is_available():
+        pass  # CPU: one device
+    elif args.single or torch.cuda.device_count() < 2:
+        kw["device_map"] = {"": 0}
+    else:
+        n = AutoConfig.from_pretrained(src, **{k: v for k, v in kw.items() if k == "gguf_file"}).num_hidden_layers
+        kw["device_map"] = _split_map(n, [0, 1])
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, attn_implementation=attn, **kw).eval()
+    tok = None
+    try:
+        tok = AutoTokenizer.from_pretrained(src, **{k: v for k, v in kw.items() if k == "gguf_file"})
+    except Exception:  # noqa: BLE001 - a random model has no tokenizer: fixed token ids
+        pass
+    return model, tok
+
+
+def _inputs(model, tok):
+    import torch
+
+    dev = model.get_input_embeddings().weight.device
+    if tok is not None:
+        ids = tok(PROMPT, return_tensors="pt").input_ids
+    else:
+        ids = torch.randint(0, model.config.vocab_size, (1, 48), generator=torch.Generator().manual_seed(1))
+    return ids.to(dev)
+
+
+def _cache_facts(cache) -> dict:
+    """Where a generate()'s cache lives: its class, each TurboCache layer's device, layer 0's KV heads and bits."""
+    out = {"cache": type(cache).__name__}
+    layers = [l for l in getattr(cache, "layers", []) if hasattr(l, "n_kv_heads")]
+    if layers:
+        out["layer_devices"] = sorted({str(l.device) for l in layers if getattr(l, "device", None) is not None})
+        out["layer0_kv_heads"] = layers[0].n_kv_heads
+        out["layer0_head_bits"] = list(getattr(layers[0], "head_bits", None) or [])
+    return out
+
+
+def _generate(model, ids, n: int, **kw):
+    import torch
+    from transformers import DynamicCache
+
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=n, return_dict_in_generate=True, pad_token_id=0, **kw)
+    cache = out.past_key_values if not isinstance(out.past_key_values, tuple) else DynamicCache()
+    return out.sequences[0, ids.shape[1]:].tolist(), cache
+
+
+def _time_decode(model, batch: int, context: int, n: int, reps: int) -> dict:
+    """bench_generate's protocol on random prompt ids: TTFT = t(generate 1 token), decode ms/step =
+    (t(1 + n) - t(1)) / n, medians of ``reps`` after a warm-up of each; every rank runs it (TP collectives)."""
+    import statistics
+    import time
+
+    import torch
+
+    dev = model.get_input_embeddings().weight.device
+    ids = torch.randint(0, model.config.vocab_size, (batch, context), generator=torch.Generator().manual_seed(2))
+    ids = ids.to(dev)
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+
+    def clock(k: int) -> float:
+        sync()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=k, min_new_tokens=k, do_sample=False, pad_token_id=0)
+        sync()
+        return time.perf_counter() - t0
+
+    clock(1), clock(1 + n)
+    one = statistics.median(clock(1) for _ in range(reps))
+    full = statistics.median(clock(1 + n) for _ in range(reps))
+    out = dict(batch=batch, context=context, new_tokens=n, ttft_ms=one * 1e3, decode_ms_per_step=(full - one) / n * 1e3)
+    if torch.cuda.is_available():
+        out["peak_gib"] = torch.cuda.max_memory_allocated(dev) / 2 ** 30
+    return out
+
+
+def run_tokens(args) -> dict:
+    import torch
+
+    import turbo_attn_hf
+
+    if args.mode == "tp" and _world() > 1 and not torch.distributed.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.distributed.init_process_group(backend)
+    rows = []
+    for attn in ("sdpa", "turbo_int8"):
+        model, tok = _load(args, attn)
+        ids = _inputs(model, tok)
+        for preset in PRESETS if attn == "turbo_int8" else (None,):
+            if preset:
+                turbo_attn_hf.set_turbo_config(model, preset)
+            name = f"turbo_{preset}" if preset else "sdpa"
+            greedy, cache = _generate(model, ids, args.new_tokens, do_sample=False)
+            torch.manual_seed(0)
+            sampled, _ = _generate(model, ids, 16, do_sample=True, top_k=20, temperature=0.8)
+            beam, _ = _generate(model, ids, 16, do_sample=False, num_beams=2)
+            facts = _cache_facts(cache)
+            if args.mode == "tp" and _world() > 1:
+                gathered = [None] * _world()
+                torch.distributed.all_gather_object(gathered, facts)
+                facts = {"ranks": gathered}
+            row = dict(config=name, greedy=greedy, sampled=sampled, beam=beam, **facts)
+            if args.bench:
+                b, L = (int(x.replace("k", "")) * (1024 if x.endswith("k") else 1) for x in args.bench.split("x"))
+                row["bench"] = _time_decode(model, b, L, args.bench_tokens, args.bench_reps)
+            rows.append(row)
+            if _rank() == 0:
+                print(json.dumps({"config": name, "greedy": greedy[:12]}), flush=True)
+        del model
+    import transformers
+
+    devices = ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available()
+               else ["cpu"])
+    return dict(mode=args.mode, world=_world(), single=bool(args.single), devices=devices, torch=torch.__version__,
+                transformers=transformers.__version__, new_tokens=args.new_tokens,
+                source=args.gguf or args.model, rows=rows)
+
+
+def compare(a_path: str, b_path: str) -> dict:
+    a, b = (json.load(open(p)) for p in (a_path, b_path))
+    bs = {r["config"]: r for r in b["rows"]}
+    out = {}
+    for r in a["rows"]:
+        other = bs.get(r["config"])
+        if other is None:
+            continue
+        x, y = r["greedy"], other["greedy"]
+        first = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), None)
+        if first is None and len(x) != len(y):
+            first = min(len(x), len(y))
+        out[r["config"]] = dict(equal=first is None, first_difference=first, tokens=len(x))
+    return out
+
+
+def make_model(path: str, tiny: bool) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    if tiny:
+        cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                          num_hidden_layers=2, intermediate_size=512, vocab_size=512, max_position_embeddings=4096)
+    else:
+        cfg = LlamaConfig(hidden_size=2048, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                          num_hidden_layers=8, intermediate_size=5632, vocab_size=32000,
+                          max_position_embeddings=32768)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("mode", choices=("device-map", "tp", "compare", "make-model"))
+    ap.add_argument("paths", nargs="*", help="compare: two result files; make-model: the output folder")
+    ap.add_argument("--gguf", default="", help="a GGUF file (its folder is the model's)")
+    ap.add_argument("--model", default="", help="a model folder")
+    ap.add_argument("--single", action="store_true", help="device-map: the whole model on one device (reference)")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--tiny", action="store_true", help="make-model: the CPU test's 2-layer model")
+    ap.add_argument("--bench", default="", help="also time decode per config at BATCHxCONTEXT (e.g. 8x16k)")
+    ap.add_argument("--bench-tokens", type=int, default=32)
+    ap.add_argument("--bench-reps", type=int, default=2)
+    ap.add_argument("--out", default="")
+    a = ap.parse_args(argv)
+    if a.mode == "compare":
+        if len(a.paths) != 2:
+            ap.error("compare takes two result files")
+        res = compare(*a.paths)
+        print(json.dumps(res, indent=1))
+        if a.out:
+            json.dump(dict(files=a.paths, configs=res), open(a.out, "w"), indent=1)
+        return 0
+    if a.mode == "make-model":
+        if len(a.paths) != 1:
+            ap.error("make-model takes one output folder")
+        make_model(a.paths[0], a.tiny)
+        return 0
+    if not (a.gguf or a.model):
+        ap.error("give --gguf FILE or --model DIR")
+    res = run_tokens(a)
+    if _rank() == 0 and a.out:
+        with open(a.out, "w") as fh:
+            json.dump(res, fh, indent=1)
+    if a.mode == "tp" and _world() > 1:
+        import torch
+
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

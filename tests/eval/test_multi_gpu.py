@@ -1,0 +1,57 @@
+"""eval/multi_gpu.py on the CPU: transformers' tensor parallelism over 2 gloo ranks (``torchrun``) with turbo_int8's
+PyTorch twins — each rank's TurboCache holds its own KV heads, ``mixed``'s 2-bit heads are spread over the ranks as
+the single-process layer map has them, and greedy tokens equal TP 1's — plus the device map and the comparison."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from eval import multi_gpu
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tp") / "model"
+    multi_gpu.make_model(str(path), tiny=True)
+    return path
+
+
+def test_tensor_parallel_two_ranks_hold_their_heads_and_match_one_rank(tiny_model, tmp_path):
+    tp1, tp2 = tmp_path / "tp1.json", tmp_path / "tp2.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # turbo's PyTorch twins: fast on CPU
+    args = ["-m", "eval.multi_gpu", "tp", "--model", str(tiny_model), "--new-tokens", "16"]
+    subprocess.run([sys.executable, *args, "--out", str(tp1), "--bench", "1x32", "--bench-tokens", "2",
+                    "--bench-reps", "1"], env=env, check=True, capture_output=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *args, "--out",
+                           str(tp2)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one, two = (json.loads(p.read_text()) for p in (tp1, tp2))
+    assert two["world"] == 2 and one["world"] == 1
+    assert all(r["bench"]["decode_ms_per_step"] > 0 and r["bench"]["context"] == 32 for r in one["rows"])
+    rows1 = {r["config"]: r for r in one["rows"]}
+    for r in two["rows"]:
+        ranks = r["ranks"]
+        assert len(ranks) == 2
+        if r["config"] == "sdpa":
+            continue
+        assert all(x["cache"] == "TurboCache" and x["layer0_kv_heads"] == 1 for x in ranks), r
+        # the ranks' head bits side by side are the single-process layer's map (mixed: [2, 4])
+        assert [b for x in ranks for b in x["layer0_head_bits"]] == rows1[r["config"]]["layer0_head_bits"]
+        assert len(r["sampled"]) == 16 and len(r["beam"]) == 16
+    res = multi_gpu.compare(str(tp1), str(tp2))
+    assert set(res) == {"sdpa", "turbo_int8", "turbo_int4", "turbo_mixed"}
+    assert all(v["equal"] for k, v in res.items() if k != "sdpa"), res
+
+
+def test_split_map_and_compare(tmp_path):
+    m = multi_gpu._split_map(5, [0, 1])
+    assert [m[f"model.layers.{i}"] for i in range(5)] == [0, 0, 0, 1, 1]
+    assert m["model.embed_tokens"] == 0 and m["lm_head"] == 1 and m["model.norm"] == 1
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps({"rows": [{"config": "x", "greedy": [1, 2, 3]}, {"config": "y", "greedy": [1, 2]}]}))
+    b.write_text(json.dumps({"rows": [{"config": "x", "greedy": [1, 5, 3]}, {"config": "y", "greedy": [1, 2]}]}))
+    assert multi_gpu.compare(str(a), str(b)) == {"x": dict(equal=False, first_difference=1, tokens=3),
+                                                 "y": dict(equal=True, first_difference=None, tokens=2)}
