@@ -1,9 +1,9 @@
 """Issue 22's checks on several devices: generate() with the model split over GPUs by ``device_map`` (one process)
 and by transformers' tensor parallelism (``torchrun``, one process a rank), turbo_int8 against sdpa.
 
-Each run loads the model once per attention implementation and, for turbo_int8, generates with every preset
-(``set_turbo_config``): greedy tokens (``--new-tokens``, 128 by default), one seeded sampling run and one 2-beam run
-(they must finish; their tokens are recorded), the cache's class, and where the cache lives:
+Each run loads the model once and generates with sdpa and with turbo_int8 (``set_attn_implementation``) in every
+preset (``set_turbo_config``): greedy tokens (``--new-tokens``, 128 by default, no early end), one seeded sampling
+run and one 2-beam run (they must finish; their tokens are recorded), the cache's class, and where the cache lives:
 
 * ``device-map``: the layers split in two halves over the first two GPUs (an explicit map: a 135M model would sit on
   one GPU under ``"auto"``), or ``--single`` on one device — the reference. Records each TurboCache layer's device.
@@ -100,7 +100,10 @@ def _inputs(model, tok):
     import torch
 
     dev = model.get_input_embeddings().weight.device
-    if tok is not None:
+    if tok is not None and getattr(tok, "chat_template", None):
+        ids = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=True)["input_ids"]
+    elif tok is not None:
         ids = tok(PROMPT, return_tensors="pt").input_ids
     else:
         ids = torch.randint(0, model.config.vocab_size, (1, 48), generator=torch.Generator().manual_seed(1))
@@ -169,14 +172,16 @@ def run_tokens(args) -> dict:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         torch.distributed.init_process_group(backend)
     rows = []
+    model, tok = _load(args, "turbo_int8")  # loaded once (a GGUF load is the slow part); sdpa by switching
+    ids = _inputs(model, tok)
     for attn in ("sdpa", "turbo_int8"):
-        model, tok = _load(args, attn)
-        ids = _inputs(model, tok)
+        model.set_attn_implementation(attn)
         for preset in PRESETS if attn == "turbo_int8" else (None,):
             if preset:
                 turbo_attn_hf.set_turbo_config(model, preset)
             name = f"turbo_{preset}" if preset else "sdpa"
-            greedy, cache = _generate(model, ids, args.new_tokens, do_sample=False)
+            # min_new_tokens: every config compares the same number of tokens (no early end of sequence)
+            greedy, cache = _generate(model, ids, args.new_tokens, do_sample=False, min_new_tokens=args.new_tokens)
             torch.manual_seed(0)
             sampled, _ = _generate(model, ids, 16, do_sample=True, top_k=20, temperature=0.8)
             beam, _ = _generate(model, ids, 16, do_sample=False, num_beams=2)
@@ -192,7 +197,6 @@ def run_tokens(args) -> dict:
             rows.append(row)
             if _rank() == 0:
                 print(json.dumps({"config": name, "greedy": greedy[:12]}), flush=True)
-        del model
     import transformers
 
     devices = ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available()
