@@ -12,9 +12,9 @@ run and one 2-beam run (they must finish; their tokens are recorded), the cache'
   heads, ``mixed``'s 2-bit heads spread over the ranks. SmolLM2's 3 KV heads do not split over 2 ranks, so TP runs on
   a model with an even KV head count (``make-model``; random weights: sdpa's own TP 2 tokens may leave TP 1's at a
   near tie, so ``compare`` reports sdpa's first divergence beside turbo's).
-* ``--bench BxL`` (either mode): decode ms/step and TTFT per config at batch B × context L on random prompt ids
-  (``bench_generate``'s protocol: t(1 + N) − t(1) over N, medians of ``--bench-reps``), for issue 22's TP 2 vs
-  single-GPU ratio at 8 × 16k.
+* ``--bench BxL`` (either mode): decode ms/step and TTFT per config at batch B × context L
+  (``bench_generate.measure``: t(1 + N) − t(1) over N, medians of ``--bench-reps``, the cache's path checked), for
+  issue 22's TP 2 vs single-GPU ratio at 8 × 16k.
 * ``compare A B``: per config, whether the greedy tokens are equal and the first index where they differ.
 * ``make-model DIR``: a random Llama (``--tiny`` for the CPU test, else 8 layers, 16 query / 8 KV heads of 128).
 
@@ -35,7 +35,10 @@ import json
 import os
 import sys
 
-PRESETS = ("int8", "int4", "mixed")
+from .bench_common import machine_info
+from .bench_e2e import PRESETS, set_impl
+from .bench_generate import _out_cache, measure, parse_config, parse_shapes
+
 PROMPT = "Question: A farmer has 17 sheep and buys 5 more, then sells 8. How many sheep are left? Answer step by step."
 
 
@@ -66,33 +69,30 @@ def _tp_config():
     return DistributedConfig(tp_plan="auto")
 
 
-def _load(args, attn: str):
+def _load(args):
+    """The model with turbo_int8 (sdpa by ``set_attn_implementation``) placed as the mode asks, and its tokenizer
+    (None for a model without one)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     import turbo_attn_hf  # noqa: F401  (registers turbo_int8)
 
     src = args.model or os.path.dirname(args.gguf)
-    kw = dict(gguf_file=os.path.basename(args.gguf)) if args.gguf else {}
-    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    if args.mode == "tp":
-        if _world() > 1:
-            kw["distributed_config"] = _tp_config()
-        elif torch.cuda.is_available():
+    src_kw = dict(gguf_file=os.path.basename(args.gguf)) if args.gguf else {}
+    kw = dict(src_kw)
+    if args.mode == "tp" and _world() > 1:
+        kw["distributed_config"] = _tp_config()
+    elif torch.cuda.is_available():  # CPU: the one device
+        if args.mode == "tp" or args.single or torch.cuda.device_count() < 2:
             kw["device_map"] = {"": 0}
-    elif not torch.cuda.is_available():
-        pass  # CPU: one device
-    elif args.single or torch.cuda.device_count() < 2:
-        kw["device_map"] = {"": 0}
-    else:
-        n = AutoConfig.from_pretrained(src, **{k: v for k, v in kw.items() if k == "gguf_file"}).num_hidden_layers
-        kw["device_map"] = _split_map(n, [0, 1])
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, attn_implementation=attn, **kw).eval()
-    tok = None
+        else:
+            kw["device_map"] = _split_map(AutoConfig.from_pretrained(src, **src_kw).num_hidden_layers, [0, 1])
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, attn_implementation="turbo_int8", **kw).eval()
     try:
-        tok = AutoTokenizer.from_pretrained(src, **{k: v for k, v in kw.items() if k == "gguf_file"})
+        tok = AutoTokenizer.from_pretrained(src, **src_kw)
     except Exception:  # noqa: BLE001 - a random model has no tokenizer: fixed token ids
-        pass
+        tok = None
     return model, tok
 
 
@@ -122,49 +122,16 @@ def _cache_facts(cache) -> dict:
 
 
 def _generate(model, ids, n: int, **kw):
+    """(the new tokens of row 0, the cache generate() used)."""
     import torch
-    from transformers import DynamicCache
 
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=n, return_dict_in_generate=True, pad_token_id=0, **kw)
-    cache = out.past_key_values if not isinstance(out.past_key_values, tuple) else DynamicCache()
-    return out.sequences[0, ids.shape[1]:].tolist(), cache
-
-
-def _time_decode(model, batch: int, context: int, n: int, reps: int) -> dict:
-    """bench_generate's protocol on random prompt ids: TTFT = t(generate 1 token), decode ms/step =
-    (t(1 + n) - t(1)) / n, medians of ``reps`` after a warm-up of each; every rank runs it (TP collectives)."""
-    import statistics
-    import time
-
-    import torch
-
-    dev = model.get_input_embeddings().weight.device
-    ids = torch.randint(0, model.config.vocab_size, (batch, context), generator=torch.Generator().manual_seed(2))
-    ids = ids.to(dev)
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-
-    def clock(k: int) -> float:
-        sync()
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            model.generate(ids, max_new_tokens=k, min_new_tokens=k, do_sample=False, pad_token_id=0)
-        sync()
-        return time.perf_counter() - t0
-
-    clock(1), clock(1 + n)
-    one = statistics.median(clock(1) for _ in range(reps))
-    full = statistics.median(clock(1 + n) for _ in range(reps))
-    out = dict(batch=batch, context=context, new_tokens=n, ttft_ms=one * 1e3, decode_ms_per_step=(full - one) / n * 1e3)
-    if torch.cuda.is_available():
-        out["peak_gib"] = torch.cuda.max_memory_allocated(dev) / 2 ** 30
-    return out
+    return out.sequences[0, ids.shape[1]:].tolist(), _out_cache(out)
 
 
 def run_tokens(args) -> dict:
     import torch
-
-    import turbo_attn_hf
 
     if args.mode == "tp" and _world() > 1 and not torch.distributed.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -172,38 +139,35 @@ def run_tokens(args) -> dict:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         torch.distributed.init_process_group(backend)
     rows = []
-    model, tok = _load(args, "turbo_int8")  # loaded once (a GGUF load is the slow part); sdpa by switching
+    model, tok = _load(args)  # loaded once (a GGUF load is the slow part); sdpa by switching
     ids = _inputs(model, tok)
-    for attn in ("sdpa", "turbo_int8"):
-        model.set_attn_implementation(attn)
-        for preset in PRESETS if attn == "turbo_int8" else (None,):
-            if preset:
-                turbo_attn_hf.set_turbo_config(model, preset)
-            name = f"turbo_{preset}" if preset else "sdpa"
-            # min_new_tokens: every config compares the same number of tokens (no early end of sequence)
-            greedy, cache = _generate(model, ids, args.new_tokens, do_sample=False, min_new_tokens=args.new_tokens)
-            torch.manual_seed(0)
-            sampled, _ = _generate(model, ids, 16, do_sample=True, top_k=20, temperature=0.8)
-            beam, _ = _generate(model, ids, 16, do_sample=False, num_beams=2)
-            facts = _cache_facts(cache)
-            if args.mode == "tp" and _world() > 1:
-                gathered = [None] * _world()
-                torch.distributed.all_gather_object(gathered, facts)
-                facts = {"ranks": gathered}
-            row = dict(config=name, greedy=greedy, sampled=sampled, beam=beam, **facts)
-            if args.bench:
-                b, L = (int(x.replace("k", "")) * (1024 if x.endswith("k") else 1) for x in args.bench.split("x"))
-                row["bench"] = _time_decode(model, b, L, args.bench_tokens, args.bench_reps)
-            rows.append(row)
-            if _rank() == 0:
-                print(json.dumps({"config": name, "greedy": greedy[:12]}), flush=True)
-    import transformers
-
+    for impl in ("sdpa", *PRESETS):
+        set_impl(model, impl)
+        name = f"turbo_{impl}" if impl != "sdpa" else "sdpa"
+        # min_new_tokens: every config compares the same number of tokens (no early end of sequence)
+        greedy, cache = _generate(model, ids, args.new_tokens, do_sample=False, min_new_tokens=args.new_tokens)
+        torch.manual_seed(0)
+        sampled, _ = _generate(model, ids, 16, do_sample=True, top_k=20, temperature=0.8)
+        beam, _ = _generate(model, ids, 16, do_sample=False, num_beams=2)
+        facts = _cache_facts(cache)
+        if args.mode == "tp" and _world() > 1:
+            gathered = [None] * _world()
+            torch.distributed.all_gather_object(gathered, facts)
+            facts = {"ranks": gathered}
+        row = dict(config=name, greedy=greedy, sampled=sampled, beam=beam, **facts)
+        if args.bench:  # bench_generate's protocol and path check, eager (every rank runs it: TP collectives)
+            (b, L), = parse_shapes(args.bench)
+            spec = parse_config(f"{name}_eager" if impl != "sdpa" else "sdpa_dynamic")
+            row["bench"] = dict(batch=b, context=L, new_tokens=args.bench_tokens,
+                                **measure(model, spec, b, L, args.bench_tokens, args.bench_reps,
+                                          model.config.num_hidden_layers))
+        rows.append(row)
+        if _rank() == 0:
+            print(json.dumps({"config": name, "greedy": greedy[:12]}), flush=True)
     devices = ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available()
                else ["cpu"])
-    return dict(mode=args.mode, world=_world(), single=bool(args.single), devices=devices, torch=torch.__version__,
-                transformers=transformers.__version__, new_tokens=args.new_tokens,
-                source=args.gguf or args.model, rows=rows)
+    return dict(mode=args.mode, world=_world(), single=bool(args.single), machine=machine_info(), devices=devices,
+                new_tokens=args.new_tokens, source=args.gguf or args.model, rows=rows)
 
 
 def compare(a_path: str, b_path: str) -> dict:

@@ -33,8 +33,11 @@ import triton
 import triton.language as tl
 
 from turbo_attn_hf.kernels.hadamard import hadamard_rows
+from turbo_attn_hf.kernels.quant import _to_int8_half_away
+from turbo_attn_hf.kernels.reference import hadamard_pm1
 
-N_CALLS = 20
+from .decode_rotation_ab import _graph_timer
+
 
 
 @triton.jit
@@ -65,13 +68,6 @@ def dot_pm1(x, h, PIECES: tl.constexpr, DOT: tl.constexpr):
         if PIECES > 2:
             acc = tl.dot((r - mid.to(tl.float32)).to(tl.bfloat16).to(DOT), h.to(DOT), acc)
     return acc
-
-
-@triton.jit
-def _codes(x, inv):
-    xs = x * inv
-    r = tl.where(xs >= 0, xs + 0.5, xs - 0.5)
-    return tl.minimum(tl.maximum(r.to(tl.int32), -127), 127).to(tl.int8)
 
 
 @triton.jit
@@ -120,9 +116,9 @@ def _probe_kernel(X, F, HG, X8, S, L, NT, stride_xh, stride_xl, scale,
                 amax = tl.max(tl.abs(y0), 1)
             safe = tl.where(amax > 0, amax, 1.0)
             inv = tl.where(amax > 0, tl.math.div_rn(tl.full([BT], 127.0, tl.float32), safe), 0.0)[:, None]
-            tl.store(p_8 + o_t[:, None] * D + o_c[None, :], _codes(y0, inv), mask=m0)
+            tl.store(p_8 + o_t[:, None] * D + o_c[None, :], _to_int8_half_away(y0, inv), mask=m0)
             if BD > 128:
-                tl.store(p_8 + o_t[:, None] * D + 128 + o_c[None, :], _codes(y1, inv), mask=m1)
+                tl.store(p_8 + o_t[:, None] * D + 128 + o_c[None, :], _to_int8_half_away(y1, inv), mask=m1)
         else:
             m_x = m_t[:, None] & (o_d < D)[None, :]
             x = tl.load(p_x + o_t[:, None] * stride_xl + o_d[None, :], mask=m_x, other=0.0).to(tl.float32)
@@ -133,19 +129,14 @@ def _probe_kernel(X, F, HG, X8, S, L, NT, stride_xh, stride_xl, scale,
             amax = tl.max(tl.abs(x), 1)
             safe = tl.where(amax > 0, amax, 1.0)
             inv = tl.where(amax > 0, tl.math.div_rn(tl.full([BT], 127.0, tl.float32), safe), 0.0)[:, None]
-            tl.store(p_8 + o_t[:, None] * D + o_d[None, :], _codes(x, inv), mask=m_x)
+            tl.store(p_8 + o_t[:, None] * D + o_d[None, :], _to_int8_half_away(x, inv), mask=m_x)
         tl.store(p_s + o_t, tl.math.div_rn(amax, tl.full([BT], 127.0, tl.float32)) * scale, mask=m_t)
 
 
 @functools.lru_cache(maxsize=None)  # built once: session 39's run rebuilt it per call inside the timed graph
-def _pm1_host(n: int, block: int, device) -> torch.Tensor:
-    i = torch.arange(n, device=device)
-    v = i[:, None] & i[None, :]
-    par = torch.zeros_like(v)
-    for b in range(8):
-        par ^= (v >> b) & 1
-    same = (i[:, None] // block) == (i[None, :] // block)
-    return torch.where(same, 1 - 2 * par, 0).to(torch.bfloat16).contiguous()
+def _pm1_bf16(n: int, device: str) -> torch.Tensor:
+    """MODE 3's operand: ``reference.hadamard_pm1(n)`` in bf16 (exact), on ``device``."""
+    return hadamard_pm1(n, device).to(torch.bfloat16).contiguous()
 
 
 def quantize(x, mode: int, bt: int, warps: int, tpp: int = 1, factor=None, pieces: int | None = None):
@@ -157,7 +148,9 @@ def quantize(x, mode: int, bt: int, warps: int, tpp: int = 1, factor=None, piece
     s = torch.empty(hh, L, dtype=torch.float32, device=x.device)
     nt = -(-L // bt)
     hb = min(bd, 128)
-    hg = _pm1_host(hb, min(n, hb), str(x.device))
+    if n < hb:
+        raise ValueError(f"head_dim {d}: the probe's dots take Hadamard blocks of >= {hb} channels (d 128, 256)")
+    hg = _pm1_bf16(hb, str(x.device))
     if pieces is None:
         pieces = 3 if factor is not None else 1
     f = factor if factor is not None else s
@@ -166,26 +159,6 @@ def quantize(x, mode: int, bt: int, warps: int, tpp: int = 1, factor=None, piece
                         D=d, BD=bd, BT=bt, N=n, MODE=mode, PIECES=pieces, HAS_FACTOR=factor is not None, TPP=tpp,
                         DOT=tl.float32 if x.device.type == "cpu" else tl.bfloat16, num_warps=warps)
     return x8, s
-
-
-def _graph_timer(fn):
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(N_CALLS):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-
-    def timed():
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        g.replay()
-        e1.record()
-        e1.synchronize()
-        return e0.elapsed_time(e1) * 1e3 / N_CALLS
-    return timed
 
 
 def _compare(a, b):
