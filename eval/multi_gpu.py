@@ -31,6 +31,7 @@ On CPU (no GPU) ``tp`` runs with the gloo backend and turbo's PyTorch twins (``t
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
@@ -50,12 +51,13 @@ def _world() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def _split_map(n_layers: int, devices: list) -> dict:
+def _split_map(n_layers: int, devices: list, tied: bool = False) -> dict:
     """An explicit device_map: the decoder layers in equal runs over ``devices``, embeddings on the first, the final
-    norm and the head on the last."""
+    norm and the head on the last — or, ``tied`` (``tie_word_embeddings``), the head beside the embeddings: the two
+    share one weight, which a split would leave on the head's device under an embedding hook moving ids elsewhere."""
     per = -(-n_layers // len(devices))
     m = {"model.embed_tokens": devices[0], "model.rotary_emb": devices[0], "model.norm": devices[-1],
-         "lm_head": devices[-1]}
+         "lm_head": devices[0] if tied else devices[-1]}
     for i in range(n_layers):
         m[f"model.layers.{i}"] = devices[i // per]
     return m
@@ -86,7 +88,8 @@ def _load(args):
         if args.mode == "tp" or args.single or torch.cuda.device_count() < 2:
             kw["device_map"] = {"": 0}
         else:
-            kw["device_map"] = _split_map(AutoConfig.from_pretrained(src, **src_kw).num_hidden_layers, [0, 1])
+            cfg = AutoConfig.from_pretrained(src, **src_kw)
+            kw["device_map"] = _split_map(cfg.num_hidden_layers, [0, 1], bool(getattr(cfg, "tie_word_embeddings", 0)))
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, attn_implementation="turbo_int8", **kw).eval()
     try:
@@ -108,6 +111,17 @@ def _inputs(model, tok):
     else:
         ids = torch.randint(0, model.config.vocab_size, (1, 48), generator=torch.Generator().manual_seed(1))
     return ids.to(dev)
+
+
+def _mixed_map(model_config):
+    """``mixed`` with an explicit ``head_bits`` map (as ``calibrate`` writes one): 2 bits where head + layer is even.
+    Tensor parallelism slices a given map, so TP 2 runs TP 1's map; ``head_select: prompt`` instead picks each
+    rank's share of 2-bit heads on its own (ranks stay balanced), which need not be the map one process picks."""
+    from turbo_attn_hf.config import TurboConfig
+
+    hk = model_config.num_key_value_heads
+    rows = [[2 if (h + i) % 2 == 0 else 4 for h in range(hk)] for i in range(model_config.num_hidden_layers)]
+    return dict(TurboConfig.preset("mixed").to_dict(), head_bits=rows)
 
 
 def _cache_facts(cache) -> dict:
@@ -133,6 +147,8 @@ def _generate(model, ids, n: int, **kw):
 def run_tokens(args) -> dict:
     import torch
 
+    import turbo_attn_hf
+
     if args.mode == "tp" and _world() > 1 and not torch.distributed.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
@@ -141,8 +157,11 @@ def run_tokens(args) -> dict:
     rows = []
     model, tok = _load(args)  # loaded once (a GGUF load is the slow part); sdpa by switching
     ids = _inputs(model, tok)
-    for impl in ("sdpa", *PRESETS):
-        set_impl(model, impl)
+    for impl in ("sdpa", *PRESETS, "mixed_map"):
+        if impl == "mixed_map":
+            turbo_attn_hf.set_turbo_config(model, _mixed_map(model.config))
+        else:
+            set_impl(model, impl)
         name = f"turbo_{impl}" if impl != "sdpa" else "sdpa"
         # min_new_tokens: every config compares the same number of tokens (no early end of sequence)
         greedy, cache = _generate(model, ids, args.new_tokens, do_sample=False, min_new_tokens=args.new_tokens)
@@ -155,7 +174,7 @@ def run_tokens(args) -> dict:
             torch.distributed.all_gather_object(gathered, facts)
             facts = {"ranks": gathered}
         row = dict(config=name, greedy=greedy, sampled=sampled, beam=beam, **facts)
-        if args.bench:  # bench_generate's protocol and path check, eager (every rank runs it: TP collectives)
+        if args.bench and impl != "mixed_map":  # bench_generate's protocol and path check, eager (every rank runs it: TP collectives)
             (b, L), = parse_shapes(args.bench)
             spec = parse_config(f"{name}_eager" if impl != "sdpa" else "sdpa_dynamic")
             row["bench"] = dict(batch=b, context=L, new_tokens=args.bench_tokens,
@@ -186,11 +205,63 @@ def compare(a_path: str, b_path: str) -> dict:
     return out
 
 
-def make_model(path: str, tiny: bool) -> None:
+def widen_heads(model, world: int = 2):
+    """``model`` (a Llama-layout causal LM) rewritten to compute the same function with KV and query head counts that
+    ``world`` tensor-parallel ranks can split, in place: each KV head repeated ``world`` times, each query group
+    padded with copies of its first head whose ``o_proj`` columns are zero (they add exact zeros; a copy, not a zero
+    query, keeps every quantizer's scale finite). SmolLM2's 9 / 3 heads become 12 / 6: real weights under TP 2."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = model.config
+    hq, hk = cfg.num_attention_heads, cfg.num_key_value_heads
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
+    g = hq // hk
+    g_new = -(-g // world)  # queries per new KV head; the new KV heads of one old head serve world * g_new slots
+    slots = world * g_new
+    src = [j * g + (s if s < g else 0) for j in range(hk) for s in range(slots)]
+    live = torch.tensor([s < g for _ in range(hk) for s in range(slots)])
+    rows = lambda idx: torch.cat([torch.arange(i * d, (i + 1) * d) for i in idx])  # noqa: E731
+    with torch.no_grad():
+        for layer in model.model.layers:
+            at = layer.self_attn
+            at.q_proj.weight = torch.nn.Parameter(at.q_proj.weight[rows(src)].clone())
+            if at.q_proj.bias is not None:
+                at.q_proj.bias = torch.nn.Parameter(at.q_proj.bias[rows(src)].clone())
+            for proj in (at.k_proj, at.v_proj):
+                kv = [j for j in range(hk) for _ in range(world)]
+                proj.weight = torch.nn.Parameter(proj.weight[rows(kv)].clone())
+                if proj.bias is not None:
+                    proj.bias = torch.nn.Parameter(proj.bias[rows(kv)].clone())
+            o = at.o_proj.weight[:, rows(src)].clone()
+            o[:, ~live.repeat_interleave(d)] = 0
+            at.o_proj.weight = torch.nn.Parameter(o)
+            at.num_key_value_groups = g_new
+            for name in ("num_heads", "num_attention_heads"):
+                if hasattr(at, name):
+                    setattr(at, name, hk * slots)
+            for name in ("num_key_value_heads", "num_kv_heads"):
+                if hasattr(at, name):
+                    setattr(at, name, hk * world)
+    cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = hk * slots, hk * world, d
+    return model
+
+
+def make_model(path: str, tiny: bool, widen_gguf: str = "") -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
+    if widen_gguf:
+        kw = dict(gguf_file=os.path.basename(widen_gguf))
+        src = os.path.dirname(widen_gguf)
+        gguf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, **kw)
+        cfg = copy.deepcopy(gguf.config)  # a plain model of the dequantized weights: a GGUF one does not save
+        cfg.__dict__.pop("quantization_config", None)
+        model = type(gguf)(cfg)
+        model.load_state_dict(gguf.state_dict())
+        widen_heads(model).to(torch.bfloat16).save_pretrained(path)
+        AutoTokenizer.from_pretrained(src, **kw).save_pretrained(path)
+        return
     if tiny:
         cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                           num_hidden_layers=2, intermediate_size=512, vocab_size=512, max_position_embeddings=4096)
@@ -210,6 +281,8 @@ def main(argv=None) -> int:
     ap.add_argument("--single", action="store_true", help="device-map: the whole model on one device (reference)")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--tiny", action="store_true", help="make-model: the CPU test's 2-layer model")
+    ap.add_argument("--widen-gguf", default="", help="make-model: this GGUF's model with heads TP 2 can split "
+                    "(widen_heads: the same function)")
     ap.add_argument("--bench", default="", help="also time decode per config at BATCHxCONTEXT (e.g. 8x16k)")
     ap.add_argument("--bench-tokens", type=int, default=32)
     ap.add_argument("--bench-reps", type=int, default=2)
@@ -226,7 +299,7 @@ def main(argv=None) -> int:
     if a.mode == "make-model":
         if len(a.paths) != 1:
             ap.error("make-model takes one output folder")
-        make_model(a.paths[0], a.tiny)
+        make_model(a.paths[0], a.tiny, a.widen_gguf)
         return 0
     if not (a.gguf or a.model):
         ap.error("give --gguf FILE or --model DIR")
