@@ -15,7 +15,9 @@ run and one 2-beam run (they must finish; their tokens are recorded), the cache'
 * ``--bench BxL`` (either mode): decode ms/step and TTFT per config at batch B × context L
   (``bench_generate.measure``: t(1 + N) − t(1) over N, medians of ``--bench-reps``, the cache's path checked), for
   issue 22's TP 2 vs single-GPU ratio at 8 × 16k.
-* ``compare A B``: per config, whether the greedy tokens are equal and the first index where they differ.
+* ``compare A B``: per config, whether the greedy tokens are equal and the first index where they differ, and, teacher
+  forced through the cache over a fixed continuation (``_teacher_forced``), the steps whose next-token choice differs
+  and A's top-2 logit gap at them: one flipped near tie sends a greedy run elsewhere, so this is the check of TP.
 * ``make-model DIR``: a random Llama (``--tiny`` for the CPU test, else 8 layers, 16 query / 8 KV heads of 128).
 
     python -m eval.multi_gpu device-map --gguf DIR/SmolLM2-135M-Instruct.Q4_1.gguf --single --out one.json
@@ -124,6 +126,39 @@ def _mixed_map(model_config):
     return dict(TurboConfig.preset("mixed").to_dict(), head_bits=rows)
 
 
+ANSWER = (" The farmer starts with 17 sheep. He buys 5 more, so he has 17 + 5 = 22 sheep. Then he sells 8 of them, so"
+          " 22 - 8 = 14 sheep are left. Let us check: 14 + 8 = 22 and 22 - 5 = 17, which is where he started. So the"
+          " farmer has 14 sheep left. The answer is 14.")
+
+
+def _teacher_forced(model, ids, tok) -> dict:
+    """The next-token choice at each step of a fixed continuation (``ANSWER``; 96 seeded ids for a model without a
+    tokenizer) fed one token at a time through the cache (the decode path), and the top-2 logit gap there. Free of
+    the chaos of greedy runs, where one flipped near tie changes everything after it: ``compare`` counts the steps
+    where two runs choose differently and the gaps at those steps."""
+    import torch
+    from transformers import DynamicCache
+
+    import turbo_attn_hf
+
+    if tok is not None:
+        cont = tok(ANSWER, add_special_tokens=False).input_ids
+    else:
+        cont = torch.randint(0, model.config.vocab_size, (96,), generator=torch.Generator().manual_seed(2)).tolist()
+    if model.config._attn_implementation == "sdpa":
+        cache = DynamicCache(config=model.config)
+    else:
+        cache = turbo_attn_hf.TurboCache(turbo_attn_hf.get_turbo_config(model), config=model.config)
+    rows, x = [], ids
+    with torch.no_grad():
+        for t in [None, *cont[:-1]]:
+            if t is not None:
+                x = torch.tensor([[t]], device=ids.device)
+            rows.append(model(x, past_key_values=cache, use_cache=True).logits[0, -1].float())
+    top = torch.stack(rows).topk(2, dim=-1)
+    return dict(argmax=top.indices[:, 0].tolist(), gap=(top.values[:, 0] - top.values[:, 1]).tolist())
+
+
 def _cache_facts(cache) -> dict:
     """Where a generate()'s cache lives: its class, each TurboCache layer's device, layer 0's KV heads and bits."""
     out = {"cache": type(cache).__name__}
@@ -173,7 +208,8 @@ def run_tokens(args) -> dict:
             gathered = [None] * _world()
             torch.distributed.all_gather_object(gathered, facts)
             facts = {"ranks": gathered}
-        row = dict(config=name, greedy=greedy, sampled=sampled, beam=beam, **facts)
+        row = dict(config=name, greedy=greedy, sampled=sampled, beam=beam, forced=_teacher_forced(model, ids, tok),
+                   **facts)
         if args.bench and impl != "mixed_map":  # bench_generate's protocol and path check, eager (every rank runs it: TP collectives)
             (b, L), = parse_shapes(args.bench)
             spec = parse_config(f"{name}_eager" if impl != "sdpa" else "sdpa_dynamic")
@@ -202,6 +238,12 @@ def compare(a_path: str, b_path: str) -> dict:
         if first is None and len(x) != len(y):
             first = min(len(x), len(y))
         out[r["config"]] = dict(equal=first is None, first_difference=first, tokens=len(x))
+        if "forced" in r and "forced" in other:
+            fa, fb = r["forced"], other["forced"]
+            diff = [i for i, (u, v) in enumerate(zip(fa["argmax"], fb["argmax"])) if u != v]
+            out[r["config"]]["forced"] = dict(steps=len(fa["argmax"]), differ=len(diff),
+                                              gaps_where_differ=[round(fa["gap"][i], 4) for i in diff],
+                                              min_gap=round(min(fa["gap"]), 4))
     return out
 
 

@@ -47,6 +47,8 @@ def test_tensor_parallel_two_ranks_hold_their_heads_and_match_one_rank(tiny_mode
     res = multi_gpu.compare(str(tp1), str(tp2))
     assert set(res) == {"sdpa", "turbo_int8", "turbo_int4", "turbo_mixed", "turbo_mixed_map"}
     assert all(v["equal"] for k, v in res.items() if k != "sdpa"), res
+    # teacher-forced through the cache: the same choice at every step
+    assert all(v["forced"]["differ"] == 0 and v["forced"]["steps"] == 96 for k, v in res.items() if k != "sdpa"), res
 
 
 def test_split_map_and_compare(tmp_path):
