@@ -56,8 +56,8 @@ FEATURES: dict[str, tuple[bool, str]] = {
     "training (gradients / dropout)": (True, "no backward kernel: falls back to PyTorch attention, one warning"),
     "float32 inputs": (True, "cast to bfloat16 before INT8 quantization, output cast back, one warning"),
     "NaN / Inf in Q, K, V": (True, "NaN output rows exactly where sdpa's would be; the cache counts bad tokens"),
-    "several GPUs (device_map)": (True, "kernels launch on each layer's GPU (not yet run on 2 GPUs)"),
-    "tensor parallelism (tp_plan)": (True, "each rank caches its own KV heads (run on CPU ranks, not yet on 2 GPUs)"),
+    "several GPUs (device_map)": (True, "kernels launch on each layer's GPU (2 GPUs: one GPU's tokens)"),
+    "tensor parallelism (tp_plan)": (True, "each rank caches its own KV heads (2 GPUs: TP 1's choices)"),
 }
 
 
