@@ -87,3 +87,20 @@ def test_widen_heads_computes_the_same_function_with_heads_two_ranks_split(tmp_p
         wide.save_pretrained(tmp_path)
         again = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa").eval()
         torch.testing.assert_close(again(ids).logits, ref, rtol=0, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_device_map_over_two_gpus_equals_one_gpu(tiny_model, tmp_path):
+    """The layers split over 2 GPUs (a TurboCache layer on each) give one GPU's greedy tokens for every config
+    (SmolLM2 at 128 tokens: ``eval/results/multi_gpu_device_map_compare_h200x2.json``)."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    one, two = tmp_path / "one.json", tmp_path / "two.json"
+    args = [sys.executable, "-m", "eval.multi_gpu", "device-map", "--model", str(tiny_model), "--new-tokens", "32"]
+    subprocess.run([*args, "--single", "--out", str(one)], check=True, capture_output=True, timeout=600)
+    subprocess.run([*args, "--out", str(two)], check=True, capture_output=True, timeout=600)
+    rows = json.loads(two.read_text())["rows"]
+    assert all(r["layer_devices"] == ["cuda:0", "cuda:1"] for r in rows if r["config"] != "sdpa"), rows
+    assert all(v["equal"] for v in multi_gpu.compare(str(one), str(two)).values())
