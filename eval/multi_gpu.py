@@ -215,7 +215,8 @@ def run_tokens(args) -> dict:
             spec = parse_config(f"{name}_eager" if impl != "sdpa" else "sdpa_dynamic")
             row["bench"] = dict(batch=b, context=L, new_tokens=args.bench_tokens,
                                 **measure(model, spec, b, L, args.bench_tokens, args.bench_reps,
-                                          model.config.num_hidden_layers))
+                                          model.config.num_hidden_layers, profile_steps=args.profile_steps,
+                                          steps=args.step_times))
         rows.append(row)
         if _rank() == 0:
             print(json.dumps({"config": name, "greedy": greedy[:12]}), flush=True)
@@ -328,6 +329,11 @@ def main(argv=None) -> int:
     ap.add_argument("--bench", default="", help="also time decode per config at BATCHxCONTEXT (e.g. 8x16k)")
     ap.add_argument("--bench-tokens", type=int, default=32)
     ap.add_argument("--bench-reps", type=int, default=2)
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="--bench: also a torch.profiler trace of P decode steps per config (bench_generate's "
+                         "profile: host ms, launches, sync time a step; each rank profiles its own)")
+    ap.add_argument("--step-times", action="store_true", help="--bench: also each decode step's time (a steady "
+                    "excess or a periodic one)")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
     if a.mode == "compare":
