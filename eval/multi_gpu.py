@@ -7,23 +7,26 @@ run and one 2-beam run (they must finish; their tokens are recorded), the cache'
 
 * ``device-map``: the layers split in two halves over the first two GPUs (an explicit map: a 135M model would sit on
   one GPU under ``"auto"``), or ``--single`` on one device — the reference. Records each TurboCache layer's device.
-* ``tp``: ``from_pretrained(..., distributed_config=DistributedConfig(tp_plan="auto"))`` under ``torchrun --nproc-per-node N`` (TP 1 without torchrun).
+* ``tp``: ``from_pretrained(..., distributed_config=DistributedConfig(tp_plan="auto"))`` under
+  ``torchrun --nproc-per-node N`` (TP 1 without torchrun).
   Rank 0 writes the file. Records layer 0's KV heads and head bits on every rank (gathered): each rank holds only its
-  heads, ``mixed``'s 2-bit heads spread over the ranks. SmolLM2's 3 KV heads do not split over 2 ranks, so TP runs on
-  a model with an even KV head count (``make-model``; random weights: sdpa's own TP 2 tokens may leave TP 1's at a
-  near tie, so ``compare`` reports sdpa's first divergence beside turbo's).
+  heads, ``mixed``'s 2-bit heads spread over the ranks (``turbo_mixed_map``: an explicit map, sliced). SmolLM2's
+  9 / 3 heads do not split over 2 ranks, so TP runs on ``make-model --widen-gguf`` (SmolLM2 as 12 / 6 heads, the
+  same function) or a random Llama with 8 KV heads (``make-model``).
 * ``--bench BxL`` (either mode): decode ms/step and TTFT per config at batch B × context L
   (``bench_generate.measure``: t(1 + N) − t(1) over N, medians of ``--bench-reps``, the cache's path checked), for
   issue 22's TP 2 vs single-GPU ratio at 8 × 16k.
 * ``compare A B``: per config, whether the greedy tokens are equal and the first index where they differ, and, teacher
   forced through the cache over a fixed continuation (``_teacher_forced``), the steps whose next-token choice differs
   and A's top-2 logit gap at them: one flipped near tie sends a greedy run elsewhere, so this is the check of TP.
-* ``make-model DIR``: a random Llama (``--tiny`` for the CPU test, else 8 layers, 16 query / 8 KV heads of 128).
+* ``make-model DIR``: a random Llama (``--tiny`` for the CPU test, else 8 layers, 16 query / 8 KV heads of 128), or
+  ``--widen-gguf FILE``: that GGUF's model through ``widen_heads``.
 
     python -m eval.multi_gpu device-map --gguf DIR/SmolLM2-135M-Instruct.Q4_1.gguf --single --out one.json
     python -m eval.multi_gpu device-map --gguf DIR/SmolLM2-135M-Instruct.Q4_1.gguf --out two.json
     python -m eval.multi_gpu compare one.json two.json
-    python -m eval.multi_gpu make-model /tmp/tpm && python -m eval.multi_gpu tp --model /tmp/tpm --out tp1.json
+    python -m eval.multi_gpu make-model /tmp/tpm [--widen-gguf FILE]
+    python -m eval.multi_gpu tp --model /tmp/tpm --out tp1.json
     torchrun --nproc-per-node 2 -m eval.multi_gpu tp --model /tmp/tpm --out tp2.json [--bench 8x16k]
     python -m eval.multi_gpu compare tp1.json tp2.json
 
@@ -210,7 +213,8 @@ def run_tokens(args) -> dict:
             facts = {"ranks": gathered}
         row = dict(config=name, greedy=greedy, sampled=sampled, beam=beam, forced=_teacher_forced(model, ids, tok),
                    **facts)
-        if args.bench and impl != "mixed_map":  # bench_generate's protocol and path check, eager (every rank runs it: TP collectives)
+        # bench_generate's protocol and path check, eager (every rank runs it: TP collectives)
+        if args.bench and impl != "mixed_map":
             (b, L), = parse_shapes(args.bench)
             spec = parse_config(f"{name}_eager" if impl != "sdpa" else "sdpa_dynamic")
             row["bench"] = dict(batch=b, context=L, new_tokens=args.bench_tokens,
