@@ -81,7 +81,8 @@ def build_model(layers: int, shape: dict, device, dtype):
     return model.eval()
 
 
-def set_impl(model, impl: str) -> None:
+def set_impl(model, impl) -> None:
+    """``"sdpa"``, or turbo_int8 with ``impl`` as its TurboConfig (a preset name, dict or TurboConfig)."""
     import turbo_attn_hf
 
     if impl == "sdpa":
@@ -91,7 +92,8 @@ def set_impl(model, impl: str) -> None:
         turbo_attn_hf.set_turbo_config(model, impl)
 
 
-def new_cache(model, impl: str):
+def new_cache(model, impl):
+    """A fresh cache for ``impl``: ``"sdpa"`` a DynamicCache, else a TurboCache of that preset name / TurboConfig."""
     from transformers import DynamicCache
 
     from turbo_attn_hf import TurboCache

@@ -42,7 +42,7 @@ import os
 import sys
 
 from .bench_common import machine_info
-from .bench_e2e import PRESETS, set_impl
+from .bench_e2e import PRESETS, new_cache, set_impl
 from .bench_generate import _out_cache, measure, parse_config, parse_shapes
 
 PROMPT = "Question: A farmer has 17 sheep and buys 5 more, then sells 8. How many sheep are left? Answer step by step."
@@ -136,29 +136,24 @@ ANSWER = (" The farmer starts with 17 sheep. He buys 5 more, so he has 17 + 5 = 
 
 def _teacher_forced(model, ids, tok) -> dict:
     """The next-token choice at each step of a fixed continuation (``ANSWER``; 96 seeded ids for a model without a
-    tokenizer) fed one token at a time through the cache (the decode path), and the top-2 logit gap there. Free of
-    the chaos of greedy runs, where one flipped near tie changes everything after it: ``compare`` counts the steps
-    where two runs choose differently and the gaps at those steps."""
+    tokenizer) fed one token at a time through the cache (``fidelity.next_token_logprobs``' decode mode), and the
+    top-2 gap there. Free of the chaos of greedy runs, where one flipped near tie changes everything after it:
+    ``compare`` counts the steps where two runs choose differently and the gaps at those steps."""
     import torch
-    from transformers import DynamicCache
 
     import turbo_attn_hf
+
+    from .fidelity import next_token_logprobs
 
     if tok is not None:
         cont = tok(ANSWER, add_special_tokens=False).input_ids
     else:
         cont = torch.randint(0, model.config.vocab_size, (96,), generator=torch.Generator().manual_seed(2)).tolist()
-    if model.config._attn_implementation == "sdpa":
-        cache = DynamicCache(config=model.config)
-    else:
-        cache = turbo_attn_hf.TurboCache(turbo_attn_hf.get_turbo_config(model), config=model.config)
-    rows, x = [], ids
-    with torch.no_grad():
-        for t in [None, *cont[:-1]]:
-            if t is not None:
-                x = torch.tensor([[t]], device=ids.device)
-            rows.append(model(x, past_key_values=cache, use_cache=True).logits[0, -1].float())
-    top = torch.stack(rows).topk(2, dim=-1)
+    impl = "sdpa" if model.config._attn_implementation == "sdpa" else turbo_attn_hf.get_turbo_config(model)
+    n = ids.shape[1]
+    lp = next_token_logprobs(model, torch.cat([ids[0].cpu(), torch.tensor(cont)]), mode="decode", prompt_len=n,
+                             cache_factory=lambda: new_cache(model, impl))[n - 1:]
+    top = lp.topk(2, dim=-1)
     return dict(argmax=top.indices[:, 0].tolist(), gap=(top.values[:, 0] - top.values[:, 1]).tolist())
 
 
@@ -185,8 +180,6 @@ def _generate(model, ids, n: int, **kw):
 def run_tokens(args) -> dict:
     import torch
 
-    import turbo_attn_hf
-
     if args.mode == "tp" and _world() > 1 and not torch.distributed.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
@@ -196,10 +189,7 @@ def run_tokens(args) -> dict:
     model, tok = _load(args)  # loaded once (a GGUF load is the slow part); sdpa by switching
     ids = _inputs(model, tok)
     for impl in ("sdpa", *PRESETS, "mixed_map"):
-        if impl == "mixed_map":
-            turbo_attn_hf.set_turbo_config(model, _mixed_map(model.config))
-        else:
-            set_impl(model, impl)
+        set_impl(model, _mixed_map(model.config) if impl == "mixed_map" else impl)
         name = f"turbo_{impl}" if impl != "sdpa" else "sdpa"
         # min_new_tokens: every config compares the same number of tokens (no early end of sequence)
         greedy, cache = _generate(model, ids, args.new_tokens, do_sample=False, min_new_tokens=args.new_tokens)
@@ -267,6 +257,7 @@ def widen_heads(model, world: int = 2):
     slots = world * g_new
     src = [j * g + (s if s < g else 0) for j in range(hk) for s in range(slots)]
     live = torch.tensor([s < g for _ in range(hk) for s in range(slots)])
+    kv = [j for j in range(hk) for _ in range(world)]
     rows = lambda idx: torch.cat([torch.arange(i * d, (i + 1) * d) for i in idx])  # noqa: E731
     with torch.no_grad():
         for layer in model.model.layers:
@@ -275,20 +266,13 @@ def widen_heads(model, world: int = 2):
             if at.q_proj.bias is not None:
                 at.q_proj.bias = torch.nn.Parameter(at.q_proj.bias[rows(src)].clone())
             for proj in (at.k_proj, at.v_proj):
-                kv = [j for j in range(hk) for _ in range(world)]
                 proj.weight = torch.nn.Parameter(proj.weight[rows(kv)].clone())
                 if proj.bias is not None:
                     proj.bias = torch.nn.Parameter(proj.bias[rows(kv)].clone())
             o = at.o_proj.weight[:, rows(src)].clone()
             o[:, ~live.repeat_interleave(d)] = 0
             at.o_proj.weight = torch.nn.Parameter(o)
-            at.num_key_value_groups = g_new
-            for name in ("num_heads", "num_attention_heads"):
-                if hasattr(at, name):
-                    setattr(at, name, hk * slots)
-            for name in ("num_key_value_heads", "num_kv_heads"):
-                if hasattr(at, name):
-                    setattr(at, name, hk * world)
+            at.num_key_value_groups = g_new  # the one head count Llama's attention keeps (it reshapes by head_dim)
     cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = hk * slots, hk * world, d
     return model
 

@@ -39,7 +39,6 @@ from turbo_attn_hf.kernels.reference import hadamard_pm1
 from .decode_rotation_ab import _graph_timer
 
 
-
 @triton.jit
 def pm1_matrix(BK: tl.constexpr, N: tl.constexpr):
     """``[BK, BK]`` bf16 ``H+-1`` (``hadamard_rows``' matrix, BK <= 256) made in registers from the parity of the bits
