@@ -22,6 +22,8 @@ No host sync; T is a runtime argument (no recompile per prompt length).
 
 from __future__ import annotations
 
+from typing import Optional, Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -31,7 +33,7 @@ from .interpreter import use_triton
 from .launch import LeanLaunch, lean
 from .rotation import SMOOTH_RANGE, smooth_scales
 
-__all__ = ["smooth_factors", "smooth_factors_triton"]
+__all__ = ["smooth_factors", "smooth_factors_layers", "smooth_factors_triton"]
 
 
 @triton.jit
@@ -42,16 +44,21 @@ def _sum_min_max_init(BD: tl.constexpr):
 
 @triton.jit(do_not_specialize=["T", "NSUB", "NC"])
 def _smooth_stats_kernel(
-    k, part, cnt, arrive, out, T, H, NC, NSUB, LO, HI,
+    k, part, cnt, arrive, out, tbl, T, H, NC, NSUB, LO, HI,
     stride_kb, stride_kh, stride_kt, stride_kd,
-    D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, LAYERS: tl.constexpr = False,
 ):
     """grid (NC, b*H): tokens ``[i_c*NSUB*BT, (i_c+1)*NSUB*BT)`` of (b, h) of ``k [b, H, T, D]`` (any strides) ->
     ``part[b*H, NC, 3, BD]`` fp32 (finite tokens' sum, min, max per channel), ``cnt[b*H, NC]`` int32 (their count);
     the last of the (b, h)'s NC programs (``arrive[b*H]`` int32, zero before the launch and after it) writes its
-    factors ``out[b*H, D]`` (``_smooth_finish``)."""
+    factors ``out[b*H, D]`` (``_smooth_finish``). With LAYERS, grid (NC, b*H, layers): layer j's keys lie ``tbl[j]``
+    (int64) elements after ``k``, and its rows of the workspace and of ``out`` follow layer j - 1's."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
+    if LAYERS:
+        i_l = tl.program_id(2)
+        k += tl.load(tbl + i_l)
+        i_bh = i_l * tl.num_programs(1) + i_bh  # the (layer, b, h) row: the same chunks as a launch of one layer
     o_d = tl.arange(0, BD)
     o_r = tl.arange(0, BT)
     m_d = o_d < D
@@ -135,40 +142,70 @@ def smooth_factors_triton(k: torch.Tensor, nsub: int | None = None) -> torch.Ten
     -> ``s [b, Hk, d]`` fp32. ``nsub``: tiles of tokens per program (default: enough programs to fill the GPU)."""
     if k.dim() != 4:
         raise ValueError(f"keys must be [b, Hk, T, d], got shape {tuple(k.shape)}")
+    return _launch(k, nsub, 1, None)
+
+
+def smooth_factors_layers(keys: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``smooth_factors_triton`` of each of ``keys`` (layers' ``[b, Hk, T, d]`` keys of one shape, strides, dtype and
+    device) by one launch -> ``[layers, b, Hk, d]`` fp32, each layer's bit for bit its own call's (the same chunks):
+    a first prefill's queued layers (``turbo_attn_hf.first_prefill``) make their factors together, not in a
+    latency-bound launch each (one KV head of 1k tokens: ~24 us a layer on an H200, PERF_NOTES session 38)."""
+    k0 = keys[0]
+    if k0.dim() != 4 or any(k.shape != k0.shape or k.stride() != k0.stride() or k.dtype != k0.dtype
+                            or k.device != k0.device for k in keys):
+        raise ValueError("smooth_factors_layers takes [b, Hk, T, d] keys of one shape, strides, dtype and device")
+    es = k0.element_size()
+    offs = [k.data_ptr() - k0.data_ptr() for k in keys]
+    if any(o % es for o in offs):
+        raise ValueError("smooth_factors_layers: keys must lie whole elements apart")
+    tbl = torch.tensor([o // es for o in offs], dtype=torch.int64)
+    if k0.is_cuda:  # through pinned memory: a pageable copy would wait for the stream
+        tbl = tbl.pin_memory().to(k0.device, non_blocking=True)
+    return _launch(k0, None, len(keys), tbl)
+
+
+def _launch(k: torch.Tensor, nsub: Optional[int], layers: int, tbl: Optional[torch.Tensor]) -> torch.Tensor:
+    """The pass over ``k`` (``layers`` > 1: and the layers ``tbl`` places after it) -> factors ``[(layers,) b, Hk,
+    d]``."""
     device = k.device
     # the call's plan by every fact it is derived from: the first store of each smooth_hadamard layer (same shape)
     # finds it, and with it the workspace's views and the launch's memo key (the workspace lookup alone took 27 us a
     # layer on the GPU host; eval/PERF_NOTES.md session 36)
-    pkey = (k.shape, k.stride(), k.dtype, device, nsub)
+    pkey = (k.shape, k.stride(), k.dtype, device, nsub, layers)
     plan = _PLANS.get(pkey)
     if plan is None or plan[0] is not _WORKSPACE.get(plan[1]):  # new, or the workspace regrew since
         if len(_PLANS) >= 256:  # many prompt lengths: planned again on demand
             _PLANS.clear()
-        plan = _PLANS[pkey] = _plan(k, nsub)
+        plan = _PLANS[pkey] = _plan(k, nsub, layers)
     _, _, (part, cnt, arrive), grid, scalars, kw, key, out_shape = plan
     out = torch.empty(out_shape, device=device, dtype=torch.float32)
     # the memo's key: the plan's facts and the device Triton launches on now (read per call)
     key += (current_cuda_device() if k.is_cuda else -1,)
+    args = (k, part, cnt, arrive, out, cnt if tbl is None else tbl)  # one layer: no table (any pointer stands in)
     with on_device(device):
-        lean(_smooth_stats_kernel).launch_memo(_MEMO, key, grid, (k, part, cnt, arrive, out), scalars, kw,
-                                               LeanLaunch.hooks_active())
+        lean(_smooth_stats_kernel).launch_memo(_MEMO, key, grid, args, scalars, kw, LeanLaunch.hooks_active())
     return out
 
 
-def _plan(k: torch.Tensor, nsub: int | None) -> tuple:
-    """``(workspace, its key, its views, grid, scalars, constexprs, memo key, output shape)`` of a call on ``k``."""
+def _plan(k: torch.Tensor, nsub: int | None, layers: int = 1) -> tuple:
+    """``(workspace, its key, its views, grid, scalars, constexprs, memo key, output shape)`` of a call on ``k``
+    (and ``layers - 1`` more layers like it)."""
     b, H, T, D = k.shape
     BD = _pow2(D)
+    # chunks by one layer's rows: a layer's factors do not depend on how many layers launch with it
     BT, BC, nsub, NC = _chunking(T, b * H, BD, sm_count(k.device) if nsub is None else 0, nsub)
-    views = _workspace(k.device, b * H * NC * 3 * BD, b * H * NC, b * H)
+    rows = layers * b * H
+    views = _workspace(k.device, rows * NC * 3 * BD, rows * NC, rows)
     ws_key = _device_key(k.device)
     lo, hi = SMOOTH_RANGE
     strides = k.stride()
     # every fact Triton specialises on but the pointers' alignment (LeanLaunch.launch_memo checks that): the first
     # store of each smooth_hadamard layer relaunches without the per-argument facts and the binder
-    key = (k.dtype, H, strides, D)
-    return (_WORKSPACE[ws_key], ws_key, views, (NC, b * H), (T, H, NC, nsub, lo, hi, *strides),
-            dict(D=D, BD=BD, BT=BT, BC=BC, num_warps=4), key, (b, H, D))
+    key = (k.dtype, H, strides, D, layers > 1)
+    grid = (NC, b * H) if layers == 1 else (NC, b * H, layers)
+    return (_WORKSPACE[ws_key], ws_key, views, grid, (T, H, NC, nsub, lo, hi, *strides),
+            dict(D=D, BD=BD, BT=BT, BC=BC, LAYERS=layers > 1, num_warps=4), key,
+            (b, H, D) if layers == 1 else (layers, b, H, D))
 
 
 _MEMO: dict = {}  # LeanLaunch.launch_memo's kernels by the call's facts

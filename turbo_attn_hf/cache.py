@@ -608,22 +608,28 @@ class TurboLayer(CacheLayerMixin):
         same format and K/V shape recorded (``first_prefill``): queued in ``batch`` (the cache's, launched with its
         other layers) where the prompt's attention will not read the cache (``prefill_attention`` exact), else the
         layer's and its groups' buffers and two relaunches now; their tensors become views on first use
-        (``__getattr__``). A smooth_hadamard layer fixes its factors first (their own launch), and the replay takes
-        them as an input. False: no replay (the layer may have fixed its factors)."""
+        (``__getattr__``). A smooth_hadamard layer's factors are an input of the replay: queued, the flush makes them
+        for all its queued layers in one launch (``qk_smooth`` then resolves with the views); else the layer makes
+        its own first (one launch). False: no replay (the layer may have fixed its factors)."""
         ks, vs = key_states.shape, value_states.shape
         if not self._one_buffer or len(ks) != 4 or len(vs) != 4 or not self._fused(key_states):
             return False
         b, hk, T, d = ks
         if T == 0 or vs[0] != b or vs[1] != hk or vs[3] != d:
             return False
-        self._fix_smooth_factors(key_states)  # part of the plan's key: the recording layer had fixed its own
         plan = first_prefill.PLANS.get(self._first_store_key(key_states, value_states))
         rp = plan.replay if plan is not None else None
         if rp is None:
             return False
-        gen, f = None, first_prefill.factors_of(self, key_states)
-        if batch is not None and prefill_attention_path(self.turbo_config, key_states.device) == "exact":
-            gen = batch.add(rp, key_states, value_states, f)
+        gen = None
+        queue = batch is not None and prefill_attention_path(self.turbo_config, key_states.device) == "exact"
+        pend = queue and self.smoothed and self.qk_smooth is None  # the flush makes this layer's factors
+        if queue:
+            gen = batch.add(rp, key_states, value_states, None if pend else first_prefill.factors_of(self, key_states))
+        if gen is None:
+            self._fix_smooth_factors(key_states)
+            pend = False
+        f = None if pend else first_prefill.factors_of(self, key_states)
         if gen is not None:
             bufs, j = None, len(gen.items) - 1
         else:
@@ -634,7 +640,7 @@ class TurboLayer(CacheLayerMixin):
         self.batch, self.n_kv_heads, self.head_dim = b, hk, d
         self.headroom, self.n_tail = plan.headroom, plan.n_tail
         d_ = self.__dict__
-        for name in first_prefill.LAYER_VIEWS:
+        for name in first_prefill.LAYER_VIEWS + (("qk_smooth",) if pend else ()):
             d_.pop(name, None)
         d_.pop("_flat", None)  # a view too (``Replay.layer_views``): queued, the buffers do not exist yet
         self._lazy = first_prefill.Queued(gen, j, None) if bufs is None else (bufs, rp.layer_views)
@@ -708,7 +714,8 @@ class TurboLayer(CacheLayerMixin):
         ks = key_states.shape
         bits, fmt = self._layer_format(ks[1], ks[3])
         self._plan_bits = list(bits)
-        return (fmt, self.qk_smooth is not None, ks, key_states.stride(), value_states.shape, value_states.stride(),
+        # smoothed: the layer has (or its queued store will have) factors, as every smooth_hadamard layer's first store
+        return (fmt, self.smoothed, ks, key_states.stride(), value_states.shape, value_states.stride(),
                 key_states.dtype, value_states.dtype, key_states.device)
 
     def _layer_format(self, hk: int, d: int) -> tuple:

@@ -181,13 +181,13 @@ class Batch:
     def items(self) -> list:
         return self.gen.items
 
-    def add(self, rp: Replay, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor) -> Optional["Queue"]:
-        """Queue a layer's first store as ``rp`` recorded it (``f``: :func:`factors_of`, kept alive with K/V);
-        returns the :class:`Queue` it joined (the layer's place: its last item), or None (nothing queued) where it
-        cannot wait: another device than the recording's, a pointer off 16-byte alignment, K/V over half of
-        ``BATCH_BYTES``."""
+    def add(self, rp: Replay, k: torch.Tensor, v: torch.Tensor, f: Optional[torch.Tensor]) -> Optional["Queue"]:
+        """Queue a layer's first store as ``rp`` recorded it (``f``: :func:`factors_of`, kept alive with K/V; None:
+        a smooth_hadamard layer whose factors the flush makes, for all such layers in one launch); returns the
+        :class:`Queue` it joined (the layer's place: its last item), or None (nothing queued) where it cannot wait:
+        another device than the recording's, a pointer off 16-byte alignment, K/V over half of ``BATCH_BYTES``."""
         n = k.numel() * k.element_size() + v.numel() * v.element_size()
-        if 2 * n > BATCH_BYTES or not _fits(rp, k, v, f):
+        if 2 * n > BATCH_BYTES or not _fits(rp, k, v, k if f is None else f):
             return None
         gen = self.gen
         if gen.nbytes + n > BATCH_BYTES:
@@ -205,10 +205,12 @@ class Batch:
             by_plan.setdefault(id(it[0]), []).append(j)
         out = [None] * len(gen.items)
         for js in by_plan.values():
-            bigs = launch_layers([gen.items[j] for j in js])
+            items = [gen.items[j] for j in js]
+            made_f = _pending_factors(items)
+            bigs = launch_layers(items)
             made: dict = {}  # the views of these layers, made for all at the first one's use (resolve)
             for jl, j in enumerate(js):
-                out[j] = (bigs, jl, len(js), made)
+                out[j] = (bigs, jl, len(js), made, made_f.get(jl))
         gen.items, gen.out = [(it[0],) for it in gen.items], out  # K/V (and factors) no longer kept alive
 
 
@@ -240,12 +242,32 @@ class Queued:
             raise RuntimeError("turbo_int8: this TurboCache layer's first store failed to launch (see the error raised "
                                "by the forward that queued it); reset the cache or start a new one")
         rp = gen.items[self.j][0]
-        bigs, jl, n, made = gen.out[self.j]
+        bigs, jl, n, made, f = gen.out[self.j]
         stacked = made.get(self.group)
         if stacked is None:  # the first use of this kind of view in the flush: every layer's at once
             views = rp.layer_views if self.group is None else rp.groups[self.group][2]
             stacked = made[self.group] = stacked_views(bigs, views, rp.sizes, n)
-        return None, {attr: ts[jl] for attr, ts in stacked.items()}
+        views = {attr: ts[jl] for attr, ts in stacked.items()}
+        if f is not None and self.group is None:  # factors the flush made (a layer queued with none)
+            views["qk_smooth"] = f
+        return None, views
+
+
+def _pending_factors(items: list) -> dict:
+    """The smoothing factors of the ``items`` queued without them (``Batch.add``'s ``f`` None), made by one launch
+    (``smooth_factors_layers``) and put in their items: ``{index in items: factors}``."""
+    pend = [jl for jl, it in enumerate(items) if it[3] is None]
+    if not pend:
+        return {}
+    from .kernels.smooth_factors import smooth_factors_layers
+
+    k0 = items[pend[0]][1]
+    with on_device(k0.device):
+        fs = smooth_factors_layers([items[jl][1] for jl in pend]).unbind(0)
+    for jl, f in zip(pend, fs):
+        rp, k, v, _ = items[jl]
+        items[jl] = (rp, k, v, f)
+    return dict(zip(pend, fs))
 
 
 def launch_layers(items: list) -> list:

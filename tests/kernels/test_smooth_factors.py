@@ -128,23 +128,42 @@ def test_a_call_reuses_its_plan_until_the_workspace_regrows(device):
     assert new is not plan and new[0] is sf._WORKSPACE[plan[1]] and new[2][0].data_ptr() == new[0][0].data_ptr()
 
 
-def _compile(D):
-    """``_smooth_stats_kernel`` for sm_90 (the arrival count's gpu-scope atomics and the finisher's .cg loads)."""
+def test_layers_in_one_launch_equal_each_layers_own_call(device):
+    """``smooth_factors_layers``: a first prefill's queued layers (keys apart in memory, one shape and layout) in one
+    launch, each layer's factors bit for bit its own call's (the same chunks and order); the counters left at zero."""
+    from eval.bench_store import count_launches
+    from turbo_attn_hf.kernels import smooth_factors as sf
+
+    keys = [_same_view(_keys(1, 2, 150, 128, torch.bfloat16, "bthd", seed=10 + j), device) for j in range(3)]
+    got = []
+    assert count_launches(lambda: got.append(sf.smooth_factors_layers(keys)))["triton"] == 1
+    assert got[0].shape == (3, 1, 2, 128)
+    for j, k in enumerate(keys):
+        assert torch.equal(got[0][j], sf.smooth_factors_triton(k)), j
+    assert int(sf._workspace(device, 0, 0, 0)[2].abs().sum()) == 0
+    with pytest.raises(ValueError, match="one shape"):
+        sf.smooth_factors_layers([keys[0], keys[1][:, :, :100]])
+
+
+def _compile(D, layers=False):
+    """``_smooth_stats_kernel`` for sm_90 (the arrival count's gpu-scope atomics and the finisher's .cg loads), of one
+    layer or with the layer axis."""
     import triton
     from triton.backends.compiler import GPUTarget
 
     from turbo_attn_hf.kernels.smooth_factors import _smooth_stats_kernel
 
-    sig = dict(k="*bf16", part="*fp32", cnt="*i32", arrive="*i32", out="*fp32", T="i32", H="i32", NC="i32",
-               NSUB="i32", LO="fp32", HI="fp32", stride_kb="i32", stride_kh="i32", stride_kt="i32", stride_kd="i32")
-    cx = dict(D=D, BD=D, BT=4096 // D, BC=4096 // D)
+    sig = dict(k="*bf16", part="*fp32", cnt="*i32", arrive="*i32", out="*fp32", tbl="*i64" if layers else "*i32",
+               T="i32", H="i32", NC="i32", NSUB="i32", LO="fp32", HI="fp32", stride_kb="i32", stride_kh="i32",
+               stride_kt="i32", stride_kd="i32")
+    cx = dict(D=D, BD=D, BT=4096 // D, BC=4096 // D, LAYERS=layers)
     sig.update({k: "constexpr" for k in cx})
     src = triton.compiler.ASTSource(fn=_smooth_stats_kernel, signature=sig, constexprs=cx)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 
 
 def test_smooth_stats_kernel_compiles_for_sm90():
-    sm90.run(__file__, [[128], [256]], "smoothing-factor kernel")
+    sm90.run(__file__, [[128], [256], [256, True]], "smoothing-factor kernel")
 
 
 if __name__ == "__main__":
@@ -175,7 +194,7 @@ k = torch.randn(1, 2, 300, 128, dtype=torch.bfloat16)
 sf.smooth_factors_triton(k)
 assert seen == [], seen  # the first call compiles (here: the stub) and memoises
 sf.smooth_factors_triton(k[:, :, :200])  # another length, same facts: relaunched
-assert len(seen) == 1 and seen[0][1][5] == 200, seen
+assert len(seen) == 1 and seen[0][1][6] == 200, seen
 ws = sf._WORKSPACE[("cpu", None)]
 assert seen[0][1][1] == ws[0].data_ptr() and seen[0][1][2] == ws[1].data_ptr()  # the shared partials / counts
 print("OK")

@@ -178,7 +178,7 @@ def _storage(layers):
     for lay in layers:
         n = lay.n_tail
         groups = [(g.bits, g.heads, g.n_blocks, [t[:, :, :g.n_blocks] for _, t in g._tensors()]) for g in lay.groups]
-        out.append((n, lay.k_scale, lay.v_scale, lay.k_tail[:, :, :n], lay.v_tail[:, :, :, :n], groups))
+        out.append((n, lay.k_scale, lay.v_scale, lay.k_tail[:, :, :n], lay.v_tail[:, :, :, :n], groups, lay.qk_smooth))
     return out
 
 
@@ -195,7 +195,8 @@ def test_generate_with_queued_first_stores_equals_the_layer_by_layer_store(prese
     """generate() on a turbo model whose prompt attention is exact: every layer but the first queues its first store
     and the last layer's update launches the queue (one flush per prompt); tokens and every stored byte equal the
     layer-by-layer store's (``BATCH_BYTES = 0``: on the GPU the per-layer replay, on CPU the general path), through
-    a second turn on the filled cache (a second prefill)."""
+    a second turn on the filled cache (a second prefill); smooth_hadamard's factors too, the queued layers' made
+    together by the flush."""
     from turbo_attn_hf import first_prefill as FP
     from turbo_attn_hf.cache import TurboCache
 
@@ -216,8 +217,15 @@ def test_generate_with_queued_first_stores_equals_the_layer_by_layer_store(prese
             b = m.generate(torch.cat([a, turn2], 1), past_key_values=cache, max_new_tokens=5, do_sample=False)
         return b, _storage(cache.layers)
 
+    from turbo_attn_hf.kernels import smooth_factors as SF
+
+    made = []
+    layered = SF.smooth_factors_layers
+    monkeypatch.setattr(SF, "smooth_factors_layers", lambda keys: (made.append(len(keys)), layered(keys))[1])
     toks, stored = chat(FP.BATCH_BYTES)
     assert [n for n in flushes if n] == [3]  # layers 1-3 of the first prompt, at layer 3's update
+    # smooth_hadamard: the queued layers' factors in one launch at the flush (layer 0 made its own, recording)
+    assert made == ([3] if "smooth" in preset else [])
     toks0, stored0 = chat(0)
     assert torch.equal(toks, toks0)
     assert _same(stored, stored0)
@@ -262,7 +270,7 @@ def test_a_queue_whose_launch_failed_says_so(monkeypatch):
 
     monkeypatch.setattr(FP, "launch_layers", oom)
     batch = FP.Batch()
-    batch.gen.items.append(("replay", None, None, None))
+    batch.gen.items.append(("replay", None, None, "factors"))  # factors given: nothing for the flush to make first
     queued = FP.Queued(batch.gen, 0, None)
     with pytest.raises(torch.cuda.OutOfMemoryError):
         queued.resolve()

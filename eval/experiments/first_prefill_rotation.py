@@ -1,0 +1,158 @@
+"""Issue 23 item 5 through a model's whole first prefill: what ``rotate_qk`` adds to the GPU time of a prompt's forward
+as plain ``generate()`` runs it (GPU).
+
+``rotation_cost.py`` times one layer's first store on its own: at Gemma-3-270M's one KV head every kernel of it is
+latency-bound (~24 µs for 1k tokens), so the smoothing factors' pass reads +50 % of that store. In a forward the
+cache queues the first stores of all layers after the first and launches them together (``turbo_attn_hf.
+first_prefill``); the smoothing factors of those layers are made by the same flush in one launch
+(``smooth_factors_layers``) — or, with ``--factors per-layer`` (the tree before), by one launch per layer. This probe
+builds a random-weight model of a q/k-norm family, runs prompt forwards over a fresh TurboCache and reads, per
+forward (torch profiler, medians over calls): every kernel's device µs, the cache's kernels' share, the forward's
+total, and the wall time (CUDA events; host-bound at short prompts). Each ``rotate_qk`` row is compared with the
+``none`` row of the same shape, and sdpa + DynamicCache is the reference row.
+
+    python -m eval.experiments.first_prefill_rotation --out eval/results/first_prefill_rotation_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+
+import torch
+
+#: random-weight stand-ins of q/k-norm models: (name, config class, model class, config kwargs)
+SHAPES = {
+    "gemma3-270m": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+                    dict(hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,
+                         num_key_value_heads=1, head_dim=256, vocab_size=32768, sliding_window=512)),
+    "qwen3-8b-8l": ("Qwen3Config", "Qwen3ForCausalLM",
+                    dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=8, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=128, vocab_size=32768)),
+}
+CACHE_KERNELS = ("_stats_kernel", "_store_kv_kernel", "_smooth_stats_kernel", "_store_tokens_kernel")
+
+
+def build(name: str):
+    import transformers
+
+    import turbo_attn_hf  # noqa: F401  (registers turbo_int8)
+
+    cfg_cls, model_cls, kw = SHAPES[name]
+    cfg = getattr(transformers, cfg_cls)(max_position_embeddings=1 << 17, attn_implementation="sdpa", **kw)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = getattr(transformers, model_cls)(cfg).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.02)
+    return model.eval()
+
+
+def per_layer_factors():
+    """Patch: every smooth_hadamard layer makes its factors in its own launch before its store is queued (the tree
+    before ``smooth_factors_layers``); returns the undo."""
+    from turbo_attn_hf.cache import TurboLayer
+
+    orig = TurboLayer._replay_first_prefill
+
+    def replay(self, k, v, batch=None):
+        if self.smoothed and self.qk_smooth is None and k.dim() == 4 and k.shape[2] > 0 and self._fused(k):
+            self._fix_smooth_factors(k)
+        return orig(self, k, v, batch)
+
+    TurboLayer._replay_first_prefill = replay
+    return lambda: setattr(TurboLayer, "_replay_first_prefill", orig)
+
+
+def forward_kernels(model, impl, ids, calls: int) -> dict:
+    """Per forward over a fresh cache: ``{kernel: device µs}`` (means over ``calls`` profiled forwards, after two
+    warm-ups) and the wall ms of each of ``calls`` more (CUDA events)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from eval.bench_e2e import new_cache, set_impl
+
+    set_impl(model, impl)
+
+    def fwd():
+        with torch.no_grad():
+            model(ids, past_key_values=new_cache(model, impl), logits_to_keep=1, use_cache=True)
+
+    for _ in range(2):
+        fwd()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fwd()
+        torch.cuda.synchronize()
+    us, n_launch = {}, 0
+    for e in prof.key_averages():
+        if e.device_type.name == "CUDA" and e.self_device_time_total > 0:
+            us[e.key[:60]] = e.self_device_time_total / calls
+            n_launch += e.count
+    walls = []
+    for _ in range(calls):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fwd()
+        b.record()
+        b.synchronize()
+        walls.append(a.elapsed_time(b))
+    return {"kernels_us": {k: round(v, 2) for k, v in sorted(us.items(), key=lambda kv: -kv[1])},
+            "total_us": round(sum(us.values()), 1),
+            "cache_us": round(sum(v for k, v in us.items() if any(c in k for c in CACHE_KERNELS)), 1),
+            "launches": n_launch // calls, "wall_ms": round(statistics.median(walls), 3)}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--lens", default="1024,4096,16384")
+    ap.add_argument("--preset", default="int4")
+    ap.add_argument("--calls", type=int, default=5)
+    a = ap.parse_args(argv)
+    from turbo_attn_hf.config import TurboConfig
+
+    from ..bench_common import RowLog, machine_info
+
+    log = RowLog(a.out, {"machine": machine_info(),
+                         "note": "per prompt forward over a fresh cache (logits_to_keep=1, random weights): device µs "
+                                 "per kernel (torch profiler, mean of --calls forwards), their total, the cache "
+                                 "kernels' part (stats, store, smoothing factors), launches, wall ms (median, CUDA "
+                                 "events); *_pct: over the same shape's rotate_qk none row"})
+    base = TurboConfig.preset(a.preset)
+    for name in a.shapes.split(","):
+        model = build(name)
+        for L in (int(x) for x in a.lens.split(",")):
+            ids = torch.randint(0, 32000, (1, L), device="cuda", generator=torch.Generator("cuda").manual_seed(L))
+            plain = None
+            for label, impl, patch in (("sdpa", "sdpa", None),
+                                       ("none", dataclasses.replace(base, rotate_qk="none"), None),
+                                       ("hadamard", dataclasses.replace(base, rotate_qk="hadamard"), None),
+                                       ("smooth_hadamard", dataclasses.replace(base, rotate_qk="smooth_hadamard"), None),
+                                       ("smooth_hadamard_per_layer_factors",
+                                        dataclasses.replace(base, rotate_qk="smooth_hadamard"), per_layer_factors)):
+                undo = patch() if patch is not None else None
+                try:
+                    r = forward_kernels(model, impl, ids, a.calls)
+                finally:
+                    if undo is not None:
+                        undo()
+                row = {"shape": name, "L": L, "rotate_qk": label, "preset": a.preset if impl != "sdpa" else "sdpa",
+                       **r}
+                if label == "none":
+                    plain = r
+                elif plain is not None:
+                    row["total_pct"] = round(100 * (r["total_us"] - plain["total_us"]) / plain["total_us"], 2)
+                    row["cache_pct"] = round(100 * (r["cache_us"] - plain["cache_us"]) / plain["cache_us"], 2)
+                    row["extra_us"] = round(r["total_us"] - plain["total_us"], 1)
+                log.add("forward", row)
+        del model
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
