@@ -9,7 +9,8 @@ first_prefill``); the smoothing factors of those layers are made by the same flu
 builds a random-weight model of a q/k-norm family, runs prompt forwards over a fresh TurboCache and reads, per
 forward (torch profiler, medians over calls): every kernel's device µs, the cache's kernels' share, the forward's
 total, and the wall time (CUDA events; host-bound at short prompts). Each ``rotate_qk`` row is compared with the
-``none`` row of the same shape, and sdpa + DynamicCache is the reference row.
+``none`` row of the same shape, and sdpa + DynamicCache is the reference row. ``--decode``: the same for a decode
+step (one token a row over a filled cache): the step's kernels and the attention kernel's part.
 
     python -m eval.experiments.first_prefill_rotation --out eval/results/first_prefill_rotation_h200.json
 """
@@ -106,6 +107,64 @@ def forward_kernels(model, impl, ids, calls: int) -> dict:
             "launches": n_launch // calls, "wall_ms": round(statistics.median(walls), 3)}
 
 
+def decode_kernels(model, impl, batch: int, context: int, steps: int) -> dict:
+    """A decode step (one token a row) over a cache filled by a ``batch`` x ``context`` prompt: ``{kernel: device
+    µs}`` per step (means over ``steps`` profiled steps after two), their total and the decode kernel's part."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from eval.bench_e2e import new_cache, set_impl
+
+    set_impl(model, impl)
+    cache = new_cache(model, impl)
+    g = torch.Generator("cuda").manual_seed(context + batch)
+    tok = torch.randint(0, 32000, (batch, 1), device="cuda", generator=g)
+    with torch.no_grad():
+        model(torch.randint(0, 32000, (batch, context), device="cuda", generator=g), past_key_values=cache,
+              logits_to_keep=1, use_cache=True)
+
+        def step():
+            model(tok, past_key_values=cache, use_cache=True)
+
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize()
+    us = {e.key[:60]: e.self_device_time_total / steps for e in prof.key_averages()
+          if e.device_type.name == "CUDA" and e.self_device_time_total > 0}
+    return {"kernels_us": {k: round(v, 2) for k, v in sorted(us.items(), key=lambda kv: -kv[1])},
+            "total_us": round(sum(us.values()), 1),
+            "attention_us": round(sum(v for k, v in us.items() if "_decode" in k or "sdpa" in k or "fmha" in k
+                                      or "flash" in k), 1)}
+
+
+def _rotations(base):
+    return [(m, dataclasses.replace(base, rotate_qk=m)) for m in ("none", "hadamard", "smooth_hadamard")]
+
+
+def _decode_rows(a, base, log) -> None:
+    for name in a.shapes.split(","):
+        model = build(name)
+        for spec in a.decode.split(","):
+            context, batch = (int(x) for x in spec.split("x"))
+            plain = None
+            for label, impl in _rotations(base):
+                r = decode_kernels(model, impl, batch, context, a.calls * 4)
+                row = {"shape": name, "context": context, "batch": batch, "rotate_qk": label, "preset": a.preset, **r}
+                if plain is None:
+                    plain = r
+                else:
+                    row["total_pct"] = round(100 * (r["total_us"] - plain["total_us"]) / plain["total_us"], 2)
+                    row["attention_pct"] = round(100 * (r["attention_us"] - plain["attention_us"])
+                                                 / plain["attention_us"], 2)
+                log.add("decode", row)
+                torch.cuda.empty_cache()
+        del model
+        torch.cuda.empty_cache()
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -113,6 +172,9 @@ def main(argv=None):
     ap.add_argument("--lens", default="1024,4096,16384")
     ap.add_argument("--preset", default="int4")
     ap.add_argument("--calls", type=int, default=5)
+    ap.add_argument("--decode", default="4096x1,4096x8,32768x1,32768x8",
+                    help="CONTEXTxBATCH decode steps to profile ('' for none)")
+    ap.add_argument("--skip-prefill", action="store_true")
     a = ap.parse_args(argv)
     from turbo_attn_hf.config import TurboConfig
 
@@ -124,6 +186,10 @@ def main(argv=None):
                                  "kernels' part (stats, store, smoothing factors), launches, wall ms (median, CUDA "
                                  "events); *_pct: over the same shape's rotate_qk none row"})
     base = TurboConfig.preset(a.preset)
+    if a.decode:
+        _decode_rows(a, base, log)
+    if a.skip_prefill:
+        return
     for name in a.shapes.split(","):
         model = build(name)
         for L in (int(x) for x in a.lens.split(",")):
