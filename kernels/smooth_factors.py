@@ -151,6 +151,8 @@ def smooth_factors_layers(keys: Sequence[torch.Tensor]) -> torch.Tensor:
     a first prefill's queued layers (``turbo_attn_hf.first_prefill``) make their factors together, not in a
     latency-bound launch each (one KV head of 1k tokens: ~24 us a layer on an H200, PERF_NOTES session 38)."""
     k0 = keys[0]
+    if len(keys) == 1:
+        return smooth_factors_triton(k0).unsqueeze(0)
     if k0.dim() != 4 or any(k.shape != k0.shape or k.stride() != k0.stride() or k.dtype != k0.dtype
                             or k.device != k0.device for k in keys):
         raise ValueError("smooth_factors_layers takes [b, Hk, T, d] keys of one shape, strides, dtype and device")

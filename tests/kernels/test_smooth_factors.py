@@ -141,6 +141,8 @@ def test_layers_in_one_launch_equal_each_layers_own_call(device):
     for j, k in enumerate(keys):
         assert torch.equal(got[0][j], sf.smooth_factors_triton(k)), j
     assert int(sf._workspace(device, 0, 0, 0)[2].abs().sum()) == 0
+    one = sf.smooth_factors_layers(keys[:1])  # a flush that queued one layer of a plan
+    assert one.shape == (1, 1, 2, 128) and torch.equal(one[0], got[0][0])
     with pytest.raises(ValueError, match="one shape"):
         sf.smooth_factors_layers([keys[0], keys[1][:, :, :100]])
 

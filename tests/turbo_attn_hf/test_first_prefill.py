@@ -231,6 +231,47 @@ def test_generate_with_queued_first_stores_equals_the_layer_by_layer_store(prese
     assert _same(stored, stored0)
 
 
+def test_a_plan_with_one_queued_smooth_layer(device, monkeypatch):
+    """Gemma-3's layout (sliding layers and one full layer: two plans) with smooth_hadamard: a second cache replays
+    the full layer's plan with that layer alone in its flush, so the flush makes one layer's factors ([b, Hk, d],
+    batch 3 with one KV head); every stored byte and the next decode step equal the layer-by-layer store's."""
+    import dataclasses
+
+    import transformers
+
+    import turbo_attn_hf
+    from turbo_attn_hf import first_prefill as FP
+    from turbo_attn_hf.cache import TurboCache
+    from turbo_attn_hf.config import TurboConfig
+
+    torch.manual_seed(0)
+    cfg = transformers.Gemma3TextConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                        num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                                        max_position_embeddings=512, sliding_window=32,
+                                        layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+    m = transformers.Gemma3ForCausalLM(cfg).eval().to(device)
+    m.set_attn_implementation(turbo_attn_hf.ATTN_NAME)
+    tc = dataclasses.replace(TurboConfig.from_spec("int4:rotate_qk=smooth_hadamard"), block_size=16, sink_blocks=1,
+                             recent_blocks=1, prefill_attention="exact")
+    turbo_attn_hf.set_turbo_config(m, tc)
+    ids = torch.randint(0, 96, (3, 90), generator=torch.Generator().manual_seed(4)).to(device)
+
+    def second_cache(batch_bytes):
+        monkeypatch.setattr(FP, "BATCH_BYTES", batch_bytes)
+        FP.PLANS.clear()
+        with torch.no_grad():
+            for _ in range(2):  # the first cache records both plans; the second replays them
+                cache = TurboCache(tc, config=m.config)
+                m(ids, past_key_values=cache, logits_to_keep=1, use_cache=True)
+            logits = m(ids[:, :1], past_key_values=cache, use_cache=True).logits
+        return logits, _storage(cache.layers)
+
+    logits, stored = second_cache(FP.BATCH_BYTES)
+    logits0, stored0 = second_cache(0)
+    assert [s[-1].shape for s in stored] == [(3, 1, 64)] * 3
+    assert torch.equal(logits, logits0) and _same(stored, stored0)
+
+
 def test_a_queued_layer_reset_or_read_before_the_launch(device):
     """A read of a queued layer's storage launches the queue (its views then resolve); a layer reset while queued
     stays reset (the launch writes buffers it no longer holds)."""
