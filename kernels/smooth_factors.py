@@ -42,23 +42,23 @@ def _sum_min_max_init(BD: tl.constexpr):
     return tl.zeros([BD], tl.float32), tl.full([BD], float("inf"), tl.float32), tl.full([BD], float("-inf"), tl.float32)
 
 
-@triton.jit(do_not_specialize=["T", "NSUB", "NC"])
+@triton.jit(do_not_specialize=["T", "NSUB", "NC", "NL"])
 def _smooth_stats_kernel(
-    k, part, cnt, arrive, out, tbl, T, H, NC, NSUB, LO, HI,
+    k, part, cnt, arrive, out, tbl, T, H, NC, NSUB, LO, HI, NL,
     stride_kb, stride_kh, stride_kt, stride_kd,
-    D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, LAYERS: tl.constexpr = False,
+    D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
 ):
-    """grid (NC, b*H): tokens ``[i_c*NSUB*BT, (i_c+1)*NSUB*BT)`` of (b, h) of ``k [b, H, T, D]`` (any strides) ->
-    ``part[b*H, NC, 3, BD]`` fp32 (finite tokens' sum, min, max per channel), ``cnt[b*H, NC]`` int32 (their count);
-    the last of the (b, h)'s NC programs (``arrive[b*H]`` int32, zero before the launch and after it) writes its
-    factors ``out[b*H, D]`` (``_smooth_finish``). With LAYERS, grid (NC, b*H, layers): layer j's keys lie ``tbl[j]``
-    (int64) elements after ``k``, and its rows of the workspace and of ``out`` follow layer j - 1's."""
-    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    """grid (NC, b*H, NL): tokens ``[i_c*NSUB*BT, (i_c+1)*NSUB*BT)`` of (b, h) of layer j's ``k [b, H, T, D]`` (any
+    strides; layer j's keys ``tbl[j]`` int64 elements after ``k``, read only when NL > 1) -> ``part[NL*b*H, NC, 3,
+    BD]`` fp32 (finite tokens' sum, min, max per channel), ``cnt[NL*b*H, NC]`` int32 (their count), rows j*b*H +
+    b*H + h; the last of a row's NC programs (``arrive[NL*b*H]`` int32, zero before the launch and after it) writes
+    its factors ``out[NL*b*H, D]`` (``_smooth_finish``). One binary for one layer and for many (NL a runtime
+    argument): a layer's factors are the same bits whether its first store was queued with others or not."""
+    i_c, i_bh, i_l = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
-    if LAYERS:
-        i_l = tl.program_id(2)
+    if NL > 1:
         k += tl.load(tbl + i_l)
-        i_bh = i_l * tl.num_programs(1) + i_bh  # the (layer, b, h) row: the same chunks as a launch of one layer
+    i_bh = i_l * tl.num_programs(1) + i_bh  # the (layer, b, h) row: the same chunks as a launch of one layer
     o_d = tl.arange(0, BD)
     o_r = tl.arange(0, BT)
     m_d = o_d < D
@@ -179,11 +179,11 @@ def _launch(k: torch.Tensor, nsub: Optional[int], layers: int, tbl: Optional[tor
         if len(_PLANS) >= 256:  # many prompt lengths: planned again on demand
             _PLANS.clear()
         plan = _PLANS[pkey] = _plan(k, nsub, layers)
-    _, _, (part, cnt, arrive), grid, scalars, kw, key, out_shape = plan
+    _, _, (part, cnt, arrive, no_table), grid, scalars, kw, key, out_shape = plan
     out = torch.empty(out_shape, device=device, dtype=torch.float32)
     # the memo's key: the plan's facts and the device Triton launches on now (read per call)
     key += (current_cuda_device() if k.is_cuda else -1,)
-    args = (k, part, cnt, arrive, out, cnt if tbl is None else tbl)  # one layer: no table (any pointer stands in)
+    args = (k, part, cnt, arrive, out, no_table if tbl is None else tbl)
     with on_device(device):
         lean(_smooth_stats_kernel).launch_memo(_MEMO, key, grid, args, scalars, kw, LeanLaunch.hooks_active())
     return out
@@ -198,16 +198,16 @@ def _plan(k: torch.Tensor, nsub: int | None, layers: int = 1) -> tuple:
     BT, BC, nsub, NC = _chunking(T, b * H, BD, sm_count(k.device) if nsub is None else 0, nsub)
     rows = layers * b * H
     views = _workspace(k.device, rows * NC * 3 * BD, rows * NC, rows)
+    # one layer reads no table: an int64 view of the counters stands in (the same binary as a launch of many layers)
+    views += (views[2][:64].view(torch.int64),)
     ws_key = _device_key(k.device)
     lo, hi = SMOOTH_RANGE
     strides = k.stride()
     # every fact Triton specialises on but the pointers' alignment (LeanLaunch.launch_memo checks that): the first
     # store of each smooth_hadamard layer relaunches without the per-argument facts and the binder
-    key = (k.dtype, H, strides, D, layers > 1)
-    grid = (NC, b * H) if layers == 1 else (NC, b * H, layers)
-    return (_WORKSPACE[ws_key], ws_key, views, grid, (T, H, NC, nsub, lo, hi, *strides),
-            dict(D=D, BD=BD, BT=BT, BC=BC, LAYERS=layers > 1, num_warps=4), key,
-            (b, H, D) if layers == 1 else (layers, b, H, D))
+    key = (k.dtype, H, strides, D)
+    return (_WORKSPACE[ws_key], ws_key, views, (NC, b * H, layers), (T, H, NC, nsub, lo, hi, layers, *strides),
+            dict(D=D, BD=BD, BT=BT, BC=BC, num_warps=4), key, (b, H, D) if layers == 1 else (layers, b, H, D))
 
 
 _MEMO: dict = {}  # LeanLaunch.launch_memo's kernels by the call's facts
