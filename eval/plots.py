@@ -301,6 +301,38 @@ def plot_generate_bars(paths, out) -> Optional[Path]:
     return _save(fig, Path(out))
 
 
+def plot_rotation_cost(paths, out) -> Optional[Path]:
+    """Issue 23's speed bar per prompt forward and decode step (``eval.experiments.first_prefill_rotation`` files):
+    each rotate_qk row's extra kernel time over its shape's ``none`` row, in %, with the 3 % bar."""
+    plt = _plt()
+    if plt is None:
+        return None
+    rows = {"forward": [], "decode": []}
+    for p in paths:
+        data = _load(p)
+        for sec in rows:
+            rows[sec] += [r for r in data.get(sec, []) if r.get("total_pct") is not None]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.2))
+    for ax, (sec, rs) in zip(axes, rows.items()):
+        cases = sorted({(r["shape"], r.get("L") or f'{r["context"] // 1024}k x{r["batch"]}') for r in rs},
+                       key=lambda c: (c[0], str(c[1]).zfill(8)))
+        modes = sorted({r["rotate_qk"] for r in rs})
+        width = 0.8 / max(len(modes), 1)
+        for i, mode in enumerate(modes):
+            by = {(r["shape"], r.get("L") or f'{r["context"] // 1024}k x{r["batch"]}'): r["total_pct"]
+                  for r in rs if r["rotate_qk"] == mode}
+            ax.bar([j + i * width for j in range(len(cases))], [by.get(c, 0.0) for c in cases], width, label=mode)
+        ax.axhline(3.0, color="k", linestyle="--", linewidth=0.8, label="3 % bar")
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))])
+        ax.set_xticklabels([f"{a}\n{b}" for a, b in cases], fontsize=7)
+        ax.set_ylabel("extra kernel time over rotate_qk none, %")
+        ax.set_title("prompt forward (first prefill)" if sec == "forward" else "decode step")
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=7)
+    fig.suptitle("rotate_qk's cost per forward, int4, random weights: " + _title(_load(paths[0]), "")[3:], fontsize=8)
+    return _save(fig, Path(out))
+
+
 PLOTTERS = {"bench_prefill": plot_prefill, "bench_decode": plot_decode, "bench_e2e": plot_e2e,
             "bench_generate": plot_generate}
 
@@ -314,7 +346,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--bars", metavar="OUT_PNG", help="one plot of issue 18's bars over all the given bench_generate "
                                                       "files (plot_generate_bars; FILE:compiled for a file's compiled "
                                                       "rows only) instead of one plot per file")
+    ap.add_argument("--rotation", metavar="OUT_PNG", help="one plot of rotate_qk's cost per forward over the given "
+                                                          "first_prefill_rotation files (plot_rotation_cost)")
     args = ap.parse_args(argv)
+    if args.rotation:
+        png = plot_rotation_cost(args.paths, args.rotation)
+        print(f"wrote {png}" if png else "plots: nothing to plot")
+        return 0
     if args.bars:
         png = plot_generate_bars(args.paths, args.bars)
         print(f"wrote {png}" if png else "plots: no ratios to plot")

@@ -4,7 +4,8 @@ cost <= 3 % of the first prefill's store).
 ``s_c = sqrt(max_t |k_tc - mean_c|)`` over the finite tokens, normalised to geometric mean 1 per (batch, KV head)
 and clamped to ``rotation.SMOOTH_RANGE`` (SmoothAttention, QServe §4.3, K-only; twin: ``rotation.smooth_scales``,
 ~12 full-size torch passes with fp32 temporaries, 0.33-0.64 ms per layer on an H100). Here one launch,
-``_smooth_stats_kernel`` (grid: T-chunks x b*Hk):
+``_smooth_stats_kernel`` (grid: T-chunks x b*Hk x layers: a first prefill's queued layers make theirs together,
+``smooth_factors_layers``):
 
 * every program: per chunk and channel the sum, min and max of K over the tokens whose every channel is finite (a
   token with an inf/NaN is left out, as in the twin) and their count, into a partials workspace;

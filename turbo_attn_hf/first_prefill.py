@@ -19,7 +19,9 @@ prompt, on the path to the first token (a 1k prompt is host-bound).
   (kept alive) and its state; the cache flushes the queue after its last layer's update, or any read of a queued
   layer's storage does (``lazy_view``). The flush is one stats and one store launch for all queued layers of a
   plan (:func:`launch_layers`: the kernels' ``LAYERS`` grid axis, each pointer moved by a per-layer table) and
-  one allocation per buffer for all of them: the host cost of a layer's store becomes a list append.
+  one allocation per buffer for all of them: the host cost of a layer's store becomes a list append. A
+  smooth_hadamard layer queues without its factors: the flush makes those of all its queued layers first, in one
+  launch (``kernels.smooth_factors.smooth_factors_layers``), and the layer's ``qk_smooth`` resolves with its views.
 """
 
 from __future__ import annotations
@@ -64,8 +66,8 @@ PLANS: dict = {}
 class Replay:
     """A recorded first store (module doc). ``launches``: ``(compiled kernel, grid, pointer template, scalars)``, a
     template entry ``(i, byte offset)`` into the addresses ``[new buffers..., K, V, factors, workspace..., fixed
-    head maps...]`` (factors: a smooth_hadamard layer's ``qk_smooth``, its own launch's output, made before the
-    replay; ``fixed``: the kept head maps' addresses, the groups hold them);
+    head maps...]`` (factors: a smooth_hadamard layer's ``qk_smooth``: its own launch's output, made before a replay
+    now, or the flush's for a queued layer; ``fixed``: the kept head maps' addresses, the groups hold them);
     ``layer_views`` / ``groups[i][2]``: ``{attribute: arena.view_spec}`` in the buffers ``[layer, group 0, ...]``."""
 
     __slots__ = ("dev_key", "sizes", "launches", "ws_shapes", "workspace", "layer_views", "groups", "fixed",
@@ -84,7 +86,8 @@ def record(layer: Any, plan: FirstStorePlan, k: torch.Tensor, v: torch.Tensor, s
     """The :class:`Replay` of the first store ``layer`` just made with ``plan`` (``*_args``: the tensors its two
     launches took), or None where it cannot be replayed: storage not in one buffer each, a RoPE-pair mean (a new
     tensor), a launch not memoised (Triton's interpreter, launch hooks, unaligned pointers) or a pointer to anything
-    else. A smooth_hadamard layer's factors are an input, as K and V: each layer's own launch makes them first."""
+    else. A smooth_hadamard layer's factors are an input, as K and V: a replay now takes the layer's own launch's, a
+    queued layer's come from its flush (``Batch.flush``: one launch for all of them)."""
     from .kernels.store import stats_workspace
 
     if plan.rot or plan.store is None or layer._flat is None or any(g.flat is None for g in layer.groups):
