@@ -418,7 +418,7 @@ def _store_new_token(kn, vn, nf, sk, mk, sv, qsm, kt, vt, o_k, o_v, o_kvh, slot,
     b_sk, b_mk, b_sv = _universal_scales(sk, mk, sv, o_kvh + o_d, m_d, HAS_MEAN)
     b_k = tl.load(kn + o_k + o_d, mask=m_d, other=0.0)[None, :]
     if ROTATE:
-        b_k = _rotate_keys(b_k, _key_factor(qsm, o_kvh + o_d, m_d, BD, HAS_FACTOR), ROTATE, ROT_N, ROT_C, RN)
+        b_k = _rotate_keys(b_k, _key_factor(qsm, o_kvh + o_d, m_d, BD, HAS_FACTOR, RN), ROTATE, ROT_N, ROT_C, RN)
     b_v = tl.load(vn + o_v + o_d, mask=m_d, other=0.0)[None, :]
     if COUNT:
         tl.atomic_add(nf, _bad_rows(b_k, b_v, m_d[None, :]))

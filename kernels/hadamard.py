@@ -30,13 +30,44 @@ def hadamard_rows(x, N: tl.constexpr):
 
 
 @triton.jit
-def _key_factor(smf, o_s, m_d, BD: tl.constexpr, HAS_FACTOR: tl.constexpr):
+def _key_factor(smf, o_s, m_d, BD: tl.constexpr, HAS_FACTOR: tl.constexpr, RCP: tl.constexpr = False):
     """K's smoothing factor ``1/s`` of one (b, h) at offsets ``o_s`` (correctly rounded, as
-    ``reference.rotate_keys_ref`` and the prefill's quantizer), 1 without factors."""
+    ``reference.rotate_keys_ref`` and the prefill's quantizer), 1 without factors. RCP (a GPU build): ``_rcp_rn``,
+    the same bits without ``div_rn``'s slow-path calls, which made the decode kernel spill (PERF_NOTES session 41)."""
     b_f = tl.full([BD], 1.0, tl.float32)
     if HAS_FACTOR:
-        b_f = tl.math.div_rn(b_f, tl.load(smf + o_s, mask=m_d, other=1.0))
+        b_s = tl.load(smf + o_s, mask=m_d, other=1.0)
+        if RCP:
+            b_f = _rcp_rn(b_s)
+        else:
+            b_f = tl.math.div_rn(b_f, b_s)
     return b_f
+
+
+@triton.jit
+def _rcp_rn(x):
+    """fp32 ``1/x`` correctly rounded, for finite normal ``x`` (the smoothing factors: ``rotation.SMOOTH_RANGE``),
+    without a call: the fp32 approximate reciprocal (~2^-23 relative error), three Newton steps in fp64
+    (``r += r * (1 - x * r)`` by FMA: the error squares each step, to the fp64 rounding), rounded to fp32. The
+    result is the correctly rounded one because ``1/x`` lies at least 2^-48 (relative) from every fp32 rounding
+    midpoint (``x = S 2^a``, ``S < 2^24``: ``1 - x M`` is a nonzero multiple of 2^-48 for a midpoint ``M``), far beyond
+    the fp64 error; tests/kernels/test_rotation_rcp.py replays the arithmetic exactly with start errors up to 2^-8."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .f32 a;
+        .reg .f64 d, nd, r, e;
+        rcp.approx.ftz.f32 a, $1;
+        cvt.f64.f32 r, a;
+        cvt.f64.f32 d, $1;
+        neg.f64 nd, d;
+        fma.rn.f64 e, nd, r, 0d3FF0000000000000;
+        fma.rn.f64 r, r, e, r;
+        fma.rn.f64 e, nd, r, 0d3FF0000000000000;
+        fma.rn.f64 r, r, e, r;
+        fma.rn.f64 e, nd, r, 0d3FF0000000000000;
+        fma.rn.f64 r, r, e, r;
+        cvt.rn.f32.f64 $0, r;
+        }""", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
 
 
 @triton.jit
