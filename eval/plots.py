@@ -312,15 +312,16 @@ def plot_rotation_cost(paths, out) -> Optional[Path]:
         data = _load(p)
         for sec in rows:
             rows[sec] += [r for r in data.get(sec, []) if r.get("total_pct") is not None]
+    def case(r):  # a prompt forward's length, or a decode step's context x batch
+        return r["shape"], r.get("L") or f'{r["context"] // 1024}k x{r["batch"]}'
+
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.2))
     for ax, (sec, rs) in zip(axes, rows.items()):
-        cases = sorted({(r["shape"], r.get("L") or f'{r["context"] // 1024}k x{r["batch"]}') for r in rs},
-                       key=lambda c: (c[0], str(c[1]).zfill(8)))
+        cases = sorted({case(r) for r in rs}, key=lambda c: (c[0], str(c[1]).zfill(8)))
         modes = sorted({r["rotate_qk"] for r in rs})
         width = 0.8 / max(len(modes), 1)
         for i, mode in enumerate(modes):
-            by = {(r["shape"], r.get("L") or f'{r["context"] // 1024}k x{r["batch"]}'): r["total_pct"]
-                  for r in rs if r["rotate_qk"] == mode}
+            by = {case(r): r["total_pct"] for r in rs if r["rotate_qk"] == mode}
             ax.bar([j + i * width for j in range(len(cases))], [by.get(c, 0.0) for c in cases], width, label=mode)
         ax.axhline(3.0, color="k", linestyle="--", linewidth=0.8, label="3 % bar")
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))])

@@ -621,15 +621,15 @@ class TurboLayer(CacheLayerMixin):
         rp = plan.replay if plan is not None else None
         if rp is None:
             return False
-        gen = None
         queue = batch is not None and prefill_attention_path(self.turbo_config, key_states.device) == "exact"
         pend = queue and self.smoothed and self.qk_smooth is None  # the flush makes this layer's factors
-        if queue:
-            gen = batch.add(rp, key_states, value_states, None if pend else first_prefill.factors_of(self, key_states))
-        if gen is None:
+        if not pend:
             self._fix_smooth_factors(key_states)
-            pend = False
         f = None if pend else first_prefill.factors_of(self, key_states)
+        gen = batch.add(rp, key_states, value_states, f) if queue else None
+        if gen is None and pend:  # not queued after all: the layer's own launch
+            self._fix_smooth_factors(key_states)
+            f, pend = first_prefill.factors_of(self, key_states), False
         if gen is not None:
             bufs, j = None, len(gen.items) - 1
         else:

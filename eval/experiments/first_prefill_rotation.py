@@ -5,10 +5,11 @@ as plain ``generate()`` runs it (GPU).
 latency-bound (~24 µs for 1k tokens), so the smoothing factors' pass reads +50 % of that store. In a forward the
 cache queues the first stores of all layers after the first and launches them together (``turbo_attn_hf.
 first_prefill``); the smoothing factors of those layers are made by the same flush in one launch
-(``smooth_factors_layers``) — or, with ``--factors per-layer`` (the tree before), by one launch per layer. This probe
-builds a random-weight model of a q/k-norm family, runs prompt forwards over a fresh TurboCache and reads, per
-forward (torch profiler, medians over calls): every kernel's device µs, the cache's kernels' share, the forward's
-total, and the wall time (CUDA events; host-bound at short prompts). Each ``rotate_qk`` row is compared with the
+(``smooth_factors_layers``) — in the row ``smooth_hadamard_per_layer_factors`` patched back to one launch per layer
+(the tree before). This probe builds a random-weight model of a q/k-norm family, runs prompt forwards over a fresh
+TurboCache and reads, per forward (torch profiler, means over calls: ``rotation_cost._kernel_us``): every kernel's
+device µs, the cache's kernels' share, the forward's total, and the wall time (CUDA events, median; host-bound at
+short prompts). Each ``rotate_qk`` row is compared with the
 ``none`` row of the same shape, and sdpa + DynamicCache is the reference row. ``--decode``: the same for a decode
 step (one token a row over a filled cache): the step's kernels and the attention kernel's part.
 
@@ -68,12 +69,18 @@ def per_layer_factors():
     return lambda: setattr(TurboLayer, "_replay_first_prefill", orig)
 
 
-def forward_kernels(model, impl, ids, calls: int) -> dict:
-    """Per forward over a fresh cache: ``{kernel: device µs}`` (means over ``calls`` profiled forwards, after two
-    warm-ups) and the wall ms of each of ``calls`` more (CUDA events)."""
-    from torch.profiler import ProfilerActivity, profile
+def _kernel_sums(us: dict, name: str, part: tuple) -> dict:
+    """``rotation_cost._kernel_us``'s ``{kernel: µs}``, its total and, as ``name``, the kernels named in ``part``."""
+    return {"kernels_us": us, "total_us": round(sum(us.values()), 1),
+            name: round(sum(v for k, v in us.items() if any(c in k for c in part)), 1)}
 
+
+def forward_kernels(model, impl, ids, calls: int) -> dict:
+    """Per forward over a fresh cache: ``{kernel: device µs}`` (means over ``calls`` profiled forwards, after a
+    warm-up), the cache kernels' part and the median wall ms of ``calls`` more (CUDA events)."""
     from eval.bench_e2e import new_cache, set_impl
+
+    from .rotation_cost import _kernel_us
 
     set_impl(model, impl)
 
@@ -81,18 +88,7 @@ def forward_kernels(model, impl, ids, calls: int) -> dict:
         with torch.no_grad():
             model(ids, past_key_values=new_cache(model, impl), logits_to_keep=1, use_cache=True)
 
-    for _ in range(2):
-        fwd()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fwd()
-        torch.cuda.synchronize()
-    us, n_launch = {}, 0
-    for e in prof.key_averages():
-        if e.device_type.name == "CUDA" and e.self_device_time_total > 0:
-            us[e.key[:60]] = e.self_device_time_total / calls
-            n_launch += e.count
+    r = _kernel_sums(_kernel_us(fwd, calls), "cache_us", CACHE_KERNELS)
     walls = []
     for _ in range(calls):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -101,18 +97,16 @@ def forward_kernels(model, impl, ids, calls: int) -> dict:
         b.record()
         b.synchronize()
         walls.append(a.elapsed_time(b))
-    return {"kernels_us": {k: round(v, 2) for k, v in sorted(us.items(), key=lambda kv: -kv[1])},
-            "total_us": round(sum(us.values()), 1),
-            "cache_us": round(sum(v for k, v in us.items() if any(c in k for c in CACHE_KERNELS)), 1),
-            "launches": n_launch // calls, "wall_ms": round(statistics.median(walls), 3)}
+    return {**r, "wall_ms": round(statistics.median(walls), 3)}
 
 
 def decode_kernels(model, impl, batch: int, context: int, steps: int) -> dict:
     """A decode step (one token a row) over a cache filled by a ``batch`` x ``context`` prompt: ``{kernel: device
-    µs}`` per step (means over ``steps`` profiled steps after two), their total and the decode kernel's part."""
-    from torch.profiler import ProfilerActivity, profile
-
+    µs}`` per step (means over ``steps`` profiled steps, after a warm-up), their total and the attention kernels'
+    part."""
     from eval.bench_e2e import new_cache, set_impl
+
+    from .rotation_cost import _kernel_us
 
     set_impl(model, impl)
     cache = new_cache(model, impl)
@@ -121,23 +115,8 @@ def decode_kernels(model, impl, batch: int, context: int, steps: int) -> dict:
     with torch.no_grad():
         model(torch.randint(0, 32000, (batch, context), device="cuda", generator=g), past_key_values=cache,
               logits_to_keep=1, use_cache=True)
-
-        def step():
-            model(tok, past_key_values=cache, use_cache=True)
-
-        for _ in range(2):
-            step()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                step()
-            torch.cuda.synchronize()
-    us = {e.key[:60]: e.self_device_time_total / steps for e in prof.key_averages()
-          if e.device_type.name == "CUDA" and e.self_device_time_total > 0}
-    return {"kernels_us": {k: round(v, 2) for k, v in sorted(us.items(), key=lambda kv: -kv[1])},
-            "total_us": round(sum(us.values()), 1),
-            "attention_us": round(sum(v for k, v in us.items() if "_decode" in k or "sdpa" in k or "fmha" in k
-                                      or "flash" in k), 1)}
+        return _kernel_sums(_kernel_us(lambda: model(tok, past_key_values=cache, use_cache=True), steps),
+                            "attention_us", ("_decode", "sdpa", "fmha", "flash"))
 
 
 def _rotations(base):
@@ -183,8 +162,9 @@ def main(argv=None):
     log = RowLog(a.out, {"machine": machine_info(),
                          "note": "per prompt forward over a fresh cache (logits_to_keep=1, random weights): device µs "
                                  "per kernel (torch profiler, mean of --calls forwards), their total, the cache "
-                                 "kernels' part (stats, store, smoothing factors), launches, wall ms (median, CUDA "
-                                 "events); *_pct: over the same shape's rotate_qk none row"})
+                                 "kernels' part (stats, store, smoothing factors), wall ms (median, CUDA events); "
+                                 "decode: per step, the attention kernels' part; *_pct: over the same shape's "
+                                 "rotate_qk none row"})
     base = TurboConfig.preset(a.preset)
     if a.decode:
         _decode_rows(a, base, log)
@@ -195,12 +175,9 @@ def main(argv=None):
         for L in (int(x) for x in a.lens.split(",")):
             ids = torch.randint(0, 32000, (1, L), device="cuda", generator=torch.Generator("cuda").manual_seed(L))
             plain = None
-            for label, impl, patch in (("sdpa", "sdpa", None),
-                                       ("none", dataclasses.replace(base, rotate_qk="none"), None),
-                                       ("hadamard", dataclasses.replace(base, rotate_qk="hadamard"), None),
-                                       ("smooth_hadamard", dataclasses.replace(base, rotate_qk="smooth_hadamard"), None),
-                                       ("smooth_hadamard_per_layer_factors",
-                                        dataclasses.replace(base, rotate_qk="smooth_hadamard"), per_layer_factors)):
+            configs = [("sdpa", "sdpa", None)] + [(m, impl, None) for m, impl in _rotations(base)]
+            configs.append(("smooth_hadamard_per_layer_factors", configs[-1][1], per_layer_factors))
+            for label, impl, patch in configs:
                 undo = patch() if patch is not None else None
                 try:
                     r = forward_kernels(model, impl, ids, a.calls)
