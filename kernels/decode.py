@@ -408,17 +408,12 @@ def _slot_rows(i_s, i_bh, n_bh, n_mp, o_r):
 
 
 @triton.jit
-def _store_new_token(kn, vn, nf, sk, mk, sv, qsm, kt, vt, o_k, o_v, o_kvh, slot, tail_cap, o_d, m_d, D: tl.constexpr,
-                     BD: tl.constexpr, HAS_MEAN: tl.constexpr, COUNT: tl.constexpr, ROTATE: tl.constexpr,
-                     ROT_N: tl.constexpr, HAS_FACTOR: tl.constexpr, ROT_C: tl.constexpr, RN: tl.constexpr):
-    """One (row, KV head)'s new token (K at ``kn + o_k``, V at ``vn + o_v``) -> INT8 buffer slot ``slot``, as
-    ``store._store_tokens_kernel`` writes it (``pack._quantize_universal``: the same bits). ROTATE: K into the
-    stored basis first (``hadamard._rotate_keys``, 1/s from the K -> Q factors ``qsm`` with HAS_FACTOR; RN on the
-    GPU, where this kernel contracts FMAs and the store kernel does not)."""
+def _store_new_token(b_k, vn, nf, sk, mk, sv, kt, vt, o_v, o_kvh, slot, tail_cap, o_d, m_d, D: tl.constexpr,
+                     HAS_MEAN: tl.constexpr, COUNT: tl.constexpr):
+    """One (row, KV head)'s new token -> INT8 buffer slot ``slot``, as ``store._store_tokens_kernel`` writes it
+    (``pack._quantize_universal``: the same bits): ``b_k [1, BD]`` its K in the stored basis (rotated by the caller
+    with ROTATE), V loaded at ``vn + o_v``."""
     b_sk, b_mk, b_sv = _universal_scales(sk, mk, sv, o_kvh + o_d, m_d, HAS_MEAN)
-    b_k = tl.load(kn + o_k + o_d, mask=m_d, other=0.0)[None, :]
-    if ROTATE:
-        b_k = _rotate_keys(b_k, _key_factor(qsm, o_kvh + o_d, m_d, BD, HAS_FACTOR, RN), ROTATE, ROT_N, ROT_C, RN)
     b_v = tl.load(vn + o_v + o_d, mask=m_d, other=0.0)[None, :]
     if COUNT:
         tl.atomic_add(nf, _bad_rows(b_k, b_v, m_d[None, :]))
@@ -462,9 +457,10 @@ def _decode_program(
     Strides stay specialised (multiples of 16 -> 16-byte vector loads).
     STORE (an eager decode step, one token, one M tile): the step's new token kn / vn ``[b, HK, 1, D]`` (strides
     given) is not in the buffer yet; the program whose share holds its slot ``n_tail - 1`` quantizes it with the
-    universal scales and writes it there first (``store.store_int8_tokens``' math; COUNT: non-finite vectors added
-    to ``nf``; ROTATE: its K rotated first, as the store kernel rotates it), then reads the tile as usual — the
-    store's own launch saved.
+    universal scales and writes it in the prologue, before its first tile (``store.store_int8_tokens``' math;
+    COUNT: non-finite vectors added to ``nf``; ROTATE: its K rotated first, as the store kernel rotates it), then
+    reads the tile as usual — the store's own launch saved. (Stored after the packed loop, as before session 42,
+    the decode kernel ran 3-4 % longer at Gemma-3's heads: eval/PERF_NOTES.md.)
 
     Orientation ("swap AB"): the M = G·Lq query rows (4 for GQA 32/8 at one token) are the N side of the
     MMAs (scores ``[keys, rows]``, ``accᵀ [D, rows]``), keys and channels the 16-row M side, so the
@@ -508,6 +504,20 @@ def _decode_program(
     o_n = tl.arange(0, BS)
     o_kvh = (i_b64 * HK + i_hk) * D
 
+    n_tiles = n_blocks + tl.cdiv(n_tail, BS)  # packed blocks, then the INT8 buffer's tiles
+    t_lo = T0 + i_s * TPS  # T0: first tile any query of the chunk can see (sliding window)
+    t_hi = t_lo + TPS
+    if t_hi > n_tiles:
+        t_hi = n_tiles
+    t_i8 = t_lo  # first INT8 buffer tile of this share
+    if t_i8 < n_blocks:
+        t_i8 = n_blocks
+    if STORE:  # the share holding the new token's slot stores it, in the prologue (no other share reads that tile)
+        t_new = n_blocks + (n_tail - 1) // BS
+        storer = (t_new >= t_i8) & (t_new < t_hi)
+        o_k = i_b64 * stride_nkb + i_hk * stride_nkh
+        o_v = i_b64 * stride_nvb + i_hk * stride_nvh
+
     # ---- query: fold K's per-channel scale in, per-row symmetric INT8 (round half away), as prepare_query_ref
     p_q = q + i_b64 * stride_qb + o_qh[:, None].to(tl.int64) * stride_qh + o_qi[:, None] * stride_ql + o_d[None, :]
     b_qf = tl.load(p_q, mask=m_r[:, None] & m_d[None, :], other=0.0).to(tl.float32)
@@ -522,7 +532,17 @@ def _decode_program(
         # butterfly's final layout the rotated launch ran 10-12.5 % slower at head_dim 256, eval/PERF_NOTES.md)
         p_rt = po + _slot_rows(i_s, i_bh, N_BH, N_M * BM, o_r)[:, None] * BD + o_d[None, :]
         tl.store(p_rt, b_qf)
-        tl.debug_barrier()
+    if STORE:
+        if storer:
+            b_k = tl.load(kn + o_k + o_d, mask=m_d, other=0.0)[None, :]
+            if ROTATE:
+                b_k = _rotate_keys(b_k, _key_factor(qsm, o_kvh + o_d, m_d, BD, HAS_FACTOR, USE_ASM), ROTATE, ROT_N,
+                                   ROT_C, USE_ASM)
+            _store_new_token(b_k, vn, nf, sk, mk, sv, kt, vt, o_v, o_kvh, n_tail - 1, tail_cap, o_d, m_d, D, HAS_MEAN,
+                             COUNT)
+    if ROTATE or STORE:
+        tl.debug_barrier()  # every thread's stores (the rotated query, a stored token) before any thread reads them
+    if ROTATE:
         b_qf = tl.load(p_rt)
     b_qs = b_qf * b_sk[None, :]
     b_amax = tl.max(tl.abs(b_qs), 1)
@@ -551,11 +571,6 @@ def _decode_program(
     b_m = tl.full([BM], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BM], dtype=tl.float32)
 
-    n_tiles = n_blocks + tl.cdiv(n_tail, BS)  # packed blocks, then the INT8 buffer's tiles
-    t_lo = T0 + i_s * TPS  # T0: first tile any query of the chunk can see (sliding window)
-    t_hi = t_lo + TPS
-    if t_hi > n_tiles:
-        t_hi = n_tiles
     t_hp = t_hi  # end of this share's packed tiles
     if t_hp > n_blocks:
         t_hp = n_blocks
@@ -634,16 +649,6 @@ def _decode_program(
                                              HAS_SOFTCAP, USE_SAS, True)
     # ---- INT8 buffer (sink tiles, then the recent window + tail). All BS slots of a tile are read (stale
     # slots hold finite int8); slots at or past n_tail are masked in the scores, so their p8 is 0.
-    t_i8 = t_lo
-    if t_i8 < n_blocks:
-        t_i8 = n_blocks
-    if STORE:
-        t_new = n_blocks + (n_tail - 1) // BS
-        if (t_new >= t_i8) & (t_new < t_hi):
-            _store_new_token(kn, vn, nf, sk, mk, sv, qsm, kt, vt, i_b64 * stride_nkb + i_hk * stride_nkh,
-                             i_b64 * stride_nvb + i_hk * stride_nvh, o_kvh, n_tail - 1, tail_cap, o_d, m_d, D, BD,
-                             HAS_MEAN, COUNT, ROTATE, ROT_N, HAS_FACTOR, ROT_C, USE_ASM)
-            tl.debug_barrier()  # every thread's stores before any thread reads the tile
     for t in tl.range(t_i8, t_hi, num_stages=1):  # a tile or two per share: not worth pipeline buffers
         o_slot = (t - n_blocks) * BS + o_n
         b_k = tl.load(kt + (o_kvh * tail_cap + o_slot[:, None] * D + o_d[None, :]), mask=m_d[None, :], other=0)
