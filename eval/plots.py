@@ -315,8 +315,11 @@ def plot_rotation_cost(paths, out) -> Optional[Path]:
     def case(r):  # a prompt forward's length, or a decode step's context x batch
         return r["shape"], r.get("L") or f'{r["context"] // 1024}k x{r["batch"]}'
 
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.2))
-    for ax, (sec, rs) in zip(axes, rows.items()):
+    rows = {sec: rs for sec, rs in rows.items() if rs}  # a panel only for what the files hold
+    if not rows:
+        return None
+    fig, axes = plt.subplots(1, len(rows), figsize=(6.5 * len(rows), 4.2), squeeze=False)
+    for ax, (sec, rs) in zip(axes[0], rows.items()):
         cases = sorted({case(r) for r in rs}, key=lambda c: (c[0], str(c[1]).zfill(8)))
         modes = sorted({r["rotate_qk"] for r in rs})
         width = 0.8 / max(len(modes), 1)
