@@ -27,6 +27,8 @@ import sys
 import time
 from typing import Optional
 
+from turbo_attn_hf.generation import cache_arg
+
 from .bench_common import (
     free_gpu_memory,
     gib,
@@ -128,7 +130,7 @@ def timed_prefill(model, ids, impl: str, hooks=(None, None)) -> tuple:
         on()
     t0, c0 = time.perf_counter(), time.thread_time()
     with torch.no_grad():
-        model(ids, past_key_values=cache, logits_to_keep=1, use_cache=True)
+        model(ids, **cache_arg(cache), logits_to_keep=1, use_cache=True)
     t1, c1 = time.perf_counter(), time.thread_time()
     if off is not None:
         off()
@@ -203,7 +205,7 @@ def prefill(model, impl: str, T: int, reps: int) -> dict:
         _sync()
         t0 = time.perf_counter()
         with torch.inference_mode():
-            model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(input_ids=ids, **cache_arg(cache), use_cache=True, logits_to_keep=1)
         _sync()
         if i:
             times.append((time.perf_counter() - t0) * 1e3)
@@ -248,7 +250,7 @@ def decode(model, impl: str, batch: int, T: int, steps: int) -> dict:
         for i in range(steps + 2):
             _sync()
             t0 = time.perf_counter()
-            out = model(input_ids=tok, past_key_values=cache, use_cache=True)
+            out = model(input_ids=tok, **cache_arg(cache), use_cache=True)
             tok = out.logits[:, -1:].argmax(-1)
             _sync()
             if i >= 2:  # two warm-up steps (compilation, allocator)

@@ -46,6 +46,8 @@ from typing import Callable, Iterable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from turbo_attn_hf.generation import cache_arg, output_cache
+
 from . import data as edata
 from .bench_common import split_presets, write_report
 
@@ -195,13 +197,13 @@ def next_token_logprobs(
     if chunk < 1:
         raise ValueError(f"chunk={chunk} must be >= 1")
     cache = cache_factory() if cache_factory is not None else None
-    out = model(x[:, :prompt_len], past_key_values=cache, use_cache=True)
-    cache = out.past_key_values
+    out = model(x[:, :prompt_len], **cache_arg(cache), use_cache=True)
+    cache = output_cache(out)
     parts = [F.log_softmax(out.logits[0].float(), dim=-1)]
     for s in range(prompt_len, T - 1, chunk):
         e = min(s + chunk, T - 1)
-        out = model(x[:, s:e], past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
+        out = model(x[:, s:e], **cache_arg(cache), use_cache=True)
+        cache = output_cache(out)
         parts.append(F.log_softmax(out.logits[0].float(), dim=-1))
     return torch.cat(parts, 0)
 
@@ -374,7 +376,7 @@ def greedy_generate(
     try:
         for i in tqdm(range(0, len(prompts), batch_size), desc="greedy", unit="batch", disable=not progress):
             enc = tokenizer(list(prompts[i:i + batch_size]), return_tensors="pt", padding=True).to(dev)
-            kw = {} if cache_factory is None else {"past_key_values": cache_factory()}
+            kw = {} if cache_factory is None else cache_arg(cache_factory())
             gen = model.generate(
                 **enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
                 stop_strings=list(stop) or None, tokenizer=tokenizer, **kw,

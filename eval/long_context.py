@@ -49,6 +49,8 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from turbo_attn_hf.generation import cache_arg, output_cache
+
 from . import data as edata
 from .bench_common import _git_commit, write_report
 from .fidelity import Impl, Stats, prepare
@@ -217,7 +219,7 @@ def greedy_passkey(model, tok, m: Method, samples: Sequence[pk.Sample], gen_toke
     for i, s in enumerate(samples):
         ids = tok(s.text, return_tensors="pt", add_special_tokens=False).input_ids.to(dev)
         cache = m.new_cache(model)
-        out = model(ids, past_key_values=cache, use_cache=True)
+        out = model(ids, **cache_arg(cache), use_cache=True)
         gen: list[int] = []
         for _ in range(gen_tokens):
             nxt = int(out.logits[0, -1].argmax())
@@ -225,7 +227,7 @@ def greedy_passkey(model, tok, m: Method, samples: Sequence[pk.Sample], gen_toke
             text = tok.decode(gen)
             if pk.extract(text) and not text.rstrip()[-1:].isdigit():  # the number is complete
                 break
-            out = model(torch.tensor([[nxt]], device=dev), past_key_values=out.past_key_values, use_cache=True)
+            out = model(torch.tensor([[nxt]], device=dev), **cache_arg(output_cache(out)), use_cache=True)
         outs.append(tok.decode(gen))
         del cache, out
         if progress:
@@ -245,8 +247,8 @@ def chunked_logprobs(model, m: Method, ids: torch.Tensor, prefill: int, chunk: i
     cache = m.new_cache(model)
     for s in [0] + list(range(prefill, T - 1, chunk)):
         e = prefill if s == 0 else min(s + chunk, T - 1)
-        out = model(x[:, s:e], past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
+        out = model(x[:, s:e], **cache_arg(cache), use_cache=True)
+        cache = output_cache(out)
         yield s, F.log_softmax(out.logits[0].float(), dim=-1)
         del out
     return cache
@@ -296,13 +298,13 @@ def decode_timing(model, m: Method, ids: torch.Tensor, steps: int, warmup: int =
     dev = _device(model)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     cache = m.new_cache(model)
-    out = model(ids.to(dev)[None], past_key_values=cache, use_cache=True)
+    out = model(ids.to(dev)[None], **cache_arg(cache), use_cache=True)
     nxt = out.logits[:, -1:].argmax(-1)
     ts = []
     for i in range(warmup + steps):
         sync()
         t0 = time.perf_counter()
-        out = model(nxt, past_key_values=out.past_key_values, use_cache=True)
+        out = model(nxt, **cache_arg(output_cache(out)), use_cache=True)
         nxt = out.logits[:, -1:].argmax(-1)
         sync()
         if i >= warmup:

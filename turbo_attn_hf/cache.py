@@ -1553,7 +1553,8 @@ def _layer_types(text_config) -> list[str]:
 
 
 class TurboCache(Cache):
-    """Quantized KV cache for ``attn_implementation="turbo_int8"`` (pass it as ``past_key_values=``).
+    """Quantized KV cache for ``attn_implementation="turbo_int8"`` (pass it as ``past_key_values=``, ``cache=``
+    on transformers >= 5.24: ``generation.cache_arg``).
 
     Args:
         turbo_config: a :class:`~turbo_attn_hf.config.TurboConfig`, a preset name (``"int8"``, ``"int4"``,

@@ -33,6 +33,7 @@ from typing import Iterable, Optional, Sequence, Union
 import torch
 
 from .config import TurboConfig, TurboConfigError
+from .generation import cache_arg
 
 
 @dataclass
@@ -89,7 +90,7 @@ def kv_channel_gaps(
         for ids in it:
             ids = torch.as_tensor(ids, dtype=torch.long, device=dev).reshape(1, -1)
             cache = DynamicCache(config=model.config)
-            model(ids, past_key_values=cache, use_cache=True)
+            model(ids, **cache_arg(cache), use_cache=True)
             ks, vs, nb = [], [], None
             for layer in cache.layers:
                 k, v = layer.keys[0], layer.values[0]  # [Hk, T, d]

@@ -339,7 +339,9 @@ def generate_reply(model, tok, messages: list[dict], *, max_new_tokens: int, out
     if model.device.type == "cuda":
         torch.cuda.synchronize()
     t1 = time.perf_counter()
-    cache = getattr(res, "past_key_values", None)
+    from turbo_attn_hf.generation import output_cache
+
+    cache = output_cache(res)
     new_ids = res.sequences[0, n_prompt:].tolist()
     n_new = len(new_ids)
     times = streamer.times

@@ -56,6 +56,18 @@ def cache_kwarg() -> str:
     return "cache" if "cache" in {f.name for f in dataclasses.fields(GenerateDecoderOnlyOutput)} else "past_key_values"
 
 
+def cache_arg(cache: Any) -> dict[str, Any]:
+    """``{cache_kwarg(): cache}``: a cache passed to ``generate()`` or ``forward()`` under this version's keyword
+    (``past_key_values=`` warns on 5.24 and goes in 5.40 / 6.0)."""
+    return {cache_kwarg(): cache}
+
+
+def output_cache(out: Any) -> Any:
+    """The cache a ``generate()`` or ``forward()`` output returns (``out.cache`` since 5.24, whose deprecated
+    ``past_key_values`` alias logs a warning), or None."""
+    return getattr(out, cache_kwarg(), None)
+
+
 def uses_turbo(model: Any) -> bool:
     """Whether the model's (text) config currently selects turbo_int8."""
     config = getattr(model, "config", None)

@@ -132,16 +132,14 @@ class TurboHFLM(HFLM):
         return turbo_attn_hf.TurboCache(self.turbo_config, config=self._model.config)
 
     def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs) -> torch.Tensor:
-        from .generation import cache_kwarg
+        from .generation import cache_kwarg, output_cache
 
         if (self.uses_turbo and self.cache_mode == "turbo"
                 and not {"past_key_values", "cache"} & set(generation_kwargs)):
             generation_kwargs[cache_kwarg()] = self.new_cache()
         generation_kwargs["return_dict_in_generate"] = True
         out = super()._model_generate(context, max_length, stop, **generation_kwargs)
-        cache = getattr(out, "cache", None)
-        if cache is None:  # transformers < 5.24 names it past_key_values
-            cache = getattr(out, "past_key_values", None)
+        cache = output_cache(out)
         name = type(cache).__name__
         self.cache_types[name] += 1
         if self.uses_turbo:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import traceback
 
+import warnings
+
 import pytest
 import torch
 from transformers.cache_utils import DynamicCache
@@ -176,6 +178,35 @@ def test_generate_passes_the_cache_under_this_versions_keyword(tm, pytorch_refer
     out = model.generate(tm.token_ids(1, 12), max_new_tokens=2, do_sample=False, return_dict_in_generate=True,
                          **{cache_kwarg(): turbo})
     assert out.past_key_values is turbo and turbo.get_seq_length() == 13
+
+
+def test_cache_in_and_out_under_this_versions_names_without_deprecation_logs(tm, pytorch_reference_kernels):
+    """What chat, calibrate, lm-eval and the eval harness pass and read: ``cache_arg`` / ``output_cache`` use
+    ``cache`` from 5.24 on, where ``past_key_values`` logs a deprecation (and goes in 5.40 / 6.0)."""
+    import logging
+
+    from turbo_attn_hf.cache import TurboCache
+    from turbo_attn_hf.generation import cache_arg, output_cache
+
+    model = tm.make_model("llama", attn="turbo_int8")
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    hf_logger = logging.getLogger("transformers")
+    hf_logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            turbo = TurboCache("int8", config=model.config)
+            out = model.generate(tm.token_ids(1, 12), max_new_tokens=2, do_sample=False, return_dict_in_generate=True,
+                                 **cache_arg(turbo))
+            assert output_cache(out) is turbo
+            step = model(tm.token_ids(1, 1), **cache_arg(turbo), use_cache=True)
+            assert output_cache(step) is turbo and turbo.get_seq_length() == 14
+    finally:
+        hf_logger.removeHandler(handler)
+    said = [str(w.message) for w in caught] + [r.getMessage() for r in records]
+    assert not [m for m in said if "deprecated" in m and ("past_key_values" in m or "cache" in m)], said
 
 
 @pytest.mark.parametrize("mode", ["sample", "beam"])
