@@ -9,6 +9,7 @@ import torch
 
 from turbo_attn_hf.cache import TurboCache, TurboLayer, TurboSlidingWindowLayer
 from turbo_attn_hf.config import TurboConfig, TurboConfigError
+from turbo_attn_hf.generation import cache_arg, output_cache
 from turbo_attn_hf.kernels import reference as R
 from turbo_attn_hf.kernels.decode import group_splits
 from turbo_attn_hf.kernels.pack import kv_bytes_per_token
@@ -394,13 +395,14 @@ def test_int8_generate_logits_track_dynamic_cache(tm, pytorch_reference_kernels)
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=100, do_sample=False, output_logits=True,
                              return_dict_in_generate=True)
-        assert isinstance(out.past_key_values, TurboCache) and out.past_key_values.get_seq_length() == 119
-        assert out.past_key_values.layers[0].n_blocks == 1
+        cache = output_cache(out)
+        assert isinstance(cache, TurboCache) and cache.get_seq_length() == 119
+        assert cache.layers[0].n_blocks == 1
         turbo = torch.stack(out.logits, 1).float()[0]  # [100, V]
         dc = DynamicCache()
-        ref = [model(ids, past_key_values=dc).logits[0, -1]]
+        ref = [model(ids, **cache_arg(dc)).logits[0, -1]]
         for i in range(99):
-            ref.append(model(out.sequences[:, 20 + i:21 + i], past_key_values=dc).logits[0, -1])
+            ref.append(model(out.sequences[:, 20 + i:21 + i], **cache_arg(dc)).logits[0, -1])
         ref = torch.stack(ref).float()
     diff = (turbo - ref).abs().amax(-1)
     print(f"\n[int8 generate] per-step max |logit diff|: max {diff.max():.3f} mean {diff.mean():.3f} "

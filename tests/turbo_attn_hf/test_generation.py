@@ -141,6 +141,7 @@ def test_default_cache_follows_the_attn_implementation(tm, pytorch_reference_ker
     assert isinstance(out.past_key_values, TurboCache) and out.past_key_values.turbo_config.name == "mixed"
 
 
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")  # a user's keyword, on 5.24 too
 def test_explicit_caches_are_respected(tm, pytorch_reference_kernels):
     model = tm.make_model("llama", attn="turbo_int8")
     ids = tm.token_ids(1, 12)
@@ -227,10 +228,11 @@ def _turbo_cache_crop_problem(model, ids) -> str:
     if not turbo_cache_available():
         return ""
     from turbo_attn_hf.cache import TurboCache
+    from turbo_attn_hf.generation import cache_arg
 
     c = TurboCache("int8", config=model.config)
     with torch.no_grad():
-        model(ids, past_key_values=c)
+        model(ids, **cache_arg(c))
     n = c.get_seq_length()
     c.crop(0)  # transformers' "remove 0 tokens" (assisted decoding when every candidate matched)
     if c.get_seq_length() != n:
