@@ -459,8 +459,8 @@ def _decode_program(
     given) is not in the buffer yet; the program whose share holds its slot ``n_tail - 1`` quantizes it with the
     universal scales and writes it in the prologue, before its first tile (``store.store_int8_tokens``' math;
     COUNT: non-finite vectors added to ``nf``; ROTATE: its K rotated first, as the store kernel rotates it), then
-    reads the tile as usual — the store's own launch saved. (Stored after the packed loop, as before session 42,
-    the decode kernel ran 3-4 % longer at Gemma-3's heads: eval/PERF_NOTES.md.)
+    reads the tile as usual — the store's own launch saved. In the prologue the store's loads overlap the query's
+    (after the packed loop the kernel ran 3-4 % longer at Gemma-3's heads, eval/PERF_NOTES.md session 42).
 
     Orientation ("swap AB"): the M = G·Lq query rows (4 for GQA 32/8 at one token) are the N side of the
     MMAs (scores ``[keys, rows]``, ``accᵀ [D, rows]``), keys and channels the 16-row M side, so the
@@ -540,9 +540,10 @@ def _decode_program(
                                    ROT_C, USE_ASM)
             _store_new_token(b_k, vn, nf, sk, mk, sv, kt, vt, o_v, o_kvh, n_tail - 1, tail_cap, o_d, m_d, D, HAS_MEAN,
                              COUNT)
-    if ROTATE or STORE:
-        tl.debug_barrier()  # every thread's stores (the rotated query, a stored token) before any thread reads them
+            if not ROTATE:
+                tl.debug_barrier()  # every thread's stores before any thread reads the tile
     if ROTATE:
+        tl.debug_barrier()  # the rotated query's (and a stored token's) stores before any thread reads them
         b_qf = tl.load(p_rt)
     b_qs = b_qf * b_sk[None, :]
     b_amax = tl.max(tl.abs(b_qs), 1)

@@ -132,11 +132,11 @@ class TurboHFLM(HFLM):
         return turbo_attn_hf.TurboCache(self.turbo_config, config=self._model.config)
 
     def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs) -> torch.Tensor:
-        from .generation import cache_kwarg, output_cache
+        from .generation import cache_arg, output_cache
 
         if (self.uses_turbo and self.cache_mode == "turbo"
                 and not {"past_key_values", "cache"} & set(generation_kwargs)):
-            generation_kwargs[cache_kwarg()] = self.new_cache()
+            generation_kwargs.update(cache_arg(self.new_cache()))
         generation_kwargs["return_dict_in_generate"] = True
         out = super()._model_generate(context, max_length, stop, **generation_kwargs)
         cache = output_cache(out)

@@ -17,7 +17,6 @@ kernels (interpreter on CPU).
 from __future__ import annotations
 
 import traceback
-
 import warnings
 
 import pytest
