@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from .device import current_cuda_device, sm_count
-from .hadamard import _key_factor, _rotate_keys, hadamard_rows
+from .hadamard import _factor_inverse, _rotate_keys, hadamard_rows
 from .interpreter import interpreting
 from .launch import LeanLaunch
 from .pack import (PackedKV, _bad_rows, _dequant_tile, _quantize_universal, _universal_scales, _unpack_tile,
@@ -408,13 +408,11 @@ def _slot_rows(i_s, i_bh, n_bh, n_mp, o_r):
 
 
 @triton.jit
-def _store_new_token(b_k, vn, nf, sk, mk, sv, kt, vt, o_v, o_kvh, slot, tail_cap, o_d, m_d, D: tl.constexpr,
+def _store_new_token(b_k, b_v, b_sk, b_mk, b_sv, nf, kt, vt, o_kvh, slot, tail_cap, o_d, m_d, D: tl.constexpr,
                      HAS_MEAN: tl.constexpr, COUNT: tl.constexpr):
     """One (row, KV head)'s new token -> INT8 buffer slot ``slot``, as ``store._store_tokens_kernel`` writes it
-    (``pack._quantize_universal``: the same bits): ``b_k [1, BD]`` its K in the stored basis (rotated by the caller
-    with ROTATE), V loaded at ``vn + o_v``."""
-    b_sk, b_mk, b_sv = _universal_scales(sk, mk, sv, o_kvh + o_d, m_d, HAS_MEAN)
-    b_v = tl.load(vn + o_v + o_d, mask=m_d, other=0.0)[None, :]
+    (``pack._quantize_universal``: the same bits): ``b_k``, ``b_v [1, BD]`` its K (in the stored basis: rotated by
+    the caller with ROTATE) and V, ``b_sk``, ``b_mk``, ``b_sv`` the (row, head)'s universal scales."""
     if COUNT:
         tl.atomic_add(nf, _bad_rows(b_k, b_v, m_d[None, :]))
     b_k8 = _quantize_universal(b_k, b_sk, b_mk, HAS_MEAN=HAS_MEAN)
@@ -444,7 +442,8 @@ def _decode_program(
 
     q [b, HQ, Lq, D] (any float dtype, strides given, D contiguous); sk/mk/sv [b, HK, D] fp32 (K scale,
     K mean, V scale); ROTATE: K is stored rotated (``rotation.rotate``), the query is rotated here, first scaled
-    per channel by qsm [b, HK, D] fp32 (HAS_FACTOR: K -> Q smoothing factors; 1/sqrt(ROT_N) is in qscale); packed blocks as in pack.py; kt [b, HK, C, D], vt [b, HK, D, C] the INT8 buffer
+    per channel by qsm [b, HK, D] fp32 (HAS_FACTOR: K -> Q smoothing factors; 1/sqrt(ROT_N) is in qscale);
+    packed blocks as in pack.py; kt [b, HK, C, D], vt [b, HK, D, C] the INT8 buffer
     (C = tail_cap slots, n_tail valid): slots < n_sink hold positions 0.. (attention sinks), the others
     positions from n_sink + n_blocks·BS on (the recent window + tail); packed block t holds positions
     n_sink + t·BS ..;
@@ -515,8 +514,12 @@ def _decode_program(
     if STORE:  # the share holding the new token's slot stores it, in the prologue (no other share reads that tile)
         t_new = n_blocks + (n_tail - 1) // BS
         storer = (t_new >= t_i8) & (t_new < t_hi)
-        o_k = i_b64 * stride_nkb + i_hk * stride_nkh
-        o_v = i_b64 * stride_nvb + i_hk * stride_nvh
+        # its loads issued first (masked off in the other shares), so their latency overlaps the query's: below the
+        # query's round-trip store the compiler cannot move them up (eval/PERF_NOTES.md session 43)
+        m_st = m_d & storer
+        b_kn = tl.load(kn + i_b64 * stride_nkb + i_hk * stride_nkh + o_d, mask=m_st, other=0.0)[None, :]
+        b_vn = tl.load(vn + i_b64 * stride_nvb + i_hk * stride_nvh + o_d, mask=m_st, other=0.0)[None, :]
+        b_usk, b_umk, b_usv = _universal_scales(sk, mk, sv, o_kvh + o_d, m_st, HAS_MEAN)
 
     # ---- query: fold K's per-channel scale in, per-row symmetric INT8 (round half away), as prepare_query_ref
     p_q = q + i_b64 * stride_qb + o_qh[:, None].to(tl.int64) * stride_qh + o_qi[:, None] * stride_ql + o_d[None, :]
@@ -524,22 +527,27 @@ def _decode_program(
     # K's channel scales read beside the query: with ROTATE the barrier below would otherwise hold this load back
     b_sk = tl.load(sk + o_kvh + o_d, mask=m_d, other=0.0)
     if ROTATE:  # into K's stored basis, (q · diag(s)) · H±1 in fp32 (padded channels are 0 and form whole blocks)
-        if HAS_FACTOR:
-            b_qf = b_qf * tl.load(qsm + o_kvh + o_d, mask=m_d, other=0.0)[None, :]
+        if HAS_FACTOR:  # K -> Q smoothing factors, loaded once for the query and a stored token's 1/s
+            b_qsm = tl.load(qsm + o_kvh + o_d, mask=m_d, other=1.0)
+            b_qf = b_qf * b_qsm[None, :]
         b_qf = hadamard_rows(b_qf, ROT_N)
         # back through this program's own partials slot (written again only after the loop): reloaded, the query
         # has the layout of the plain path's load, so nothing after the prologue compiles differently (in the
-        # butterfly's final layout the rotated launch ran 10-12.5 % slower at head_dim 256, eval/PERF_NOTES.md)
+        # butterfly's final layout the rotated launch ran 10-12.5 % slower at head_dim 256; a butterfly of warp
+        # shuffles that keeps the load's layout cost more than this round trip, eval/PERF_NOTES.md session 43)
         p_rt = po + _slot_rows(i_s, i_bh, N_BH, N_M * BM, o_r)[:, None] * BD + o_d[None, :]
         tl.store(p_rt, b_qf)
     if STORE:
         if storer:
-            b_k = tl.load(kn + o_k + o_d, mask=m_d, other=0.0)[None, :]
-            if ROTATE:
-                b_k = _rotate_keys(b_k, _key_factor(qsm, o_kvh + o_d, m_d, BD, HAS_FACTOR, USE_ASM), ROTATE, ROT_N,
-                                   ROT_C, USE_ASM)
-            _store_new_token(b_k, vn, nf, sk, mk, sv, kt, vt, o_v, o_kvh, n_tail - 1, tail_cap, o_d, m_d, D, HAS_MEAN,
-                             COUNT)
+            if ROTATE:  # a new name: the branch may not turn the loaded bf16 value into fp32
+                b_f = tl.full([BD], 1.0, tl.float32)
+                if HAS_FACTOR:
+                    b_f = _factor_inverse(b_qsm, USE_ASM)
+                b_ks = _rotate_keys(b_kn, b_f, ROTATE, ROT_N, ROT_C, USE_ASM)
+            else:
+                b_ks = b_kn
+            _store_new_token(b_ks, b_vn, b_usk, b_umk, b_usv, nf, kt, vt, o_kvh, n_tail - 1, tail_cap, o_d, m_d, D,
+                             HAS_MEAN, COUNT)
             if not ROTATE:
                 tl.debug_barrier()  # every thread's stores before any thread reads the tile
     if ROTATE:

@@ -36,12 +36,16 @@ def _key_factor(smf, o_s, m_d, BD: tl.constexpr, HAS_FACTOR: tl.constexpr, RCP: 
     the same bits without ``div_rn``'s slow-path calls, which made the decode kernel spill (PERF_NOTES session 41)."""
     b_f = tl.full([BD], 1.0, tl.float32)
     if HAS_FACTOR:
-        b_s = tl.load(smf + o_s, mask=m_d, other=1.0)
-        if RCP:
-            b_f = _rcp_rn(b_s)
-        else:
-            b_f = tl.math.div_rn(b_f, b_s)
+        b_f = _factor_inverse(tl.load(smf + o_s, mask=m_d, other=1.0), RCP)
     return b_f
+
+
+@triton.jit
+def _factor_inverse(b_s, RCP: tl.constexpr):
+    """``1/s`` of loaded smoothing factors, correctly rounded (RCP: ``_rcp_rn``, else ``div_rn``)."""
+    if RCP:
+        return _rcp_rn(b_s)
+    return tl.math.div_rn(tl.full(b_s.shape, 1.0, tl.float32), b_s)
 
 
 @triton.jit
