@@ -318,7 +318,7 @@ def plot_rotation_cost(paths, out) -> Optional[Path]:
     rows = {sec: rs for sec, rs in rows.items() if rs}  # a panel only for what the files hold
     if not rows:
         return None
-    fig, axes = plt.subplots(1, len(rows), figsize=(6.5 * len(rows), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(rows), figsize=(max(6.5, 0.75 * max(len({case(r) for r in rs}) for rs in rows.values())) * len(rows), 4.8), squeeze=False)
     for ax, (sec, rs) in zip(axes[0], rows.items()):
         cases = sorted({case(r) for r in rs}, key=lambda c: (c[0], str(c[1]).zfill(8)))
         modes = sorted({r["rotate_qk"] for r in rs})
@@ -327,8 +327,9 @@ def plot_rotation_cost(paths, out) -> Optional[Path]:
             by = {case(r): r["total_pct"] for r in rs if r["rotate_qk"] == mode}
             ax.bar([j + i * width for j in range(len(cases))], [by.get(c, 0.0) for c in cases], width, label=mode)
         ax.axhline(3.0, color="k", linestyle="--", linewidth=0.8, label="3 % bar")
+        ax.set_ylim(top=max(3.5, 0.5 + max(r["total_pct"] for r in rs)))
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))])
-        ax.set_xticklabels([f"{a}\n{b}" for a, b in cases], fontsize=7)
+        ax.set_xticklabels([f"{a}\n{b}" for a, b in cases], fontsize=7, rotation=30, ha="right")
         ax.set_ylabel("extra kernel time over rotate_qk none, %")
         ax.set_title("prompt forward (first prefill)" if sec == "forward" else "decode step")
         ax.grid(alpha=0.3, axis="y")
