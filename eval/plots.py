@@ -318,7 +318,8 @@ def plot_rotation_cost(paths, out) -> Optional[Path]:
     rows = {sec: rs for sec, rs in rows.items() if rs}  # a panel only for what the files hold
     if not rows:
         return None
-    fig, axes = plt.subplots(1, len(rows), figsize=(max(6.5, 0.75 * max(len({case(r) for r in rs}) for rs in rows.values())) * len(rows), 4.8), squeeze=False)
+    width_in = max(6.5, 0.75 * max(len({case(r) for r in rs}) for rs in rows.values()))  # ~0.75 in a case
+    fig, axes = plt.subplots(1, len(rows), figsize=(width_in * len(rows), 4.8), squeeze=False)
     for ax, (sec, rs) in zip(axes[0], rows.items()):
         cases = sorted({case(r) for r in rs}, key=lambda c: (c[0], str(c[1]).zfill(8)))
         modes = sorted({r["rotate_qk"] for r in rs})

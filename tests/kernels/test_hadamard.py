@@ -1,5 +1,5 @@
-"""kernels/hadamard.py: the butterfly against its twin, and ``_rcp_rn``'s arithmetic (the GPU's call-free correctly rounded ``1/s`` of the smoothing
-factors) replayed exactly on the CPU.
+"""kernels/hadamard.py: the butterfly against its twin, and ``_rcp_rn``'s arithmetic (the GPU's call-free correctly
+rounded ``1/s`` of the smoothing factors) replayed exactly on the CPU.
 
 The PTX (fp32 approximate reciprocal, three fp64 Newton steps by FMA, fp64 -> fp32 rounding) cannot run in the
 interpreter, so this replays it with exact arithmetic: each FMA is the nearest double of the exact ``a*b + c``
