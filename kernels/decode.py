@@ -539,15 +539,11 @@ def _decode_program(
         tl.store(p_rt, b_qf)
     if STORE:
         if storer:
-            if ROTATE:  # a new name: the branch may not turn the loaded bf16 value into fp32
-                b_f = tl.full([BD], 1.0, tl.float32)
-                if HAS_FACTOR:
-                    b_f = _factor_inverse(b_qsm, USE_ASM)
-                b_ks = _rotate_keys(b_kn, b_f, ROTATE, ROT_N, ROT_C, USE_ASM)
-            else:
-                b_ks = b_kn
-            _store_new_token(b_ks, b_vn, b_usk, b_umk, b_usv, nf, kt, vt, o_kvh, n_tail - 1, tail_cap, o_d, m_d, D,
-                             HAS_MEAN, COUNT)
+            b_f = tl.full([BD], 1.0, tl.float32)  # K's 1/s, from the factors the query loaded
+            if ROTATE and HAS_FACTOR:
+                b_f = _factor_inverse(b_qsm, USE_ASM)
+            _store_new_token(_rotate_keys(b_kn, b_f, ROTATE, ROT_N, ROT_C, USE_ASM), b_vn, b_usk, b_umk, b_usv, nf, kt,
+                             vt, o_kvh, n_tail - 1, tail_cap, o_d, m_d, D, HAS_MEAN, COUNT)
             if not ROTATE:
                 tl.debug_barrier()  # every thread's stores before any thread reads the tile
     if ROTATE:
