@@ -3,13 +3,29 @@ the same quantized operands (issue 20): do_bench medians, TFLOP/s, and each vari
 kernel's output (the same math: 0 expected). FA3 protocol shapes (16k tokens, hidden 2048).
 
     python -m eval.experiments.prefill_hopper_ab [--dims 128,64] [--lens 4096,16384] [--out FILE.json]
+        [--variants hopper,hopper+rowsum,hopper+rowsum+overlap,hopper+rowsum+parts3]
+
+A variant is ``hopper`` and the schedule switches of ``prefill_hopper.launch_ws`` it turns on, joined by ``+``:
+``rowsum`` (``rowsum_mma``), ``overlap``, ``parts3`` (three consumer warpgroups).
 """
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
 import triton
+
+
+_SWITCHES = {"rowsum": ("rowsum_mma", True), "overlap": ("overlap", True), "parts3": ("parts", 3)}
+
+
+def _schedule(variant: str) -> dict:
+    """``launch_ws`` keywords of a variant name such as ``hopper+rowsum+parts3``."""
+    head, *switches = variant.split("+")
+    if head != "hopper" or any(s not in _SWITCHES for s in switches):
+        raise SystemExit(f"variant {variant!r}: 'hopper' and any of {sorted(_SWITCHES)} joined by '+'")
+    return dict(_SWITCHES[s] for s in switches)
 
 
 def main(argv=None) -> int:
@@ -22,6 +38,7 @@ def main(argv=None) -> int:
     ap.add_argument("--lens", default="4096,16384")
     ap.add_argument("--rep", type=int, default=60)
     ap.add_argument("--out", default="prefill_hopper_ab.json")
+    ap.add_argument("--variants", default="hopper,hopper+rowsum,hopper+rowsum+overlap,hopper+rowsum+parts3")
     a = ap.parse_args(argv)
     bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=a.rep, return_mode="median")  # noqa: E731
     rows = []
@@ -36,14 +53,12 @@ def main(argv=None) -> int:
             for causal in (False, True):
                 fl = 4 * b * h * L * L * d / (2 if causal else 1)
                 out = torch.empty(b, L, h, d, device="cuda", dtype=torch.bfloat16)
-                fns = {
-                    "portable": lambda: prefill.int8_flash_attention(q8, sq, k8, sk, v8t, sv, causal=causal,
-                                                                     _kernel="portable"),
-                    "hopper": lambda: prefill_hopper.launch_ws(q8, sq, k8, sk, v8t, sv, out, causal=causal, Lk=L),
-                    "hopper_rowsum_mma": lambda: prefill_hopper.launch_ws(q8, sq, k8, sk, v8t, sv, out, causal=causal,
-                                                                          Lk=L, rowsum_mma=True),
-                    "sdpa_cudnn": None,
-                }
+                fns = {"portable": lambda: prefill.int8_flash_attention(q8, sq, k8, sk, v8t, sv, causal=causal,
+                                                                        _kernel="portable")}
+                for name in a.variants.split(","):
+                    fns[name] = functools.partial(prefill_hopper.launch_ws, q8, sq, k8, sk, v8t, sv, out,
+                                                  causal=causal, Lk=L, **_schedule(name))
+                fns["sdpa_cudnn"] = None
                 ref = fns["portable"]().float()
                 for name, fn in fns.items():
                     row = dict(variant=name, d=d, L=L, batch=b, heads=h, causal=causal)
