@@ -44,15 +44,14 @@ __all__ = ["HAVE_GLUON", "TESTED_TRITON", "PART_M", "BLOCK_N", "HEAD_DIMS", "sup
 
 #: Triton releases this kernel was compiled (CPU test) and run with; another release falls back to the portable kernel
 TESTED_TRITON = ("3.6",)
-#: query rows of a consumer warpgroup (a program has 2 or 3: ``PARTS``) and keys of a KV block (the V scale block)
+#: query rows of a consumer warpgroup (a program has two) and keys of a KV block (the V scale block)
 PART_M = 64
 BLOCK_N = 128
 HEAD_DIMS = (64, 128)
 #: ring slots of K/V tiles per head dim (32 KB a slot at d 128)
 _STAGES = {64: 4, 128: 3}
-#: registers per thread of a worker consumer and of the producer (setmaxnreg) by consumer count: four warpgroups
-#: share 512 a thread; the default partition is consumer 0
-_REGS = {2: (232, 40), 3: (160, 32)}
+#: registers per thread of the second consumer and the producer (setmaxnreg); the default partition is consumer 0
+_WORKER_REGS = (232, 40)
 
 
 def gluon_available() -> bool:
@@ -74,14 +73,13 @@ if HAVE_GLUON:
     _SQ_MIN = gl.constexpr(SQ_MIN)
     _PART0 = gl.constexpr(0)  # consumer partitions' PART: partition arguments must be constexpr objects
     _PART1 = gl.constexpr(1)
-    _PART2 = gl.constexpr(2)
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, sk_desc, sv_desc, q_smem, k_smem, v_smem, sk_smem, sv_smem, q_bar, ready,
                   empty, q_row, k_row, sk_row, v_row, sv_row, sv_step, n_blocks, BN: gl.constexpr, D: gl.constexpr,
                   STAGES: gl.constexpr):
-        """The Q tile once (every consumer's part), then per block into slot j % STAGES: K [BN, d], V^T [d, BN], the keys'
-        scales sk [BN] and V's channel scales sv [d] (so no consumer waits on a global load in its loop)."""
+        """The Q tile once (every consumer's part), then per block into slot j % STAGES: K [BN, d], V^T [d, BN], the
+        keys' scales sk [BN] and V's channel scales sv [d] (so no consumer waits on a global load in its loop)."""
         PART_M: gl.constexpr = q_desc.block_type.shape[0]
         PARTS: gl.constexpr = q_smem.shape[0]
         mbarrier.expect(q_bar, PARTS * q_desc.block_type.nbytes)
@@ -164,14 +162,12 @@ if HAVE_GLUON:
     @gluon.jit
     def _consumer(q_smem, k_smem, v_smem, sk_smem, sv_smem, ones_smem, q_bar, ready, empty, SQ, SK, O, Lq, Lk, i_m,
                   i_b, i_hq, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh, sk_row, n_blocks,
-                  PART: gl.constexpr, IS_CAUSAL: gl.constexpr, PSUM_BIAS: gl.constexpr, ROWSUM_MMA: gl.constexpr,
-                  OVERLAP: gl.constexpr):
-        """Rows [i_m * 64 PARTS + 64 PART, +64) of one (b, head): the portable kernel's program of BLOCK_M 64, block
-        by block Q.K^T, softmax, P.V. ROWSUM_MMA: P's row sums (l's increments) by an m64n8 IGMMA of P with a tile of
-        ones (``ones_smem``) issued beside P.V, instead of ~64 integer adds a thread and block: the same int32 sums.
-        OVERLAP: the next block's Q.K^T is issued right after this block's P.V, so the tensor cores run it while
-        this block's P.V is folded into the output (one score accumulator in flight, not two: PERF_NOTES session
-        35's "pipelined" schedule held two and spilled); else each MMA is waited for where it is issued."""
+                  PART: gl.constexpr, IS_CAUSAL: gl.constexpr, PSUM_BIAS: gl.constexpr, ROWSUM_MMA: gl.constexpr):
+        """Rows [i_m * 128 + 64 PART, +64) of one (b, head): the portable kernel's program of BLOCK_M 64, block by
+        block Q.K^T, softmax, P.V, each waited for where it is issued (the schedules that overlap them within or
+        across the parts, or add a third consumer, were slower or no faster: PERF_NOTES sessions 35 and 44).
+        ROWSUM_MMA: P's row sums (l's increments) by an m64n8 IGMMA of P with a tile of ones (``ones_smem``) issued
+        beside P.V, instead of ~64 integer adds a thread and block: the same int32 sums."""
         BM: gl.constexpr = q_smem.shape[1]
         PARTS: gl.constexpr = q_smem.shape[0]
         D: gl.constexpr = q_smem.shape[2]
@@ -213,36 +209,22 @@ if HAVE_GLUON:
         n_full = full_hi // BN
         n_mine = gl.cdiv(hi, BN)
         mbarrier.wait(q_bar, 0)
-        s_i32 = s_zero
-        if OVERLAP and n_mine > 0:
-            mbarrier.wait(ready.index(0), 0)
-            s_i32 = warpgroup_mma_wait(0, deps=(warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero,
-                                                              use_acc=False, is_async=True), ))
         for j in range(n_mine):
             s = j % STAGES
-            if not OVERLAP:
-                mbarrier.wait(ready.index(s), (j // STAGES) & 1)
-                s_i32 = warpgroup_mma_wait(0, deps=(warpgroup_mma(q, k_smem.index(s).permute((1, 0)), s_zero,
-                                                                  use_acc=False, is_async=True), ))
+            mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+            s_i32 = warpgroup_mma_wait(0, deps=(warpgroup_mma(q, k_smem.index(s).permute((1, 0)), s_zero,
+                                                              use_acc=False, is_async=True), ))
             p8, r, l_i, m_i, c_i = _probs(s_i32, sk_smem.index(s), j, n_full, sq, l_i, m_i, c_i, o_pos, Lk,
                                           col_l, p_l, IS_CAUSAL, BN, PSUM_BIAS, ROWSUM_MMA)
             pv = warpgroup_mma(p8, v_smem.index(s).permute((1, 0)), o_zero, use_acc=False, is_async=True)
             if ROWSUM_MMA:  # every column of P.ones is the row sum
                 rs = warpgroup_mma(p8, ones_smem.permute((1, 0)), n8_zero, use_acc=False, is_async=True)
-            if OVERLAP:  # the last block issues its own Q.K^T again (its slot is still held): no branch, no wait
-                jn = gl.minimum(j + 1, n_mine - 1)
-                mbarrier.wait(ready.index(jn % STAGES), (jn // STAGES) & 1)
-                s_next = warpgroup_mma(q, k_smem.index(jn % STAGES).permute((1, 0)), s_zero, use_acc=False,
-                                       is_async=True)
-            if ROWSUM_MMA:
-                pv, rs = warpgroup_mma_wait(1 if OVERLAP else 0, deps=(pv, rs))  # Q.K^T may stay in flight
+                pv, rs = warpgroup_mma_wait(0, deps=(pv, rs))
                 l_i = gl.fma(l_i, r, gl.convert_layout(gl.max(rs, 1), row_l).to(gl.float32))
             else:
-                pv = warpgroup_mma_wait(1 if OVERLAP else 0, deps=(pv, ))
+                pv = warpgroup_mma_wait(0, deps=(pv, ))
             acc = _fold(acc, r, pv, sv_smem.index(s), o_l)
             mbarrier.arrive(empty.index(s), count=1)
-            if OVERLAP:
-                s_i32 = warpgroup_mma_wait(0, deps=(s_next, ))
         for j in range(n_mine, n_blocks):  # another part's diagonal block lies past these rows: wait, release
             s = j % STAGES
             mbarrier.wait(ready.index(s), (j // STAGES) & 1)
@@ -261,16 +243,17 @@ if HAVE_GLUON:
     def _int8_attn_fwd_ws_kernel(q_desc, k_desc, v_desc, sk_desc, sv_desc, SQ, SK, O, Lq, Lk, K_ROWS, SK_ROW, HQ, HK,
                                  NBLK, SV_STEP, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh,
                                  IS_CAUSAL: gl.constexpr, D: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-                                 PSUM_BIAS: gl.constexpr, ROWSUM_MMA: gl.constexpr, OVERLAP: gl.constexpr,
-                                 PARTS: gl.constexpr, R_CONSUMER: gl.constexpr, R_PRODUCER: gl.constexpr):
-        """grid (cdiv(Lq, 64 PARTS) * b * HQ,), row blocks of one head neighbours, the longest causal ones first.
-        PARTS consumer warpgroups (2 or 3) of 64 rows each share every KV slot.
+                                 PSUM_BIAS: gl.constexpr, ROWSUM_MMA: gl.constexpr, R_CONSUMER: gl.constexpr,
+                                 R_PRODUCER: gl.constexpr):
+        """grid (cdiv(Lq, 128) * b * HQ,), row blocks of one head neighbours, the longest causal ones first; two
+        consumer warpgroups of 64 rows each share every KV slot.
         q_desc over q8 as [b HQ Lq, d] (block [64, d]), k_desc over k8 as [b HK K_ROWS, d] (block [BN, d]),
         v_desc over v8t as [b HK d, Lpad] (block [d, BN]), sk_desc over sk as [b HK SK_ROW] (block [BN]; SK_ROW a
         multiple of 4: a 1-D TMA copy starts 16-byte aligned), sv_desc over sv as [b HK NBLK d] (block [d]; SV_STEP 0:
         one block of channel scales for every KV block). Rows a tile reads past its head are masked. K_ROWS: k8's rows
         per head, SK_ROW sk's (both >= Lk). SK: sk itself (the NaN scan)."""
         PART_M: gl.constexpr = q_desc.block_type.shape[0]
+        PARTS: gl.constexpr = 2
         n_m = gl.cdiv(Lq, PARTS * PART_M)
         pid = gl.program_id(0)
         i_m = n_m - 1 - pid % n_m
@@ -304,31 +287,16 @@ if HAVE_GLUON:
         v_row = (i_b * HK + i_hk) * D
         sv_row = (i_b * HK + i_hk) * NBLK
         # tuples spelled out in the call: a tuple held in a variable or concatenated unwraps its constexprs
-        if PARTS == 2:
-            gl.warp_specialize([
-                (_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, ones_smem, q_bar, ready, empty, SQ, SK, O, Lq,
-                             Lk, i_m, i_b, i_hq, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh, sk_row,
-                             n_blocks, _PART0, IS_CAUSAL, PSUM_BIAS, ROWSUM_MMA, OVERLAP)),
-                (_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, ones_smem, q_bar, ready, empty, SQ, SK, O, Lq,
-                             Lk, i_m, i_b, i_hq, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh, sk_row,
-                             n_blocks, _PART1, IS_CAUSAL, PSUM_BIAS, ROWSUM_MMA, OVERLAP)),
-                (_producer, (q_desc, k_desc, v_desc, sk_desc, sv_desc, q_smem, k_smem, v_smem, sk_smem, sv_smem, q_bar,
-                             ready, empty, q_row, k_row, sk_row, v_row, sv_row, SV_STEP, n_blocks, BN, D, STAGES)),
-            ], [4, 4], [R_CONSUMER, R_PRODUCER])
-        else:
-            gl.warp_specialize([
-                (_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, ones_smem, q_bar, ready, empty, SQ, SK, O, Lq,
-                             Lk, i_m, i_b, i_hq, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh, sk_row,
-                             n_blocks, _PART0, IS_CAUSAL, PSUM_BIAS, ROWSUM_MMA, OVERLAP)),
-                (_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, ones_smem, q_bar, ready, empty, SQ, SK, O, Lq,
-                             Lk, i_m, i_b, i_hq, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh, sk_row,
-                             n_blocks, _PART1, IS_CAUSAL, PSUM_BIAS, ROWSUM_MMA, OVERLAP)),
-                (_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, ones_smem, q_bar, ready, empty, SQ, SK, O, Lq,
-                             Lk, i_m, i_b, i_hq, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh, sk_row,
-                             n_blocks, _PART2, IS_CAUSAL, PSUM_BIAS, ROWSUM_MMA, OVERLAP)),
-                (_producer, (q_desc, k_desc, v_desc, sk_desc, sv_desc, q_smem, k_smem, v_smem, sk_smem, sv_smem, q_bar,
-                             ready, empty, q_row, k_row, sk_row, v_row, sv_row, SV_STEP, n_blocks, BN, D, STAGES)),
-            ], [4, 4, 4], [R_CONSUMER, R_CONSUMER, R_PRODUCER])
+        gl.warp_specialize([
+            (_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, ones_smem, q_bar, ready, empty, SQ, SK, O, Lq, Lk,
+                         i_m, i_b, i_hq, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh, sk_row, n_blocks,
+                         _PART0, IS_CAUSAL, PSUM_BIAS, ROWSUM_MMA)),
+            (_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, ones_smem, q_bar, ready, empty, SQ, SK, O, Lq, Lk,
+                         i_m, i_b, i_hq, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh, sk_row, n_blocks,
+                         _PART1, IS_CAUSAL, PSUM_BIAS, ROWSUM_MMA)),
+            (_producer, (q_desc, k_desc, v_desc, sk_desc, sv_desc, q_smem, k_smem, v_smem, sk_smem, sv_smem, q_bar,
+                         ready, empty, q_row, k_row, sk_row, v_row, sv_row, SV_STEP, n_blocks, BN, D, STAGES)),
+        ], [4, 4], [R_CONSUMER, R_PRODUCER])
 
 
 def _tma_operand(t: torch.Tensor) -> torch.Tensor:
@@ -352,31 +320,28 @@ def descriptors(q8, k8, v8t, sk, sv):
             TensorDescriptor(sv, [sv.numel()], [1], [d], lay_sv))
 
 
-def ws_spec(q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, rowsum_mma: bool = False, parts: int = 2,
-            overlap: bool = False):
+def ws_spec(q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, rowsum_mma: bool = True):
     """(grid, scalars, constexprs) of ``_int8_attn_fwd_ws_kernel`` after its five descriptors and 3 tensors
     (sk and sv dense with sk's rows a multiple of 4: ``launch_ws``)."""
     b, hq, lq, d = q8.shape
     hk, nblk = k8.shape[1], sv.shape[2]
     if sk.shape[2] < Lk or sk.shape[2] % 4:
         raise ValueError(f"sk {tuple(sk.shape)} must hold >= Lk = {Lk} rows per head, a multiple of 4")
-    if parts not in _REGS:
-        raise ValueError(f"parts={parts}: the kernel runs {sorted(_REGS)} consumer warpgroups")
-    grid = (-(-lq // (parts * PART_M)) * b * hq,)
+    grid = (-(-lq // (2 * PART_M)) * b * hq,)
     scalars = (lq, Lk, k8.shape[2], sk.shape[2], hq, hk, nblk, 1 if nblk > 1 else 0, sq.stride(0), sq.stride(1),
                out.stride(0), out.stride(1), out.stride(2))
     kw = dict(IS_CAUSAL=bool(causal), D=d, BN=BLOCK_N, STAGES=_STAGES[d], PSUM_BIAS=psum_bias(BLOCK_N),
-              ROWSUM_MMA=bool(rowsum_mma), OVERLAP=bool(overlap), PARTS=parts, R_CONSUMER=_REGS[parts][0],
-              R_PRODUCER=_REGS[parts][1], num_warps=4)
+              ROWSUM_MMA=bool(rowsum_mma), R_CONSUMER=_WORKER_REGS[0], R_PRODUCER=_WORKER_REGS[1], num_warps=4)
     return grid, scalars, kw
 
 
-def launch_ws(q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, **schedule):
-    """Run the kernel (CUDA sm_90; ``int8_flash_attention`` checks the operands' shapes and dtypes). ``schedule``:
-    ``rowsum_mma``, ``parts``, ``overlap`` (see ``_consumer``; A/B switches until measured on a GPU)."""
+def launch_ws(q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, rowsum_mma: bool = True):
+    """Run the kernel (CUDA sm_90; ``int8_flash_attention`` checks the operands' shapes and dtypes). ``rowsum_mma``:
+    see ``_consumer`` (on by default: +5-6 % non-causal on the H200, causal within the noise, PERF_NOTES session 44;
+    off for the A/B)."""
     q8, k8, v8t, sk, sv = (_tma_operand(t) for t in (q8, k8, v8t, sk, sv))
     if sk.shape[2] % 4:  # rows of whole 16-byte units (1-D TMA copies start aligned); the pad is never read as a key
         sk = torch.nn.functional.pad(sk, (0, 4 - sk.shape[2] % 4))
-    grid, scalars, kw = ws_spec(q8, sq, k8, sk, v8t, sv, out, causal=causal, Lk=Lk, **schedule)
+    grid, scalars, kw = ws_spec(q8, sq, k8, sk, v8t, sv, out, causal=causal, Lk=Lk, rowsum_mma=rowsum_mma)
     _int8_attn_fwd_ws_kernel[grid](*descriptors(q8, k8, v8t, sk, sv), sq, sk, out, *scalars, **kw)
     return out

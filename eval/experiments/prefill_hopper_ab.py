@@ -3,10 +3,11 @@ the same quantized operands (issue 20): do_bench medians, TFLOP/s, and each vari
 kernel's output (the same math: 0 expected). FA3 protocol shapes (16k tokens, hidden 2048).
 
     python -m eval.experiments.prefill_hopper_ab [--dims 128,64] [--lens 4096,16384] [--out FILE.json]
-        [--variants hopper,hopper+rowsum,hopper+rowsum+overlap,hopper+rowsum+parts3]
+        [--variants hopper,hopper+norowsum]
 
-A variant is ``hopper`` and the schedule switches of ``prefill_hopper.launch_ws`` it turns on, joined by ``+``:
-``rowsum`` (``rowsum_mma``), ``overlap``, ``parts3`` (three consumer warpgroups).
+A variant is ``hopper`` and the schedule switches of ``prefill_hopper.launch_ws`` it sets, joined by ``+``:
+``norowsum`` (``rowsum_mma=False``: P's row sums by integer adds). The switches session 44 measured and removed
+(``overlap``, ``parts3``) are in git at a158f56.
 """
 from __future__ import annotations
 
@@ -17,11 +18,11 @@ import torch
 import triton
 
 
-_SWITCHES = {"rowsum": ("rowsum_mma", True), "overlap": ("overlap", True), "parts3": ("parts", 3)}
+_SWITCHES = {"norowsum": ("rowsum_mma", False)}
 
 
 def _schedule(variant: str) -> dict:
-    """``launch_ws`` keywords of a variant name such as ``hopper+rowsum+parts3``."""
+    """``launch_ws`` keywords of a variant name such as ``hopper+norowsum``."""
     head, *switches = variant.split("+")
     if head != "hopper" or any(s not in _SWITCHES for s in switches):
         raise SystemExit(f"variant {variant!r}: 'hopper' and any of {sorted(_SWITCHES)} joined by '+'")
@@ -38,7 +39,7 @@ def main(argv=None) -> int:
     ap.add_argument("--lens", default="4096,16384")
     ap.add_argument("--rep", type=int, default=60)
     ap.add_argument("--out", default="prefill_hopper_ab.json")
-    ap.add_argument("--variants", default="hopper,hopper+rowsum,hopper+rowsum+overlap,hopper+rowsum+parts3")
+    ap.add_argument("--variants", default="hopper,hopper+norowsum")
     a = ap.parse_args(argv)
     bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=a.rep, return_mode="median")  # noqa: E731
     rows = []
