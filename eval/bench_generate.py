@@ -21,6 +21,8 @@ Configs (``--configs``):
   turbo_<p>_compiled    turbo_int8 + ``cache_implementation="static"``: the static TurboCache, HF's auto-compile
                         of the decode step as for sdpa_compiled. Timed only when generate returns a compileable
                         TurboCache (a probe first; else the row says ``error: "not implemented: ..."``).
+  turbo_<p>_<m>_hfrope  the same with HF's rotary ops instead of the fused rotary kernel (``TURBO_ATTN_FUSED_ROPE=0``
+                        during its runs): the A/B of ``turbo_attn_hf.rotary``
 
 Measured per (config, batch x context), random input ids, greedy, ``min_new_tokens = max_new_tokens`` and no EOS,
 so every run generates exactly the asked number of tokens (checked):
@@ -185,11 +187,18 @@ def parse_config(name: str) -> dict:
         return {"name": name, "impl": "sdpa", "static": True, "compile": False}
     if name == "sdpa_compiled":
         return {"name": name, "impl": "sdpa", "static": True, "compile": True}
-    m = re.fullmatch(r"turbo_(\w+?)_(eager|compiled)", name)
+    m = re.fullmatch(r"turbo_(\w+?)_(eager|compiled)(_hfrope)?", name)
     if m and m.group(1) in PRESETS:
         compiled = m.group(2) == "compiled"
-        return {"name": name, "impl": m.group(1), "static": compiled, "compile": compiled}
+        return {"name": name, "impl": m.group(1), "static": compiled, "compile": compiled,
+                "hf_rope": bool(m.group(3))}
     raise SystemExit(f"bench_generate: unknown config {name!r}; known: {', '.join(ALL_CONFIGS)}")
+
+
+def use_spec(model, spec: dict) -> None:
+    """``set_impl`` of the config, and the rotary switch its runs read (``_hfrope``: HF's rotary ops)."""
+    os.environ["TURBO_ATTN_FUSED_ROPE"] = "0" if spec.get("hf_rope") else "1"
+    set_impl(model, spec["impl"])
 
 
 def gpu_slug(info: dict) -> str:
@@ -510,7 +519,7 @@ def eager_rounds(model, specs: list[dict], b: int, T: int, rounds: int, seconds_
     mask = torch.ones_like(ids)
 
     def call(spec: dict) -> float:
-        set_impl(model, spec["impl"])
+        use_spec(model, spec)
         t1 = generate_timed(model, ids, mask, spec, 1)[0]
         if not n:
             return t1
@@ -580,6 +589,7 @@ def compiled_rounds(model, specs: list[dict], b: int, T: int, rounds: int, n: in
 
     def call(spec: dict) -> None:
         m = models[spec["name"]]
+        os.environ["TURBO_ATTN_FUSED_ROPE"] = "0" if spec.get("hf_rope") else "1"  # its eager prefill's rotary
         with graph_captures() as turn:
             t1 = generate_timed(m, ids, mask, spec, 1)[0]
             tn, steps = clocked_generate(m, ids, mask, spec, n)
@@ -593,7 +603,7 @@ def compiled_rounds(model, specs: list[dict], b: int, T: int, rounds: int, n: in
         t0 = time.perf_counter()
         for spec in specs:
             models[spec["name"]] = m = sibling_model(model)
-            set_impl(m, spec["impl"])
+            use_spec(m, spec)
             problem = cache_problem(spec, _out_cache(generate_timed(m, ids, mask, spec, 1 + n, return_out=True)[1]), m)
             if problem:  # e.g. no CUDA: HF compiles nothing, and the rounds would not be the compiled path's
                 print(f"compiled rounds: {spec['name']}: {problem}; no rounds", flush=True)
@@ -889,7 +899,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             if "error" not in row and budget and elapsed + estimate_s(spec, b, T, done, layers) > budget:
                 row["error"] = SKIPPED
             if "error" not in row:
-                set_impl(model, spec["impl"])
+                use_spec(model, spec)
                 t_row = time.perf_counter()
                 try:
                     row.update(measure(model, spec, b, T, n, reps, layers,

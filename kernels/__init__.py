@@ -8,4 +8,5 @@ Modules, one job each:
   prefill_hopper  the same forward as a warp-specialized Gluon kernel for sm_90 (TMA, 8-bit wgmma; opt-in)
   pack       progressive INT8 -> INT4/INT2 block packing of the KV cache (TurboAttention FlashQ)
   decode     attention of a query chunk over packed blocks + INT8 tail, stream-K split (Lean Attention)
+  rope       the rotary embedding of a layer's queries and keys in one launch (HF's rotate-half form, same bits)
 """

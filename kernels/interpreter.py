@@ -80,5 +80,37 @@ def _interpreter_exact_fma() -> None:
     builder._turbo_exact_fma = True
 
 
+def _interpreter_bf16_rne() -> None:
+    """Triton 3.6's interpreter casts fp32 to bf16 by dropping the low 16 bits; the GPU (``cvt.rn.bf16.f32``) and
+    PyTorch round to nearest even. Round the same way (the carry runs into the exponent; NaN stays a quiet NaN), so
+    a kernel that emulates PyTorch's bf16 ops (``rope``) computes the same bits here; and widen bf16 to fp32 by the
+    exact shift (the interpreter's own widening loses subnormals). Interpreter only; idempotent."""
+    builder = _unpatched_builder("_turbo_bf16_rne")
+    if builder is None:
+        return
+    import numpy as np
+    import triton.language as tl
+    import triton.runtime.interpreter as interp
+
+    cast = builder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = np.ascontiguousarray(src.data, dtype=np.float32).view(np.uint32).astype(np.uint64)
+            out = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+            out = np.where(np.isnan(src.data), ((bits >> 16) | 0x40).astype(np.uint16), out)
+            return interp.TensorHandle(out, dst_type.scalar)
+        if src.dtype.scalar == tl.bfloat16 and dst_type.scalar == tl.float32:
+            bits = np.ascontiguousarray(src.data).view(np.uint16).astype(np.uint32) << 16
+            return interp.TensorHandle(bits.view(np.float32), dst_type.scalar)
+        return cast(self, src, dst_type)
+
+    builder.cast_impl = cast_impl
+    builder.create_fp_trunc = lambda self, src, dst_type: self.cast_impl(src, dst_type)
+    builder.create_fp_ext = lambda self, src, dst_type: self.cast_impl(src, dst_type)
+    builder._turbo_bf16_rne = True
+
+
 _interpreter_index_compat()
 _interpreter_exact_fma()
+_interpreter_bf16_rne()

@@ -613,6 +613,19 @@ def rope_pair_amax_ref(k: torch.Tensor, rope_dims: int) -> torch.Tensor:
     return torch.cat([n, n], dim=-1)
 
 
+def rope_rotate_half(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Rotary embedding of q ``[b, Hq, L, d]`` and k ``[b, Hk, L, d]`` with cos / sin ``[b or 1, L, d]``, as HF's
+    ``apply_rotary_pos_emb`` computes it: ``x * cos + cat(-x2, x1) * sin``, each op rounded to the tensors' dtype
+    (``rope.rope_rotate_half``)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+
+    def rotate(x):
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+    return rotate(q), rotate(k)
+
+
 def rotate_keys_ref(k: torch.Tensor, qk_smooth: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The stored basis of a rotated cache (``rotate_qk``) as the store kernels compute it (``hadamard._rotate_keys``):
     ``k [b, H, L, d]`` -> fp32 ``fwht_rows(k · diag(1/s)) · fl32(1/sqrt(n))``, kept in fp32 (no rounding to

@@ -18,7 +18,8 @@ it built by ``TurboCache.from_template(cache, turbo_config, text_config)`` only 
     (its layers are ``is_compileable``; the decode step is two custom ops per layer: ``turbo_attn_hf.ops``).
 
 Assistant models (assisted decoding) get ``activate_past_recording()`` on the new cache as the
-original did on the DynamicCache. Nothing sets ``_layer_type`` on any class.
+original did on the DynamicCache. Nothing sets ``_layer_type`` on any class. A turbo_int8 model also gets its
+layers' rotary embedding in one launch (``rotary.attach``), whichever cache it runs with.
 """
 
 from __future__ import annotations
@@ -171,6 +172,10 @@ def install() -> bool:
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         before = cache_entries(model_kwargs)  # a user's cache is already here, under whichever key
         result = original(self, generation_config, model_kwargs, *args, **kwargs)
+        if uses_turbo(self):
+            from .rotary import attach
+
+            attach(self)  # the layers' rotary embedding in one launch (idempotent)
         if not before:
             maybe_swap_cache(self, generation_config, model_kwargs, before)
         return result

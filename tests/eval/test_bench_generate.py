@@ -118,7 +118,9 @@ def test_parse_shapes_configs_slug():
     assert bg.parse_config("sdpa_static") == {"name": "sdpa_static", "impl": "sdpa", "static": True, "compile": False}
     assert bg.parse_config("sdpa_compiled")["compile"] is True
     assert bg.parse_config("turbo_mixed_eager") == {"name": "turbo_mixed_eager", "impl": "mixed", "static": False,
-                                                    "compile": False}
+                                                    "compile": False, "hf_rope": False}
+    c = bg.parse_config("turbo_int4_eager_hfrope")  # the rotary A/B: HF's rotary ops during its runs
+    assert (c["impl"], c["static"], c["hf_rope"]) == ("int4", False, True)
     c = bg.parse_config("turbo_int4_compiled")
     assert (c["impl"], c["static"], c["compile"]) == ("int4", True, True)
     assert len(bg.ALL_CONFIGS) == 9

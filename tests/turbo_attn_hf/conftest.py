@@ -100,7 +100,8 @@ def pytorch_reference_kernels(monkeypatch):
 
     Same quantized math (the kernels are tested against it in tests/kernels); ~4x faster on CPU, which is
     what lets the generate() tests fit the CPU budget. test_generate_through_triton_kernels still runs
-    the Triton kernels. (Cache packing keeps using its kernel: it has no PyTorch path.) No effect on CUDA.
+    the Triton kernels. (Cache packing keeps using its kernel: it has no PyTorch path; the rotary embedding
+    runs HF's own ops, which the fused kernel equals bit for bit.) No effect on CUDA.
     """
     from turbo_attn_hf import capabilities
 
@@ -113,6 +114,9 @@ def pytorch_reference_kernels(monkeypatch):
     from turbo_attn_hf import ops
 
     monkeypatch.setattr(ops, "use_triton", lambda device: device.type == "cuda")
+    from turbo_attn_hf.kernels import rope
+
+    monkeypatch.setattr(rope, "use_triton", lambda device: device.type == "cuda")
 
 
 def turbo_cache_available() -> bool:
