@@ -7,8 +7,9 @@ does both tensors in one launch through :func:`launch.lean` (``eval/PERF_NOTES.m
 
 The same roundings as the eager ops in the tensors' dtype (bf16 or fp16): ``a = rnd(x * cos)``, ``b = rnd(rh * sin)``
 with ``rh = cat(-x2, x1)``, ``out = rnd(a + b)``; each product of two 16-bit floats is exact in fp32, so fp32
-arithmetic and one rounding per op is what PyTorch's CUDA kernels compute. The explicit casts between the ops also
-keep the compiler from contracting them into an FMA.
+arithmetic and one rounding per op is what PyTorch's CUDA kernels compute. Compiled with ``enable_fp_fusion=False``:
+else LLVM turns ``rnd(x * cos)`` and the add into one bf16 FMA for sm_90 (``fma.rn.bf16``), a rounding fewer than
+PyTorch's, which moved outputs by an ulp on the H200 (session 44).
 """
 
 from __future__ import annotations
@@ -82,5 +83,5 @@ def rope_rotate_half(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
         q, k, cos, sin, qo, ko, L, hq, hk, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         k.stride(2), s_cb, cos.stride(1), qo.stride(0), qo.stride(1), qo.stride(2), ko.stride(0), ko.stride(1),
         ko.stride(2), D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_HQ=triton.next_power_of_2(hq),
-        BLOCK_HK=triton.next_power_of_2(hk), num_warps=4 if hq * d <= 4096 else 8)
+        BLOCK_HK=triton.next_power_of_2(hk), num_warps=4 if hq * d <= 4096 else 8, enable_fp_fusion=False)
     return qo, ko
