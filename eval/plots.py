@@ -254,7 +254,7 @@ def plot_generate_bars(paths, out) -> Optional[Path]:
         base_oom = {(r["config"], r["batch"], r["context"]) for r in rows if r.get("error") == "OOM"}
         for r in rows:
             cfg = r["config"]
-            if not cfg.startswith("turbo_"):
+            if not cfg.startswith("turbo_") or cfg.endswith("_hfrope"):  # an A/B config, not a preset's row
                 continue
             compiled = cfg.endswith("_compiled")
             if only == "compiled" and not compiled:
