@@ -64,8 +64,10 @@ def _wrap(family: Any) -> bool:
 
     @functools.wraps(original)
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        if torch.compiler.is_compiling():  # first: dynamo traces HF's function and nothing of this wrapper
+            return original(q, k, cos, sin, *args, **kwargs)
         if (args or kwargs.keys() - {"unsqueeze_dim"} or kwargs.get("unsqueeze_dim", 1) != 1 or off
-                or torch.compiler.is_compiling() or not getattr(cos, _MARK, False) or not rope.supports(q, k, cos, sin)):
+                or not getattr(cos, _MARK, False) or not rope.supports(q, k, cos, sin)):
             return original(q, k, cos, sin, *args, **kwargs)
         out = rope.rope_rotate_half(q, k, cos, sin)
         key = (q.device, q.dtype)

@@ -61,16 +61,17 @@ def test_a_model_type_not_known_to_use_rotate_half_is_left_alone(tm):
     assert not model.model.rotary_emb._forward_hooks
 
 
-def test_a_compiled_forward_keeps_hfs_ops(monkeypatch):
+def test_a_compiled_forward_keeps_hfs_ops_without_a_graph_break(monkeypatch):
     calls = _spy(monkeypatch)
     family = types.ModuleType("family_a")
-    family.apply_rotary_pos_emb = lambda q, k, cos, sin, unsqueeze_dim=1: ("hf", q, k)
+    family.apply_rotary_pos_emb = lambda q, k, cos, sin, unsqueeze_dim=1: (q * cos.unsqueeze(1), k * sin.unsqueeze(1))
     assert rotary._wrap(family)
-    q = k = torch.zeros(1, 2, 3, 64, dtype=torch.bfloat16, device=DEV)
-    cos = torch.ones(1, 3, 64, dtype=torch.bfloat16, device=DEV)
+    q = k = torch.ones(1, 2, 3, 64, dtype=torch.bfloat16, device=DEV)
+    cos = torch.full((1, 3, 64), 2.0, dtype=torch.bfloat16, device=DEV)
     rotary._mark(None, None, (cos, cos))
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert family.apply_rotary_pos_emb(q, k, cos, cos)[0] == "hf" and calls == []
+    step = torch.compile(lambda q, k, c, s: family.apply_rotary_pos_emb(q, k, c, s), fullgraph=True, backend="eager")
+    out = step(q, k, cos, cos)  # fullgraph: a graph break in the wrapper would raise
+    assert torch.equal(out[0], q * 2) and calls == []
 
 
 def test_a_family_whose_function_is_not_rotate_half_keeps_it_with_a_log(monkeypatch, caplog):
