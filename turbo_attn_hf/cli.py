@@ -89,6 +89,10 @@ def info() -> int:
 
     print(f"packed K (packed_k_bits auto): INT8 K + packed V for q/k-norm families ({', '.join(QK_NORM_MODEL_TYPES)}), "
           "K packed like V otherwise")
+    from turbo_attn_hf import rotary
+
+    print(f"rotary embedding (eager forwards): {'one launch' if rotary.enabled() else 'HF ops'} "
+          "(TURBO_ATTN_FUSED_ROPE=0: HF ops; rotate-half families, 16-bit dtypes, CUDA)")
     print(f"attn_implementation: {turbo_attn_hf.ATTN_NAME!r} registered: {turbo_attn_hf.REGISTERED}")
     print(f"head dims: {SUPPORTED_HEAD_DIMS}")
     print("presets: " + ", ".join(f"{k} ({v})" for k, v in sorted(available_presets().items())))

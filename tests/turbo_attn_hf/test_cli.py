@@ -42,6 +42,7 @@ def test_info(capsys):
     assert "prefill attention (auto): int8 here | sm_9x: exact" in text  # this CPU machine
     assert "packed K (packed_k_bits auto): INT8 K + packed V for q/k-norm families (gemma3" in text
     assert "INT8 prefill kernel: portable (TURBO_PREFILL_KERNEL: portable, hopper" in text
+    assert "rotary embedding (eager forwards): one launch (TURBO_ATTN_FUSED_ROPE=0: HF ops" in text
 
 
 def test_info_help_prints_help(capsys):
