@@ -1,0 +1,88 @@
+"""The Gluon Hopper prefill kernel compiled for sm_90 on a CPU-only machine (issue 20): registers, spill stores and
+loads, and the SASS instruction counts by opcode, per head_dim / causal / schedule, so a change to the kernel's
+instructions a block can be counted before a GPU session measures it. Runs Triton's real pipeline (Gluon -> PTX ->
+ptxas) and the ``cuobjdump`` / ``nvdisasm`` that ship with Triton; needs no GPU and no TRITON_INTERPRET.
+
+    python -m eval.experiments.gluon_sass [--dims 128,64] [--causal 0,1] [--rowsum 1,0] [--top 16]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+
+def compile_sm90(d: int, causal: bool, rowsum: bool):
+    """(cubin bytes, ptx) of ``_int8_attn_fwd_ws_kernel`` for sm_90 at head_dim ``d``."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    from turbo_attn_hf.kernels import prefill_hopper as ph
+
+    b, hq, hk, L = 1, 4, 2, 256
+    q8, k8 = torch.zeros(b, hq, L, d, dtype=torch.int8), torch.zeros(b, hk, L, d, dtype=torch.int8)
+    v8t = torch.zeros(b, hk, d, L, dtype=torch.int8)
+    sq, sk, sv = torch.zeros(b, hq, L), torch.zeros(b, hk, L), torch.zeros(b, hk, L // ph.BLOCK_N, d)
+    out = torch.empty(b, L, hq, d, dtype=torch.bfloat16)
+    _, scalars, kw = ph.ws_spec(q8, sq, k8, sk, v8t, sv, out, causal=causal, Lk=L, rowsum_mma=rowsum)
+    fn = ph._int8_attn_fwd_ws_kernel
+    args = list(ph.descriptors(q8, k8, v8t, sk, sv)) + [sq, sk, out] + list(scalars)
+    sig = {p.name: mangle_type(a) for p, a in zip(fn.params, args)}
+    cx = {k: v for k, v in kw.items() if k != "num_warps"}
+    sig.update({k: "constexpr" for k in cx})
+    k = triton.compile(GluonASTSource(fn, sig, constexprs=cx), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": kw["num_warps"]})
+    return k.asm["cubin"], k.asm["ptx"]
+
+
+def sass_counts(cubin: bytes) -> tuple[int, collections.Counter]:
+    """(registers, opcode counts) of a cubin, through the ``cuobjdump`` and ``nvdisasm`` Triton ships."""
+    import triton
+
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-resource-usage", f.name],
+                               capture_output=True, text=True).stdout
+        sass = subprocess.run([os.path.join(tools, "nvdisasm"), "-c", f.name], capture_output=True, text=True).stdout
+    regs = int(m.group(1)) if (m := re.search(r"REG:(\d+)", usage)) else -1
+    ops = collections.Counter()
+    for line in sass.splitlines():
+        line = line.strip()
+        if line.startswith("/*") and "*/" in line:
+            toks = [t for t in line.split("*/", 1)[1].strip().rstrip(";").split() if not t.startswith("@")]
+            if toks:
+                ops[toks[0].split(".")[0]] += 1
+    return regs, ops
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dims", default="128,64")
+    ap.add_argument("--causal", default="0,1")
+    ap.add_argument("--rowsum", default="1,0")
+    ap.add_argument("--top", type=int, default=16)
+    a = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise SystemExit("gluon_sass: unset TRITON_INTERPRET (the interpreter compiles nothing)")
+    for d in map(int, a.dims.split(",")):
+        for causal in map(int, a.causal.split(",")):
+            for rowsum in map(int, a.rowsum.split(",")):
+                cubin, ptx = compile_sm90(d, bool(causal), bool(rowsum))
+                regs, ops = sass_counts(cubin)
+                maxnreg = sorted(set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)))
+                print(f"d {d} causal {causal} rowsum_mma {rowsum}: {sum(ops.values())} SASS instructions, "
+                      f"kernel registers {regs}, setmaxnreg {maxnreg}, spill stores {ops['STL']} / loads {ops['LDL']}")
+                print("  " + ", ".join(f"{k} {v}" for k, v in ops.most_common(a.top)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
