@@ -195,9 +195,24 @@ def parse_config(name: str) -> dict:
     raise SystemExit(f"bench_generate: unknown config {name!r}; known: {', '.join(ALL_CONFIGS)}")
 
 
+#: the caller's rotary switch (``turbo_attn_hf.rotary``), restored for every config but the ``_hfrope`` ones
+_ROPE_ENV = "TURBO_ATTN_FUSED_ROPE"
+_CALLER_ROPE = os.environ.get(_ROPE_ENV)
+
+
+def rope_switch(spec: dict) -> None:
+    """HF's rotary ops during an ``_hfrope`` config's runs (read at each forward), the caller's setting otherwise."""
+    if spec.get("hf_rope"):
+        os.environ[_ROPE_ENV] = "0"
+    elif _CALLER_ROPE is None:
+        os.environ.pop(_ROPE_ENV, None)
+    else:
+        os.environ[_ROPE_ENV] = _CALLER_ROPE
+
+
 def use_spec(model, spec: dict) -> None:
-    """``set_impl`` of the config, and the rotary switch its runs read (``_hfrope``: HF's rotary ops)."""
-    os.environ["TURBO_ATTN_FUSED_ROPE"] = "0" if spec.get("hf_rope") else "1"
+    """``set_impl`` of the config and its rotary switch (:func:`rope_switch`)."""
+    rope_switch(spec)
     set_impl(model, spec["impl"])
 
 
@@ -589,7 +604,7 @@ def compiled_rounds(model, specs: list[dict], b: int, T: int, rounds: int, n: in
 
     def call(spec: dict) -> None:
         m = models[spec["name"]]
-        os.environ["TURBO_ATTN_FUSED_ROPE"] = "0" if spec.get("hf_rope") else "1"  # its eager prefill's rotary
+        rope_switch(spec)  # its eager prefill's rotary
         with graph_captures() as turn:
             t1 = generate_timed(m, ids, mask, spec, 1)[0]
             tn, steps = clocked_generate(m, ids, mask, spec, n)

@@ -105,9 +105,7 @@ def _interpreter_bf16_rne() -> None:
             return interp.TensorHandle(bits.view(np.float32), dst_type.scalar)
         return cast(self, src, dst_type)
 
-    builder.cast_impl = cast_impl
-    builder.create_fp_trunc = lambda self, src, dst_type: self.cast_impl(src, dst_type)
-    builder.create_fp_ext = lambda self, src, dst_type: self.cast_impl(src, dst_type)
+    builder.cast_impl = cast_impl  # create_fp_trunc / create_fp_ext call self.cast_impl
     builder._turbo_bf16_rne = True
 
 

@@ -98,10 +98,11 @@ def attach(model: Any) -> bool:
 
     config = getattr(model, "config", None)
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    ok = getattr(text, "model_type", None) in ROTATE_HALF_MODEL_TYPES
-    rotary = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")] if ok else []
-    families = {sys.modules.get(type(m).__module__) for m in model.modules() if type(m).__name__.endswith("Attention")}
-    ok = bool(rotary) and any([_wrap(f) for f in families if f is not None])  # every family, not the first only
+    known = getattr(text, "model_type", None) in ROTATE_HALF_MODEL_TYPES
+    rotary = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")] if known else []
+    families = {sys.modules.get(type(m).__module__) for m in model.modules()
+                if type(m).__name__.endswith("Attention")} if rotary else set()
+    ok = any([_wrap(f) for f in families if f is not None])  # every family, not the first only
     if ok:
         for m in rotary:
             m.register_forward_hook(functools.partial(_mark, config=text))

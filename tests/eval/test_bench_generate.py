@@ -377,3 +377,15 @@ def test_plot_generate_bars(tmp_path):
     assert plots.plot_generate_bars([f"{files[0]}:compiled"], tmp_path / "c.png") is None  # its eager rows left out
     assert plots.plot_generate_bars([tmp_path / "a_rounds.json"][:0], tmp_path / "none.png") is None
     assert plots.GENERATE_BARS[(True, (4, 8192))] == pytest.approx(1 / 1.8)
+
+
+def test_the_rotary_switch_of_a_config_keeps_the_callers_setting(monkeypatch):
+    monkeypatch.setenv("TURBO_ATTN_FUSED_ROPE", "1")
+    monkeypatch.setattr(bg, "_CALLER_ROPE", "0")  # the benchmark was started with the fused rotary off
+    bg.rope_switch(bg.parse_config("turbo_int4_eager_hfrope"))
+    assert bg.os.environ["TURBO_ATTN_FUSED_ROPE"] == "0"
+    bg.rope_switch(bg.parse_config("turbo_int4_eager"))
+    assert bg.os.environ["TURBO_ATTN_FUSED_ROPE"] == "0"  # not turned on behind the caller's back
+    monkeypatch.setattr(bg, "_CALLER_ROPE", None)
+    bg.rope_switch(bg.parse_config("sdpa_dynamic"))
+    assert "TURBO_ATTN_FUSED_ROPE" not in bg.os.environ

@@ -16,28 +16,10 @@ CONFIGS = [(128, True, False), (128, False, True), (64, True, True), (64, False,
 
 
 def _compile(d, causal, rowsum_mma):
-    import torch
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
-
+    from turbo_attn_hf.eval.experiments.gluon_sass import compile_sm90
     from turbo_attn_hf.kernels import prefill_hopper as ph
 
-    b, hq, hk, L = 1, 4, 2, 256
-    q8, k8 = torch.zeros(b, hq, L, d, dtype=torch.int8), torch.zeros(b, hk, L, d, dtype=torch.int8)
-    v8t = torch.zeros(b, hk, d, L, dtype=torch.int8)
-    sq, sk, sv = torch.zeros(b, hq, L), torch.zeros(b, hk, L), torch.zeros(b, hk, L // ph.BLOCK_N, d)
-    out = torch.empty(b, L, hq, d, dtype=torch.bfloat16)
-    grid, scalars, kw = ph.ws_spec(q8, sq, k8, sk, v8t, sv, out, causal=causal, Lk=L, 
-                                   rowsum_mma=rowsum_mma)
-    fn = ph._int8_attn_fwd_ws_kernel
-    args = list(ph.descriptors(q8, k8, v8t, sk, sv)) + [sq, sk, out] + list(scalars)
-    sig = {p.name: mangle_type(a) for p, a in zip(fn.params, args)}
-    cx = {k: v for k, v in kw.items() if k != "num_warps"}
-    sig.update({k: "constexpr" for k in cx})
-    ptx = triton.compile(GluonASTSource(fn, sig, constexprs=cx), target=GPUTarget("cuda", 90, 32),
-                         options={"num_warps": kw["num_warps"]}).asm["ptx"]  # ptxas built the cubin from it
+    ptx = compile_sm90(d, causal, rowsum_mma)[1]  # ptxas built the cubin from it
     for what, pattern in (("8-bit wgmma", f"wgmma.mma_async.sync.aligned.m64n{ph.BLOCK_N}k32.s32.s8.s8"),
                           ("TMA loads", "cp.async.bulk.tensor"), ("register hand-over", "setmaxnreg.dec")):
         if pattern not in ptx:

@@ -8,6 +8,7 @@ from turbo_attn_hf.kernels import reference, rope
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the interpreter
 
+
 def _inputs(b, hq, hk, L, d, dtype, cos_batch=None, seed=0):
     g = torch.Generator().manual_seed(seed)
     q = (torch.randn(b, L, hq, d, generator=g) * 3).to(dtype).transpose(1, 2)  # HF's q_proj(...).view().transpose

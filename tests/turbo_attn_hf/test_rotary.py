@@ -12,6 +12,7 @@ from turbo_attn_hf.kernels import interpreter, rope
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the rotary kernel in the interpreter
 
+
 def _spy(monkeypatch):
     """Record the query shapes the fused kernel rotates; let it run on this machine (CPU: the interpreter)."""
     monkeypatch.setattr(rope, "use_triton", interpreter.use_triton)
