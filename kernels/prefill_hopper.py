@@ -50,8 +50,11 @@ BLOCK_N = 128
 HEAD_DIMS = (64, 128)
 #: ring slots of K/V tiles per head dim (32 KB a slot at d 128)
 _STAGES = {64: 4, 128: 3}
+#: the kernel's schedule switches (``launch_ws`` keywords) and their defaults; the kernel takes them as one bit set
+SCHEDULE = {"rowsum_mma": True, "tree_max": True, "softmax_over_pv": False, "qk_over_fold": False, "i2f": False,
+            "halves": False}
 #: registers per thread of the second consumer and the producer (setmaxnreg); the default partition is consumer 0
-_WORKER_REGS = (232, 40)
+_WORKER_REGS = (240, 24)
 
 
 def gluon_available() -> bool:
@@ -71,6 +74,7 @@ if HAVE_GLUON:
     _MAGIC_BITS = gl.constexpr(MAGIC_BITS)
     _GAP = gl.constexpr(P_BLOCK_GAP)
     _SQ_MIN = gl.constexpr(SQ_MIN)
+    _ROWSUM_MMA, _TREE_MAX, _SOFTMAX_OVER_PV, _QK_OVER_FOLD, _I2F, _HALVES = (gl.constexpr(1 << i) for i in range(6))
     _PART0 = gl.constexpr(0)  # consumer partitions' PART: partition arguments must be constexpr objects
     _PART1 = gl.constexpr(1)
 
@@ -109,60 +113,185 @@ if HAVE_GLUON:
         return gl.min(first, 0)
 
     @gluon.jit
-    def _softmax(s_i32, sk, sq, l_i, m_i, c_i, o_n, o_pos, Lk, p_l: gl.constexpr, MASKED: gl.constexpr,
-                 IS_CAUSAL: gl.constexpr, PSUM_BIAS: gl.constexpr, ROWSUM_MMA: gl.constexpr):
-        """``prefill._attn_update`` up to P (block P scale, exp2 softmax): the block's int32 scores -> P's int8
-        codes in the P.V operand's layout, the rescale r and the new l, m, c (ROWSUM_MMA: l not yet rescaled nor
-        summed: the caller adds P's row sums from the tensor cores, ``fma(l, r, sum)``)."""
+    def _max_halves(t):
+        """max(t[:, :n/2], t[:, n/2:]) elementwise: two halves a thread holds in registers, no data movement."""
+        a, b = t.reshape([t.shape[0], 2, t.shape[1] // 2]).permute(0, 2, 1).split()
+        return gl.maximum(a, b)
+
+    @gluon.jit
+    def _row_max(t, TREE: gl.constexpr):
+        """Each row's max of ``t`` [BM, BN] (wgmma layout). TREE: halves folded elementwise while a thread's columns
+        span a register bit (the max is exact in any order), so a row's chain in a thread is ~5 deep, not 31."""
+        row_l: gl.constexpr = gl.SliceLayout(1, t.type.layout)
+        if TREE:  # a thread's columns span a register bit for each halving down to 8 (2 of them and 4 lanes)
+            for _ in gl.static_range(4):
+                if t.shape[1] > 8:
+                    t = _max_halves(t)
+        return gl.convert_layout(gl.max(t, 1), row_l)  # the same threads hold a row: no data moves
+
+    @gluon.jit
+    def _scores(s_i32, sk, o_n, o_pos, Lk, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, FLAGS: gl.constexpr):
+        """(t, sk): the int32 scores of keys ``o_n`` scaled by their key scales, -inf where masked (and sk with 0
+        past Lk: the tile's tail holds the next head's scales, 0 as a masked load)."""
         if MASKED:
-            sk = gl.where(o_n < Lk, sk, 0.0)  # the tile's tail holds the next head's scales: 0 as a masked load
-        t = gl.fma((s_i32 + _MAGIC_BITS).to(gl.float32, bitcast=True), sk[None, :], -(sk * _MAGIC)[None, :])
+            sk = gl.where(o_n < Lk, sk, 0.0)
+        if FLAGS & _I2F:
+            t = s_i32.to(gl.float32) * sk[None, :]
+        else:
+            t = gl.fma((s_i32 + _MAGIC_BITS).to(gl.float32, bitcast=True), sk[None, :], -(sk * _MAGIC)[None, :])
         if MASKED:
             m_s = (o_n < Lk)[None, :]
             if IS_CAUSAL:
                 m_s = m_s & (o_n[None, :] <= o_pos[:, None])
             t = gl.where(m_s, t, float("-inf"))
-        bmax = gl.max(t, 1) * sq
+        return t, sk
+
+    @gluon.jit
+    def _state(bmax, m_i, c_i, MASKED: gl.constexpr):
+        """(m, c, c_safe, r) after a block whose scaled row max is ``bmax``: the block P scale's reference point c
+        and the rescale r = exp2(c_old - c_new)."""
         if MASKED:
             m_new = gl.maximum(m_i, bmax, propagate_nan=tl.PropagateNan.ALL)
         else:
             m_new = gl.maximum(m_i, bmax)
         c_new = gl.maximum(bmax, m_new - _GAP)
         c_safe = gl.where(c_new == float("-inf"), 0.0, c_new)
-        r = gl.exp2(c_i - c_safe)
+        return m_new, c_new, c_safe, gl.exp2(c_i - c_safe)
+
+    @gluon.jit
+    def _codes(t, sq, c_safe):
+        """bits(127 p + C) of p = exp2(t sq - c): P's int8 code is the low byte."""
         p = gl.exp2(gl.fma(t, sq[:, None], -c_safe[:, None]))
-        pbits = gl.fma(p, 127.0, _MAGIC).to(gl.int32, bitcast=True)
+        return gl.fma(p, 127.0, _MAGIC).to(gl.int32, bitcast=True)
+
+    @gluon.jit
+    def _softmax(s_i32, sk, sq, l_i, m_i, c_i, o_n, o_pos, Lk, p_l: gl.constexpr, MASKED: gl.constexpr,
+                 IS_CAUSAL: gl.constexpr, PSUM_BIAS: gl.constexpr, FLAGS: gl.constexpr):
+        """``prefill._attn_update`` up to P (block P scale, exp2 softmax): the block's int32 scores -> P's int8
+        codes in the P.V operand's layout, the rescale r and the new l, m, c (ROWSUM_MMA: l not yet rescaled nor
+        summed: the caller adds P's row sums from the tensor cores, ``fma(l, r, sum)``)."""
+        t, sk = _scores(s_i32, sk, o_n, o_pos, Lk, MASKED, IS_CAUSAL, FLAGS)
+        m_new, c_new, c_safe, r = _state(_row_max(t, FLAGS & _TREE_MAX) * sq, m_i, c_i, MASKED)
+        pbits = _codes(t, sq, c_safe)
         if MASKED and not IS_CAUSAL:  # the tail block: every row sees its keys < Lk (sk 0 past it); + 0 is exact
             l_i = l_i + gl.sum(sk * 0.0, 0)
-        if not ROWSUM_MMA:
+        if not FLAGS & _ROWSUM_MMA:
             l_i = l_i * r + (gl.sum(pbits, 1) - PSUM_BIAS).to(gl.float32)
         return gl.convert_layout(pbits.to(gl.int8), p_l), r, l_i, m_new, c_new
 
     @gluon.jit
+    def _block_in_halves(q, k_tile, v_tile, sk_tile, ones_smem, j, sq, l_i, m_i, c_i, o_pos, Lk, h_zero, o_zero,
+                         n8_zero, p_l: gl.constexpr, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                         FLAGS: gl.constexpr):
+        """One block as two halves of its keys, each MMA issued as soon as its operand is ready: the second half's
+        Q.K^T runs while the first half's scores are scaled, and the first half's P.V while the second half's
+        exponentials are taken (the same values as ``_softmax`` and one P.V: the max is exact in any order, the
+        int32 sums of the two halves' MMAs are the whole block's). Returns P.V and the row sums, r and the new
+        l, m, c."""
+        H: gl.constexpr = h_zero.shape[1]
+        col_h: gl.constexpr = gl.SliceLayout(0, h_zero.type.layout)
+        row_l: gl.constexpr = sq.type.layout
+        s_lo = warpgroup_mma(q, k_tile.slice(0, H).permute((1, 0)), h_zero, use_acc=False, is_async=True)
+        s_hi = warpgroup_mma(q, k_tile.slice(H, H).permute((1, 0)), h_zero, use_acc=False, is_async=True)
+        o_n = j * (2 * H) + gl.arange(0, H, layout=col_h)
+        s_lo = warpgroup_mma_wait(1, deps=(s_lo, ))
+        t_lo, sk_lo = _scores(s_lo, sk_tile.slice(0, H).load(col_h), o_n, o_pos, Lk, MASKED, IS_CAUSAL, FLAGS)
+        mx = gl.convert_layout(_row_max(t_lo, FLAGS & _TREE_MAX), row_l)
+        s_hi = warpgroup_mma_wait(0, deps=(s_hi, ))
+        t_hi, sk_hi = _scores(s_hi, sk_tile.slice(H, H).load(col_h), o_n + H, o_pos, Lk, MASKED, IS_CAUSAL, FLAGS)
+        bmax = gl.maximum(mx, gl.convert_layout(_row_max(t_hi, FLAGS & _TREE_MAX), row_l)) * sq
+        m_new, c_new, c_safe, r = _state(bmax, m_i, c_i, MASKED)
+        c_h = gl.convert_layout(c_safe, gl.SliceLayout(1, h_zero.type.layout))
+        sq_h = gl.convert_layout(sq, gl.SliceLayout(1, h_zero.type.layout))
+        p8 = gl.convert_layout(_codes(t_lo, sq_h, c_h).to(gl.int8), p_l)
+        pv = warpgroup_mma(p8, v_tile.slice(0, H, dim=1).permute((1, 0)), o_zero, use_acc=False, is_async=True)
+        rs = warpgroup_mma(p8, ones_smem.slice(0, H, dim=1).permute((1, 0)), n8_zero, use_acc=False, is_async=True)
+        p8 = gl.convert_layout(_codes(t_hi, sq_h, c_h).to(gl.int8), p_l)
+        pv = warpgroup_mma(p8, v_tile.slice(H, H, dim=1).permute((1, 0)), pv, use_acc=True, is_async=True)
+        rs = warpgroup_mma(p8, ones_smem.slice(H, H, dim=1).permute((1, 0)), rs, use_acc=True, is_async=True)
+        # waited here: an MMA in flight across the caller's masked / unmasked branch makes ptxas serialize every wgmma
+        pv, rs = warpgroup_mma_wait(0, deps=(pv, rs))
+        if MASKED and not IS_CAUSAL:  # as _softmax's tail block
+            l_i = l_i + gl.sum(sk_lo * 0.0, 0) + gl.sum(sk_hi * 0.0, 0)
+        return pv, rs, r, l_i, m_new, c_new
+
+    @gluon.jit
     def _probs(s_i32, sk_smem, j, n_full, sq, l_i, m_i, c_i, o_pos, Lk, col_l: gl.constexpr, p_l: gl.constexpr,
-               IS_CAUSAL: gl.constexpr, BN: gl.constexpr, PSUM_BIAS: gl.constexpr, ROWSUM_MMA: gl.constexpr):
+               IS_CAUSAL: gl.constexpr, BN: gl.constexpr, PSUM_BIAS: gl.constexpr, FLAGS: gl.constexpr):
         """``_softmax`` of block j (its key scales from the slot ``sk_smem``), masked past the unmasked blocks."""
         sk = sk_smem.load(col_l)
         o_n = j * BN + gl.arange(0, BN, layout=col_l)
         if j < n_full:
             p8, r, l_i, m_i, c_i = _softmax(s_i32, sk, sq, l_i, m_i, c_i, o_n, o_pos, Lk, p_l, False, IS_CAUSAL,
-                                            PSUM_BIAS, ROWSUM_MMA)
+                                            PSUM_BIAS, FLAGS)
         else:
             p8, r, l_i, m_i, c_i = _softmax(s_i32, sk, sq, l_i, m_i, c_i, o_n, o_pos, Lk, p_l, True, IS_CAUSAL,
-                                            PSUM_BIAS, ROWSUM_MMA)
+                                            PSUM_BIAS, FLAGS)
         return p8, r, l_i, m_i, c_i
 
     @gluon.jit
-    def _fold(acc, r, pv, sv_smem, o_l: gl.constexpr):
+    def _fold(acc, r, pv, sv_smem, o_l: gl.constexpr, FLAGS: gl.constexpr):
         """acc * r + float(P.V) * sv: the block's int32 P.V with V's channel scales from the slot ``sv_smem``."""
         sv = sv_smem.load(gl.SliceLayout(0, o_l))
-        pv_f = gl.fma((pv + _MAGIC_BITS).to(gl.float32, bitcast=True), sv[None, :], -(sv * _MAGIC)[None, :])
+        if FLAGS & _I2F:
+            pv_f = pv.to(gl.float32) * sv[None, :]
+        else:
+            pv_f = gl.fma((pv + _MAGIC_BITS).to(gl.float32, bitcast=True), sv[None, :], -(sv * _MAGIC)[None, :])
         return gl.fma(acc, gl.convert_layout(r, gl.SliceLayout(1, o_l))[:, None], pv_f)
+
+    @gluon.jit
+    def _pipelined_blocks(q, k_smem, v_smem, sk_smem, sv_smem, ones_smem, ready, empty, acc, s_zero, o_zero, n8_zero,
+                          n_mine, n_full, sq, l_i, m_i, c_i, o_pos, Lk, col_l: gl.constexpr, row_l: gl.constexpr,
+                          p_l: gl.constexpr, o_l: gl.constexpr, IS_CAUSAL: gl.constexpr, PSUM_BIAS: gl.constexpr,
+                          FLAGS: gl.constexpr):
+        """``_consumer``'s blocks with block j+1's Q.K^T issued beside block j's P.V (P's row sums on the tensor
+        cores). _SOFTMAX_OVER_PV (FlashAttention-3's intra-warpgroup order): block j+1's softmax runs while the tensor
+        cores compute block j's P.V, then block j is folded; else (_QK_OVER_FOLD) block j is folded while they compute
+        block j+1's Q.K^T. The same operations on the same values as the in-order loop, so the output is bit for bit
+        its own. The last block issues its own Q.K^T and softmax again (no branch): the state it recomputes is unchanged
+        (m, c the same maxima; l's NaN add idempotent) and its P and r are dropped."""
+        BN: gl.constexpr = k_smem.shape[1]
+        STAGES: gl.constexpr = k_smem.shape[0]
+        p8 = gl.zeros([s_zero.shape[0], BN], gl.int8, layout=p_l)
+        r = gl.zeros_like(sq)
+        if n_mine > 0:
+            mbarrier.wait(ready.index(0), 0)
+            s_i32 = warpgroup_mma_wait(0, deps=(warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero,
+                                                              use_acc=False, is_async=True), ))
+            p8, r, l_i, m_i, c_i = _probs(s_i32, sk_smem.index(0), 0, n_full, sq, l_i, m_i, c_i, o_pos, Lk, col_l, p_l,
+                                          IS_CAUSAL, BN, PSUM_BIAS, FLAGS)
+        for j in range(n_mine):
+            s = j % STAGES
+            jn = gl.minimum(j + 1, n_mine - 1)
+            sn = jn % STAGES
+            mbarrier.wait(ready.index(sn), (jn // STAGES) & 1)
+            if FLAGS & _SOFTMAX_OVER_PV:
+                s_next = warpgroup_mma(q, k_smem.index(sn).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            pv = warpgroup_mma(p8, v_smem.index(s).permute((1, 0)), o_zero, use_acc=False, is_async=True)
+            rs = warpgroup_mma(p8, ones_smem.permute((1, 0)), n8_zero, use_acc=False, is_async=True)
+            if FLAGS & _SOFTMAX_OVER_PV:
+                s_next = warpgroup_mma_wait(2, deps=(s_next, ))  # P.V and the row sums stay in flight
+                p8_next, r_next, l_i, m_i, c_i = _probs(s_next, sk_smem.index(sn), jn, n_full, sq, l_i, m_i, c_i,
+                                                        o_pos, Lk, col_l, p_l, IS_CAUSAL, BN, PSUM_BIAS, FLAGS)
+                pv, rs = warpgroup_mma_wait(0, deps=(pv, rs))
+            else:
+                s_next = warpgroup_mma(q, k_smem.index(sn).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                pv, rs = warpgroup_mma_wait(1, deps=(pv, rs))  # Q.K^T stays in flight
+            l_i = gl.fma(l_i, r, gl.convert_layout(gl.max(rs, 1), row_l).to(gl.float32))
+            acc = _fold(acc, r, pv, sv_smem.index(s), o_l, FLAGS)
+            mbarrier.arrive(empty.index(s), count=1)
+            if not FLAGS & _SOFTMAX_OVER_PV:
+                s_next = warpgroup_mma_wait(0, deps=(s_next, ))
+                p8_next, r_next, l_i, m_i, c_i = _probs(s_next, sk_smem.index(sn), jn, n_full, sq, l_i, m_i, c_i,
+                                                        o_pos, Lk, col_l, p_l, IS_CAUSAL, BN, PSUM_BIAS, FLAGS)
+            p8 = p8_next
+            r = r_next
+        return l_i, acc
 
     @gluon.jit
     def _consumer(q_smem, k_smem, v_smem, sk_smem, sv_smem, ones_smem, q_bar, ready, empty, SQ, SK, O, Lq, Lk, i_m,
                   i_b, i_hq, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh, sk_row, n_blocks,
-                  PART: gl.constexpr, IS_CAUSAL: gl.constexpr, PSUM_BIAS: gl.constexpr, ROWSUM_MMA: gl.constexpr):
+                  PART: gl.constexpr, IS_CAUSAL: gl.constexpr, PSUM_BIAS: gl.constexpr, FLAGS: gl.constexpr):
         """Rows [i_m * 128 + 64 PART, +64) of one (b, head): the portable kernel's program of BLOCK_M 64, block by
         block Q.K^T, softmax, P.V, each waited for where it is issued (the schedules that overlap them within or
         across the parts, or add a third consumer, were slower or no faster: PERF_NOTES sessions 35 and 44).
@@ -209,21 +338,40 @@ if HAVE_GLUON:
         n_full = full_hi // BN
         n_mine = gl.cdiv(hi, BN)
         mbarrier.wait(q_bar, 0)
-        for j in range(n_mine):
+        PIPELINED: gl.constexpr = FLAGS & (_SOFTMAX_OVER_PV | _QK_OVER_FOLD)
+        if PIPELINED:
+            l_i, acc = _pipelined_blocks(q, k_smem, v_smem, sk_smem, sv_smem, ones_smem, ready, empty, acc, s_zero,
+                                         o_zero, n8_zero, n_mine, n_full, sq, l_i, m_i, c_i, o_pos, Lk, col_l, row_l,
+                                         p_l, o_l, IS_CAUSAL, PSUM_BIAS, FLAGS)
+        h_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, BN // 2, 32])
+        h_zero = gl.zeros([BM, BN // 2], gl.int32, layout=h_l)
+        for j in range(0 if PIPELINED else n_mine):
             s = j % STAGES
             mbarrier.wait(ready.index(s), (j // STAGES) & 1)
-            s_i32 = warpgroup_mma_wait(0, deps=(warpgroup_mma(q, k_smem.index(s).permute((1, 0)), s_zero,
-                                                              use_acc=False, is_async=True), ))
-            p8, r, l_i, m_i, c_i = _probs(s_i32, sk_smem.index(s), j, n_full, sq, l_i, m_i, c_i, o_pos, Lk,
-                                          col_l, p_l, IS_CAUSAL, BN, PSUM_BIAS, ROWSUM_MMA)
-            pv = warpgroup_mma(p8, v_smem.index(s).permute((1, 0)), o_zero, use_acc=False, is_async=True)
-            if ROWSUM_MMA:  # every column of P.ones is the row sum
-                rs = warpgroup_mma(p8, ones_smem.permute((1, 0)), n8_zero, use_acc=False, is_async=True)
+            if FLAGS & _HALVES:
+                if j < n_full:
+                    pv, rs, r, l_i, m_i, c_i = _block_in_halves(q, k_smem.index(s), v_smem.index(s), sk_smem.index(s),
+                                                                ones_smem, j, sq, l_i, m_i, c_i, o_pos, Lk, h_zero,
+                                                                o_zero, n8_zero, p_l, False, IS_CAUSAL, FLAGS)
+                else:
+                    pv, rs, r, l_i, m_i, c_i = _block_in_halves(q, k_smem.index(s), v_smem.index(s), sk_smem.index(s),
+                                                                ones_smem, j, sq, l_i, m_i, c_i, o_pos, Lk, h_zero,
+                                                                o_zero, n8_zero, p_l, True, IS_CAUSAL, FLAGS)
+            else:
+                s_i32 = warpgroup_mma_wait(0, deps=(warpgroup_mma(q, k_smem.index(s).permute((1, 0)), s_zero,
+                                                                  use_acc=False, is_async=True), ))
+                p8, r, l_i, m_i, c_i = _probs(s_i32, sk_smem.index(s), j, n_full, sq, l_i, m_i, c_i, o_pos, Lk,
+                                              col_l, p_l, IS_CAUSAL, BN, PSUM_BIAS, FLAGS)
+                pv = warpgroup_mma(p8, v_smem.index(s).permute((1, 0)), o_zero, use_acc=False, is_async=True)
+                if FLAGS & _ROWSUM_MMA:  # every column of P.ones is the row sum
+                    rs = warpgroup_mma(p8, ones_smem.permute((1, 0)), n8_zero, use_acc=False, is_async=True)
+            if FLAGS & _ROWSUM_MMA:
                 pv, rs = warpgroup_mma_wait(0, deps=(pv, rs))
                 l_i = gl.fma(l_i, r, gl.convert_layout(gl.max(rs, 1), row_l).to(gl.float32))
             else:
                 pv = warpgroup_mma_wait(0, deps=(pv, ))
-            acc = _fold(acc, r, pv, sv_smem.index(s), o_l)
+            acc = _fold(acc, r, pv, sv_smem.index(s), o_l, FLAGS)
             mbarrier.arrive(empty.index(s), count=1)
         for j in range(n_mine, n_blocks):  # another part's diagonal block lies past these rows: wait, release
             s = j % STAGES
@@ -243,7 +391,7 @@ if HAVE_GLUON:
     def _int8_attn_fwd_ws_kernel(q_desc, k_desc, v_desc, sk_desc, sv_desc, SQ, SK, O, Lq, Lk, K_ROWS, SK_ROW, HQ, HK,
                                  NBLK, SV_STEP, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh,
                                  IS_CAUSAL: gl.constexpr, D: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-                                 PSUM_BIAS: gl.constexpr, ROWSUM_MMA: gl.constexpr, R_CONSUMER: gl.constexpr,
+                                 PSUM_BIAS: gl.constexpr, FLAGS: gl.constexpr, R_CONSUMER: gl.constexpr,
                                  R_PRODUCER: gl.constexpr):
         """grid (cdiv(Lq, 128) * b * HQ,), row blocks of one head neighbours, the longest causal ones first; two
         consumer warpgroups of 64 rows each share every KV slot.
@@ -274,7 +422,7 @@ if HAVE_GLUON:
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         ones_smem = gl.allocate_shared_memory(gl.int8, [8, BN], gl.NVMMASharedLayout.get_default_for([8, BN], gl.int8))
-        if ROWSUM_MMA:
+        if FLAGS & _ROWSUM_MMA:
             ones_smem.store(gl.full([8, BN], 1, gl.int8, layout=gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])))
         mbarrier.init(q_bar, count=1)
         for i in gl.static_range(STAGES):
@@ -290,10 +438,10 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, ones_smem, q_bar, ready, empty, SQ, SK, O, Lq, Lk,
                          i_m, i_b, i_hq, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh, sk_row, n_blocks,
-                         _PART0, IS_CAUSAL, PSUM_BIAS, ROWSUM_MMA)),
+                         _PART0, IS_CAUSAL, PSUM_BIAS, FLAGS)),
             (_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, ones_smem, q_bar, ready, empty, SQ, SK, O, Lq, Lk,
                          i_m, i_b, i_hq, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh, sk_row, n_blocks,
-                         _PART1, IS_CAUSAL, PSUM_BIAS, ROWSUM_MMA)),
+                         _PART1, IS_CAUSAL, PSUM_BIAS, FLAGS)),
             (_producer, (q_desc, k_desc, v_desc, sk_desc, sv_desc, q_smem, k_smem, v_smem, sk_smem, sv_smem, q_bar,
                          ready, empty, q_row, k_row, sk_row, v_row, sv_row, SV_STEP, n_blocks, BN, D, STAGES)),
         ], [4, 4], [R_CONSUMER, R_PRODUCER])
@@ -320,7 +468,22 @@ def descriptors(q8, k8, v8t, sk, sv):
             TensorDescriptor(sv, [sv.numel()], [1], [d], lay_sv))
 
 
-def ws_spec(q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, rowsum_mma: bool = True):
+def schedule_flags(**schedule) -> int:
+    """The kernel's FLAGS bit set of ``SCHEDULE``'s switches (bit i: the i-th key), defaults where not given."""
+    unknown = set(schedule) - set(SCHEDULE)
+    if unknown:
+        raise ValueError(f"unknown schedule switch(es) {sorted(unknown)}; known: {sorted(SCHEDULE)}")
+    on = {**SCHEDULE, **schedule}
+    if (on["softmax_over_pv"] or on["qk_over_fold"] or on["halves"]) and not on["rowsum_mma"]:
+        raise ValueError("a pipelined schedule needs rowsum_mma (P's row sums on the tensor cores)")
+    if on["softmax_over_pv"] and on["qk_over_fold"]:
+        raise ValueError("softmax_over_pv and qk_over_fold are two orders of one loop: choose one")
+    if on["halves"] and (on["softmax_over_pv"] or on["qk_over_fold"]):
+        raise ValueError("halves pipelines within a block: it takes neither softmax_over_pv nor qk_over_fold")
+    return sum(1 << i for i, k in enumerate(SCHEDULE) if on[k])
+
+
+def ws_spec(q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, worker_regs=None, **schedule):
     """(grid, scalars, constexprs) of ``_int8_attn_fwd_ws_kernel`` after its five descriptors and 3 tensors
     (sk and sv dense with sk's rows a multiple of 4: ``launch_ws``)."""
     b, hq, lq, d = q8.shape
@@ -331,17 +494,18 @@ def ws_spec(q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, rowsum_mma: 
     scalars = (lq, Lk, k8.shape[2], sk.shape[2], hq, hk, nblk, 1 if nblk > 1 else 0, sq.stride(0), sq.stride(1),
                out.stride(0), out.stride(1), out.stride(2))
     kw = dict(IS_CAUSAL=bool(causal), D=d, BN=BLOCK_N, STAGES=_STAGES[d], PSUM_BIAS=psum_bias(BLOCK_N),
-              ROWSUM_MMA=bool(rowsum_mma), R_CONSUMER=_WORKER_REGS[0], R_PRODUCER=_WORKER_REGS[1], num_warps=4)
+              FLAGS=schedule_flags(**schedule), R_CONSUMER=(worker_regs or _WORKER_REGS)[0],
+              R_PRODUCER=(worker_regs or _WORKER_REGS)[1], num_warps=4)
     return grid, scalars, kw
 
 
-def launch_ws(q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, rowsum_mma: bool = True):
-    """Run the kernel (CUDA sm_90; ``int8_flash_attention`` checks the operands' shapes and dtypes). ``rowsum_mma``:
-    see ``_consumer`` (on by default: +5-6 % non-causal on the H200, causal within the noise, PERF_NOTES session 44;
-    off for the A/B)."""
+def launch_ws(q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, worker_regs=None, **schedule):
+    """Run the kernel (CUDA sm_90; ``int8_flash_attention`` checks the operands' shapes and dtypes). ``schedule``:
+    ``SCHEDULE``'s switches, ``worker_regs``: (consumer, producer) registers, for the A/B (PERF_NOTES)."""
     q8, k8, v8t, sk, sv = (_tma_operand(t) for t in (q8, k8, v8t, sk, sv))
     if sk.shape[2] % 4:  # rows of whole 16-byte units (1-D TMA copies start aligned); the pad is never read as a key
         sk = torch.nn.functional.pad(sk, (0, 4 - sk.shape[2] % 4))
-    grid, scalars, kw = ws_spec(q8, sq, k8, sk, v8t, sv, out, causal=causal, Lk=Lk, rowsum_mma=rowsum_mma)
+    grid, scalars, kw = ws_spec(q8, sq, k8, sk, v8t, sv, out, causal=causal, Lk=Lk, worker_regs=worker_regs,
+                                **schedule)
     _int8_attn_fwd_ws_kernel[grid](*descriptors(q8, k8, v8t, sk, sv), sq, sk, out, *scalars, **kw)
     return out

@@ -3,20 +3,22 @@ loads, and the SASS instruction counts by opcode, per head_dim / causal / schedu
 instructions a block can be counted before a GPU session measures it. Runs Triton's real pipeline (Gluon -> PTX ->
 ptxas) and the ``cuobjdump`` / ``nvdisasm`` that ship with Triton; needs no GPU and no TRITON_INTERPRET.
 
-    python -m eval.experiments.gluon_sass [--dims 128,64] [--causal 0,1] [--rowsum 1,0] [--top 16]
+    python -m eval.experiments.gluon_sass [--dims 128,64] [--causal 0,1] [--schedules '{}','{"halves":1}'] [--top 16]
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import re
 import subprocess
 import tempfile
 
 
-def compile_sm90(d: int, causal: bool, rowsum: bool):
-    """(cubin bytes, ptx) of ``_int8_attn_fwd_ws_kernel`` for sm_90 at head_dim ``d``."""
+def compile_sm90(d: int, causal: bool, **schedule):
+    """(cubin bytes, ptx) of ``_int8_attn_fwd_ws_kernel`` for sm_90 at head_dim ``d``; ``schedule``: ``ws_spec``'s
+    switches (``rowsum_mma``, ...)."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -30,7 +32,7 @@ def compile_sm90(d: int, causal: bool, rowsum: bool):
     v8t = torch.zeros(b, hk, d, L, dtype=torch.int8)
     sq, sk, sv = torch.zeros(b, hq, L), torch.zeros(b, hk, L), torch.zeros(b, hk, L // ph.BLOCK_N, d)
     out = torch.empty(b, L, hq, d, dtype=torch.bfloat16)
-    _, scalars, kw = ph.ws_spec(q8, sq, k8, sk, v8t, sv, out, causal=causal, Lk=L, rowsum_mma=rowsum)
+    _, scalars, kw = ph.ws_spec(q8, sq, k8, sk, v8t, sv, out, causal=causal, Lk=L, **schedule)
     fn = ph._int8_attn_fwd_ws_kernel
     args = list(ph.descriptors(q8, k8, v8t, sk, sv)) + [sq, sk, out] + list(scalars)
     sig = {p.name: mangle_type(a) for p, a in zip(fn.params, args)}
@@ -39,6 +41,21 @@ def compile_sm90(d: int, causal: bool, rowsum: bool):
     k = triton.compile(GluonASTSource(fn, sig, constexprs=cx), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": kw["num_warps"]})
     return k.asm["cubin"], k.asm["ptx"]
+
+
+def ptxas_infos(ptx: str) -> list[str]:
+    """ptxas's ``-v`` info and warning lines for the PTX (sm_90a), e.g. C7512 when it serializes every wgmma of the
+    kernel (an accumulator in flight that it cannot keep in registers)."""
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        res = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(tmp, "k.cubin")],
+                             capture_output=True, text=True)
+    return [line.strip() for line in (res.stdout + res.stderr).splitlines() if line.strip()]
 
 
 def sass_counts(cubin: bytes) -> tuple[int, collections.Counter]:
@@ -67,19 +84,21 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dims", default="128,64")
     ap.add_argument("--causal", default="0,1")
-    ap.add_argument("--rowsum", default="1,0")
+    ap.add_argument("--schedules", default="{}", help="JSON objects of launch_ws switches, joined by ';'")
     ap.add_argument("--top", type=int, default=16)
     a = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("gluon_sass: unset TRITON_INTERPRET (the interpreter compiles nothing)")
     for d in map(int, a.dims.split(",")):
         for causal in map(int, a.causal.split(",")):
-            for rowsum in map(int, a.rowsum.split(",")):
-                cubin, ptx = compile_sm90(d, bool(causal), bool(rowsum))
+            for sched in map(json.loads, a.schedules.split(";")):
+                cubin, ptx = compile_sm90(d, bool(causal), **sched)
                 regs, ops = sass_counts(cubin)
                 maxnreg = sorted(set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)))
-                print(f"d {d} causal {causal} rowsum_mma {rowsum}: {sum(ops.values())} SASS instructions, "
-                      f"kernel registers {regs}, setmaxnreg {maxnreg}, spill stores {ops['STL']} / loads {ops['LDL']}")
+                serial = any("C7512" in line for line in ptxas_infos(ptx))
+                print(f"d {d} causal {causal} {json.dumps(sched)}: {sum(ops.values())} SASS instructions, "
+                      f"kernel registers {regs}, setmaxnreg {maxnreg}, spill stores {ops['STL']} / loads {ops['LDL']}"
+                      f"{', WGMMA SERIALIZED (ptxas C7512)' if serial else ''}")
                 print("  " + ", ".join(f"{k} {v}" for k, v in ops.most_common(a.top)))
     return 0
 

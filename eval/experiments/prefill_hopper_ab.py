@@ -3,11 +3,12 @@ the same quantized operands (issue 20): do_bench medians, TFLOP/s, and each vari
 kernel's output (the same math: 0 expected). FA3 protocol shapes (16k tokens, hidden 2048).
 
     python -m eval.experiments.prefill_hopper_ab [--dims 128,64] [--lens 4096,16384] [--out FILE.json]
-        [--variants hopper,hopper+norowsum]
+        [--variants hopper,hopper+notree_max]
 
-A variant is ``hopper`` and the schedule switches of ``prefill_hopper.launch_ws`` it sets, joined by ``+``:
-``norowsum`` (``rowsum_mma=False``: P's row sums by integer adds). The switches session 44 measured and removed
-(``overlap``, ``parts3``) are in git at a158f56.
+A variant is ``hopper`` and the switches of ``prefill_hopper.launch_ws`` it sets, joined by ``+``: ``no<key>`` /
+``<key>`` turn a key of ``prefill_hopper.SCHEDULE`` off / on (``norowsum``: ``rowsum_mma`` off), ``regs<C>_<P>`` sets
+the consumer / producer registers (``hopper+halves+regs232_40``). The switches session 44 measured and removed
+(three consumer warpgroups) are in git at a158f56.
 """
 from __future__ import annotations
 
@@ -18,15 +19,28 @@ import torch
 import triton
 
 
-_SWITCHES = {"norowsum": ("rowsum_mma", False)}
+_ALIASES = {"rowsum": "rowsum_mma"}
 
 
 def _schedule(variant: str) -> dict:
-    """``launch_ws`` keywords of a variant name such as ``hopper+norowsum``."""
+    """``launch_ws`` keywords of a variant name such as ``hopper+norowsum`` or ``hopper+halves+regs232_40``."""
+    from turbo_attn_hf.kernels.prefill_hopper import SCHEDULE
+
     head, *switches = variant.split("+")
-    if head != "hopper" or any(s not in _SWITCHES for s in switches):
-        raise SystemExit(f"variant {variant!r}: 'hopper' and any of {sorted(_SWITCHES)} joined by '+'")
-    return dict(_SWITCHES[s] for s in switches)
+    if head != "hopper":
+        raise SystemExit(f"variant {variant!r} must start with 'hopper'")
+    kw = {}
+    for sw in switches:
+        if sw.startswith("regs"):
+            kw["worker_regs"] = tuple(int(x) for x in sw[4:].split("_"))
+            continue
+        on = not sw.startswith("no")
+        key = _ALIASES.get(sw[2:] if not on else sw, sw[2:] if not on else sw)
+        if key not in SCHEDULE:
+            raise SystemExit(f"variant {variant!r}: 'hopper' and any of {sorted(SCHEDULE)} (or no<key>, regsC_P) "
+                             "joined by '+'")
+        kw[key] = on
+    return kw
 
 
 def main(argv=None) -> int:
@@ -39,7 +53,7 @@ def main(argv=None) -> int:
     ap.add_argument("--lens", default="4096,16384")
     ap.add_argument("--rep", type=int, default=60)
     ap.add_argument("--out", default="prefill_hopper_ab.json")
-    ap.add_argument("--variants", default="hopper,hopper+norowsum")
+    ap.add_argument("--variants", default="hopper,hopper+notree_max")
     a = ap.parse_args(argv)
     bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=a.rep, return_mode="median")  # noqa: E731
     rows = []

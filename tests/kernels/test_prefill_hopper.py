@@ -74,15 +74,48 @@ def test_the_hopper_kernel_matches_the_portable_one(case):
 @pytest.mark.gpu
 @sm90
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c)))
-def test_row_sums_on_the_tensor_cores_give_the_same_output(case):
-    """``rowsum_mma`` (the default): P's row sums from an IGMMA with a tile of ones are the integer adds' sums,
-    exactly, so the output is bit for bit the same."""
+def test_the_int_to_float_conversion_stays_within_the_portable_kernels_rounding(case):
+    """``i2f``: the int32 scores and P.V converted by I2F and scaled by one rounding (the magic-number form rounds
+    -C s too): an fp32 rounding apart, which can move a p8 level, as the two compilers' contractions can."""
+    b, hq, hk, lq, lk, d, causal = case
+    ops = _operands(b, hq, hk, lq, lk, d, "cuda", seed=lq + lk)
+    ref = prefill.int8_flash_attention(*ops, causal=causal, _kernel="portable").float()
+    out = prefill_hopper.launch_ws(*ops, torch.empty(b, lq, hq, d, device="cuda", dtype=torch.bfloat16),
+                                   causal=causal, Lk=lk, i2f=True).float()
+    diff = (out - ref).abs()
+    assert out.isfinite().all()
+    assert float(diff.max()) < 2e-2, float(diff.max())
+    assert float((diff > 0).float().mean()) < 0.05
+
+
+#: schedules that reorder or regroup the same operations: bit for bit the default schedule's output
+EXACT_SCHEDULES = [dict(rowsum_mma=False), dict(tree_max=False), dict(halves=True), dict(qk_over_fold=True),
+                   dict(softmax_over_pv=True), dict(worker_regs=(232, 40))]
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("schedule", EXACT_SCHEDULES, ids=lambda s: "+".join(f"{k}={v}" for k, v in s.items()))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c)))
+def test_every_exact_schedule_gives_the_same_output(case, schedule):
+    """P's row sums on the tensor cores (the same int32 sums), the row max as a tree (max is exact in any order), a
+    block's MMAs in halves or the next block's Q.K^T issued early: the same values, bit for bit."""
     b, hq, hk, lq, lk, d, causal = case
     q8, sq, k8, sk, v8t, sv = _operands(b, hq, hk, lq, lk, d, "cuda", seed=7)
     outs = [prefill_hopper.launch_ws(q8, sq, k8, sk, v8t, sv, torch.empty(b, lq, hq, d, device="cuda",
-                                     dtype=torch.bfloat16), causal=causal, Lk=lk, rowsum_mma=on)
-            for on in (False, True)]
+                                     dtype=torch.bfloat16), causal=causal, Lk=lk, **sch)
+            for sch in ({}, schedule)]
     assert torch.equal(outs[0], outs[1])
+
+
+def test_schedule_switches_are_checked():
+    assert prefill_hopper.schedule_flags() == prefill_hopper.schedule_flags(**prefill_hopper.SCHEDULE)
+    with pytest.raises(ValueError, match="unknown schedule switch"):
+        prefill_hopper.schedule_flags(pingpong=True)
+    with pytest.raises(ValueError, match="needs rowsum_mma"):
+        prefill_hopper.schedule_flags(halves=True, rowsum_mma=False)
+    with pytest.raises(ValueError, match="choose one"):
+        prefill_hopper.schedule_flags(qk_over_fold=True, softmax_over_pv=True)
 
 
 @pytest.mark.gpu

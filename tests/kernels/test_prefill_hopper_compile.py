@@ -11,19 +11,23 @@ import pytest
 
 import sm90
 
-# (head_dim, causal, rowsum_mma)
-CONFIGS = [(128, True, False), (128, False, True), (64, True, True), (64, False, False)]
+# (head_dim, causal, schedule): the default schedule and each switch the GPU tests run, across the four shapes
+CONFIGS = [(128, True, {}), (128, False, {"halves": True}), (64, True, {"rowsum_mma": False, "tree_max": False}),
+           (64, False, {"i2f": True})]
 
 
-def _compile(d, causal, rowsum_mma):
-    from turbo_attn_hf.eval.experiments.gluon_sass import compile_sm90
+def _compile(d, causal, schedule):
+    from turbo_attn_hf.eval.experiments.gluon_sass import compile_sm90, ptxas_infos
     from turbo_attn_hf.kernels import prefill_hopper as ph
 
-    ptx = compile_sm90(d, causal, rowsum_mma)[1]  # ptxas built the cubin from it
+    ptx = compile_sm90(d, causal, **schedule)[1]  # ptxas built the cubin from it
     for what, pattern in (("8-bit wgmma", f"wgmma.mma_async.sync.aligned.m64n{ph.BLOCK_N}k32.s32.s8.s8"),
                           ("TMA loads", "cp.async.bulk.tensor"), ("register hand-over", "setmaxnreg.dec")):
         if pattern not in ptx:
             raise AssertionError(f"no {what} ({pattern}) in the PTX")
+    serial = [line for line in ptxas_infos(ptx) if "C7512" in line]
+    if serial:  # the kernel would run, every MMA waited for where it is issued
+        raise AssertionError(f"ptxas serializes the wgmma: {serial[0]}")
 
 
 def test_the_gluon_prefill_kernel_compiles_for_sm90():
@@ -31,7 +35,7 @@ def test_the_gluon_prefill_kernel_compiles_for_sm90():
 
     if not prefill_hopper.gluon_available():
         pytest.skip("Gluon of a tested Triton release is not installed")
-    sm90.run(__file__, CONFIGS, "Gluon prefill kernel (head_dim, causal, rowsum_mma)")
+    sm90.run(__file__, CONFIGS, "Gluon prefill kernel (head_dim, causal, schedule)")
 
 
 if __name__ == "__main__":
