@@ -51,10 +51,9 @@ HEAD_DIMS = (64, 128)
 #: ring slots of K/V tiles per head dim (32 KB a slot at d 128)
 _STAGES = {64: 4, 128: 3}
 #: the kernel's schedule switches (``launch_ws`` keywords) and their defaults; the kernel takes them as one bit set
-SCHEDULE = {"rowsum_mma": True, "tree_max": True, "softmax_over_pv": False, "qk_over_fold": False, "i2f": False,
-            "halves": False}
+SCHEDULE = {"rowsum_mma": True, "split_pv": False, "split_pv4": False, "split_qk": False, "i2f": False}
 #: registers per thread of the second consumer and the producer (setmaxnreg); the default partition is consumer 0
-_WORKER_REGS = (240, 24)
+_WORKER_REGS = (232, 40)
 
 
 def gluon_available() -> bool:
@@ -74,7 +73,7 @@ if HAVE_GLUON:
     _MAGIC_BITS = gl.constexpr(MAGIC_BITS)
     _GAP = gl.constexpr(P_BLOCK_GAP)
     _SQ_MIN = gl.constexpr(SQ_MIN)
-    _ROWSUM_MMA, _TREE_MAX, _SOFTMAX_OVER_PV, _QK_OVER_FOLD, _I2F, _HALVES = (gl.constexpr(1 << i) for i in range(6))
+    _ROWSUM_MMA, _SPLIT_PV, _SPLIT_PV4, _SPLIT_QK, _I2F = (gl.constexpr(1 << i) for i in range(5))  # SCHEDULE's
     _PART0 = gl.constexpr(0)  # consumer partitions' PART: partition arguments must be constexpr objects
     _PART1 = gl.constexpr(1)
 
@@ -113,21 +112,10 @@ if HAVE_GLUON:
         return gl.min(first, 0)
 
     @gluon.jit
-    def _max_halves(t):
-        """max(t[:, :n/2], t[:, n/2:]) elementwise: two halves a thread holds in registers, no data movement."""
-        a, b = t.reshape([t.shape[0], 2, t.shape[1] // 2]).permute(0, 2, 1).split()
-        return gl.maximum(a, b)
-
-    @gluon.jit
-    def _row_max(t, TREE: gl.constexpr):
-        """Each row's max of ``t`` [BM, BN] (wgmma layout). TREE: halves folded elementwise while a thread's columns
-        span a register bit (the max is exact in any order), so a row's chain in a thread is ~5 deep, not 31."""
-        row_l: gl.constexpr = gl.SliceLayout(1, t.type.layout)
-        if TREE:  # a thread's columns span a register bit for each halving down to 8 (2 of them and 4 lanes)
-            for _ in gl.static_range(4):
-                if t.shape[1] > 8:
-                    t = _max_halves(t)
-        return gl.convert_layout(gl.max(t, 1), row_l)  # the same threads hold a row: no data moves
+    def _split_halves(t):
+        """(t[:, :n/2], t[:, n/2:]) of a wgmma-layout tile whose top column bit a thread holds in registers: no data
+        moves."""
+        return t.reshape([t.shape[0], 2, t.shape[1] // 2]).permute(0, 2, 1).split()
 
     @gluon.jit
     def _scores(s_i32, sk, o_n, o_pos, Lk, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, FLAGS: gl.constexpr):
@@ -171,7 +159,7 @@ if HAVE_GLUON:
         codes in the P.V operand's layout, the rescale r and the new l, m, c (ROWSUM_MMA: l not yet rescaled nor
         summed: the caller adds P's row sums from the tensor cores, ``fma(l, r, sum)``)."""
         t, sk = _scores(s_i32, sk, o_n, o_pos, Lk, MASKED, IS_CAUSAL, FLAGS)
-        m_new, c_new, c_safe, r = _state(_row_max(t, FLAGS & _TREE_MAX) * sq, m_i, c_i, MASKED)
+        m_new, c_new, c_safe, r = _state(gl.max(t, 1) * sq, m_i, c_i, MASKED)
         pbits = _codes(t, sq, c_safe)
         if MASKED and not IS_CAUSAL:  # the tail block: every row sees its keys < Lk (sk 0 past it); + 0 is exact
             l_i = l_i + gl.sum(sk * 0.0, 0)
@@ -180,39 +168,68 @@ if HAVE_GLUON:
         return gl.convert_layout(pbits.to(gl.int8), p_l), r, l_i, m_new, c_new
 
     @gluon.jit
-    def _block_in_halves(q, k_tile, v_tile, sk_tile, ones_smem, j, sq, l_i, m_i, c_i, o_pos, Lk, h_zero, o_zero,
-                         n8_zero, p_l: gl.constexpr, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                         FLAGS: gl.constexpr):
-        """One block as two halves of its keys, each MMA issued as soon as its operand is ready: the second half's
-        Q.K^T runs while the first half's scores are scaled, and the first half's P.V while the second half's
-        exponentials are taken (the same values as ``_softmax`` and one P.V: the max is exact in any order, the
-        int32 sums of the two halves' MMAs are the whole block's). Returns P.V and the row sums, r and the new
-        l, m, c."""
-        H: gl.constexpr = h_zero.shape[1]
-        col_h: gl.constexpr = gl.SliceLayout(0, h_zero.type.layout)
+    def _issue_pv(t, sq, c_safe, v_tile, ones_smem, start, pv, rs, p_l: gl.constexpr, USE_ACC: gl.constexpr):
+        """P's codes of the keys [start, start + width) of a block (their scaled scores ``t``) and their P.V and row
+        sums issued onto ``pv`` / ``rs`` (a new sum unless USE_ACC), not waited for."""
+        row_t: gl.constexpr = gl.SliceLayout(1, t.type.layout)
+        p8 = _codes(t, gl.convert_layout(sq, row_t), gl.convert_layout(c_safe, row_t)).to(gl.int8)
+        p8 = gl.convert_layout(p8, p_l)
+        W: gl.constexpr = t.shape[1]
+        pv = warpgroup_mma(p8, v_tile.slice(start, W, dim=1).permute((1, 0)), pv, use_acc=USE_ACC, is_async=True)
+        rs = warpgroup_mma(p8, ones_smem.slice(start, W, dim=1).permute((1, 0)), rs, use_acc=USE_ACC, is_async=True)
+        return pv, rs
+
+    @gluon.jit
+    def _block_split(q, k_tile, v_tile, sk_tile, ones_smem, j, sq, l_i, m_i, c_i, o_pos, Lk, s_zero, h_zero, o_zero,
+                     n8_zero, p_l: gl.constexpr, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                     FLAGS: gl.constexpr):
+        """One block with its MMAs in parts, each issued as soon as its operand is ready: P.V (and P's row sums) as
+        two or four MMAs over the block's keys (_SPLIT_PV / _SPLIT_PV4), each part's exponentials taken while the
+        tensor cores run the previous part's; _SPLIT_QK: Q.K^T as two MMAs too, the first half's scores scaled while
+        the second's run. The same values as ``_softmax`` and one P.V: the max is exact in any order, the int32 sums
+        of the parts' MMAs are the whole block's. Returns P.V and the row sums, r and the new l, m, c."""
+        BN: gl.constexpr = k_tile.shape[0]
+        H: gl.constexpr = BN // 2
         row_l: gl.constexpr = sq.type.layout
-        s_lo = warpgroup_mma(q, k_tile.slice(0, H).permute((1, 0)), h_zero, use_acc=False, is_async=True)
-        s_hi = warpgroup_mma(q, k_tile.slice(H, H).permute((1, 0)), h_zero, use_acc=False, is_async=True)
-        o_n = j * (2 * H) + gl.arange(0, H, layout=col_h)
-        s_lo = warpgroup_mma_wait(1, deps=(s_lo, ))
-        t_lo, sk_lo = _scores(s_lo, sk_tile.slice(0, H).load(col_h), o_n, o_pos, Lk, MASKED, IS_CAUSAL, FLAGS)
-        mx = gl.convert_layout(_row_max(t_lo, FLAGS & _TREE_MAX), row_l)
-        s_hi = warpgroup_mma_wait(0, deps=(s_hi, ))
-        t_hi, sk_hi = _scores(s_hi, sk_tile.slice(H, H).load(col_h), o_n + H, o_pos, Lk, MASKED, IS_CAUSAL, FLAGS)
-        bmax = gl.maximum(mx, gl.convert_layout(_row_max(t_hi, FLAGS & _TREE_MAX), row_l)) * sq
+        if FLAGS & _SPLIT_QK:
+            col_h: gl.constexpr = gl.SliceLayout(0, h_zero.type.layout)
+            s_lo = warpgroup_mma(q, k_tile.slice(0, H).permute((1, 0)), h_zero, use_acc=False, is_async=True)
+            s_hi = warpgroup_mma(q, k_tile.slice(H, H).permute((1, 0)), h_zero, use_acc=False, is_async=True)
+            o_n = j * BN + gl.arange(0, H, layout=col_h)
+            o_pos = gl.convert_layout(o_pos, gl.SliceLayout(1, h_zero.type.layout))  # the same threads: no data moves
+            s_lo = warpgroup_mma_wait(1, deps=(s_lo, ))
+            t_lo, sk_lo = _scores(s_lo, sk_tile.slice(0, H).load(col_h), o_n, o_pos, Lk, MASKED, IS_CAUSAL, FLAGS)
+            mx = gl.convert_layout(gl.max(t_lo, 1), row_l)
+            s_hi = warpgroup_mma_wait(0, deps=(s_hi, ))
+            t_hi, sk_hi = _scores(s_hi, sk_tile.slice(H, H).load(col_h), o_n + H, o_pos, Lk, MASKED, IS_CAUSAL,
+                                  FLAGS)
+            bmax = gl.maximum(mx, gl.convert_layout(gl.max(t_hi, 1), row_l)) * sq
+            sk_zero = gl.sum(sk_lo * 0.0, 0) + gl.sum(sk_hi * 0.0, 0)
+        else:
+            col_l: gl.constexpr = gl.SliceLayout(0, s_zero.type.layout)
+            s_i32 = warpgroup_mma_wait(0, deps=(warpgroup_mma(q, k_tile.permute((1, 0)), s_zero, use_acc=False,
+                                                              is_async=True), ))
+            t, sk = _scores(s_i32, sk_tile.load(col_l), j * BN + gl.arange(0, BN, layout=col_l), o_pos, Lk, MASKED,
+                            IS_CAUSAL, FLAGS)
+            bmax = gl.max(t, 1) * sq
+            sk_zero = gl.sum(sk * 0.0, 0)
+            t_lo, t_hi = _split_halves(t)
         m_new, c_new, c_safe, r = _state(bmax, m_i, c_i, MASKED)
-        c_h = gl.convert_layout(c_safe, gl.SliceLayout(1, h_zero.type.layout))
-        sq_h = gl.convert_layout(sq, gl.SliceLayout(1, h_zero.type.layout))
-        p8 = gl.convert_layout(_codes(t_lo, sq_h, c_h).to(gl.int8), p_l)
-        pv = warpgroup_mma(p8, v_tile.slice(0, H, dim=1).permute((1, 0)), o_zero, use_acc=False, is_async=True)
-        rs = warpgroup_mma(p8, ones_smem.slice(0, H, dim=1).permute((1, 0)), n8_zero, use_acc=False, is_async=True)
-        p8 = gl.convert_layout(_codes(t_hi, sq_h, c_h).to(gl.int8), p_l)
-        pv = warpgroup_mma(p8, v_tile.slice(H, H, dim=1).permute((1, 0)), pv, use_acc=True, is_async=True)
-        rs = warpgroup_mma(p8, ones_smem.slice(H, H, dim=1).permute((1, 0)), rs, use_acc=True, is_async=True)
+        if FLAGS & _SPLIT_PV4:
+            Q: gl.constexpr = H // 2
+            a, b = _split_halves(t_lo)
+            pv, rs = _issue_pv(a, sq, c_safe, v_tile, ones_smem, 0, o_zero, n8_zero, p_l, False)
+            pv, rs = _issue_pv(b, sq, c_safe, v_tile, ones_smem, Q, pv, rs, p_l, True)
+            a, b = _split_halves(t_hi)
+            pv, rs = _issue_pv(a, sq, c_safe, v_tile, ones_smem, H, pv, rs, p_l, True)
+            pv, rs = _issue_pv(b, sq, c_safe, v_tile, ones_smem, H + Q, pv, rs, p_l, True)
+        else:
+            pv, rs = _issue_pv(t_lo, sq, c_safe, v_tile, ones_smem, 0, o_zero, n8_zero, p_l, False)
+            pv, rs = _issue_pv(t_hi, sq, c_safe, v_tile, ones_smem, H, pv, rs, p_l, True)
         # waited here: an MMA in flight across the caller's masked / unmasked branch makes ptxas serialize every wgmma
         pv, rs = warpgroup_mma_wait(0, deps=(pv, rs))
         if MASKED and not IS_CAUSAL:  # as _softmax's tail block
-            l_i = l_i + gl.sum(sk_lo * 0.0, 0) + gl.sum(sk_hi * 0.0, 0)
+            l_i = l_i + sk_zero
         return pv, rs, r, l_i, m_new, c_new
 
     @gluon.jit
@@ -238,55 +255,6 @@ if HAVE_GLUON:
         else:
             pv_f = gl.fma((pv + _MAGIC_BITS).to(gl.float32, bitcast=True), sv[None, :], -(sv * _MAGIC)[None, :])
         return gl.fma(acc, gl.convert_layout(r, gl.SliceLayout(1, o_l))[:, None], pv_f)
-
-    @gluon.jit
-    def _pipelined_blocks(q, k_smem, v_smem, sk_smem, sv_smem, ones_smem, ready, empty, acc, s_zero, o_zero, n8_zero,
-                          n_mine, n_full, sq, l_i, m_i, c_i, o_pos, Lk, col_l: gl.constexpr, row_l: gl.constexpr,
-                          p_l: gl.constexpr, o_l: gl.constexpr, IS_CAUSAL: gl.constexpr, PSUM_BIAS: gl.constexpr,
-                          FLAGS: gl.constexpr):
-        """``_consumer``'s blocks with block j+1's Q.K^T issued beside block j's P.V (P's row sums on the tensor
-        cores). _SOFTMAX_OVER_PV (FlashAttention-3's intra-warpgroup order): block j+1's softmax runs while the tensor
-        cores compute block j's P.V, then block j is folded; else (_QK_OVER_FOLD) block j is folded while they compute
-        block j+1's Q.K^T. The same operations on the same values as the in-order loop, so the output is bit for bit
-        its own. The last block issues its own Q.K^T and softmax again (no branch): the state it recomputes is unchanged
-        (m, c the same maxima; l's NaN add idempotent) and its P and r are dropped."""
-        BN: gl.constexpr = k_smem.shape[1]
-        STAGES: gl.constexpr = k_smem.shape[0]
-        p8 = gl.zeros([s_zero.shape[0], BN], gl.int8, layout=p_l)
-        r = gl.zeros_like(sq)
-        if n_mine > 0:
-            mbarrier.wait(ready.index(0), 0)
-            s_i32 = warpgroup_mma_wait(0, deps=(warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero,
-                                                              use_acc=False, is_async=True), ))
-            p8, r, l_i, m_i, c_i = _probs(s_i32, sk_smem.index(0), 0, n_full, sq, l_i, m_i, c_i, o_pos, Lk, col_l, p_l,
-                                          IS_CAUSAL, BN, PSUM_BIAS, FLAGS)
-        for j in range(n_mine):
-            s = j % STAGES
-            jn = gl.minimum(j + 1, n_mine - 1)
-            sn = jn % STAGES
-            mbarrier.wait(ready.index(sn), (jn // STAGES) & 1)
-            if FLAGS & _SOFTMAX_OVER_PV:
-                s_next = warpgroup_mma(q, k_smem.index(sn).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            pv = warpgroup_mma(p8, v_smem.index(s).permute((1, 0)), o_zero, use_acc=False, is_async=True)
-            rs = warpgroup_mma(p8, ones_smem.permute((1, 0)), n8_zero, use_acc=False, is_async=True)
-            if FLAGS & _SOFTMAX_OVER_PV:
-                s_next = warpgroup_mma_wait(2, deps=(s_next, ))  # P.V and the row sums stay in flight
-                p8_next, r_next, l_i, m_i, c_i = _probs(s_next, sk_smem.index(sn), jn, n_full, sq, l_i, m_i, c_i,
-                                                        o_pos, Lk, col_l, p_l, IS_CAUSAL, BN, PSUM_BIAS, FLAGS)
-                pv, rs = warpgroup_mma_wait(0, deps=(pv, rs))
-            else:
-                s_next = warpgroup_mma(q, k_smem.index(sn).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                pv, rs = warpgroup_mma_wait(1, deps=(pv, rs))  # Q.K^T stays in flight
-            l_i = gl.fma(l_i, r, gl.convert_layout(gl.max(rs, 1), row_l).to(gl.float32))
-            acc = _fold(acc, r, pv, sv_smem.index(s), o_l, FLAGS)
-            mbarrier.arrive(empty.index(s), count=1)
-            if not FLAGS & _SOFTMAX_OVER_PV:
-                s_next = warpgroup_mma_wait(0, deps=(s_next, ))
-                p8_next, r_next, l_i, m_i, c_i = _probs(s_next, sk_smem.index(sn), jn, n_full, sq, l_i, m_i, c_i,
-                                                        o_pos, Lk, col_l, p_l, IS_CAUSAL, BN, PSUM_BIAS, FLAGS)
-            p8 = p8_next
-            r = r_next
-        return l_i, acc
 
     @gluon.jit
     def _consumer(q_smem, k_smem, v_smem, sk_smem, sv_smem, ones_smem, q_bar, ready, empty, SQ, SK, O, Lq, Lk, i_m,
@@ -338,26 +306,21 @@ if HAVE_GLUON:
         n_full = full_hi // BN
         n_mine = gl.cdiv(hi, BN)
         mbarrier.wait(q_bar, 0)
-        PIPELINED: gl.constexpr = FLAGS & (_SOFTMAX_OVER_PV | _QK_OVER_FOLD)
-        if PIPELINED:
-            l_i, acc = _pipelined_blocks(q, k_smem, v_smem, sk_smem, sv_smem, ones_smem, ready, empty, acc, s_zero,
-                                         o_zero, n8_zero, n_mine, n_full, sq, l_i, m_i, c_i, o_pos, Lk, col_l, row_l,
-                                         p_l, o_l, IS_CAUSAL, PSUM_BIAS, FLAGS)
         h_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BN // 2, 32])
         h_zero = gl.zeros([BM, BN // 2], gl.int32, layout=h_l)
-        for j in range(0 if PIPELINED else n_mine):
+        for j in range(n_mine):
             s = j % STAGES
             mbarrier.wait(ready.index(s), (j // STAGES) & 1)
-            if FLAGS & _HALVES:
+            if FLAGS & (_SPLIT_PV | _SPLIT_PV4):
                 if j < n_full:
-                    pv, rs, r, l_i, m_i, c_i = _block_in_halves(q, k_smem.index(s), v_smem.index(s), sk_smem.index(s),
-                                                                ones_smem, j, sq, l_i, m_i, c_i, o_pos, Lk, h_zero,
-                                                                o_zero, n8_zero, p_l, False, IS_CAUSAL, FLAGS)
+                    pv, rs, r, l_i, m_i, c_i = _block_split(q, k_smem.index(s), v_smem.index(s), sk_smem.index(s),
+                                                            ones_smem, j, sq, l_i, m_i, c_i, o_pos, Lk, s_zero, h_zero,
+                                                            o_zero, n8_zero, p_l, False, IS_CAUSAL, FLAGS)
                 else:
-                    pv, rs, r, l_i, m_i, c_i = _block_in_halves(q, k_smem.index(s), v_smem.index(s), sk_smem.index(s),
-                                                                ones_smem, j, sq, l_i, m_i, c_i, o_pos, Lk, h_zero,
-                                                                o_zero, n8_zero, p_l, True, IS_CAUSAL, FLAGS)
+                    pv, rs, r, l_i, m_i, c_i = _block_split(q, k_smem.index(s), v_smem.index(s), sk_smem.index(s),
+                                                            ones_smem, j, sq, l_i, m_i, c_i, o_pos, Lk, s_zero, h_zero,
+                                                            o_zero, n8_zero, p_l, True, IS_CAUSAL, FLAGS)
             else:
                 s_i32 = warpgroup_mma_wait(0, deps=(warpgroup_mma(q, k_smem.index(s).permute((1, 0)), s_zero,
                                                                   use_acc=False, is_async=True), ))
@@ -474,12 +437,10 @@ def schedule_flags(**schedule) -> int:
     if unknown:
         raise ValueError(f"unknown schedule switch(es) {sorted(unknown)}; known: {sorted(SCHEDULE)}")
     on = {**SCHEDULE, **schedule}
-    if (on["softmax_over_pv"] or on["qk_over_fold"] or on["halves"]) and not on["rowsum_mma"]:
-        raise ValueError("a pipelined schedule needs rowsum_mma (P's row sums on the tensor cores)")
-    if on["softmax_over_pv"] and on["qk_over_fold"]:
-        raise ValueError("softmax_over_pv and qk_over_fold are two orders of one loop: choose one")
-    if on["halves"] and (on["softmax_over_pv"] or on["qk_over_fold"]):
-        raise ValueError("halves pipelines within a block: it takes neither softmax_over_pv nor qk_over_fold")
+    if (on["split_pv"] or on["split_pv4"]) and not on["rowsum_mma"]:
+        raise ValueError("split_pv / split_pv4 need rowsum_mma (P's row sums on the tensor cores, split as P.V is)")
+    if on["split_qk"] and not (on["split_pv"] or on["split_pv4"]):
+        raise ValueError("split_qk runs in the split block: turn on split_pv or split_pv4 too")
     return sum(1 << i for i, k in enumerate(SCHEDULE) if on[k])
 
 

@@ -89,8 +89,8 @@ def test_the_int_to_float_conversion_stays_within_the_portable_kernels_rounding(
 
 
 #: schedules that reorder or regroup the same operations: bit for bit the default schedule's output
-EXACT_SCHEDULES = [dict(rowsum_mma=False), dict(tree_max=False), dict(halves=True), dict(qk_over_fold=True),
-                   dict(softmax_over_pv=True), dict(worker_regs=(232, 40))]
+EXACT_SCHEDULES = [dict(rowsum_mma=False), dict(split_pv=True), dict(split_pv4=True), dict(split_pv=True, split_qk=True),
+                   dict(split_pv4=True, split_qk=True), dict(worker_regs=(240, 24))]
 
 
 @pytest.mark.gpu
@@ -98,8 +98,8 @@ EXACT_SCHEDULES = [dict(rowsum_mma=False), dict(tree_max=False), dict(halves=Tru
 @pytest.mark.parametrize("schedule", EXACT_SCHEDULES, ids=lambda s: "+".join(f"{k}={v}" for k, v in s.items()))
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c)))
 def test_every_exact_schedule_gives_the_same_output(case, schedule):
-    """P's row sums on the tensor cores (the same int32 sums), the row max as a tree (max is exact in any order), a
-    block's MMAs in halves or the next block's Q.K^T issued early: the same values, bit for bit."""
+    """P's row sums on the tensor cores (the same int32 sums), a block's MMAs in parts (the max is exact in any order,
+    the parts' int32 sums are the block's), other register splits: the same values, bit for bit."""
     b, hq, hk, lq, lk, d, causal = case
     q8, sq, k8, sk, v8t, sv = _operands(b, hq, hk, lq, lk, d, "cuda", seed=7)
     outs = [prefill_hopper.launch_ws(q8, sq, k8, sk, v8t, sv, torch.empty(b, lq, hq, d, device="cuda",
@@ -112,10 +112,10 @@ def test_schedule_switches_are_checked():
     assert prefill_hopper.schedule_flags() == prefill_hopper.schedule_flags(**prefill_hopper.SCHEDULE)
     with pytest.raises(ValueError, match="unknown schedule switch"):
         prefill_hopper.schedule_flags(pingpong=True)
-    with pytest.raises(ValueError, match="needs rowsum_mma"):
-        prefill_hopper.schedule_flags(halves=True, rowsum_mma=False)
-    with pytest.raises(ValueError, match="choose one"):
-        prefill_hopper.schedule_flags(qk_over_fold=True, softmax_over_pv=True)
+    with pytest.raises(ValueError, match="need rowsum_mma"):
+        prefill_hopper.schedule_flags(split_pv=True, rowsum_mma=False)
+    with pytest.raises(ValueError, match="turn on split_pv"):
+        prefill_hopper.schedule_flags(split_qk=True)
 
 
 @pytest.mark.gpu
