@@ -51,7 +51,7 @@ HEAD_DIMS = (64, 128)
 #: ring slots of K/V tiles per head dim (32 KB a slot at d 128)
 _STAGES = {64: 4, 128: 3}
 #: the kernel's schedule switches (``launch_ws`` keywords) and their defaults; the kernel takes them as one bit set
-SCHEDULE = {"rowsum_mma": True, "split_pv": False, "split_pv4": False, "split_qk": False, "i2f": False}
+SCHEDULE = {"rowsum_mma": True, "i2f": False, "pv_parts": 4}
 #: registers per thread of the second consumer and the producer (setmaxnreg); the default partition is consumer 0
 _WORKER_REGS = (232, 40)
 
@@ -73,7 +73,7 @@ if HAVE_GLUON:
     _MAGIC_BITS = gl.constexpr(MAGIC_BITS)
     _GAP = gl.constexpr(P_BLOCK_GAP)
     _SQ_MIN = gl.constexpr(SQ_MIN)
-    _ROWSUM_MMA, _SPLIT_PV, _SPLIT_PV4, _SPLIT_QK, _I2F = (gl.constexpr(1 << i) for i in range(5))  # SCHEDULE's
+    _ROWSUM_MMA, _I2F = gl.constexpr(1), gl.constexpr(2)  # FLAGS' bits
     _PART0 = gl.constexpr(0)  # consumer partitions' PART: partition arguments must be constexpr objects
     _PART1 = gl.constexpr(1)
 
@@ -180,42 +180,23 @@ if HAVE_GLUON:
         return pv, rs
 
     @gluon.jit
-    def _block_split(q, k_tile, v_tile, sk_tile, ones_smem, j, sq, l_i, m_i, c_i, o_pos, Lk, s_zero, h_zero, o_zero,
-                     n8_zero, p_l: gl.constexpr, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                     FLAGS: gl.constexpr):
-        """One block with its MMAs in parts, each issued as soon as its operand is ready: P.V (and P's row sums) as
-        two or four MMAs over the block's keys (_SPLIT_PV / _SPLIT_PV4), each part's exponentials taken while the
-        tensor cores run the previous part's; _SPLIT_QK: Q.K^T as two MMAs too, the first half's scores scaled while
-        the second's run. The same values as ``_softmax`` and one P.V: the max is exact in any order, the int32 sums
-        of the parts' MMAs are the whole block's. Returns P.V and the row sums, r and the new l, m, c."""
+    def _block_in_parts(q, k_tile, v_tile, sk_tile, ones_smem, j, sq, l_i, m_i, c_i, o_pos, Lk, s_zero, o_zero, n8_zero,
+                        p_l: gl.constexpr, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, PV_PARTS: gl.constexpr,
+                        FLAGS: gl.constexpr):
+        """One block with P.V (and P's row sums) as PV_PARTS (2 or 4) MMAs over the block's keys, each issued as soon
+        as its part's codes are ready, so the tensor cores run a part while the next part's exponentials are taken.
+        The same values as ``_softmax`` and one P.V: the int32 sums of the parts' MMAs are the whole block's.
+        Returns P.V and the row sums (waited for), r and the new l, m, c."""
         BN: gl.constexpr = k_tile.shape[0]
+        col_l: gl.constexpr = gl.SliceLayout(0, s_zero.type.layout)
+        s_i32 = warpgroup_mma_wait(0, deps=(warpgroup_mma(q, k_tile.permute((1, 0)), s_zero, use_acc=False,
+                                                          is_async=True), ))
+        t, sk = _scores(s_i32, sk_tile.load(col_l), j * BN + gl.arange(0, BN, layout=col_l), o_pos, Lk, MASKED,
+                        IS_CAUSAL, FLAGS)
+        m_new, c_new, c_safe, r = _state(gl.max(t, 1) * sq, m_i, c_i, MASKED)
         H: gl.constexpr = BN // 2
-        row_l: gl.constexpr = sq.type.layout
-        if FLAGS & _SPLIT_QK:
-            col_h: gl.constexpr = gl.SliceLayout(0, h_zero.type.layout)
-            s_lo = warpgroup_mma(q, k_tile.slice(0, H).permute((1, 0)), h_zero, use_acc=False, is_async=True)
-            s_hi = warpgroup_mma(q, k_tile.slice(H, H).permute((1, 0)), h_zero, use_acc=False, is_async=True)
-            o_n = j * BN + gl.arange(0, H, layout=col_h)
-            o_pos = gl.convert_layout(o_pos, gl.SliceLayout(1, h_zero.type.layout))  # the same threads: no data moves
-            s_lo = warpgroup_mma_wait(1, deps=(s_lo, ))
-            t_lo, sk_lo = _scores(s_lo, sk_tile.slice(0, H).load(col_h), o_n, o_pos, Lk, MASKED, IS_CAUSAL, FLAGS)
-            mx = gl.convert_layout(gl.max(t_lo, 1), row_l)
-            s_hi = warpgroup_mma_wait(0, deps=(s_hi, ))
-            t_hi, sk_hi = _scores(s_hi, sk_tile.slice(H, H).load(col_h), o_n + H, o_pos, Lk, MASKED, IS_CAUSAL,
-                                  FLAGS)
-            bmax = gl.maximum(mx, gl.convert_layout(gl.max(t_hi, 1), row_l)) * sq
-            sk_zero = gl.sum(sk_lo * 0.0, 0) + gl.sum(sk_hi * 0.0, 0)
-        else:
-            col_l: gl.constexpr = gl.SliceLayout(0, s_zero.type.layout)
-            s_i32 = warpgroup_mma_wait(0, deps=(warpgroup_mma(q, k_tile.permute((1, 0)), s_zero, use_acc=False,
-                                                              is_async=True), ))
-            t, sk = _scores(s_i32, sk_tile.load(col_l), j * BN + gl.arange(0, BN, layout=col_l), o_pos, Lk, MASKED,
-                            IS_CAUSAL, FLAGS)
-            bmax = gl.max(t, 1) * sq
-            sk_zero = gl.sum(sk * 0.0, 0)
-            t_lo, t_hi = _split_halves(t)
-        m_new, c_new, c_safe, r = _state(bmax, m_i, c_i, MASKED)
-        if FLAGS & _SPLIT_PV4:
+        t_lo, t_hi = _split_halves(t)
+        if PV_PARTS == 4:
             Q: gl.constexpr = H // 2
             a, b = _split_halves(t_lo)
             pv, rs = _issue_pv(a, sq, c_safe, v_tile, ones_smem, 0, o_zero, n8_zero, p_l, False)
@@ -229,7 +210,7 @@ if HAVE_GLUON:
         # waited here: an MMA in flight across the caller's masked / unmasked branch makes ptxas serialize every wgmma
         pv, rs = warpgroup_mma_wait(0, deps=(pv, rs))
         if MASKED and not IS_CAUSAL:  # as _softmax's tail block
-            l_i = l_i + sk_zero
+            l_i = l_i + gl.sum(sk * 0.0, 0)
         return pv, rs, r, l_i, m_new, c_new
 
     @gluon.jit
@@ -259,7 +240,8 @@ if HAVE_GLUON:
     @gluon.jit
     def _consumer(q_smem, k_smem, v_smem, sk_smem, sv_smem, ones_smem, q_bar, ready, empty, SQ, SK, O, Lq, Lk, i_m,
                   i_b, i_hq, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh, sk_row, n_blocks,
-                  PART: gl.constexpr, IS_CAUSAL: gl.constexpr, PSUM_BIAS: gl.constexpr, FLAGS: gl.constexpr):
+                  PART: gl.constexpr, IS_CAUSAL: gl.constexpr, PSUM_BIAS: gl.constexpr, FLAGS: gl.constexpr,
+                  PV_PARTS: gl.constexpr):
         """Rows [i_m * 128 + 64 PART, +64) of one (b, head): the portable kernel's program of BLOCK_M 64, block by
         block Q.K^T, softmax, P.V, each waited for where it is issued (the schedules that overlap them within or
         across the parts, or add a third consumer, were slower or no faster: PERF_NOTES sessions 35 and 44).
@@ -306,21 +288,18 @@ if HAVE_GLUON:
         n_full = full_hi // BN
         n_mine = gl.cdiv(hi, BN)
         mbarrier.wait(q_bar, 0)
-        h_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                      instr_shape=[16, BN // 2, 32])
-        h_zero = gl.zeros([BM, BN // 2], gl.int32, layout=h_l)
         for j in range(n_mine):
             s = j % STAGES
             mbarrier.wait(ready.index(s), (j // STAGES) & 1)
-            if FLAGS & (_SPLIT_PV | _SPLIT_PV4):
+            if PV_PARTS > 1:
                 if j < n_full:
-                    pv, rs, r, l_i, m_i, c_i = _block_split(q, k_smem.index(s), v_smem.index(s), sk_smem.index(s),
-                                                            ones_smem, j, sq, l_i, m_i, c_i, o_pos, Lk, s_zero, h_zero,
-                                                            o_zero, n8_zero, p_l, False, IS_CAUSAL, FLAGS)
+                    pv, rs, r, l_i, m_i, c_i = _block_in_parts(q, k_smem.index(s), v_smem.index(s), sk_smem.index(s),
+                                                               ones_smem, j, sq, l_i, m_i, c_i, o_pos, Lk, s_zero,
+                                                               o_zero, n8_zero, p_l, False, IS_CAUSAL, PV_PARTS, FLAGS)
                 else:
-                    pv, rs, r, l_i, m_i, c_i = _block_split(q, k_smem.index(s), v_smem.index(s), sk_smem.index(s),
-                                                            ones_smem, j, sq, l_i, m_i, c_i, o_pos, Lk, s_zero, h_zero,
-                                                            o_zero, n8_zero, p_l, True, IS_CAUSAL, FLAGS)
+                    pv, rs, r, l_i, m_i, c_i = _block_in_parts(q, k_smem.index(s), v_smem.index(s), sk_smem.index(s),
+                                                               ones_smem, j, sq, l_i, m_i, c_i, o_pos, Lk, s_zero,
+                                                               o_zero, n8_zero, p_l, True, IS_CAUSAL, PV_PARTS, FLAGS)
             else:
                 s_i32 = warpgroup_mma_wait(0, deps=(warpgroup_mma(q, k_smem.index(s).permute((1, 0)), s_zero,
                                                                   use_acc=False, is_async=True), ))
@@ -354,7 +333,8 @@ if HAVE_GLUON:
     def _int8_attn_fwd_ws_kernel(q_desc, k_desc, v_desc, sk_desc, sv_desc, SQ, SK, O, Lq, Lk, K_ROWS, SK_ROW, HQ, HK,
                                  NBLK, SV_STEP, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh,
                                  IS_CAUSAL: gl.constexpr, D: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-                                 PSUM_BIAS: gl.constexpr, FLAGS: gl.constexpr, R_CONSUMER: gl.constexpr,
+                                 PSUM_BIAS: gl.constexpr, FLAGS: gl.constexpr, PV_PARTS: gl.constexpr,
+                                 R_CONSUMER: gl.constexpr,
                                  R_PRODUCER: gl.constexpr):
         """grid (cdiv(Lq, 128) * b * HQ,), row blocks of one head neighbours, the longest causal ones first; two
         consumer warpgroups of 64 rows each share every KV slot.
@@ -401,10 +381,10 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, ones_smem, q_bar, ready, empty, SQ, SK, O, Lq, Lk,
                          i_m, i_b, i_hq, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh, sk_row, n_blocks,
-                         _PART0, IS_CAUSAL, PSUM_BIAS, FLAGS)),
+                         _PART0, IS_CAUSAL, PSUM_BIAS, FLAGS, PV_PARTS)),
             (_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, ones_smem, q_bar, ready, empty, SQ, SK, O, Lq, Lk,
                          i_m, i_b, i_hq, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh, sk_row, n_blocks,
-                         _PART1, IS_CAUSAL, PSUM_BIAS, FLAGS)),
+                         _PART1, IS_CAUSAL, PSUM_BIAS, FLAGS, PV_PARTS)),
             (_producer, (q_desc, k_desc, v_desc, sk_desc, sv_desc, q_smem, k_smem, v_smem, sk_smem, sv_smem, q_bar,
                          ready, empty, q_row, k_row, sk_row, v_row, sv_row, SV_STEP, n_blocks, BN, D, STAGES)),
         ], [4, 4], [R_CONSUMER, R_PRODUCER])
@@ -431,17 +411,18 @@ def descriptors(q8, k8, v8t, sk, sv):
             TensorDescriptor(sv, [sv.numel()], [1], [d], lay_sv))
 
 
-def schedule_flags(**schedule) -> int:
-    """The kernel's FLAGS bit set of ``SCHEDULE``'s switches (bit i: the i-th key), defaults where not given."""
+def schedule_constexprs(**schedule) -> dict:
+    """The kernel's FLAGS (bit set of the boolean switches) and PV_PARTS for ``SCHEDULE``'s switches, defaults where
+    not given."""
     unknown = set(schedule) - set(SCHEDULE)
     if unknown:
         raise ValueError(f"unknown schedule switch(es) {sorted(unknown)}; known: {sorted(SCHEDULE)}")
     on = {**SCHEDULE, **schedule}
-    if (on["split_pv"] or on["split_pv4"]) and not on["rowsum_mma"]:
-        raise ValueError("split_pv / split_pv4 need rowsum_mma (P's row sums on the tensor cores, split as P.V is)")
-    if on["split_qk"] and not (on["split_pv"] or on["split_pv4"]):
-        raise ValueError("split_qk runs in the split block: turn on split_pv or split_pv4 too")
-    return sum(1 << i for i, k in enumerate(SCHEDULE) if on[k])
+    if on["pv_parts"] not in (1, 2, 4):
+        raise ValueError(f"pv_parts={on['pv_parts']!r}: 1, 2 or 4 (an int8 wgmma takes 32 keys or more)")
+    if on["pv_parts"] > 1 and not on["rowsum_mma"]:
+        raise ValueError("pv_parts > 1 needs rowsum_mma (P's row sums on the tensor cores, in parts as P.V is)")
+    return dict(FLAGS=(1 if on["rowsum_mma"] else 0) | (2 if on["i2f"] else 0), PV_PARTS=int(on["pv_parts"]))
 
 
 def ws_spec(q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, worker_regs=None, **schedule):
@@ -455,7 +436,7 @@ def ws_spec(q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, worker_regs=
     scalars = (lq, Lk, k8.shape[2], sk.shape[2], hq, hk, nblk, 1 if nblk > 1 else 0, sq.stride(0), sq.stride(1),
                out.stride(0), out.stride(1), out.stride(2))
     kw = dict(IS_CAUSAL=bool(causal), D=d, BN=BLOCK_N, STAGES=_STAGES[d], PSUM_BIAS=psum_bias(BLOCK_N),
-              FLAGS=schedule_flags(**schedule), R_CONSUMER=(worker_regs or _WORKER_REGS)[0],
+              **schedule_constexprs(**schedule), R_CONSUMER=(worker_regs or _WORKER_REGS)[0],
               R_PRODUCER=(worker_regs or _WORKER_REGS)[1], num_warps=4)
     return grid, scalars, kw
 

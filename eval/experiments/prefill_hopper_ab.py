@@ -3,11 +3,11 @@ the same quantized operands (issue 20): do_bench medians, TFLOP/s, and each vari
 kernel's output (the same math: 0 expected). FA3 protocol shapes (16k tokens, hidden 2048).
 
     python -m eval.experiments.prefill_hopper_ab [--dims 128,64] [--lens 4096,16384] [--out FILE.json]
-        [--variants hopper,hopper+notree_max]
+        [--variants hopper,hopper+pv1]
 
 A variant is ``hopper`` and the switches of ``prefill_hopper.launch_ws`` it sets, joined by ``+``: ``no<key>`` /
-``<key>`` turn a key of ``prefill_hopper.SCHEDULE`` off / on (``norowsum``: ``rowsum_mma`` off), ``regs<C>_<P>`` sets
-the consumer / producer registers (``hopper+halves+regs232_40``). The switches session 44 measured and removed
+``<key>`` turn a boolean key of ``prefill_hopper.SCHEDULE`` off / on (``norowsum``: ``rowsum_mma`` off), ``pv<N>``
+sets ``pv_parts``, ``regs<C>_<P>`` the consumer / producer registers (``hopper+pv1+regs240_24``). The switches session 44 measured and removed
 (three consumer warpgroups) are in git at a158f56.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ _ALIASES = {"rowsum": "rowsum_mma"}
 
 
 def _schedule(variant: str) -> dict:
-    """``launch_ws`` keywords of a variant name such as ``hopper+norowsum`` or ``hopper+halves+regs232_40``."""
+    """``launch_ws`` keywords of a variant name such as ``hopper+norowsum`` or ``hopper+pv1+regs240_24``."""
     from turbo_attn_hf.kernels.prefill_hopper import SCHEDULE
 
     head, *switches = variant.split("+")
@@ -34,10 +34,13 @@ def _schedule(variant: str) -> dict:
         if sw.startswith("regs"):
             kw["worker_regs"] = tuple(int(x) for x in sw[4:].split("_"))
             continue
+        if sw.startswith("pv") and sw[2:].isdigit():
+            kw["pv_parts"] = int(sw[2:])
+            continue
         on = not sw.startswith("no")
         key = _ALIASES.get(sw[2:] if not on else sw, sw[2:] if not on else sw)
         if key not in SCHEDULE:
-            raise SystemExit(f"variant {variant!r}: 'hopper' and any of {sorted(SCHEDULE)} (or no<key>, regsC_P) "
+            raise SystemExit(f"variant {variant!r}: 'hopper' and any of {sorted(SCHEDULE)} (no<key>, pvN, regsC_P) "
                              "joined by '+'")
         kw[key] = on
     return kw
@@ -53,7 +56,7 @@ def main(argv=None) -> int:
     ap.add_argument("--lens", default="4096,16384")
     ap.add_argument("--rep", type=int, default=60)
     ap.add_argument("--out", default="prefill_hopper_ab.json")
-    ap.add_argument("--variants", default="hopper,hopper+notree_max")
+    ap.add_argument("--variants", default="hopper,hopper+pv1")
     a = ap.parse_args(argv)
     bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=a.rep, return_mode="median")  # noqa: E731
     rows = []

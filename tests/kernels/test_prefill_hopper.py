@@ -89,8 +89,7 @@ def test_the_int_to_float_conversion_stays_within_the_portable_kernels_rounding(
 
 
 #: schedules that reorder or regroup the same operations: bit for bit the default schedule's output
-EXACT_SCHEDULES = [dict(rowsum_mma=False), dict(split_pv=True), dict(split_pv4=True), dict(split_pv=True, split_qk=True),
-                   dict(split_pv4=True, split_qk=True), dict(worker_regs=(240, 24))]
+EXACT_SCHEDULES = [dict(pv_parts=1), dict(pv_parts=1, rowsum_mma=False), dict(pv_parts=2), dict(worker_regs=(240, 24))]
 
 
 @pytest.mark.gpu
@@ -109,13 +108,13 @@ def test_every_exact_schedule_gives_the_same_output(case, schedule):
 
 
 def test_schedule_switches_are_checked():
-    assert prefill_hopper.schedule_flags() == prefill_hopper.schedule_flags(**prefill_hopper.SCHEDULE)
+    assert prefill_hopper.schedule_constexprs() == prefill_hopper.schedule_constexprs(**prefill_hopper.SCHEDULE)
     with pytest.raises(ValueError, match="unknown schedule switch"):
-        prefill_hopper.schedule_flags(pingpong=True)
-    with pytest.raises(ValueError, match="need rowsum_mma"):
-        prefill_hopper.schedule_flags(split_pv=True, rowsum_mma=False)
-    with pytest.raises(ValueError, match="turn on split_pv"):
-        prefill_hopper.schedule_flags(split_qk=True)
+        prefill_hopper.schedule_constexprs(pingpong=True)
+    with pytest.raises(ValueError, match="needs rowsum_mma"):
+        prefill_hopper.schedule_constexprs(rowsum_mma=False)
+    with pytest.raises(ValueError, match="1, 2 or 4"):
+        prefill_hopper.schedule_constexprs(pv_parts=8)
 
 
 @pytest.mark.gpu
