@@ -54,6 +54,7 @@ __all__ = [
     "quantize_p",
     "fma",
     "i32_scaled",
+    "INT_TO_FLOAT_MODES",
     "k_smooth_mean",
     "quantize_per_token",
     "hadamard_pm1",
@@ -183,10 +184,18 @@ def quantize_p(p: torch.Tensor) -> torch.Tensor:
     return fma(p, 127.0, MAGIC) - MAGIC
 
 
-def i32_scaled(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """The kernel's ``float(x) * s`` for integer-valued ``x`` (|x| < 2^22): ``fma(C + x, s, -(C s))`` with
-    ``C s`` rounded to fp32 (prefill.py ``_i32_scaled``): error <= half an ulp of C s, ~0.75 |s|."""
+#: how the INT8 kernels turn an int32 dot into a scaled float: "magic" ``fma(C + x, s, -(C s))`` (the portable
+#: kernel: the + C rides in the dot's accumulator), "exact" one rounding of ``x s`` (I2F + FMUL: the Gluon kernel)
+INT_TO_FLOAT_MODES = ("magic", "exact")
+
+
+def i32_scaled(x: torch.Tensor, s: torch.Tensor, mode: str = "magic") -> torch.Tensor:
+    """The kernel's ``float(x) * s`` for integer-valued ``x`` (|x| < 2^22). "magic": ``fma(C + x, s, -(C s))``
+    with ``C s`` rounded to fp32 (prefill.py ``_i32_scaled``): error <= half an ulp of C s, ~0.75 |s|; "exact":
+    ``x s`` rounded once (x is exact in fp32)."""
     s = s.float()
+    if mode == "exact":
+        return x.float() * s
     return fma(x.float() + MAGIC, s, -(s * MAGIC))
 
 
@@ -341,14 +350,15 @@ def quantize_v_channels(v: torch.Tensor, block: int = DEFAULT_BLOCK_N, *, poison
 # ------------------------------------------------------------------------------------ int8 attention
 def int8_flash_attention(q8, sq, k8, sk, v8t, sv, *, causal=True, window=None, softcap=None, key_valid=None,
                          softmax="exact", sas_threshold=6.0, Lk=None, out_dtype=torch.bfloat16,
-                         p_scale=DEFAULT_P_SCALE, out=None, block_n=None):
+                         p_scale=DEFAULT_P_SCALE, out=None, block_n=None, int_to_float="magic"):
     """Reference of the INT8 flash-attention loop on quantized operands (same blocking as the kernel).
 
     q8 ``[b, Hq, Lq, d]`` int8, sq ``[b, Hq, Lq]`` (base-2 logit scale folded in), k8 ``[b, Hk, Lk, d]``,
     sk ``[b, Hk, Lk]``, v8t ``[b, Hk, d, Lpad]``, sv ``[b, Hk, nblk, d]``: per block (``quantize_v_blocks``,
     the loop block is then ``Lpad // nblk``) or, with nblk == 1, per channel (``quantize_v_channels``; the
     loop block is ``block_n``, default DEFAULT_BLOCK_N). Returns ``o [b, Lq, Hq, d]`` in ``out_dtype``
-    (written into ``out`` if given). See ``turbo_attention`` for the mask arguments.
+    (written into ``out`` if given). See ``turbo_attention`` for the mask arguments. ``int_to_float``: the
+    kernel's conversion of the int32 dots (``INT_TO_FLOAT_MODES``, ``i32_scaled``).
 
     Per KV block, fp32 state (m running max, c reference point, l, acc kept relative to 2^c; masked
     scores -inf; ``safe(x)`` = 0 where x == -inf)::
@@ -373,6 +383,8 @@ def int8_flash_attention(q8, sq, k8, sk, v8t, sv, *, causal=True, window=None, s
         raise ValueError(f"softmax={softmax!r} must be one of {SOFTMAX_MODES}")
     if p_scale not in P_SCALE_MODES:
         raise ValueError(f"p_scale={p_scale!r} must be one of {P_SCALE_MODES}")
+    if int_to_float not in INT_TO_FLOAT_MODES:
+        raise ValueError(f"int_to_float={int_to_float!r} must be one of {INT_TO_FLOAT_MODES}")
     b, hq, lq, d = q8.shape
     hk = k8.shape[1]
     g = hq // hk
@@ -411,7 +423,7 @@ def int8_flash_attention(q8, sq, k8, sk, v8t, sv, *, causal=True, window=None, s
         end = min(start + block, Lk)
         j = torch.arange(start, end, device=dev)
         s_int = (qf @ kf[:, :, start:end].transpose(-1, -2)).to(torch.float32)
-        t = i32_scaled(s_int, skr[:, :, None, start:end])
+        t = i32_scaled(s_int, skr[:, :, None, start:end], int_to_float)
         s2 = t * sqf[..., None]
         if softcap is not None:
             s2 = t = _tanh_softcap_base2(s2, float(softcap))
@@ -437,7 +449,7 @@ def int8_flash_attention(q8, sq, k8, sk, v8t, sv, *, causal=True, window=None, s
         p8 = quantize_p(p)  # integer-valued fp32 in [0, 127]
         pv = (p8.to(idt) @ vf[:, :, start:end]).to(torch.float32)
         l = l * r + p8.sum(dim=-1)
-        acc = fma(acc, r[..., None], i32_scaled(pv, svr[:, :, start // block][:, :, None, :]))
+        acc = fma(acc, r[..., None], i32_scaled(pv, svr[:, :, start // block][:, :, None, :], int_to_float))
         m, c = m_new, c_new
     o = torch.where(l[..., None] != 0, acc / torch.where(l != 0, l, torch.ones_like(l))[..., None],
                     torch.zeros_like(acc))

@@ -160,6 +160,28 @@ def test_quantize_p_and_magic():
     assert torch.equal(f, i.float())
 
 
+def test_the_exact_int_to_float_rounds_once_and_keeps_the_loop_within_its_fp64_bound():
+    """``int_to_float="exact"`` (the Gluon kernel's I2F + FMUL): ``x s`` rounded once, where the magic-number form's
+    ``-(C s)`` is itself rounded (~0.75 |s| off); the loop on it stays within test_reference_vs_fp64's bound."""
+    x = torch.tensor([-(1 << 21) + 3, -5, 0, 7, 123457], dtype=torch.float32)
+    s = torch.tensor([3.3e-4, 1.7e-3, 0.9, 2.1e-2, 7.7e-5])
+    assert torch.equal(R.i32_scaled(x, s, "exact"), (x.double() * s.double()).float())
+    magic_err = (R.i32_scaled(x, s).double() - x.double() * s.double()).abs()
+    assert torch.all(magic_err <= 0.75 * s.double() + 1e-6 * (x.double() * s.double()).abs())
+    b, hq, hk, lq, lk, d = 1, 4, 2, 63, 111, 64
+    q, k, v = make_qkv(b, hq, hk, lq, lk, d)
+    q8, sq = R.quantize_per_token(q, scale=d ** -0.5 * R.LOG2E)
+    k8, sk = R.quantize_per_token(k, smooth=R.k_smooth_mean(k))
+    v8t, sv = R.quantize_v_blocks(v, 16)
+    exact = R.attention_fp64(q, k, v, causal=True)
+    outs = {m: R.int8_flash_attention(q8, sq, k8, sk, v8t, sv, causal=True, out_dtype=torch.float32, int_to_float=m)
+            for m in R.INT_TO_FLOAT_MODES}
+    assert rel_l2(outs["exact"], exact) <= 3e-2
+    assert not torch.equal(outs["exact"], outs["magic"])  # the switch reaches both conversions
+    with pytest.raises(ValueError, match="int_to_float"):
+        R.int8_flash_attention(q8, sq, k8, sk, v8t, sv, int_to_float="i2f")
+
+
 def test_sas_reference_vs_exp2():
     x = -torch.linspace(0, 9, 100001)
     thr2 = 6.0 * R.LOG2E
