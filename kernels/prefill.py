@@ -132,11 +132,12 @@ _GPU_CONFIGS = {
 _INTERPRET_CONFIG = (32, 1, 1)
 _GPU_BLOCK_N = (32, 64, 128)
 _INTERPRET_BLOCK_N = (16, 32, 64, 128)
-#: which INT8 kernel runs the attention: "portable" (``_int8_attn_fwd_kernel``, every GPU) or "hopper" (the Gluon
-#: kernel of ``prefill_hopper`` on sm_90 where it takes the call, the portable one elsewhere). Opt-in
-#: (``TURBO_PREFILL_KERNEL=hopper``): 0.88-1.09x the portable kernel on an H200 so far (issue 20, PERF_NOTES s35).
-PREFILL_KERNELS = ("portable", "hopper")
-_KERNEL = [os.environ.get("TURBO_PREFILL_KERNEL", "portable")]
+#: which INT8 kernel runs the attention (``TURBO_PREFILL_KERNEL``): "portable" (``_int8_attn_fwd_kernel``, every
+#: GPU), "hopper" (the Gluon kernel of ``prefill_hopper`` on sm_90 where it takes the call, the portable one
+#: elsewhere) or "auto" (default: "hopper", the faster of the two wherever both run: 1.01-1.20x the portable kernel
+#: on an H200 at head_dim 64 and 128, L 4k-16k, PERF_NOTES session 45)
+PREFILL_KERNELS = ("auto", "portable", "hopper")
+_KERNEL = [os.environ.get("TURBO_PREFILL_KERNEL", "auto")]
 
 
 # ------------------------------------------------------------------------------------------ kernel
@@ -650,7 +651,7 @@ def int8_flash_attention(q8, sq, k8, sk, v8t, sv, *, causal=True, window=None, s
     out = _check_out(out, (b, lq, hq, d), out_dtype, q8.device)
     choice = kernel_choice() if _kernel is None else _kernel
     why = hopper_takes(q8.device, d, block_n, window=window, softcap=softcap, key_valid=key_valid, softmax=softmax,
-                       p_scale=p_scale) if choice == "hopper" else "not chosen"
+                       p_scale=p_scale) if choice != "portable" else "not chosen"
     if _kernel == "hopper" and why:
         raise ValueError(f"the Hopper prefill kernel cannot run this call: {why}; use _kernel='portable'")
     if lq == 0 or b * hq == 0:
@@ -807,7 +808,7 @@ class _AttnPlan:
                                use_sas=softmax == "sas", thr2=float(sas_threshold) * LOG2E,
                                block_p=p_scale == "block", Lk=lk, block_n=block_n)
         self.memo = ({}, {}, {})
-        self.hopper = kernel_choice() == "hopper" and not hopper_takes(
+        self.hopper = kernel_choice() != "portable" and not hopper_takes(
             dev, d, block_n, window=window, softcap=softcap, key_valid=key_valid, softmax=softmax, p_scale=p_scale)
 
     def run(self, q, k, v, key_valid, out, k_mean, qk_smooth=None):

@@ -51,7 +51,7 @@ HEAD_DIMS = (64, 128)
 #: ring slots of K/V tiles per head dim (32 KB a slot at d 128)
 _STAGES = {64: 4, 128: 3}
 #: the kernel's schedule switches (``launch_ws`` keywords) and their defaults; the kernel takes them as one bit set
-SCHEDULE = {"rowsum_mma": True, "i2f": False, "pv_parts": 4}
+SCHEDULE = {"rowsum_mma": True, "i2f": False, "pv_parts": 4, "keys_permuted": False}
 #: registers per thread of the second consumer and the producer (setmaxnreg); the default partition is consumer 0
 _WORKER_REGS = (232, 40)
 
@@ -73,7 +73,7 @@ if HAVE_GLUON:
     _MAGIC_BITS = gl.constexpr(MAGIC_BITS)
     _GAP = gl.constexpr(P_BLOCK_GAP)
     _SQ_MIN = gl.constexpr(SQ_MIN)
-    _ROWSUM_MMA, _I2F = gl.constexpr(1), gl.constexpr(2)  # FLAGS' bits
+    _ROWSUM_MMA, _I2F, _KEYS_PERMUTED = gl.constexpr(1), gl.constexpr(2), gl.constexpr(4)  # FLAGS' bits
     _PART0 = gl.constexpr(0)  # consumer partitions' PART: partition arguments must be constexpr objects
     _PART1 = gl.constexpr(1)
 
@@ -168,13 +168,17 @@ if HAVE_GLUON:
         return gl.convert_layout(pbits.to(gl.int8), p_l), r, l_i, m_new, c_new
 
     @gluon.jit
-    def _issue_pv(t, sq, c_safe, v_tile, ones_smem, start, pv, rs, p_l: gl.constexpr, USE_ACC: gl.constexpr):
+    def _issue_pv(t, sq, c_safe, v_tile, ones_smem, start, pv, rs, p_l: gl.constexpr, USE_ACC: gl.constexpr,
+                  FLAGS: gl.constexpr):
         """P's codes of the keys [start, start + width) of a block (their scaled scores ``t``) and their P.V and row
         sums issued onto ``pv`` / ``rs`` (a new sum unless USE_ACC), not waited for."""
         row_t: gl.constexpr = gl.SliceLayout(1, t.type.layout)
         p8 = _codes(t, gl.convert_layout(sq, row_t), gl.convert_layout(c_safe, row_t)).to(gl.int8)
-        p8 = gl.convert_layout(p8, p_l)
         W: gl.constexpr = t.shape[1]
+        if FLAGS & _KEYS_PERMUTED:
+            BM: gl.constexpr = t.shape[0]
+            p8 = p8.reshape([BM, W // 32, 2, 2, 4, 2]).permute(0, 1, 2, 4, 3, 5).reshape([BM, W])
+        p8 = gl.convert_layout(p8, p_l)
         pv = warpgroup_mma(p8, v_tile.slice(start, W, dim=1).permute((1, 0)), pv, use_acc=USE_ACC, is_async=True)
         rs = warpgroup_mma(p8, ones_smem.slice(start, W, dim=1).permute((1, 0)), rs, use_acc=USE_ACC, is_async=True)
         return pv, rs
@@ -199,14 +203,14 @@ if HAVE_GLUON:
         if PV_PARTS == 4:
             Q: gl.constexpr = H // 2
             a, b = _split_halves(t_lo)
-            pv, rs = _issue_pv(a, sq, c_safe, v_tile, ones_smem, 0, o_zero, n8_zero, p_l, False)
-            pv, rs = _issue_pv(b, sq, c_safe, v_tile, ones_smem, Q, pv, rs, p_l, True)
+            pv, rs = _issue_pv(a, sq, c_safe, v_tile, ones_smem, 0, o_zero, n8_zero, p_l, False, FLAGS)
+            pv, rs = _issue_pv(b, sq, c_safe, v_tile, ones_smem, Q, pv, rs, p_l, True, FLAGS)
             a, b = _split_halves(t_hi)
-            pv, rs = _issue_pv(a, sq, c_safe, v_tile, ones_smem, H, pv, rs, p_l, True)
-            pv, rs = _issue_pv(b, sq, c_safe, v_tile, ones_smem, H + Q, pv, rs, p_l, True)
+            pv, rs = _issue_pv(a, sq, c_safe, v_tile, ones_smem, H, pv, rs, p_l, True, FLAGS)
+            pv, rs = _issue_pv(b, sq, c_safe, v_tile, ones_smem, H + Q, pv, rs, p_l, True, FLAGS)
         else:
-            pv, rs = _issue_pv(t_lo, sq, c_safe, v_tile, ones_smem, 0, o_zero, n8_zero, p_l, False)
-            pv, rs = _issue_pv(t_hi, sq, c_safe, v_tile, ones_smem, H, pv, rs, p_l, True)
+            pv, rs = _issue_pv(t_lo, sq, c_safe, v_tile, ones_smem, 0, o_zero, n8_zero, p_l, False, FLAGS)
+            pv, rs = _issue_pv(t_hi, sq, c_safe, v_tile, ones_smem, H, pv, rs, p_l, True, FLAGS)
         # waited here: an MMA in flight across the caller's masked / unmasked branch makes ptxas serialize every wgmma
         pv, rs = warpgroup_mma_wait(0, deps=(pv, rs))
         if MASKED and not IS_CAUSAL:  # as _softmax's tail block
@@ -422,7 +426,8 @@ def schedule_constexprs(**schedule) -> dict:
         raise ValueError(f"pv_parts={on['pv_parts']!r}: 1, 2 or 4 (an int8 wgmma takes 32 keys or more)")
     if on["pv_parts"] > 1 and not on["rowsum_mma"]:
         raise ValueError("pv_parts > 1 needs rowsum_mma (P's row sums on the tensor cores, in parts as P.V is)")
-    return dict(FLAGS=(1 if on["rowsum_mma"] else 0) | (2 if on["i2f"] else 0), PV_PARTS=int(on["pv_parts"]))
+    return dict(FLAGS=(1 if on["rowsum_mma"] else 0) | (2 if on["i2f"] else 0) | (4 if on["keys_permuted"] else 0),
+                PV_PARTS=int(on["pv_parts"]))
 
 
 def ws_spec(q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, worker_regs=None, **schedule):
@@ -441,9 +446,23 @@ def ws_spec(q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, worker_regs=
     return grid, scalars, kw
 
 
-def launch_ws(q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, worker_regs=None, **schedule):
+def mma_key_order(n: int) -> torch.Tensor:
+    """``idx`` such that ``v8t[..., idx]`` holds V's keys in the order the P.V operand's registers take them
+    (``keys_permuted``): within each 32 keys, slot 16h + 4c + 2e + b holds key 16h + 8e + 2c + b, so the int8 codes of
+    P a thread holds in the score accumulator (keys 8i + 2c, +1) are already its A-operand bytes (4 keys 4c..4c+3
+    of each 16) and need no lane shuffle. ``n`` a multiple of 32."""
+    k = torch.arange(n)
+    w = k % 32
+    return k - w + (w & 0x11) + ((w & 0xC) >> 1) + ((w & 0x2) << 2)
+
+
+def launch_ws(q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, worker_regs=None, v8t_in_mma_order=False,
+              **schedule):
     """Run the kernel (CUDA sm_90; ``int8_flash_attention`` checks the operands' shapes and dtypes). ``schedule``:
-    ``SCHEDULE``'s switches, ``worker_regs``: (consumer, producer) registers, for the A/B (PERF_NOTES)."""
+    ``SCHEDULE``'s switches, ``worker_regs``: (consumer, producer) registers, for the A/B (PERF_NOTES).
+    ``v8t_in_mma_order``: v8t's keys are already in ``mma_key_order`` (else, with ``keys_permuted``, a copy is)."""
+    if schedule.get("keys_permuted", SCHEDULE["keys_permuted"]) and not v8t_in_mma_order:
+        v8t = v8t[..., mma_key_order(v8t.shape[-1]).to(v8t.device)]
     q8, k8, v8t, sk, sv = (_tma_operand(t) for t in (q8, k8, v8t, sk, sv))
     if sk.shape[2] % 4:  # rows of whole 16-byte units (1-D TMA copies start aligned); the pad is never read as a key
         sk = torch.nn.functional.pad(sk, (0, 4 - sk.shape[2] % 4))

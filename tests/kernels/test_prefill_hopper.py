@@ -92,7 +92,8 @@ def test_each_kernel_matches_the_twin_of_its_int_to_float_conversion(case):
 
 
 #: schedules that reorder or regroup the same operations: bit for bit the default schedule's output
-EXACT_SCHEDULES = [dict(pv_parts=1), dict(pv_parts=1, rowsum_mma=False), dict(pv_parts=2), dict(worker_regs=(240, 24))]
+EXACT_SCHEDULES = [dict(pv_parts=1), dict(pv_parts=1, rowsum_mma=False), dict(pv_parts=2), dict(worker_regs=(240, 24)),
+                   dict(keys_permuted=True), dict(keys_permuted=True, pv_parts=2), dict(keys_permuted=True, pv_parts=1)]
 
 
 @pytest.mark.gpu
@@ -108,6 +109,17 @@ def test_every_exact_schedule_gives_the_same_output(case, schedule):
                                      dtype=torch.bfloat16), causal=causal, Lk=lk, **sch)
             for sch in ({}, schedule)]
     assert torch.equal(outs[0], outs[1])
+
+
+def test_the_mma_key_order_puts_a_threads_score_keys_in_its_operand_slots():
+    """Slot k = 16h + 4c + 2e + b of every 32 holds key 16h + 8e + 2c + b: the keys lane c holds in the score
+    accumulator (2c, 2c + 1, 8 + 2c, ...), in order, are the A-operand slots it holds (4c..4c+3, 16 + 4c..)."""
+    idx = prefill_hopper.mma_key_order(96)
+    assert sorted(idx.tolist()) == list(range(96))
+    for c in range(4):
+        acc_keys = [8 * i + 2 * c + e for i in range(4) for e in range(2)]
+        slots = [16 * h + 4 * c + j for h in range(2) for j in range(4)]
+        assert [int(idx[32 + s]) - 32 for s in slots] == acc_keys
 
 
 def test_schedule_switches_are_checked():
