@@ -9,12 +9,13 @@ Providers, timed in the same process with ``triton.testing.do_bench`` (median, 2
   sdpa_cudnn    torch SDPA, cuDNN backend (``sdpa_kernel(SDPBackend.CUDNN_ATTENTION)``)
   sdpa_flash    torch SDPA, FlashAttention-2 backend (``SDPBackend.FLASH_ATTENTION``)
   sage          SageAttention-1 ``sageattn`` (``sageattention==1.0.6``), when importable
-  turbo_exact   ``turbo_attention``: bf16 Q/K/V -> quantization -> INT8 kernel -> bf16 O, exact exp2
+  turbo_exact   ``turbo_attention``: bf16 Q/K/V -> quantization -> the portable INT8 kernel -> bf16 O, exact exp2
   turbo_sas     the same with SAS softmax
-  kernel_exact  ``int8_flash_attention`` alone, on operands quantized beforehand (kernel only)
+  kernel_exact  ``int8_flash_attention`` alone (portable kernel), on operands quantized beforehand (kernel only)
   kernel_sas    the same with SAS softmax
-  turbo_hopper  ``turbo_exact`` with the Gluon Hopper kernel (``TURBO_PREFILL_KERNEL=hopper``; sm_90, issue 20)
-  kernel_hopper ``kernel_exact`` on the Gluon Hopper kernel
+  turbo_hopper  ``turbo_exact`` with the Gluon Hopper kernel (``TURBO_PREFILL_KERNEL=hopper``, the default
+                ``auto`` on sm_90; issue 20)
+  kernel_hopper ``prefill_hopper.launch_ws`` alone, V quantized in its operand order (as turbo_attention does)
 TFLOP/s = 4·b·h·L²·d / time (halved when causal) for every provider (INT8 "TOPS" for turbo, the same count).
 Each turbo output is checked against sdpa_flash (relative L2 error, column ``err``).
 Writes ``<out>/bench_prefill.json`` (rows + machine line + formulas) and, with matplotlib, a PNG.
@@ -59,6 +60,7 @@ def rel_l2(a, b) -> float:
 
 def make_providers(q, k, v, causal: bool, names, dry_run: bool = False) -> dict[str, Callable]:
     """Provider name -> zero-argument callable returning ``o [b, L, H, d]``; unavailable ones are skipped."""
+    import torch
     import torch.nn.functional as F
 
     from turbo_attn_hf.kernels import prefill, quant, reference
@@ -91,14 +93,17 @@ def make_providers(q, k, v, causal: bool, names, dry_run: bool = False) -> dict[
                 out["sage"] = lambda: sageattn(q, k, v, tensor_layout="HND", is_causal=causal).transpose(1, 2)
             except Exception:  # noqa: BLE001 - not installed / no kernel for this GPU
                 pass
+    def turbo(m, kernel):
+        def run():
+            with prefill.chosen_kernel(kernel):
+                return prefill.turbo_attention(q, k, v, causal=causal, softmax=m)
+        return run
+
     for m in ("exact", "sas"):
         if f"turbo_{m}" in names:
-            out[f"turbo_{m}"] = (lambda m=m: prefill.turbo_attention(q, k, v, causal=causal, softmax=m))
+            out[f"turbo_{m}"] = turbo(m, "portable")
     if "turbo_hopper" in names:
-        def turbo_hopper():
-            with prefill.chosen_kernel("hopper"):
-                return prefill.turbo_attention(q, k, v, causal=causal)
-        out["turbo_hopper"] = turbo_hopper
+        out["turbo_hopper"] = turbo("exact", "hopper")
     if any(n.startswith("kernel_") for n in names):
         d = q.shape[-1]
         q8, sq = quant.quantize_per_token(q, scale=d ** -0.5 * reference.LOG2E)
@@ -112,11 +117,20 @@ def make_providers(q, k, v, causal: bool, names, dry_run: bool = False) -> dict[
             if f"kernel_{m}" in names:
                 out[f"kernel_{m}"] = (lambda m=m: prefill.int8_flash_attention(
                     q8, sq, k8, sk, v8t, sv, causal=causal, softmax=m, Lk=L, out_dtype=q.dtype,
-                    block_n=bn if by_channel else None))
-        if "kernel_hopper" in names:
-            out["kernel_hopper"] = lambda: prefill.int8_flash_attention(
-                q8, sq, k8, sk, v8t, sv, causal=causal, Lk=L, out_dtype=q.dtype, block_n=bn if by_channel else None,
-                _kernel="hopper")
+                    block_n=bn if by_channel else None, _kernel="portable"))
+        if "kernel_hopper" in names and not by_channel:  # V quantized in its operand order, as turbo_attention does
+            from turbo_attn_hf.kernels import prefill_hopper
+
+            why = prefill.hopper_takes(q.device, d, bn, window=None, softcap=None, key_valid=None, softmax="exact",
+                                       p_scale="block")
+            v8m = quant.quantize_v_blocks(v, bn, mma_order=True)[0]
+            o = torch.empty(q.shape[0], L, q.shape[1], d, dtype=q.dtype, device=q.device)
+
+            def kernel_hopper():
+                if why:
+                    raise ValueError(f"the Hopper prefill kernel cannot run this call: {why}")
+                return prefill_hopper.launch_ws(q8, sq, k8, sk, v8m, sv, o, causal=causal, Lk=L, v8t_in_mma_order=True)
+            out["kernel_hopper"] = kernel_hopper
     return {n: out[n] for n in names if n in out}
 
 

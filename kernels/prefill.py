@@ -800,7 +800,10 @@ class _AttnPlan:
                             and tuple(k_mean.shape) == (b, hk, d) and k_mean.stride() == self.mean_stride)
         scale = d ** -0.5 if scale is None else float(scale)
         self.qk = _qk_spec(q, k, scale * LOG2E, 1.0, smb, smh, self.smooth, rotate_qk, has_factor)
-        self.v = _v_spec(v, block_n, hk * lk, lk, self.channel, True)  # poison: sk [b, hk, lk], contiguous
+        self.hopper = kernel_choice() != "portable" and not hopper_takes(
+            dev, d, block_n, window=window, softcap=softcap, key_valid=key_valid, softmax=softmax, p_scale=p_scale)
+        # poison: sk [b, hk, lk], contiguous; the Gluon kernel takes V's keys in its operand order
+        self.v = _v_spec(v, block_n, hk * lk, lk, self.channel, True, mma_order=self.hopper)
         kv, stride_kvb = _key_valid_arg(key_valid, q)
         self.kv_arg = key_valid is not None
         self.attn = _attn_spec(q8, sq, k8, sk, v8t, sv, out if out is not None else o, stride_kvb, causal=causal,
@@ -808,8 +811,6 @@ class _AttnPlan:
                                use_sas=softmax == "sas", thr2=float(sas_threshold) * LOG2E,
                                block_p=p_scale == "block", Lk=lk, block_n=block_n)
         self.memo = ({}, {}, {})
-        self.hopper = kernel_choice() != "portable" and not hopper_takes(
-            dev, d, block_n, window=window, softcap=softcap, key_valid=key_valid, softmax=softmax, p_scale=p_scale)
 
     def run(self, q, k, v, key_valid, out, k_mean, qk_smooth=None):
         dev = self.device
@@ -844,7 +845,8 @@ class _AttnPlan:
         lean(_quant_v_kernel).launch_memo(memo_v, dev_key, grid, (v, amax, v8t, sv, sk), scalars, kw, hooks)
         grid, scalars, kw = self.attn
         if self.hopper:
-            return prefill_hopper.launch_ws(q8, sq, k8, sk, v8t, sv, out, causal=kw["IS_CAUSAL"], Lk=scalars[1])
+            return prefill_hopper.launch_ws(q8, sq, k8, sk, v8t, sv, out, causal=kw["IS_CAUSAL"], Lk=scalars[1],
+                                            v8t_in_mma_order=True)
         lean(_int8_attn_fwd_kernel).launch_memo(memo_attn, dev_key, grid, (q8, sq, k8, sk, v8t, sv, kv, out),
                                                 scalars, kw, hooks)
         return out

@@ -51,7 +51,7 @@ HEAD_DIMS = (64, 128)
 #: ring slots of K/V tiles per head dim (32 KB a slot at d 128)
 _STAGES = {64: 4, 128: 3}
 #: the kernel's schedule switches (``launch_ws`` keywords) and their defaults; the kernel takes them as one bit set
-SCHEDULE = {"rowsum_mma": True, "i2f": False, "pv_parts": 4, "keys_permuted": False}
+SCHEDULE = {"rowsum_mma": True, "i2f": True, "pv_parts": 4, "keys_permuted": True}
 #: registers per thread of the second consumer and the producer (setmaxnreg); the default partition is consumer 0
 _WORKER_REGS = (232, 40)
 
@@ -165,7 +165,17 @@ if HAVE_GLUON:
             l_i = l_i + gl.sum(sk * 0.0, 0)
         if not FLAGS & _ROWSUM_MMA:
             l_i = l_i * r + (gl.sum(pbits, 1) - PSUM_BIAS).to(gl.float32)
-        return gl.convert_layout(pbits.to(gl.int8), p_l), r, l_i, m_new, c_new
+        return _operand(pbits.to(gl.int8), p_l, FLAGS), r, l_i, m_new, c_new
+
+    @gluon.jit
+    def _operand(p8, p_l: gl.constexpr, FLAGS: gl.constexpr):
+        """P's int8 codes [BM, W] (score-accumulator layout) as the P.V MMA's A operand; _KEYS_PERMUTED: in
+        ``mma_key_order`` (V^T's keys stored so), which is the accumulator's own register order."""
+        if FLAGS & _KEYS_PERMUTED:
+            BM: gl.constexpr = p8.shape[0]
+            W: gl.constexpr = p8.shape[1]
+            p8 = p8.reshape([BM, W // 32, 2, 2, 4, 2]).permute(0, 1, 2, 4, 3, 5).reshape([BM, W])
+        return gl.convert_layout(p8, p_l)
 
     @gluon.jit
     def _issue_pv(t, sq, c_safe, v_tile, ones_smem, start, pv, rs, p_l: gl.constexpr, USE_ACC: gl.constexpr,
@@ -175,10 +185,7 @@ if HAVE_GLUON:
         row_t: gl.constexpr = gl.SliceLayout(1, t.type.layout)
         p8 = _codes(t, gl.convert_layout(sq, row_t), gl.convert_layout(c_safe, row_t)).to(gl.int8)
         W: gl.constexpr = t.shape[1]
-        if FLAGS & _KEYS_PERMUTED:
-            BM: gl.constexpr = t.shape[0]
-            p8 = p8.reshape([BM, W // 32, 2, 2, 4, 2]).permute(0, 1, 2, 4, 3, 5).reshape([BM, W])
-        p8 = gl.convert_layout(p8, p_l)
+        p8 = _operand(p8, p_l, FLAGS)
         pv = warpgroup_mma(p8, v_tile.slice(start, W, dim=1).permute((1, 0)), pv, use_acc=USE_ACC, is_async=True)
         rs = warpgroup_mma(p8, ones_smem.slice(start, W, dim=1).permute((1, 0)), rs, use_acc=USE_ACC, is_async=True)
         return pv, rs

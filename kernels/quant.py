@@ -136,12 +136,14 @@ def _quant_token_rows(p_x, p_x8, p_s, b_mean, b_f, scale, o_t, L, stride_xl, str
 @triton.jit
 def _quant_v_block(p_x, p_amax, p_v8t, p_sv, p_poison, i_n, L, stride_xl, stride_xd, stride_vd,
                    HAS_AMAX: tl.constexpr, POISON: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-                   BN: tl.constexpr):
+                   BN: tl.constexpr, MMA_ORDER: tl.constexpr):
     """INT8 of V block ``i_n`` (BN tokens) of one head, per channel, written transposed: ``p_x`` its rows
     (any strides), ``p_v8t`` its ``[D, Lpad]`` codes (row stride ``stride_vd``; tokens >= L written as 0),
     ``p_sv`` its ``[Lpad // BN, D]`` scales; with HAS_AMAX the channel amax ``p_amax`` [D] over the whole
     sequence is used instead and block 0 writes the one row of scales. A token with a NaN/Inf is coded 0,
-    kept out of the block's scales, and (POISON) flagged as NaN in the key scales ``p_poison`` [L]."""
+    kept out of the block's scales, and (POISON) flagged as NaN in the key scales ``p_poison`` [L]. MMA_ORDER: each
+    32 tokens' columns in the Gluon prefill's P.V operand order (``prefill_hopper.mma_key_order``: token
+    16h + 8e + 2c + b at column 16h + 4c + 2e + b)."""
     o_t = i_n * BN + tl.arange(0, BN)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
@@ -161,7 +163,11 @@ def _quant_v_block(p_x, p_amax, p_v8t, p_sv, p_poison, i_n, L, stride_xl, stride
     b_safe = tl.where(b_amax > 0, b_amax, 1.0)
     b_inv = tl.where(b_amax > 0, tl.math.div_rn(tl.full([BD], 127.0, tl.float32), b_safe), 0.0)
     b_v8t = tl.trans(_to_int8_half_away_lim(b_x, b_inv[None, :], tl.where(b_bad, 0, 127)[:, None]))  # [BD, BN]
-    tl.store(p_v8t + o_d[:, None].to(tl.int64) * stride_vd + o_t[None, :], b_v8t, mask=m_d[:, None])
+    o_c = o_t
+    if MMA_ORDER:
+        w = o_t % 32
+        o_c = o_t - w + (w & 17) + ((w & 6) << 1) + ((w & 8) >> 2)
+    tl.store(p_v8t + o_d[:, None].to(tl.int64) * stride_vd + o_c[None, :], b_v8t, mask=m_d[:, None])
     b_sv = tl.math.div_rn(b_amax, tl.full([BD], 127.0, tl.float32))
     if HAS_AMAX:
         tl.store(p_sv + o_d, b_sv, mask=m_d & (i_n == 0))
@@ -201,7 +207,7 @@ def _quant_v_kernel(
     stride_sb, stride_sh,
     stride_pb, stride_ph,
     HAS_AMAX: tl.constexpr, POISON: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
-    VEC: tl.constexpr,
+    VEC: tl.constexpr, MMA_ORDER: tl.constexpr = False,
 ):
     """grid (Lpad // BN * b * H,). X [b, H, L, D] (b, H, L strides multiples of VEC) -> V8T [b, H, D, Lpad]
     (tokens contiguous; tokens >= L are 0), SV [b, H, Lpad // BN, D] = amax over the block's tokens / 127 per
@@ -215,7 +221,7 @@ def _quant_v_kernel(
     _quant_v_block(X + i_b * stride_xb + i_h * stride_xh, AMAX + i_bh.to(tl.int64) * D,
                    V8T + i_b * stride_vb + i_h * stride_vh, SV + i_b * stride_sb + i_h * stride_sh,
                    POISON_S + i_b * stride_pb + i_h * stride_ph, i_n, L, stride_xl, stride_xd, stride_vd,
-                   HAS_AMAX=HAS_AMAX, POISON=POISON, D=D, BD=BD, BN=BN)
+                   HAS_AMAX=HAS_AMAX, POISON=POISON, D=D, BD=BD, BN=BN, MMA_ORDER=MMA_ORDER)
 
 
 @triton.jit(do_not_specialize=["NQ", "LQ", "LK", "stride_qb", "stride_qh", "stride_ql", "stride_kb", "stride_kh",
@@ -365,17 +371,19 @@ def _qk_spec(q4: torch.Tensor, k4: torch.Tensor, q_scale: float, k_scale: float,
     return grid, scalars, kw
 
 
-def _v_spec(v: torch.Tensor, block: int, spb: int, sph: int, has_amax: bool, poison: bool):
+def _v_spec(v: torch.Tensor, block: int, spb: int, sph: int, has_amax: bool, poison: bool,
+            mma_order: bool = False):
     """(grid, scalars, kwargs) of ``_quant_v_kernel`` on ``v [b, h, L, d]`` into contiguous ``v8t [b, h, d, Lpad]``
-    and ``sv [b, h, nblk, d]`` (``nblk`` 1 with ``has_amax``)."""
+    and ``sv [b, h, nblk, d]`` (``nblk`` 1 with ``has_amax``); ``mma_order``: v8t's tokens in the Gluon prefill's
+    operand order (block a multiple of 32)."""
     b, h, L, d = v.shape
     nblk = max(1, -(-L // block))
     lpad = nblk * block
     ns = 1 if has_amax else nblk
     grid = (nblk * b * h,)
     scalars = (L, h, *v.stride(), h * d * lpad, d * lpad, lpad, h * ns * d, ns * d, spb, sph)
-    kw = dict(HAS_AMAX=has_amax, POISON=poison, D=d, BD=_pow2(d), BN=block, VEC=_vec(v), num_warps=4,
-              enable_fp_fusion=False)
+    kw = dict(HAS_AMAX=has_amax, POISON=poison, D=d, BD=_pow2(d), BN=block, VEC=_vec(v), MMA_ORDER=bool(mma_order),
+              num_warps=4, enable_fp_fusion=False)
     return grid, scalars, kw
 
 
@@ -463,23 +471,27 @@ def _check_v(v: torch.Tensor, block: int) -> None:
         raise ValueError(f"block={block} must be a power of two >= 16")
 
 
-def quantize_v_blocks(v: torch.Tensor, block: int = DEFAULT_BLOCK_N, *, poison: Optional[torch.Tensor] = None):
+def quantize_v_blocks(v: torch.Tensor, block: int = DEFAULT_BLOCK_N, *, poison: Optional[torch.Tensor] = None,
+                      mma_order: bool = False):
     """Per-block (``block`` tokens), per-channel symmetric INT8 of V, written transposed (one Triton pass).
 
     v: ``[b, H, L, d]`` fp16/bf16/fp32, any strides. Returns ``v8t int8 [b, H, d, Lpad]`` (tokens
     contiguous, Lpad = L rounded up to ``block``, padded tokens 0) and ``sv fp32 [b, H, Lpad // block, d]``.
     A token holding a NaN/Inf is coded 0 and left out of the scales; ``poison`` (the key scales ``sk``,
     fp32 ``[b, H, >= L]``) is set to NaN at those tokens, in place, so that the attention rows which see
-    them come out NaN (without ``poison`` the flag is dropped).
+    them come out NaN (without ``poison`` the flag is dropped). ``mma_order``: each 32 tokens' columns in the Gluon
+    prefill's operand order (``prefill_hopper.mma_key_order``; ``launch_ws(..., v8t_in_mma_order=True)``).
     """
     _check_v(v, block)
+    if mma_order and block % 32:
+        raise ValueError(f"mma_order needs a block of a multiple of 32 tokens; got {block}")
     b, h, L, d = v.shape
     nblk = max(1, -(-L // block))
     v8t = torch.empty(b, h, d, nblk * block, dtype=torch.int8, device=v.device)
     sv = torch.empty(b, h, nblk, d, dtype=torch.float32, device=v.device)
     ps, spb, sph = _poison_arg(poison, sv, b, h, L)
     if b * h > 0:
-        grid, scalars, kw = _v_spec(v, block, spb, sph, False, poison is not None)
+        grid, scalars, kw = _v_spec(v, block, spb, sph, False, poison is not None, mma_order)
         lean(_quant_v_kernel)[grid](v, sv, v8t, sv, ps, *scalars, **kw)
     return v8t, sv
 

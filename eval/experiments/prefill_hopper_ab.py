@@ -7,8 +7,9 @@ kernel's output (the same math: 0 expected). FA3 protocol shapes (16k tokens, hi
 
 A variant is ``hopper`` and the switches of ``prefill_hopper.launch_ws`` it sets, joined by ``+``: ``no<key>`` /
 ``<key>`` turn a boolean key of ``prefill_hopper.SCHEDULE`` off / on (``norowsum``: ``rowsum_mma`` off), ``pv<N>``
-sets ``pv_parts``, ``regs<C>_<P>`` the consumer / producer registers (``hopper+pv1+regs240_24``). The switches session 44 measured and removed
-(three consumer warpgroups) are in git at a158f56.
+sets ``pv_parts``, ``regs<C>_<P>`` the consumer / producer registers (``hopper+pv1+regs240_24``). Schedules measured
+and removed: three consumer warpgroups (git a158f56), the next block's Q.K^T beside P.V, the row max as a tree and Q.K^T
+in halves (git 2baef6d; PERF_NOTES session 45).
 """
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ def main(argv=None) -> int:
                 for name in a.variants.split(","):
                     kw = _schedule(name)
                     vt = v8t
-                    if kw.get("keys_permuted"):  # as the V pass would write it: the kernel timed alone
+                    if kw.get("keys_permuted", prefill_hopper.SCHEDULE["keys_permuted"]):  # as the V pass writes it
                         vt = v8t[..., prefill_hopper.mma_key_order(v8t.shape[-1]).to(v8t.device)].contiguous()
                         kw["v8t_in_mma_order"] = True
                     fns[name] = functools.partial(prefill_hopper.launch_ws, q8, sq, k8, sk, vt, sv, out,

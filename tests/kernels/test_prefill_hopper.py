@@ -4,6 +4,8 @@ CPU: the path choice and its refusals (the sm_90 compile: test_prefill_hopper_co
 sm_90): outputs against the portable INT8 kernel on the same operands, causal and not, GQA, ragged lengths, poisoned
 keys.
 """
+import os
+
 import pytest
 import torch
 
@@ -21,8 +23,10 @@ def _operands(b, hq, hk, lq, lk, d, device, seed=0, poison=()):
     return q8, sq, k8, sk, v8t, sv
 
 
-def test_the_portable_kernel_stays_the_default_and_hopper_refuses_what_it_cannot_run(monkeypatch):
+def test_auto_is_the_default_and_hopper_refuses_what_it_cannot_run(monkeypatch):
     assert prefill.kernel_choice() in prefill.PREFILL_KERNELS
+    if "TURBO_PREFILL_KERNEL" not in os.environ:
+        assert prefill.kernel_choice() == "auto"
     cpu = torch.device("cpu")
     assert prefill.hopper_takes(cpu, 128, 128, window=None, softcap=None, key_valid=None, softmax="exact",
                                 p_scale="block") == "not a CUDA device"
@@ -57,38 +61,28 @@ CASES = [  # b, hq, hk, lq, lk, d, causal
 @pytest.mark.gpu
 @sm90
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c)))
-def test_the_hopper_kernel_matches_the_portable_one(case):
-    b, hq, hk, lq, lk, d, causal = case
-    ops = _operands(b, hq, hk, lq, lk, d, "cuda", seed=lq + lk)
-    ref = prefill.int8_flash_attention(*ops, causal=causal, _kernel="portable").float()
-    out = prefill.int8_flash_attention(*ops, causal=causal, _kernel="hopper").float()
-    torch.cuda.synchronize()
-    assert out.isfinite().all()
-    diff = (out - ref).abs()
-    # the same integer dots, scales and softmax in the same order; the FMA contraction of the two compilers may
-    # round an fp32 step differently, which can move one p8 level
-    assert float(diff.max()) < 2e-2, float(diff.max())
-    assert float((diff > 0).float().mean()) < 0.05
-
-
-@pytest.mark.gpu
-@sm90
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c)))
-def test_each_kernel_matches_the_twin_of_its_int_to_float_conversion(case):
-    """``i2f`` (the Gluon kernel's int32 scores and P.V through I2F and one rounding of x s) against the reference with
-    ``int_to_float="exact"``, as the portable kernel (the magic-number form) is held to the reference's "magic"."""
+def test_each_kernel_matches_its_twin(case):
+    """The Gluon kernel (its defaults: int32 scores and P.V through I2F and one rounding of x s) against the reference
+    with ``int_to_float="exact"``, as the portable kernel (the magic-number form) is held to the reference's
+    "magic"; and the Gluon kernel without ``i2f`` is the portable kernel's math."""
     from test_prefill import assert_close, tol
 
     b, hq, hk, lq, lk, d, causal = case
     ops = _operands(b, hq, hk, lq, lk, d, "cuda", seed=lq + lk)
     cpu_ops = [t.cpu() for t in ops]
+    hopper = prefill.int8_flash_attention(*ops, causal=causal, _kernel="hopper")
     for mode, out in (("magic", prefill.int8_flash_attention(*ops, causal=causal, _kernel="portable")),
-                      ("exact", prefill_hopper.launch_ws(*ops, torch.empty(b, lq, hq, d, device="cuda",
-                                                                              dtype=torch.bfloat16),
-                                                         causal=causal, Lk=lk, i2f=True))):
+                      ("exact", hopper)):
         ref = reference.int8_flash_attention(*cpu_ops, causal=causal, Lk=lk, out_dtype=torch.float32,
                                              int_to_float=mode)
         assert_close(f"{mode} {case}", ref, out, *tol(torch.device("cuda"), torch.bfloat16))
+    assert hopper.isfinite().all()
+    magic = prefill_hopper.launch_ws(*ops, torch.empty(b, lq, hq, d, device="cuda", dtype=torch.bfloat16),
+                                     causal=causal, Lk=lk, i2f=False)
+    diff = (magic.float() - prefill.int8_flash_attention(*ops, causal=causal, _kernel="portable").float()).abs()
+    # the same integer dots, scales and softmax in the same order; the FMA contraction of the two compilers may
+    # round an fp32 step differently, which can move one p8 level
+    assert float(diff.max()) < 2e-2 and float((diff > 0).float().mean()) < 0.05
 
 
 #: schedules that reorder or regroup the same operations: bit for bit the default schedule's output

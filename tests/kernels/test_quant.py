@@ -213,6 +213,19 @@ def test_v_blocks_bit_exact(shape, block, dtype, layout, device, poisoned_empty)
     assert torch.all(sv[..., 0] == 0)
 
 
+def test_v_blocks_in_mma_order_are_the_natural_codes_permuted(device, poisoned_empty):
+    """``mma_order`` (the Gluon prefill's P.V operand order) writes the same codes and scales, each 32 tokens'
+    columns permuted by ``prefill_hopper.mma_key_order``; a block that is not a multiple of 32 is refused."""
+    from turbo_attn_hf.kernels.prefill_hopper import mma_key_order
+
+    v = _rand((1, 2, 100, 64), torch.bfloat16, device, seed=5)
+    v8t, sv = quant.quantize_v_blocks(v, 64)
+    p8t, psv = quant.quantize_v_blocks(v, 64, mma_order=True)
+    assert torch.equal(p8t.cpu(), v8t.cpu()[..., mma_key_order(v8t.shape[-1])]) and torch.equal(psv, sv)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quant.quantize_v_blocks(v, 16, mma_order=True)
+
+
 @pytest.mark.parametrize("shape,block,dtype", [c[:3] for c in V_CASES],
                          ids=[f"{'x'.join(map(str, s))}-B{b}" for s, b, _, _ in V_CASES])
 def test_v_channels_bit_exact(shape, block, dtype, device, poisoned_empty):
