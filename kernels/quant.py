@@ -163,11 +163,9 @@ def _quant_v_block(p_x, p_amax, p_v8t, p_sv, p_poison, i_n, L, stride_xl, stride
     b_safe = tl.where(b_amax > 0, b_amax, 1.0)
     b_inv = tl.where(b_amax > 0, tl.math.div_rn(tl.full([BD], 127.0, tl.float32), b_safe), 0.0)
     b_v8t = tl.trans(_to_int8_half_away_lim(b_x, b_inv[None, :], tl.where(b_bad, 0, 127)[:, None]))  # [BD, BN]
-    o_c = o_t
-    if MMA_ORDER:
-        w = o_t % 32
-        o_c = o_t - w + (w & 17) + ((w & 6) << 1) + ((w & 8) >> 2)
-    tl.store(p_v8t + o_d[:, None].to(tl.int64) * stride_vd + o_c[None, :], b_v8t, mask=m_d[:, None])
+    if MMA_ORDER:  # permuted in registers, so the store stays contiguous (16-byte stores, not byte scatter)
+        b_v8t = tl.reshape(tl.permute(tl.reshape(b_v8t, [BD, BN // 32, 2, 2, 4, 2]), [0, 1, 2, 4, 3, 5]), [BD, BN])
+    tl.store(p_v8t + o_d[:, None].to(tl.int64) * stride_vd + o_t[None, :], b_v8t, mask=m_d[:, None])
     b_sv = tl.math.div_rn(b_amax, tl.full([BD], 127.0, tl.float32))
     if HAS_AMAX:
         tl.store(p_sv + o_d, b_sv, mask=m_d & (i_n == 0))

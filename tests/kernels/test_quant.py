@@ -366,6 +366,8 @@ COMPILE_KERNELS = {
     "_quant_tokens_kernel": lambda x, block, mean: quant.quantize_per_token(x, smooth=mean),
     "_quant_v_kernel": lambda x, block, mean: quant.quantize_v_blocks(
         x, block, poison=torch.empty(x.shape[:3], device="meta")),  # as the prefill launches it
+    "_quant_v_kernel/mma_order": lambda x, block, mean: quant.quantize_v_blocks(  # as for the Gluon prefill
+        x, block, poison=torch.empty(x.shape[:3], device="meta"), mma_order=True),
     # the prefill's Q+K pass with rotate_qk: its +-1 Hadamard dots (smooth: two bf16 terms; bf16 plain: one)
     "_quant_qk_kernel": lambda x, block, mean: quant.quantize_qk(
         x, x, smooth=mean, rotate=True,
@@ -380,6 +382,7 @@ def _compile_sm90(kernel_name, d, block, dtype, layout, smooth):
     import triton
     from triton.backends.compiler import GPUTarget
 
+    kernel_name, variant = kernel_name.split("/")[0], kernel_name
     kernel, calls = getattr(quant, kernel_name), []
 
     class Recorder:
@@ -394,7 +397,7 @@ def _compile_sm90(kernel_name, d, block, dtype, layout, smooth):
         x = torch.empty(2, 16, 4096, d, dtype=dt, device="meta")
         if layout == "hf":
             x = torch.empty(2, 4096, 16, d, dtype=dt, device="meta").transpose(1, 2)
-        COMPILE_KERNELS[kernel_name](x, block, torch.empty(2, 16, d, device="meta") if smooth else None)
+        COMPILE_KERNELS[variant](x, block, torch.empty(2, 16, d, device="meta") if smooth else None)
     finally:
         setattr(quant, kernel_name, kernel)
         quant._check_device = check
@@ -425,7 +428,7 @@ def _compile_sm90(kernel_name, d, block, dtype, layout, smooth):
 def test_quant_kernels_compile_for_sm90():
     """Both kernels of the prefill's K and V passes go through the real pipeline (TTIR -> PTX -> cubin) for sm_90,
     and their HF-layout loads are 16-byte vectors (the VEC stride hint; without it every bf16 element is a 2-byte
-    load)."""
+    load); V's codes are stored as vectors in both key orders."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, __file__, json.dumps(COMPILE_CASES)], env=env, capture_output=True,
                           text=True, timeout=600)
@@ -440,6 +443,8 @@ def test_quant_kernels_compile_for_sm90():
         f"{k}: {v}" for k, v in failed.items())
     for case, loads in out["results"].items():
         assert loads["scalar"] == 0 and loads["vector"] > 0, f"{case}: global loads {loads}"
+        if case.startswith("_quant_v_kernel"):  # V's codes leave in vectors (the mma order permutes registers)
+            assert loads["byte_stores"] == 0, f"{case}: {loads['byte_stores']} byte stores of V's codes"
 
 
 def _compile_main(cases):
@@ -464,7 +469,8 @@ def _compile_main(cases):
             try:
                 ptx = _compile_sm90(kernel_name, *c)
                 # tile loads: v4 = 16 bytes; 2-byte (b16) loads of a bf16/fp16 tile would mean the VEC hint is lost
-                res[key] = {"vector": ptx.count("ld.global.v4"), "scalar": ptx.count("ld.global.b16")}
+                res[key] = {"vector": ptx.count("ld.global.v4"), "scalar": ptx.count("ld.global.b16"),
+                            "byte_stores": ptx.count("st.global.b8")}
             except Exception as e:  # noqa: BLE001 - report every failing case, not only the first
                 res[key] = f"{type(e).__name__}: {str(e)[-600:]}"
     print(json.dumps({"results": res}))
