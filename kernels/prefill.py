@@ -601,7 +601,8 @@ def int8_flash_attention(q8, sq, k8, sk, v8t, sv, *, causal=True, window=None, s
     ``block_n``, default 64, which must divide Lpad). Lk: number of real keys (default k8.shape[2]).
     Returns ``o [b, Lq, Hq, d]`` in ``out_dtype`` (written into ``out`` if given). Other arguments: see
     ``turbo_attention``. ``_config=(BLOCK_M, num_warps, num_stages)`` overrides the tile table; ``_kernel``
-    ("portable" / "hopper") overrides ``TURBO_PREFILL_KERNEL``, and "hopper" raises where that kernel cannot run.
+    ("auto" / "portable" / "hopper") overrides ``TURBO_PREFILL_KERNEL``, and "hopper" raises where that kernel cannot
+    run.
     """
     _check_device(q8, "q8")
     for name, t, dt in (("q8", q8, torch.int8), ("k8", k8, torch.int8), ("v8t", v8t, torch.int8),

@@ -1,16 +1,20 @@
 """INT8 flash-attention forward for Hopper (sm_90) in Gluon: warp-specialized, TMA-fed, two consumer warpgroups.
 
-The same quantized math as ``prefill._int8_attn_fwd_kernel`` (INT-FlashAttention with block-scaled P, the magic
-number conversions, ``reference.int8_flash_attention`` is the twin of both), on the same operands
-(``q8 [b, Hq, Lq, d]``, ``sq``, ``k8 [b, Hk, Lk, d]``, ``sk``, ``v8t [b, Hk, d, Lpad]``, ``sv``), split into
+The quantized math of ``prefill._int8_attn_fwd_kernel`` (INT-FlashAttention with block-scaled P) on the same operands
+(``q8 [b, Hq, Lq, d]``, ``sq``, ``k8 [b, Hk, Lk, d]``, ``sk``, ``v8t [b, Hk, d, Lpad]``, ``sv``), its int32 dots
+converted by I2F and one rounding of ``x * s`` (``i2f``; twin: ``reference.int8_flash_attention(...,
+int_to_float="exact")``; without it, the portable kernel's magic-number FMA and its output bit for bit), split into
 warp-specialized partitions as FlashAttention-3 is on Hopper (issue 20):
 - a producer partition (one warpgroup, few registers) copies the Q tile once and each KV block's K and V^T tiles
   into a ring of shared-memory slots with TMA, guarded by ``ready`` / ``empty`` mbarriers;
 - two consumer warpgroups own 64 query rows each of a 128-row tile and share every slot: each runs ``IGMMA`` Q.K^T,
-  the online softmax and ``IGMMA`` P.V on its rows in order; the warp schedulers interleave the two halves.
-Measured on an H200 (PERF_NOTES session 35): bit for bit the portable kernel's output, at 0.88-1.09x its speed. The
-loop is bound by its per-element ALU work, not by MMA issue: FA3's schedules (the next Q.K^T before the softmax, the
-halves taking turns) were slower here. The kernel is the base for cutting that work (issue 20); it is opt-in.
+  the online softmax and ``IGMMA`` P.V on its rows in order, P.V in ``pv_parts`` MMAs over the block's keys, each
+  issued as soon as its codes are ready; the warp schedulers interleave the two halves.
+With ``keys_permuted`` V^T's keys are stored in ``mma_key_order`` (the V pass writes them so), which makes P's codes
+in the score accumulator's registers the P.V operand's own, without lane shuffles. Measured on an H200 (PERF_NOTES
+session 45): 1.01-1.20x the portable kernel, 0.87-1.03x cuDNN's bf16 attention at d 128 (kernel alone). FA3's
+schedules that hold a second score tile (the next Q.K^T beside the softmax or the fold) spill or are slower here,
+as are three consumer warpgroups (sessions 35, 44, 45); ``SCHEDULE`` holds the switches that are kept.
 Why Gluon: ``tl.dot`` gives neither the producer/consumer split nor async wgmma control (``eval/PERF_NOTES.md``,
 prefill rows 1-15; DESIGN.md §8). Gluon's API moves between Triton releases, so the path is gated on the versions
 it was compiled and tested with (``TESTED_TRITON``) and the portable kernel stays the fallback for everything
@@ -40,7 +44,8 @@ try:  # Gluon is experimental: a Triton without it (or with another API) keeps t
 except ImportError:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
-__all__ = ["HAVE_GLUON", "TESTED_TRITON", "PART_M", "BLOCK_N", "HEAD_DIMS", "supports", "gluon_available", "launch_ws"]
+__all__ = ["HAVE_GLUON", "TESTED_TRITON", "PART_M", "BLOCK_N", "HEAD_DIMS", "SCHEDULE", "supports", "gluon_available",
+           "schedule_constexprs", "mma_key_order", "launch_ws"]
 
 #: Triton releases this kernel was compiled (CPU test) and run with; another release falls back to the portable kernel
 TESTED_TRITON = ("3.6",)
@@ -50,7 +55,8 @@ BLOCK_N = 128
 HEAD_DIMS = (64, 128)
 #: ring slots of K/V tiles per head dim (32 KB a slot at d 128)
 _STAGES = {64: 4, 128: 3}
-#: the kernel's schedule switches (``launch_ws`` keywords) and their defaults; the kernel takes them as one bit set
+#: the kernel's schedule switches (``launch_ws`` keywords) and their defaults (PERF_NOTES session 45): P's row sums on
+#: the tensor cores, I2F conversions, P.V in 4 MMAs, V's keys in the operand order; the kernel takes FLAGS + PV_PARTS
 SCHEDULE = {"rowsum_mma": True, "i2f": True, "pv_parts": 4, "keys_permuted": True}
 #: registers per thread of the second consumer and the producer (setmaxnreg); the default partition is consumer 0
 _WORKER_REGS = (232, 40)
@@ -254,10 +260,10 @@ if HAVE_GLUON:
                   PART: gl.constexpr, IS_CAUSAL: gl.constexpr, PSUM_BIAS: gl.constexpr, FLAGS: gl.constexpr,
                   PV_PARTS: gl.constexpr):
         """Rows [i_m * 128 + 64 PART, +64) of one (b, head): the portable kernel's program of BLOCK_M 64, block by
-        block Q.K^T, softmax, P.V, each waited for where it is issued (the schedules that overlap them within or
-        across the parts, or add a third consumer, were slower or no faster: PERF_NOTES sessions 35 and 44).
-        ROWSUM_MMA: P's row sums (l's increments) by an m64n8 IGMMA of P with a tile of ones (``ones_smem``) issued
-        beside P.V, instead of ~64 integer adds a thread and block: the same int32 sums."""
+        block Q.K^T, softmax, P.V (in PV_PARTS MMAs: ``_block_in_parts``), waited for within the block (the
+        schedules that overlap blocks, or add a third consumer, were slower or no faster: PERF_NOTES sessions 35,
+        44, 45). _ROWSUM_MMA: P's row sums (l's increments) by an m64n8 IGMMA of P with a tile of ones
+        (``ones_smem``) issued beside P.V, instead of ~64 integer adds a thread and block: the same int32 sums."""
         BM: gl.constexpr = q_smem.shape[1]
         PARTS: gl.constexpr = q_smem.shape[0]
         D: gl.constexpr = q_smem.shape[2]

@@ -78,13 +78,16 @@ def info() -> int:
 
     try:  # an invalid setting is an error at the first prefill; here it is shown
         choice = prefill.kernel_choice()
+        dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        why = prefill.hopper_takes(dev, 128, prefill_hopper.BLOCK_N, window=None, softcap=None, key_valid=None,
+                                   softmax="exact", p_scale="block") if choice != "portable" else "not chosen"
+        here = "hopper" if not why else f"portable ({why})"
     except ValueError as e:
-        choice = str(e)
-    print(f"INT8 prefill kernel: {choice} (TURBO_PREFILL_KERNEL: {', '.join(prefill.PREFILL_KERNELS)}; "
-          f"hopper = the Gluon sm_90 kernel, head_dim {'/'.join(map(str, prefill_hopper.HEAD_DIMS))}, Triton "
-          f"{'/'.join(prefill_hopper.TESTED_TRITON)}: "
-          f"{'available' if prefill_hopper.gluon_available() else 'unavailable'}"
-          " here)")
+        choice, here = str(e), "-"
+    print(f"INT8 prefill kernel: {choice} (TURBO_PREFILL_KERNEL: {', '.join(prefill.PREFILL_KERNELS)}; auto = hopper, "
+          f"the Gluon kernel, on sm_90 with Triton {'/'.join(prefill_hopper.TESTED_TRITON)} for head_dim "
+          f"{'/'.join(map(str, prefill_hopper.HEAD_DIMS))} without window, softcap, padding mask or SAS, portable "
+          f"elsewhere); here at head_dim 128: {here}")
     from turbo_attn_hf.config import QK_NORM_MODEL_TYPES
 
     print(f"packed K (packed_k_bits auto): INT8 K + packed V for q/k-norm families ({', '.join(QK_NORM_MODEL_TYPES)}), "

@@ -1,8 +1,8 @@
 """The Gluon Hopper prefill kernel (kernels/prefill_hopper.py, issue 20).
 
-CPU: the path choice and its refusals (the sm_90 compile: test_prefill_hopper_compile.py). GPU (marked ``gpu``,
-sm_90): outputs against the portable INT8 kernel on the same operands, causal and not, GQA, ragged lengths, poisoned
-keys.
+CPU: the path choice and its refusals, the schedule switches, the operand key order (the sm_90 compile:
+test_prefill_hopper_compile.py). GPU (marked ``gpu``, sm_90): each kernel against its twin's conversion, every exact
+schedule bit for bit, causal and not, GQA, ragged lengths, poisoned keys.
 """
 import os
 

@@ -41,7 +41,8 @@ def test_info(capsys):
     assert "turbo_int8" in text and "registered: True" in text and "int4" in text
     assert "prefill attention (auto): int8 here | sm_9x: exact" in text  # this CPU machine
     assert "packed K (packed_k_bits auto): INT8 K + packed V for q/k-norm families (gemma3" in text
-    assert "INT8 prefill kernel: portable (TURBO_PREFILL_KERNEL: portable, hopper" in text
+    assert "INT8 prefill kernel: auto (TURBO_PREFILL_KERNEL: auto, portable, hopper; auto = hopper" in text
+    assert "here at head_dim 128: portable (not a CUDA device)" in text  # this CPU machine
     assert "rotary embedding (eager forwards): one launch (TURBO_ATTN_FUSED_ROPE=0: HF ops" in text
 
 
