@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl  # PropagateNan: Gluon reuses triton.language's enum
 
-from .reference import MAGIC, MAGIC_BITS, P_BLOCK_GAP, SQ_MIN, psum_bias
+from .reference import MAGIC, MAGIC_BITS, P_BLOCK_GAP, SQ_MIN
 
 try:  # Gluon is experimental: a Triton without it (or with another API) keeps the portable kernel
     from triton.experimental import gluon
@@ -55,9 +55,10 @@ BLOCK_N = 128
 HEAD_DIMS = (64, 128)
 #: ring slots of K/V tiles per head dim (32 KB a slot at d 128)
 _STAGES = {64: 4, 128: 3}
-#: the kernel's schedule switches (``launch_ws`` keywords) and their defaults (PERF_NOTES session 45): P's row sums on
-#: the tensor cores, I2F conversions, P.V in 4 MMAs, V's keys in the operand order; the kernel takes FLAGS + PV_PARTS
-SCHEDULE = {"rowsum_mma": True, "i2f": True, "pv_parts": 4, "keys_permuted": True}
+#: the kernel's schedule switches (``launch_ws`` keywords) and their defaults (PERF_NOTES session 45): I2F conversions,
+#: P.V in 4 MMAs, V's keys in the operand order; the kernel takes FLAGS (the booleans' bits) + PV_PARTS
+SCHEDULE = {"i2f": True, "pv_parts": 4, "keys_permuted": True}
+_I2F_BIT, _KEYS_PERMUTED_BIT = 1, 2  # FLAGS' bits
 #: registers per thread of the second consumer and the producer (setmaxnreg); the default partition is consumer 0
 _WORKER_REGS = (232, 40)
 
@@ -79,7 +80,7 @@ if HAVE_GLUON:
     _MAGIC_BITS = gl.constexpr(MAGIC_BITS)
     _GAP = gl.constexpr(P_BLOCK_GAP)
     _SQ_MIN = gl.constexpr(SQ_MIN)
-    _ROWSUM_MMA, _I2F, _KEYS_PERMUTED = gl.constexpr(1), gl.constexpr(2), gl.constexpr(4)  # FLAGS' bits
+    _I2F, _KEYS_PERMUTED = gl.constexpr(_I2F_BIT), gl.constexpr(_KEYS_PERMUTED_BIT)
     _PART0 = gl.constexpr(0)  # consumer partitions' PART: partition arguments must be constexpr objects
     _PART1 = gl.constexpr(1)
 
@@ -159,21 +160,6 @@ if HAVE_GLUON:
         return gl.fma(p, 127.0, _MAGIC).to(gl.int32, bitcast=True)
 
     @gluon.jit
-    def _softmax(s_i32, sk, sq, l_i, m_i, c_i, o_n, o_pos, Lk, p_l: gl.constexpr, MASKED: gl.constexpr,
-                 IS_CAUSAL: gl.constexpr, PSUM_BIAS: gl.constexpr, FLAGS: gl.constexpr):
-        """``prefill._attn_update`` up to P (block P scale, exp2 softmax): the block's int32 scores -> P's int8
-        codes in the P.V operand's layout, the rescale r and the new l, m, c (ROWSUM_MMA: l not yet rescaled nor
-        summed: the caller adds P's row sums from the tensor cores, ``fma(l, r, sum)``)."""
-        t, sk = _scores(s_i32, sk, o_n, o_pos, Lk, MASKED, IS_CAUSAL, FLAGS)
-        m_new, c_new, c_safe, r = _state(gl.max(t, 1) * sq, m_i, c_i, MASKED)
-        pbits = _codes(t, sq, c_safe)
-        if MASKED and not IS_CAUSAL:  # the tail block: every row sees its keys < Lk (sk 0 past it); + 0 is exact
-            l_i = l_i + gl.sum(sk * 0.0, 0)
-        if not FLAGS & _ROWSUM_MMA:
-            l_i = l_i * r + (gl.sum(pbits, 1) - PSUM_BIAS).to(gl.float32)
-        return _operand(pbits.to(gl.int8), p_l, FLAGS), r, l_i, m_new, c_new
-
-    @gluon.jit
     def _operand(p8, p_l: gl.constexpr, FLAGS: gl.constexpr):
         """P's int8 codes [BM, W] (score-accumulator layout) as the P.V MMA's A operand; _KEYS_PERMUTED: in
         ``mma_key_order`` (V^T's keys stored so), which is the accumulator's own register order."""
@@ -197,13 +183,15 @@ if HAVE_GLUON:
         return pv, rs
 
     @gluon.jit
-    def _block_in_parts(q, k_tile, v_tile, sk_tile, ones_smem, j, sq, l_i, m_i, c_i, o_pos, Lk, s_zero, o_zero, n8_zero,
-                        p_l: gl.constexpr, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, PV_PARTS: gl.constexpr,
-                        FLAGS: gl.constexpr):
-        """One block with P.V (and P's row sums) as PV_PARTS (2 or 4) MMAs over the block's keys, each issued as soon
-        as its part's codes are ready, so the tensor cores run a part while the next part's exponentials are taken.
-        The same values as ``_softmax`` and one P.V: the int32 sums of the parts' MMAs are the whole block's.
-        Returns P.V and the row sums (waited for), r and the new l, m, c."""
+    def _block(q, k_tile, v_tile, sk_tile, ones_smem, j, sq, l_i, m_i, c_i, o_pos, Lk, s_zero, o_zero, n8_zero,
+               p_l: gl.constexpr, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, PV_PARTS: gl.constexpr,
+               FLAGS: gl.constexpr):
+        """``prefill._attn_update`` for KV block j (block P scale, exp2 softmax) up to the fold: Q.K^T, the scaled
+        scores, the new m, c and rescale r, and P.V with P's row sums (an m64n8 IGMMA of P with a tile of ones,
+        ``ones_smem``: the same int32 sums as ~64 integer adds a thread) as PV_PARTS (1, 2 or 4) MMAs over the
+        block's keys, each issued as soon as its part's codes are ready, so the tensor cores run a part while the
+        next part's exponentials are taken (the parts' int32 sums are the block's). Returns P.V and the row sums
+        (waited for), r and l (not yet rescaled nor summed: the caller's ``fma(l, r, sum)``), m, c."""
         BN: gl.constexpr = k_tile.shape[0]
         col_l: gl.constexpr = gl.SliceLayout(0, s_zero.type.layout)
         s_i32 = warpgroup_mma_wait(0, deps=(warpgroup_mma(q, k_tile.permute((1, 0)), s_zero, use_acc=False,
@@ -211,38 +199,27 @@ if HAVE_GLUON:
         t, sk = _scores(s_i32, sk_tile.load(col_l), j * BN + gl.arange(0, BN, layout=col_l), o_pos, Lk, MASKED,
                         IS_CAUSAL, FLAGS)
         m_new, c_new, c_safe, r = _state(gl.max(t, 1) * sq, m_i, c_i, MASKED)
-        H: gl.constexpr = BN // 2
-        t_lo, t_hi = _split_halves(t)
-        if PV_PARTS == 4:
-            Q: gl.constexpr = H // 2
-            a, b = _split_halves(t_lo)
-            pv, rs = _issue_pv(a, sq, c_safe, v_tile, ones_smem, 0, o_zero, n8_zero, p_l, False, FLAGS)
-            pv, rs = _issue_pv(b, sq, c_safe, v_tile, ones_smem, Q, pv, rs, p_l, True, FLAGS)
-            a, b = _split_halves(t_hi)
-            pv, rs = _issue_pv(a, sq, c_safe, v_tile, ones_smem, H, pv, rs, p_l, True, FLAGS)
-            pv, rs = _issue_pv(b, sq, c_safe, v_tile, ones_smem, H + Q, pv, rs, p_l, True, FLAGS)
+        if PV_PARTS == 1:
+            pv, rs = _issue_pv(t, sq, c_safe, v_tile, ones_smem, 0, o_zero, n8_zero, p_l, False, FLAGS)
         else:
-            pv, rs = _issue_pv(t_lo, sq, c_safe, v_tile, ones_smem, 0, o_zero, n8_zero, p_l, False, FLAGS)
-            pv, rs = _issue_pv(t_hi, sq, c_safe, v_tile, ones_smem, H, pv, rs, p_l, True, FLAGS)
+            H: gl.constexpr = BN // 2
+            t_lo, t_hi = _split_halves(t)
+            if PV_PARTS == 4:
+                Q: gl.constexpr = H // 2
+                a, b = _split_halves(t_lo)
+                pv, rs = _issue_pv(a, sq, c_safe, v_tile, ones_smem, 0, o_zero, n8_zero, p_l, False, FLAGS)
+                pv, rs = _issue_pv(b, sq, c_safe, v_tile, ones_smem, Q, pv, rs, p_l, True, FLAGS)
+                a, b = _split_halves(t_hi)
+                pv, rs = _issue_pv(a, sq, c_safe, v_tile, ones_smem, H, pv, rs, p_l, True, FLAGS)
+                pv, rs = _issue_pv(b, sq, c_safe, v_tile, ones_smem, H + Q, pv, rs, p_l, True, FLAGS)
+            else:
+                pv, rs = _issue_pv(t_lo, sq, c_safe, v_tile, ones_smem, 0, o_zero, n8_zero, p_l, False, FLAGS)
+                pv, rs = _issue_pv(t_hi, sq, c_safe, v_tile, ones_smem, H, pv, rs, p_l, True, FLAGS)
         # waited here: an MMA in flight across the caller's masked / unmasked branch makes ptxas serialize every wgmma
         pv, rs = warpgroup_mma_wait(0, deps=(pv, rs))
-        if MASKED and not IS_CAUSAL:  # as _softmax's tail block
+        if MASKED and not IS_CAUSAL:  # the tail block: every row sees its keys < Lk (sk 0 past it); + 0 is exact
             l_i = l_i + gl.sum(sk * 0.0, 0)
         return pv, rs, r, l_i, m_new, c_new
-
-    @gluon.jit
-    def _probs(s_i32, sk_smem, j, n_full, sq, l_i, m_i, c_i, o_pos, Lk, col_l: gl.constexpr, p_l: gl.constexpr,
-               IS_CAUSAL: gl.constexpr, BN: gl.constexpr, PSUM_BIAS: gl.constexpr, FLAGS: gl.constexpr):
-        """``_softmax`` of block j (its key scales from the slot ``sk_smem``), masked past the unmasked blocks."""
-        sk = sk_smem.load(col_l)
-        o_n = j * BN + gl.arange(0, BN, layout=col_l)
-        if j < n_full:
-            p8, r, l_i, m_i, c_i = _softmax(s_i32, sk, sq, l_i, m_i, c_i, o_n, o_pos, Lk, p_l, False, IS_CAUSAL,
-                                            PSUM_BIAS, FLAGS)
-        else:
-            p8, r, l_i, m_i, c_i = _softmax(s_i32, sk, sq, l_i, m_i, c_i, o_n, o_pos, Lk, p_l, True, IS_CAUSAL,
-                                            PSUM_BIAS, FLAGS)
-        return p8, r, l_i, m_i, c_i
 
     @gluon.jit
     def _fold(acc, r, pv, sv_smem, o_l: gl.constexpr, FLAGS: gl.constexpr):
@@ -257,13 +234,11 @@ if HAVE_GLUON:
     @gluon.jit
     def _consumer(q_smem, k_smem, v_smem, sk_smem, sv_smem, ones_smem, q_bar, ready, empty, SQ, SK, O, Lq, Lk, i_m,
                   i_b, i_hq, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh, sk_row, n_blocks,
-                  PART: gl.constexpr, IS_CAUSAL: gl.constexpr, PSUM_BIAS: gl.constexpr, FLAGS: gl.constexpr,
-                  PV_PARTS: gl.constexpr):
+                  PART: gl.constexpr, IS_CAUSAL: gl.constexpr, FLAGS: gl.constexpr, PV_PARTS: gl.constexpr):
         """Rows [i_m * 128 + 64 PART, +64) of one (b, head): the portable kernel's program of BLOCK_M 64, block by
-        block Q.K^T, softmax, P.V (in PV_PARTS MMAs: ``_block_in_parts``), waited for within the block (the
+        block ``_block`` (Q.K^T, softmax, P.V in PV_PARTS MMAs, waited for within the block) and the fold (the
         schedules that overlap blocks, or add a third consumer, were slower or no faster: PERF_NOTES sessions 35,
-        44, 45). _ROWSUM_MMA: P's row sums (l's increments) by an m64n8 IGMMA of P with a tile of ones
-        (``ones_smem``) issued beside P.V, instead of ~64 integer adds a thread and block: the same int32 sums."""
+        44, 45)."""
         BM: gl.constexpr = q_smem.shape[1]
         PARTS: gl.constexpr = q_smem.shape[0]
         D: gl.constexpr = q_smem.shape[2]
@@ -273,7 +248,6 @@ if HAVE_GLUON:
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 32])
         p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=4)
         row_l: gl.constexpr = gl.SliceLayout(1, s_l)
-        col_l: gl.constexpr = gl.SliceLayout(0, s_l)
         m0 = i_m * (PARTS * BM) + PART * BM
         o_m = m0 + gl.arange(0, BM, layout=row_l)
         o_pos = o_m + (Lk - Lq)
@@ -308,28 +282,15 @@ if HAVE_GLUON:
         for j in range(n_mine):
             s = j % STAGES
             mbarrier.wait(ready.index(s), (j // STAGES) & 1)
-            if PV_PARTS > 1:
-                if j < n_full:
-                    pv, rs, r, l_i, m_i, c_i = _block_in_parts(q, k_smem.index(s), v_smem.index(s), sk_smem.index(s),
-                                                               ones_smem, j, sq, l_i, m_i, c_i, o_pos, Lk, s_zero,
-                                                               o_zero, n8_zero, p_l, False, IS_CAUSAL, PV_PARTS, FLAGS)
-                else:
-                    pv, rs, r, l_i, m_i, c_i = _block_in_parts(q, k_smem.index(s), v_smem.index(s), sk_smem.index(s),
-                                                               ones_smem, j, sq, l_i, m_i, c_i, o_pos, Lk, s_zero,
-                                                               o_zero, n8_zero, p_l, True, IS_CAUSAL, PV_PARTS, FLAGS)
+            if j < n_full:
+                pv, rs, r, l_i, m_i, c_i = _block(q, k_smem.index(s), v_smem.index(s), sk_smem.index(s), ones_smem, j,
+                                                  sq, l_i, m_i, c_i, o_pos, Lk, s_zero, o_zero, n8_zero, p_l, False,
+                                                  IS_CAUSAL, PV_PARTS, FLAGS)
             else:
-                s_i32 = warpgroup_mma_wait(0, deps=(warpgroup_mma(q, k_smem.index(s).permute((1, 0)), s_zero,
-                                                                  use_acc=False, is_async=True), ))
-                p8, r, l_i, m_i, c_i = _probs(s_i32, sk_smem.index(s), j, n_full, sq, l_i, m_i, c_i, o_pos, Lk,
-                                              col_l, p_l, IS_CAUSAL, BN, PSUM_BIAS, FLAGS)
-                pv = warpgroup_mma(p8, v_smem.index(s).permute((1, 0)), o_zero, use_acc=False, is_async=True)
-                if FLAGS & _ROWSUM_MMA:  # every column of P.ones is the row sum
-                    rs = warpgroup_mma(p8, ones_smem.permute((1, 0)), n8_zero, use_acc=False, is_async=True)
-            if FLAGS & _ROWSUM_MMA:
-                pv, rs = warpgroup_mma_wait(0, deps=(pv, rs))
-                l_i = gl.fma(l_i, r, gl.convert_layout(gl.max(rs, 1), row_l).to(gl.float32))
-            else:
-                pv = warpgroup_mma_wait(0, deps=(pv, ))
+                pv, rs, r, l_i, m_i, c_i = _block(q, k_smem.index(s), v_smem.index(s), sk_smem.index(s), ones_smem, j,
+                                                  sq, l_i, m_i, c_i, o_pos, Lk, s_zero, o_zero, n8_zero, p_l, True,
+                                                  IS_CAUSAL, PV_PARTS, FLAGS)
+            l_i = gl.fma(l_i, r, gl.convert_layout(gl.max(rs, 1), row_l).to(gl.float32))  # each column: the row sum
             acc = _fold(acc, r, pv, sv_smem.index(s), o_l, FLAGS)
             mbarrier.arrive(empty.index(s), count=1)
         for j in range(n_mine, n_blocks):  # another part's diagonal block lies past these rows: wait, release
@@ -350,8 +311,7 @@ if HAVE_GLUON:
     def _int8_attn_fwd_ws_kernel(q_desc, k_desc, v_desc, sk_desc, sv_desc, SQ, SK, O, Lq, Lk, K_ROWS, SK_ROW, HQ, HK,
                                  NBLK, SV_STEP, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh,
                                  IS_CAUSAL: gl.constexpr, D: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-                                 PSUM_BIAS: gl.constexpr, FLAGS: gl.constexpr, PV_PARTS: gl.constexpr,
-                                 R_CONSUMER: gl.constexpr,
+                                 FLAGS: gl.constexpr, PV_PARTS: gl.constexpr, R_CONSUMER: gl.constexpr,
                                  R_PRODUCER: gl.constexpr):
         """grid (cdiv(Lq, 128) * b * HQ,), row blocks of one head neighbours, the longest causal ones first; two
         consumer warpgroups of 64 rows each share every KV slot.
@@ -382,8 +342,7 @@ if HAVE_GLUON:
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         ones_smem = gl.allocate_shared_memory(gl.int8, [8, BN], gl.NVMMASharedLayout.get_default_for([8, BN], gl.int8))
-        if FLAGS & _ROWSUM_MMA:
-            ones_smem.store(gl.full([8, BN], 1, gl.int8, layout=gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])))
+        ones_smem.store(gl.full([8, BN], 1, gl.int8, layout=gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])))
         mbarrier.init(q_bar, count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
@@ -398,10 +357,10 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, ones_smem, q_bar, ready, empty, SQ, SK, O, Lq, Lk,
                          i_m, i_b, i_hq, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh, sk_row, n_blocks,
-                         _PART0, IS_CAUSAL, PSUM_BIAS, FLAGS, PV_PARTS)),
+                         _PART0, IS_CAUSAL, FLAGS, PV_PARTS)),
             (_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, ones_smem, q_bar, ready, empty, SQ, SK, O, Lq, Lk,
                          i_m, i_b, i_hq, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh, sk_row, n_blocks,
-                         _PART1, IS_CAUSAL, PSUM_BIAS, FLAGS, PV_PARTS)),
+                         _PART1, IS_CAUSAL, FLAGS, PV_PARTS)),
             (_producer, (q_desc, k_desc, v_desc, sk_desc, sv_desc, q_smem, k_smem, v_smem, sk_smem, sv_smem, q_bar,
                          ready, empty, q_row, k_row, sk_row, v_row, sv_row, SV_STEP, n_blocks, BN, D, STAGES)),
         ], [4, 4], [R_CONSUMER, R_PRODUCER])
@@ -437,10 +396,8 @@ def schedule_constexprs(**schedule) -> dict:
     on = {**SCHEDULE, **schedule}
     if on["pv_parts"] not in (1, 2, 4):
         raise ValueError(f"pv_parts={on['pv_parts']!r}: 1, 2 or 4 (an int8 wgmma takes 32 keys or more)")
-    if on["pv_parts"] > 1 and not on["rowsum_mma"]:
-        raise ValueError("pv_parts > 1 needs rowsum_mma (P's row sums on the tensor cores, in parts as P.V is)")
-    return dict(FLAGS=(1 if on["rowsum_mma"] else 0) | (2 if on["i2f"] else 0) | (4 if on["keys_permuted"] else 0),
-                PV_PARTS=int(on["pv_parts"]))
+    flags = (_I2F_BIT if on["i2f"] else 0) | (_KEYS_PERMUTED_BIT if on["keys_permuted"] else 0)
+    return dict(FLAGS=flags, PV_PARTS=int(on["pv_parts"]))
 
 
 def ws_spec(q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, worker_regs=None, **schedule):
@@ -453,7 +410,7 @@ def ws_spec(q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, worker_regs=
     grid = (-(-lq // (2 * PART_M)) * b * hq,)
     scalars = (lq, Lk, k8.shape[2], sk.shape[2], hq, hk, nblk, 1 if nblk > 1 else 0, sq.stride(0), sq.stride(1),
                out.stride(0), out.stride(1), out.stride(2))
-    kw = dict(IS_CAUSAL=bool(causal), D=d, BN=BLOCK_N, STAGES=_STAGES[d], PSUM_BIAS=psum_bias(BLOCK_N),
+    kw = dict(IS_CAUSAL=bool(causal), D=d, BN=BLOCK_N, STAGES=_STAGES[d],
               **schedule_constexprs(**schedule), R_CONSUMER=(worker_regs or _WORKER_REGS)[0],
               R_PRODUCER=(worker_regs or _WORKER_REGS)[1], num_warps=4)
     return grid, scalars, kw
@@ -464,9 +421,8 @@ def mma_key_order(n: int) -> torch.Tensor:
     (``keys_permuted``): within each 32 keys, slot 16h + 4c + 2e + b holds key 16h + 8e + 2c + b, so the int8 codes of
     P a thread holds in the score accumulator (keys 8i + 2c, +1) are already its A-operand bytes (4 keys 4c..4c+3
     of each 16) and need no lane shuffle. ``n`` a multiple of 32."""
-    k = torch.arange(n)
-    w = k % 32
-    return k - w + (w & 0x11) + ((w & 0xC) >> 1) + ((w & 0x2) << 2)
+    # keys of a group as [h, e, c, b] read as [h, c, e, b]: the permutation ``_operand`` and the V pass apply
+    return torch.arange(n).reshape(n // 32, 2, 2, 4, 2).permute(0, 1, 3, 2, 4).reshape(n)
 
 
 def launch_ws(q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, worker_regs=None, v8t_in_mma_order=False,
@@ -474,12 +430,12 @@ def launch_ws(q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, worker_reg
     """Run the kernel (CUDA sm_90; ``int8_flash_attention`` checks the operands' shapes and dtypes). ``schedule``:
     ``SCHEDULE``'s switches, ``worker_regs``: (consumer, producer) registers, for the A/B (PERF_NOTES).
     ``v8t_in_mma_order``: v8t's keys are already in ``mma_key_order`` (else, with ``keys_permuted``, a copy is)."""
-    if schedule.get("keys_permuted", SCHEDULE["keys_permuted"]) and not v8t_in_mma_order:
-        v8t = v8t[..., mma_key_order(v8t.shape[-1]).to(v8t.device)]
-    q8, k8, v8t, sk, sv = (_tma_operand(t) for t in (q8, k8, v8t, sk, sv))
     if sk.shape[2] % 4:  # rows of whole 16-byte units (1-D TMA copies start aligned); the pad is never read as a key
         sk = torch.nn.functional.pad(sk, (0, 4 - sk.shape[2] % 4))
     grid, scalars, kw = ws_spec(q8, sq, k8, sk, v8t, sv, out, causal=causal, Lk=Lk, worker_regs=worker_regs,
                                 **schedule)
+    if kw["FLAGS"] & _KEYS_PERMUTED_BIT and not v8t_in_mma_order:
+        v8t = v8t[..., mma_key_order(v8t.shape[-1]).to(v8t.device)]
+    q8, k8, v8t, sk, sv = (_tma_operand(t) for t in (q8, k8, v8t, sk, sv))
     _int8_attn_fwd_ws_kernel[grid](*descriptors(q8, k8, v8t, sk, sv), sq, sk, out, *scalars, **kw)
     return out

@@ -3,7 +3,7 @@ loads, and the SASS instruction counts by opcode, per head_dim / causal / schedu
 instructions a block can be counted before a GPU session measures it. Runs Triton's real pipeline (Gluon -> PTX ->
 ptxas) and the ``cuobjdump`` / ``nvdisasm`` that ship with Triton; needs no GPU and no TRITON_INTERPRET.
 
-    python -m eval.experiments.gluon_sass [--dims 128,64] [--causal 0,1] [--schedules '{}','{"halves":1}'] [--top 16]
+    python -m eval.experiments.gluon_sass [--dims 128,64] [--causal 0,1] [--schedules '{};{"pv_parts":1}'] [--top 16]
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import tempfile
 
 def compile_sm90(d: int, causal: bool, **schedule):
     """(cubin bytes, ptx) of ``_int8_attn_fwd_ws_kernel`` for sm_90 at head_dim ``d``; ``schedule``: ``ws_spec``'s
-    switches (``rowsum_mma``, ...)."""
+    switches (``pv_parts``, ...)."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget

@@ -6,10 +6,10 @@ kernel's output (the same math: 0 expected). FA3 protocol shapes (16k tokens, hi
         [--variants hopper,hopper+pv1]
 
 A variant is ``hopper`` and the switches of ``prefill_hopper.launch_ws`` it sets, joined by ``+``: ``no<key>`` /
-``<key>`` turn a boolean key of ``prefill_hopper.SCHEDULE`` off / on (``norowsum``: ``rowsum_mma`` off), ``pv<N>``
-sets ``pv_parts``, ``regs<C>_<P>`` the consumer / producer registers (``hopper+pv1+regs240_24``). Schedules measured
-and removed: three consumer warpgroups (git a158f56), the next block's Q.K^T beside P.V, the row max as a tree and Q.K^T
-in halves (git 2baef6d; PERF_NOTES session 45).
+``<key>`` turn a boolean key of ``prefill_hopper.SCHEDULE`` off / on (``noi2f``: the magic-number conversions),
+``pv<N>`` sets ``pv_parts``, ``regs<C>_<P>`` the consumer / producer registers (``hopper+pv1+regs240_24``).
+Schedules measured and removed: three consumer warpgroups (git a158f56), the next block's Q.K^T beside P.V, the row
+max as a tree and Q.K^T in halves (git 2baef6d), P's row sums by integer adds (PERF_NOTES sessions 44, 45).
 """
 from __future__ import annotations
 
@@ -20,11 +20,8 @@ import torch
 import triton
 
 
-_ALIASES = {"rowsum": "rowsum_mma"}
-
-
 def _schedule(variant: str) -> dict:
-    """``launch_ws`` keywords of a variant name such as ``hopper+norowsum`` or ``hopper+pv1+regs240_24``."""
+    """``launch_ws`` keywords of a variant name such as ``hopper+noi2f`` or ``hopper+pv1+regs240_24``."""
     from turbo_attn_hf.kernels.prefill_hopper import SCHEDULE
 
     head, *switches = variant.split("+")
@@ -39,7 +36,7 @@ def _schedule(variant: str) -> dict:
             kw["pv_parts"] = int(sw[2:])
             continue
         on = not sw.startswith("no")
-        key = _ALIASES.get(sw[2:] if not on else sw, sw[2:] if not on else sw)
+        key = sw if on else sw[2:]
         if key not in SCHEDULE:
             raise SystemExit(f"variant {variant!r}: 'hopper' and any of {sorted(SCHEDULE)} (no<key>, pvN, regsC_P) "
                              "joined by '+'")
@@ -77,7 +74,7 @@ def main(argv=None) -> int:
                 for name in a.variants.split(","):
                     kw = _schedule(name)
                     vt = v8t
-                    if kw.get("keys_permuted", prefill_hopper.SCHEDULE["keys_permuted"]):  # as the V pass writes it
+                    if {**prefill_hopper.SCHEDULE, **kw}["keys_permuted"]:  # as the V pass writes it
                         vt = v8t[..., prefill_hopper.mma_key_order(v8t.shape[-1]).to(v8t.device)].contiguous()
                         kw["v8t_in_mma_order"] = True
                     fns[name] = functools.partial(prefill_hopper.launch_ws, q8, sq, k8, sk, vt, sv, out,
