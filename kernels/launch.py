@@ -92,10 +92,7 @@ class LeanLaunch:
         key = (device, tuple(kwargs.items()), tuple(facts))
         hit = self._kernels.get(key)
         if hit is None:
-            kernel = self.fn[tuple(grid)](*args, **kwargs)  # compiles (or Triton's cache) and launches
-            kernel = kernel.result() if hasattr(kernel, "result") else kernel  # async compile mode
-            tail = tuple(kwargs.get(n, self._defaults[n]) for n in self._names[len(args):])
-            hit = self._kernels[key] = (kernel, tail)
+            hit = self._kernels[key] = self.launch_bound(grid, args, kwargs)
             return hit  # what ran: a caller's memo can relaunch it from the next call on
         if not self.hooks_active():
             self.relaunch(hit, grid, call)
@@ -107,6 +104,17 @@ class LeanLaunch:
         kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, meta,
                    knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *call, *tail)
         return hit
+
+    def launch_bound(self, grid: Sequence[int], args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
+        """``fn[grid](*args, **kwargs)`` through Triton's binder (compiles, or Triton's cache); returns ``(compiled
+        kernel, trailing arguments)`` for :meth:`relaunch`, or None (the interpreter, a plain function). For callers
+        whose arguments this class cannot key (Gluon's tensor descriptors): they key the facts themselves."""
+        if self._plain or interpreting():
+            self.fn[tuple(grid)](*args, **kwargs)
+            return None
+        kernel = self.fn[tuple(grid)](*args, **kwargs)
+        kernel = kernel.result() if hasattr(kernel, "result") else kernel  # async compile mode
+        return kernel, tuple(kwargs.get(n, self._defaults[n]) for n in self._names[len(args):])
 
     def launch_memo(self, memo: Dict[Any, Any], key: Any, grid: Sequence[int], tensors: Sequence[torch.Tensor],
                     scalars: Sequence[Any], kwargs: Dict[str, Any], hooks: bool) -> None:

@@ -54,7 +54,8 @@ Tiers (FLA style): ``_int8_attn_fwd_kernel`` (``@triton.jit``) -> ``_attn_spec``
 ``int8_flash_attention`` (quantized operands) / ``turbo_attention`` (bf16/fp16 in, bf16/fp16 out).
 
 Host path (time to first token, issue 19): ``turbo_attention`` is three launches — Q+K quantization (one launch,
-``quant._quant_qk_kernel``), V quantization, the INT8 kernel (plus the torch K mean when the caller has none). Its
+``quant._quant_qk_kernel``), V quantization, the INT8 kernel (plus K's channel sums, ``quant._k_sum_kernel``, when
+the caller has no K mean). Its
 checks, tiles, strides and constexprs are worked out once per key (shapes, strides, dtypes, devices, options:
 ``_AttnPlan``); a repeated call (every layer of a prefill) allocates the outputs and relaunches the compiled
 kernels without Triton's per-call binder (``LeanLaunch.launch_memo``). CPU, launches stubbed
@@ -71,10 +72,11 @@ import triton
 import triton.language as tl
 
 from . import prefill_hopper
-from .device import current_cuda_device
+from .device import current_cuda_device, sm_count
 from .launch import LeanLaunch, lean
-from .quant import (_check_device, _mean_arg, _pow2, _qk_spec, _quant_qk_kernel, _quant_v_kernel, _v_channel_amax,
-                    _v_spec, check_qk_smooth, factor_arg, interpreting, k_smooth_mean, quantize_per_token, quantize_v_blocks, quantize_v_channels)
+from .quant import (_check_device, _k_sum_kernel, _k_sum_spec, _mean_arg, _pow2, _qk_spec, _quant_qk_kernel,
+                    _quant_v_kernel, _v_channel_amax, _v_spec, check_qk_smooth, factor_arg, interpreting,
+                    k_smooth_mean, quantize_per_token, quantize_v_blocks, quantize_v_channels)
 from .reference import (
     DEFAULT_BLOCK_N,
     DEFAULT_P_SCALE,
@@ -776,7 +778,7 @@ class _AttnPlan:
     device, relaunched without Triton's binder while every pointer is 16-byte aligned (``LeanLaunch.launch_memo``)."""
 
     __slots__ = ("cuda", "device", "dtype", "shapes", "smooth", "mean_stride", "mean_direct", "channel", "block_n",
-                 "kv_arg", "qk", "v", "attn", "memo", "hopper")
+                 "kv_arg", "qk", "v", "attn", "memo", "hopper", "ksum", "ws")
 
     def __init__(self, q, k, v, key_valid, out, k_mean, *, scale, causal, window, softcap, softmax, sas_threshold,
                  smooth_k, p_scale, block_n, v_scale, rotate_qk=False, has_factor=False):
@@ -788,7 +790,10 @@ class _AttnPlan:
         self.channel = v_scale != "block"
         self.block_n = block_n
         nblk = max(1, -(-lk // block_n))
-        self.shapes = ((b, hq, lq, d), (b, hq, lq), (b, hk, lk, d), (b, hk, lk), (b, hk, d, nblk * block_n),
+        self.hopper = kernel_choice() != "portable" and not hopper_takes(
+            dev, d, block_n, window=window, softcap=softcap, key_valid=key_valid, softmax=softmax, p_scale=p_scale)
+        sk_row = -(-lk // 4) * 4 if self.hopper else lk  # the Gluon kernel's 1-D TMA copies start 16-byte aligned
+        self.shapes = ((b, hq, lq, d), (b, hq, lq), (b, hk, lk, d), (b, hk, sk_row), (b, hk, d, nblk * block_n),
                        (b, hk, 1 if self.channel else nblk, d), (b, lq, hq, d))
         meta = [torch.empty(sh, dtype=dt, device="meta") for sh, dt in zip(
             self.shapes, (torch.int8, torch.float32, torch.int8, torch.float32, torch.int8, torch.float32, q.dtype))]
@@ -799,19 +804,28 @@ class _AttnPlan:
         smb, smh = (hk * d, d) if self.smooth else (0, 0)
         self.mean_direct = (k_mean is not None and k_mean.dtype == torch.float32 and k_mean.device == dev
                             and tuple(k_mean.shape) == (b, hk, d) and k_mean.stride() == self.mean_stride)
+        # without a given mean: K's fp64 channel sums in splits, finished into the mean by the Q+K pass (the torch
+        # reduction cast K to fp64 first: 3-4x the Q+K pass's time, PERF_NOTES session 46)
+        self.ksum, parts = None, 0
+        if self.smooth and k_mean is None:
+            *self.ksum, parts = _k_sum_spec(k, 2 * sm_count(dev))
+            smb, smh = hk * parts * d, parts * d
         scale = d ** -0.5 if scale is None else float(scale)
-        self.qk = _qk_spec(q, k, scale * LOG2E, 1.0, smb, smh, self.smooth, rotate_qk, has_factor)
-        self.hopper = kernel_choice() != "portable" and not hopper_takes(
-            dev, d, block_n, window=window, softcap=softcap, key_valid=key_valid, softmax=softmax, p_scale=p_scale)
-        # poison: sk [b, hk, lk], contiguous; the Gluon kernel takes V's keys in its operand order
-        self.v = _v_spec(v, block_n, hk * lk, lk, self.channel, True, mma_order=self.hopper)
+        self.qk = _qk_spec(q, k, scale * LOG2E, 1.0, smb, smh, self.smooth, rotate_qk, has_factor, parts, sk_row)
+        # poison: sk [b, hk, sk_row], contiguous; the Gluon kernel takes V's keys in its operand order
+        self.v = _v_spec(v, block_n, hk * sk_row, sk_row, self.channel, True, mma_order=self.hopper)
         kv, stride_kvb = _key_valid_arg(key_valid, q)
         self.kv_arg = key_valid is not None
-        self.attn = _attn_spec(q8, sq, k8, sk, v8t, sv, out if out is not None else o, stride_kvb, causal=causal,
-                               window=window, softcap=softcap, has_key_valid=key_valid is not None,
-                               use_sas=softmax == "sas", thr2=float(sas_threshold) * LOG2E,
-                               block_p=p_scale == "block", Lk=lk, block_n=block_n)
-        self.memo = ({}, {}, {})
+        self.attn = self.ws = None
+        if self.hopper:
+            self.ws = prefill_hopper.WsLaunch(q8, sq, k8, sk, v8t, sv, out if out is not None else o, causal=causal,
+                                              Lk=lk)
+        else:
+            self.attn = _attn_spec(q8, sq, k8, sk, v8t, sv, out if out is not None else o, stride_kvb, causal=causal,
+                                   window=window, softcap=softcap, has_key_valid=key_valid is not None,
+                                   use_sas=softmax == "sas", thr2=float(sas_threshold) * LOG2E,
+                                   block_p=p_scale == "block", Lk=lk, block_n=block_n)
+        self.memo = ({}, {}, {}, {})
 
     def run(self, q, k, v, key_valid, out, k_mean, qk_smooth=None):
         dev = self.device
@@ -825,29 +839,28 @@ class _AttnPlan:
         if out is None:
             out = torch.empty(s_o, dtype=self.dtype, device=dev)
         m = sk  # unused pointer without smoothing
+        hooks = LeanLaunch.hooks_active()
+        dev_key = current_cuda_device() if self.cuda else -1  # the rest of the key is the plan's
+        memo_qk, memo_v, memo_attn, memo_sum = self.memo
         if self.smooth:
-            if k_mean is None:
-                m = k_smooth_mean(k)
-                if m.stride() != self.mean_stride:
-                    m = m.contiguous()
+            if self.ksum is not None:
+                grid, scalars, kw = self.ksum
+                m = torch.empty(grid[0] * s_q8[3], dtype=torch.float64, device=dev)
+                lean(_k_sum_kernel).launch_memo(memo_sum, dev_key, grid, (k, m), scalars, kw, hooks)
             elif self.mean_direct:
                 m = k_mean
             else:
                 m = _mean_arg(k_mean, q, s_sk[0], s_sk[1], s_q8[3])[0].contiguous()
         kv = _key_valid_arg(key_valid, q)[0] if self.kv_arg else sq
         f = factor_arg(qk_smooth, sk)
-        hooks = LeanLaunch.hooks_active()
-        dev_key = current_cuda_device() if self.cuda else -1  # the rest of the key is the plan's
-        memo_qk, memo_v, memo_attn = self.memo
         grid, scalars, kw = self.qk
         lean(_quant_qk_kernel).launch_memo(memo_qk, dev_key, grid, (q, k, m, f, q8, k8, sq, sk), scalars, kw, hooks)
         grid, scalars, kw = self.v
         amax = _v_channel_amax(v) if self.channel else sv  # after K's pass: V marks poisoned keys in sk
         lean(_quant_v_kernel).launch_memo(memo_v, dev_key, grid, (v, amax, v8t, sv, sk), scalars, kw, hooks)
+        if self.ws is not None:
+            return self.ws(q8, sq, k8, sk, v8t, sv, out)
         grid, scalars, kw = self.attn
-        if self.hopper:
-            return prefill_hopper.launch_ws(q8, sq, k8, sk, v8t, sv, out, causal=kw["IS_CAUSAL"], Lk=scalars[1],
-                                            v8t_in_mma_order=True)
         lean(_int8_attn_fwd_kernel).launch_memo(memo_attn, dev_key, grid, (q8, sq, k8, sk, v8t, sv, kv, out),
                                                 scalars, kw, hooks)
         return out

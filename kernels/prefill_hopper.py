@@ -28,10 +28,15 @@ of sk before the loop starts l at NaN in the rows that see it; masked blocks kee
 
 from __future__ import annotations
 
+import functools
+import operator
+
 import torch
 import triton
 import triton.language as tl  # PropagateNan: Gluon reuses triton.language's enum
 
+from .device import current_cuda_device
+from .launch import LeanLaunch, lean
 from .reference import MAGIC, MAGIC_BITS, P_BLOCK_GAP, SQ_MIN
 
 try:  # Gluon is experimental: a Triton without it (or with another API) keeps the portable kernel
@@ -45,7 +50,7 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
 __all__ = ["HAVE_GLUON", "TESTED_TRITON", "PART_M", "BLOCK_N", "HEAD_DIMS", "SCHEDULE", "supports", "gluon_available",
-           "schedule_constexprs", "mma_key_order", "launch_ws"]
+           "schedule_constexprs", "mma_key_order", "WsLaunch", "launch_ws"]
 
 #: Triton releases this kernel was compiled (CPU test) and run with; another release falls back to the portable kernel
 TESTED_TRITON = ("3.6",)
@@ -61,6 +66,7 @@ SCHEDULE = {"i2f": True, "pv_parts": 4, "keys_permuted": True}
 _I2F_BIT, _KEYS_PERMUTED_BIT = 1, 2  # FLAGS' bits
 #: registers per thread of the second consumer and the producer (setmaxnreg); the default partition is consumer 0
 _WORKER_REGS = (232, 40)
+_data_ptr = torch.Tensor.data_ptr
 
 
 def gluon_available() -> bool:
@@ -371,20 +377,36 @@ def _tma_operand(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
 
 
-def descriptors(q8, k8, v8t, sk, sv):
-    """TMA descriptors of the operands as dense 2-D (int8 tiles) and 1-D (scales) arrays."""
+class _Desc:
+    """What Triton's launcher reads of a ``TensorDescriptor`` (base, shape, strides, padding): a relaunch's
+    descriptors, whose shapes, strides and alignment the first, checked launch of its ``WsLaunch`` fixed."""
+
+    __slots__ = ("base", "shape", "strides", "padding")
+
+    def __init__(self, base, shape, strides):
+        self.base, self.shape, self.strides, self.padding = base, shape, strides, "zero"
+
+
+@functools.lru_cache(maxsize=None)
+def _layouts(d: int):
+    """Shared-memory layouts of the five TMA tiles at head_dim ``d`` (q, k, v^T int8; sk, sv fp32)."""
+    return tuple(gl.NVMMASharedLayout.get_default_for(blk, dt) for blk, dt in (
+        ([PART_M, d], gl.int8), ([BLOCK_N, d], gl.int8), ([d, BLOCK_N], gl.int8), ([BLOCK_N], gl.float32),
+        ([d], gl.float32)))
+
+
+def _desc_dims(q8, k8, v8t, sk, sv):
+    """(shape, strides, block) of the five descriptors: q8 / k8 / v8t as dense 2-D int8 arrays, sk / sv as 1-D."""
     b, hq, lq, d = q8.shape
     hk, lk, lpad = k8.shape[1], k8.shape[2], v8t.shape[3]
-    lay_q = gl.NVMMASharedLayout.get_default_for([PART_M, d], gl.int8)
-    lay_k = gl.NVMMASharedLayout.get_default_for([BLOCK_N, d], gl.int8)
-    lay_v = gl.NVMMASharedLayout.get_default_for([d, BLOCK_N], gl.int8)
-    lay_sk = gl.NVMMASharedLayout.get_default_for([BLOCK_N], gl.float32)
-    lay_sv = gl.NVMMASharedLayout.get_default_for([d], gl.float32)
-    return (TensorDescriptor(q8, [b * hq * lq, d], [d, 1], [PART_M, d], lay_q),
-            TensorDescriptor(k8, [b * hk * lk, d], [d, 1], [BLOCK_N, d], lay_k),
-            TensorDescriptor(v8t, [b * hk * d, lpad], [lpad, 1], [d, BLOCK_N], lay_v),
-            TensorDescriptor(sk, [sk.numel()], [1], [BLOCK_N], lay_sk),
-            TensorDescriptor(sv, [sv.numel()], [1], [d], lay_sv))
+    return (([b * hq * lq, d], [d, 1], [PART_M, d]), ([b * hk * lk, d], [d, 1], [BLOCK_N, d]),
+            ([b * hk * d, lpad], [lpad, 1], [d, BLOCK_N]), ([sk.numel()], [1], [BLOCK_N]), ([sv.numel()], [1], [d]))
+
+
+def descriptors(q8, k8, v8t, sk, sv):
+    """TMA descriptors of the operands as dense 2-D (int8 tiles) and 1-D (scales) arrays."""
+    return tuple(TensorDescriptor(t, shape, strides, block, lay) for t, (shape, strides, block), lay in zip(
+        (q8, k8, v8t, sk, sv), _desc_dims(q8, k8, v8t, sk, sv), _layouts(q8.shape[3])))
 
 
 def schedule_constexprs(**schedule) -> dict:
@@ -425,17 +447,47 @@ def mma_key_order(n: int) -> torch.Tensor:
     return torch.arange(n).reshape(n // 32, 2, 2, 4, 2).permute(0, 1, 3, 2, 4).reshape(n)
 
 
+class WsLaunch:
+    """The kernel's launch for one set of operand shapes and strides (``prefill._AttnPlan`` keeps one): grid, scalar
+    arguments, constexprs and descriptor shapes worked out once; from the second call on, the compiled kernel is
+    relaunched through Triton's C launcher with light descriptors, without Gluon's binder and the descriptors' Python
+    checks (host time a call: PERF_NOTES session 46). Operands: dense, sk's rows a multiple of 4 (``ws_spec``)."""
+
+    __slots__ = ("grid", "scalars", "kw", "dims", "memo")
+
+    def __init__(self, q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, worker_regs=None, **schedule):
+        self.grid, self.scalars, self.kw = ws_spec(q8, sq, k8, sk, v8t, sv, out, causal=causal, Lk=Lk,
+                                                   worker_regs=worker_regs, **schedule)
+        self.dims = _desc_dims(q8, k8, v8t, sk, sv)
+        self.memo = {}
+
+    def __call__(self, q8, sq, k8, sk, v8t, sv, out):
+        tiles = (q8, k8, v8t, sk, sv)
+        aligned = not ((_data_ptr(sq) | _data_ptr(out) | functools.reduce(operator.or_, map(_data_ptr, tiles)))
+                       & 15)
+        key = current_cuda_device()
+        hit = self.memo.get(key) if aligned and not LeanLaunch.hooks_active() else None
+        if hit is None:  # Gluon's binder: compiles (or its cache), checks the descriptors, specialises the pointers
+            hit = lean(_int8_attn_fwd_ws_kernel).launch_bound(self.grid, (*descriptors(*tiles), sq, sk, out,
+                                                                          *self.scalars), self.kw)
+            if aligned and hit is not None:
+                self.memo[key] = hit
+            return out
+        descs = [_Desc(t, shape, strides) for t, (shape, strides, _) in zip(tiles, self.dims)]
+        LeanLaunch.relaunch(hit, self.grid, (*descs, _data_ptr(sq), _data_ptr(sk), _data_ptr(out), *self.scalars))
+        return out
+
+
 def launch_ws(q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, worker_regs=None, v8t_in_mma_order=False,
               **schedule):
-    """Run the kernel (CUDA sm_90; ``int8_flash_attention`` checks the operands' shapes and dtypes). ``schedule``:
-    ``SCHEDULE``'s switches, ``worker_regs``: (consumer, producer) registers, for the A/B (PERF_NOTES).
-    ``v8t_in_mma_order``: v8t's keys are already in ``mma_key_order`` (else, with ``keys_permuted``, a copy is)."""
+    """Run the kernel once (CUDA sm_90; ``int8_flash_attention`` checks the operands' shapes and dtypes): any
+    strides, sk's rows padded here. ``schedule``: ``SCHEDULE``'s switches, ``worker_regs``: (consumer, producer)
+    registers, for the A/B (PERF_NOTES). ``v8t_in_mma_order``: v8t's keys are already in ``mma_key_order`` (else,
+    with ``keys_permuted``, a copy is). A caller launching one shape again and again keeps a ``WsLaunch``."""
     if sk.shape[2] % 4:  # rows of whole 16-byte units (1-D TMA copies start aligned); the pad is never read as a key
         sk = torch.nn.functional.pad(sk, (0, 4 - sk.shape[2] % 4))
-    grid, scalars, kw = ws_spec(q8, sq, k8, sk, v8t, sv, out, causal=causal, Lk=Lk, worker_regs=worker_regs,
-                                **schedule)
-    if kw["FLAGS"] & _KEYS_PERMUTED_BIT and not v8t_in_mma_order:
+    if schedule_constexprs(**schedule)["FLAGS"] & _KEYS_PERMUTED_BIT and not v8t_in_mma_order:
         v8t = v8t[..., mma_key_order(v8t.shape[-1]).to(v8t.device)]
     q8, k8, v8t, sk, sv = (_tma_operand(t) for t in (q8, k8, v8t, sk, sv))
-    _int8_attn_fwd_ws_kernel[grid](*descriptors(q8, k8, v8t, sk, sv), sq, sk, out, *scalars, **kw)
-    return out
+    return WsLaunch(q8, sq, k8, sk, v8t, sv, out, causal=causal, Lk=Lk, worker_regs=worker_regs,
+                    **schedule)(q8, sq, k8, sk, v8t, sv, out)

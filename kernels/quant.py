@@ -7,9 +7,10 @@ outliers of K). FlashAttention-3 (Shah et al., 2024, §3.3): 8-bit wgmma wants b
 V is written transposed, ``[d, tokens]``, tokens contiguous.
 
 Each kernel reads its bf16/fp16 input once (any strides: HF hands over transposed views) and writes the
-int8 codes and fp32 scales once. The K mean is the torch reduction ``reference.k_smooth_mean`` (one
-read of K, an exact fp64 sum shared with the reference and the cache's store, so all quantize against the same
-mean, bit for bit). K and V
+int8 codes and fp32 scales once. The K mean is ``reference.k_smooth_mean`` bit for bit (an exact fp64 sum shared
+with the reference and the cache's store, so all quantize against the same mean): the prefill reads K once for it
+in ``_k_sum_kernel`` (fp64 sums of token splits) and the Q+K pass finishes it (torch's reduction cast all of K to
+fp64 first, 3-4x the Q+K pass's time). K and V
 stay two passes: a fused K+V pass measured no faster on the H100 once the passes load 16 bytes (0.96-1.00x,
 eval/results/bench_quant_h100.json). The prefill launches Q's and K's passes as one (``_quant_qk_kernel``: Q's
 programs, then K's, each the same row helper; ``quantize_qk``): one launch fewer per layer, the same bits. V stays
@@ -41,7 +42,7 @@ from .launch import lean
 from .reference import DEFAULT_BLOCK_N, _finite_token_amax, k_smooth_mean  # noqa: F401  (k_smooth_mean re-exported)
 from .rotation import rotation_block
 
-__all__ = ["quantize_per_token", "quantize_qk", "quantize_v_blocks", "quantize_v_channels", "k_smooth_mean",
+__all__ = ["quantize_per_token", "quantize_qk", "quantize_v_blocks", "quantize_v_channels", "k_smooth_mean", "k_mean",
            "interpreting"]
 
 
@@ -173,6 +174,29 @@ def _quant_v_block(p_x, p_amax, p_v8t, p_sv, p_poison, i_n, L, stride_xl, stride
         tl.store(p_sv + i_n * D + o_d, b_sv, mask=m_d)
 
 
+@triton.jit(do_not_specialize=["L", "CH", "stride_xb", "stride_xh", "stride_xl"])
+def _k_sum_kernel(X, PART, L, H, NS, CH, stride_xb, stride_xh, stride_xl, stride_xd,
+                  D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, VEC: tl.constexpr):
+    """grid (b * H * NS,): ``PART [b * H, NS, D]`` fp64, split s the channel sums of the tokens [s CH, (s + 1) CH) of
+    X [b, H, L, D] (b, H, L strides multiples of VEC). fp64 sums of 16-bit keys are exact, so the mean the Q+K pass
+    finishes from them is ``reference.k_smooth_mean`` bit for bit, whatever the split."""
+    pid = tl.program_id(0)
+    i_s, i_bh = pid % NS, pid // NS
+    i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
+    p_x = X + i_b * _multiple(stride_xb, VEC) + i_h * _multiple(stride_xh, VEC)
+    sl = _multiple(stride_xl, VEC)
+    o_d = tl.arange(0, BD)
+    lo = i_s * CH
+    hi = tl.minimum(lo + CH, L)
+    acc = tl.zeros([BT, BD], dtype=tl.float64)
+    for t0 in range(lo, hi, BT):
+        o_t = t0 + tl.arange(0, BT)
+        m = (o_t < hi)[:, None] & (o_d < D)[None, :]
+        acc += tl.load(p_x + o_t[:, None].to(tl.int64) * sl + o_d[None, :] * stride_xd, mask=m,
+                       other=0.0).to(tl.float64)
+    tl.store(PART + (i_bh.to(tl.int64) * NS + i_s) * D + o_d, tl.sum(acc, 0), mask=o_d < D)
+
+
 @triton.jit(do_not_specialize=["L", "stride_xb", "stride_xh", "stride_xl", "stride_sb", "stride_sh"])
 def _quant_tokens_kernel(
     X, MEAN, X8, S, scale, L, H,
@@ -225,7 +249,7 @@ def _quant_v_kernel(
 @triton.jit(do_not_specialize=["NQ", "LQ", "LK", "stride_qb", "stride_qh", "stride_ql", "stride_kb", "stride_kh",
                                "stride_kl", "stride_sqb", "stride_sqh", "stride_skb", "stride_skh"])
 def _quant_qk_kernel(
-    Q, K, MEAN, SMF, Q8, K8, SQ, SK, q_scale, k_scale, NQ, LQ, LK, HQ, HK,
+    Q, K, MEAN, SMF, Q8, K8, SQ, SK, q_scale, k_scale, NQ, LQ, LK, HQ, HK, N_PARTS,
     stride_qb, stride_qh, stride_ql, stride_qd,
     stride_kb, stride_kh, stride_kl, stride_kd,
     stride_mb, stride_mh,
@@ -234,13 +258,16 @@ def _quant_qk_kernel(
     stride_sqb, stride_sqh, stride_skb, stride_skh,
     HAS_SMOOTH: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, VEC_Q: tl.constexpr,
     VEC_K: tl.constexpr, ROTATE: tl.constexpr, ROT_N: tl.constexpr, HAS_FACTOR: tl.constexpr,
+    MEAN_PARTS: tl.constexpr = False,
 ):
     """The prefill's two per-token operands in one launch: grid (NQ + cdiv(LK, BT) * b * HK,), NQ = cdiv(LQ, BT)
     * b * HQ. Programs < NQ are ``_quant_tokens_kernel``'s for Q (scale ``q_scale``, no mean), the others its
     programs for K (scale ``k_scale``, MEAN subtracted with HAS_SMOOTH): the same row helper, the same bits.
     ROTATE (``rotate_qk``): Q rows -> ``q . diag(s) . H+-1``, K rows -> ``k . diag(1/s) . H+-1`` with HAS_FACTOR (SMF
     = s [b, HK, D], contiguous channels; Q head h uses KV head h // (HQ // HK)), else ``x . H+-1``; the scales carry
-    the 1/sqrt(ROT_N) (the launcher's), MEAN is rotated here."""
+    the 1/sqrt(ROT_N) (the launcher's), MEAN is rotated here. MEAN_PARTS: MEAN holds ``_k_sum_kernel``'s N_PARTS fp64
+    partial sums per (b, KV head) (batch / head strides stride_mb / stride_mh, D apart), finished here into the mean
+    ``fl32(sum / LK)`` (``reference.k_smooth_mean``); else MEAN is the fp32 mean."""
     pid = tl.program_id(0)
     o_d = tl.arange(0, BD)
     b_f = tl.full([BD], 1.0, tl.float32)
@@ -265,8 +292,15 @@ def _quant_qk_kernel(
                                  tl.load(SMF + i_b * stride_fb + i_h * stride_fh + o_d, mask=o_d < D, other=1.0))
         b_mean = tl.zeros([BD], dtype=tl.float32)
         if HAS_SMOOTH:
-            b_mean = _finite_or_zero(tl.load(MEAN + i_b * stride_mb + i_h * stride_mh + o_d, mask=o_d < D,
-                                             other=0.0))
+            if MEAN_PARTS:
+                b_sum = tl.zeros([BD], dtype=tl.float64)
+                for i_p in range(N_PARTS):
+                    b_sum += tl.load(MEAN + i_b * stride_mb + i_h * stride_mh + i_p * D + o_d, mask=o_d < D,
+                                     other=0.0)
+                b_mean = _finite_or_zero((b_sum / LK.to(tl.float64)).to(tl.float32))  # div.rn.f64
+            else:
+                b_mean = _finite_or_zero(tl.load(MEAN + i_b * stride_mb + i_h * stride_mh + o_d, mask=o_d < D,
+                                                 other=0.0))
             if ROTATE:  # the rotated keys' mean is mean(k) . diag(1/s) . H+-1 (linear): no second read of K
                 b_mean = tl.reshape(hadamard_rows(tl.reshape(b_mean * b_f, [1, BD]), ROT_N), [BD])
         _quant_token_rows(K + i_b * sb + i_h * sh, K8 + i_b * stride_k8b + i_h * stride_k8h,
@@ -348,10 +382,12 @@ def _tokens_spec(x4: torch.Tensor, scale: float, smb: int, smh: int, has_smooth:
 
 
 def _qk_spec(q4: torch.Tensor, k4: torch.Tensor, q_scale: float, k_scale: float, smb: int, smh: int,
-             has_smooth: bool, rotate: bool = False, has_factor: bool = False):
+             has_smooth: bool, rotate: bool = False, has_factor: bool = False, mean_parts: int = 0,
+             sk_row: Optional[int] = None):
     """(grid, scalars, kwargs) of ``_quant_qk_kernel``: Q ``[b, HQ, LQ, d]`` and K ``[b, HK, LK, d]`` (same b, d);
     ``rotate``: Hadamard-rotate both in the pass (``has_factor``: with the smoothing factors, fp32 ``[b, HK, d]``
-    contiguous)."""
+    contiguous); ``mean_parts``: the mean is finished from that many fp64 partial sums (``_k_sum_spec``); ``sk_row``:
+    K's scales a head apart in ``sk`` (default LK)."""
     b, hq, lq, d = q4.shape
     hk, lk = k4.shape[1], k4.shape[2]
     bt, warps = _qk_tile(d, rotate)
@@ -361,12 +397,27 @@ def _qk_spec(q4: torch.Tensor, k4: torch.Tensor, q_scale: float, k_scale: float,
     if rotate:  # H+-1 = sqrt(n) H: 1/sqrt(n) goes into each row's scale (exact for n = 16, 64, 256)
         q_scale, k_scale = float(q_scale) / math.sqrt(n), float(k_scale) / math.sqrt(n)
     sfb, sfh = (hk * d, d) if has_factor else (0, 0)
-    scalars = (float(q_scale), float(k_scale), nq, lq, lk, hq, hk, *q4.stride(), *k4.stride(), smb, smh, sfb, sfh,
-               hq * lq * d, lq * d, hk * lk * d, lk * d, hq * lq, lq, hk * lk, lk)
+    scalars = (float(q_scale), float(k_scale), nq, lq, lk, hq, hk, max(mean_parts, 1), *q4.stride(), *k4.stride(),
+               smb, smh, sfb, sfh,
+               hq * lq * d, lq * d, hk * lk * d, lk * d, hq * lq, lq, hk * (sk_row or lk), sk_row or lk)
     kw = dict(HAS_SMOOTH=has_smooth, D=d, BD=_pow2(d), BT=bt, VEC_Q=_vec(q4), VEC_K=_vec(k4), ROTATE=rotate,
               ROT_N=n,
-              HAS_FACTOR=rotate and has_factor, num_warps=warps, enable_fp_fusion=False)
+              HAS_FACTOR=rotate and has_factor, MEAN_PARTS=mean_parts > 0, num_warps=warps, enable_fp_fusion=False)
     return grid, scalars, kw
+
+
+def _k_sum_spec(k4: torch.Tensor, programs: int):
+    """(grid, scalars, kwargs, splits) of ``_k_sum_kernel`` on K ``[b, H, L, d]``: each (b, head)'s tokens in as many
+    splits (of whole tiles, at least 4 a split) as give about ``programs`` programs in all."""
+    b, h, L, d = k4.shape
+    bd = _pow2(d)
+    bt = 16 if interpreting() else max(8, 8192 // bd)
+    tiles = max(1, -(-L // bt))
+    want = max(1, min(-(-tiles // 4), -(-programs // max(b * h, 1))))
+    ch = -(-tiles // want) * bt
+    ns = max(1, -(-L // ch))
+    kw = dict(D=d, BD=bd, BT=bt, VEC=_vec(k4), num_warps=8, enable_fp_fusion=False)
+    return (b * h * ns,), (L, h, ns, ch, *k4.stride()), kw, ns
 
 
 def _v_spec(v: torch.Tensor, block: int, spb: int, sph: int, has_amax: bool, poison: bool,
@@ -412,11 +463,33 @@ def quantize_per_token(x: torch.Tensor, *, scale: float = 1.0, smooth: Optional[
     return x8.reshape(*lead, L, d), s.reshape(*lead, L)
 
 
-def quantize_qk(q: torch.Tensor, k: torch.Tensor, *, q_scale: float = 1.0, smooth: Optional[torch.Tensor] = None,
-                rotate: bool = False, qk_smooth: Optional[torch.Tensor] = None):
+def _k_sums(k4: torch.Tensor, programs: int):
+    """(``[b * H * splits * d]`` fp64 channel sums of K's token splits, splits): ``_k_sum_kernel``'s launch."""
+    grid, scalars, kw, ns = _k_sum_spec(k4, programs)
+    part = torch.empty(grid[0] * k4.shape[3], dtype=torch.float64, device=k4.device)
+    if k4.shape[2] > 0 and grid[0] > 0:
+        lean(_k_sum_kernel)[grid](k4, part, *scalars, **kw)
+    return part, ns
+
+
+def k_mean(k: torch.Tensor) -> torch.Tensor:
+    """``reference.k_smooth_mean(k)`` bit for bit (fp32 ``[..., d]``, K ``[..., L, d]`` fp16/bf16/fp32, any strides)
+    from one read of K (``_k_sum_kernel``) instead of torch's fp64 cast and reduction."""
+    _check_tokens_input(k, "k")
+    lead, (L, d) = k.shape[:-2], k.shape[-2:]
+    k4 = _as_4d(k)
+    b, h = k4.shape[0], k4.shape[1]
+    part, ns = _k_sums(k4, 256)
+    return (part.view(b, h, ns, d).sum(2) / L).float().reshape(*lead, d)
+
+
+def quantize_qk(q: torch.Tensor, k: torch.Tensor, *, q_scale: float = 1.0,
+                smooth: Optional[torch.Tensor] | str = None, rotate: bool = False,
+                qk_smooth: Optional[torch.Tensor] = None):
     """``quantize_per_token(q, scale=q_scale)`` and ``quantize_per_token(k, smooth=smooth)`` in one launch, bit for
     bit: q ``[b, HQ, LQ, d]``, k ``[b, HK, LK, d]`` (same b and d; fp16/bf16/fp32, any strides, on one device).
-    Returns ``(q8, sq, k8, sk)``.
+    Returns ``(q8, sq, k8, sk)``. ``smooth="k"``: K's own mean (``k_smooth_mean(k)``), its fp64 sums taken by
+    ``_k_sum_kernel`` and finished by the pass (``turbo_attention`` without a ``k_mean``).
 
     ``rotate`` (``rotate_qk``, issue 23): Q and K are Hadamard-rotated in the same pass, ``qk_smooth`` (the
     ``rotation.smooth_scales`` factors ``s [b, HK, d]``) applied first, Q by ``s``, K by ``1/s``; ``smooth`` stays
@@ -432,11 +505,19 @@ def quantize_qk(q: torch.Tensor, k: torch.Tensor, *, q_scale: float = 1.0, smoot
     sq = torch.empty(b, hq, lq, dtype=torch.float32, device=q.device)
     k8 = torch.empty(b, hk, lk, d, dtype=torch.int8, device=q.device)
     sk = torch.empty(b, hk, lk, dtype=torch.float32, device=q.device)
-    m, smb, smh = _mean_arg(smooth, sk, b, hk, d)
+    if isinstance(smooth, str) and smooth != "k":
+        raise ValueError(f"smooth={smooth!r}: a fp32 [b, HK, d] mean, 'k' (K's own) or None")
     check_qk_smooth(qk_smooth, rotate, k)
     f = factor_arg(qk_smooth, sk)
     if b * (hq * lq + hk * lk) > 0:
-        grid, scalars, kw = _qk_spec(q, k, q_scale, 1.0, smb, smh, smooth is not None, rotate, qk_smooth is not None)
+        parts = 0
+        if isinstance(smooth, str):
+            m, parts = _k_sums(k, 256)
+            smb, smh = hk * parts * d, parts * d
+        else:
+            m, smb, smh = _mean_arg(smooth, sk, b, hk, d)
+        grid, scalars, kw = _qk_spec(q, k, q_scale, 1.0, smb, smh, smooth is not None, rotate, qk_smooth is not None,
+                                     parts)
         lean(_quant_qk_kernel)[grid](q, k, m, f, q8, k8, sq, sk, *scalars, **kw)
     return q8, sq, k8, sk
 

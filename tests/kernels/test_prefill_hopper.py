@@ -147,3 +147,32 @@ def test_choosing_hopper_where_it_cannot_run_keeps_the_portable_kernel(monkeypat
     got = prefill.turbo_attention(q, k, v, causal=True)
     assert torch.equal(got, want)
     assert not any(p.hopper for p in prefill._PLANS.values())
+
+
+TURBO_CASES = [(1, 8, 2, 333, 1021, 128, True), (2, 4, 4, 1000, 1000, 64, False), (1, 4, 1, 1, 4099, 128, True)]
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("case", TURBO_CASES, ids=lambda c: "x".join(map(str, c)))
+def test_turbo_attention_relaunches_the_gluon_kernel_bit_for_bit(case):
+    """turbo_attention on the Gluon path: a plan's first call goes through Gluon's binder, the later ones relaunch
+    from ``WsLaunch``'s memo (light descriptors; sk's rows padded to 4 by the plan, K's mean from split sums). Every
+    call gives the same bits, as do the call with K's mean given and one writing into a given ``out``; the portable
+    kernel's output (its own conversions) is close."""
+    b, hq, hk, lq, lk, d, causal = case
+    g = torch.Generator().manual_seed(lk)
+    q, k, v = (torch.randn(b, h, L, d, generator=g).to(device="cuda", dtype=torch.bfloat16)
+               for h, L in ((hq, lq), (hk, lk), (hk, lk)))
+    with prefill.chosen_kernel("hopper"):
+        outs = [prefill.turbo_attention(q, k, v, causal=causal) for _ in range(3)]
+        plans = [p for p in prefill._PLANS.values() if p.ws is not None and p.shapes[0] == (b, hq, lq, d)]
+        assert plans and all(p.ws.memo for p in plans), "the Gluon plan was not relaunched from its memo"
+        outs.append(prefill.turbo_attention(q, k, v, causal=causal, k_mean=reference.k_smooth_mean(k)))
+        outs.append(prefill.turbo_attention(q, k, v, causal=causal, out=torch.empty_like(outs[0])))
+    for i, o in enumerate(outs[1:], 1):
+        assert torch.equal(o, outs[0]), f"call {i} differs"
+    with prefill.chosen_kernel("portable"):
+        port = prefill.turbo_attention(q, k, v, causal=causal)
+    diff = (port.float() - outs[0].float()).abs()
+    assert float(diff.max()) < 3e-2, float(diff.max())

@@ -118,6 +118,35 @@ def test_qk_one_launch_equals_two_passes(shape, dtype, layout, smooth, device, p
         assert torch.equal(g.isnan(), w.isnan()) and torch.equal(g.nan_to_num(), w.nan_to_num()), name
 
 
+@pytest.mark.parametrize("shape,dtype,layout", QK_CASES,
+                         ids=[f"{'x'.join(map(str, s))}-{str(d)[6:]}-{lay}" for s, d, lay in QK_CASES])
+@pytest.mark.parametrize("programs", [1, 3, 256])
+def test_k_mean_from_split_sums_is_the_torch_mean(shape, dtype, layout, programs, device, monkeypatch,
+                                                  poisoned_empty):
+    """K's channel mean from ``_k_sum_kernel``'s fp64 sums of token splits (1 split, uneven splits, one a tile) ==
+    ``reference.k_smooth_mean`` bit for bit, NaN channel included: as ``quant.k_mean`` and finished by the Q+K pass
+    (``smooth="k"``, what turbo_attention runs without a given mean)."""
+    q, k, mean = _qk_case(shape, dtype, layout, device, True)
+    spec = quant._k_sum_spec
+    monkeypatch.setattr(quant, "_k_sum_spec", lambda k4, n: spec(k4, programs))
+    got = quant.k_mean(k)
+    assert got.dtype == torch.float32 and torch.equal(got.isnan(), mean.isnan())
+    assert torch.equal(got.nan_to_num(), mean.nan_to_num())
+    got = quant.quantize_qk(q, k, q_scale=0.0883883 * R.LOG2E, smooth="k")
+    want = quant.quantize_qk(q, k, q_scale=0.0883883 * R.LOG2E, smooth=mean)
+    for name, g, w in zip(("q8", "sq", "k8", "sk"), got, want):
+        assert torch.equal(g.isnan(), w.isnan()) and torch.equal(g.nan_to_num(), w.nan_to_num()), name
+
+
+def test_k_sum_splits_cover_every_token():
+    """``_k_sum_spec``'s splits: whole tiles, none empty, together every token, about the programs asked for."""
+    for b, h, L, d in [(1, 8, 32768, 128), (4, 16, 4096, 128), (1, 1, 1, 64), (2, 3, 1000, 256), (64, 32, 128, 64)]:
+        k4 = torch.empty(b, h, L, d, device="meta")
+        grid, (L_, _, ns, ch, *_), kw, parts = quant._k_sum_spec(k4, 264)
+        assert parts == ns and grid == (b * h * ns,) and ch % kw["BT"] == 0
+        assert (ns - 1) * ch < L <= ns * ch, (b, h, L, ns, ch)
+
+
 @pytest.mark.parametrize("rows", [8, 16])
 @pytest.mark.parametrize("shape,dtype,layout", QK_CASES,
                          ids=[f"{'x'.join(map(str, s))}-{str(d)[6:]}-{lay}" for s, d, lay in QK_CASES])
@@ -372,6 +401,9 @@ COMPILE_KERNELS = {
     "_quant_qk_kernel": lambda x, block, mean: quant.quantize_qk(
         x, x, smooth=mean, rotate=True,
         qk_smooth=None if mean is None else torch.empty(x.shape[0], x.shape[1], x.shape[3], device="meta")),
+    # without a given mean (turbo_attention's default): K's fp64 split sums, finished by the Q+K pass
+    "_k_sum_kernel": lambda x, block, mean: quant.k_mean(x),
+    "_quant_qk_kernel/k_mean": lambda x, block, mean: quant.quantize_qk(x, x, smooth="k"),
 }
 
 
@@ -384,13 +416,19 @@ def _compile_sm90(kernel_name, d, block, dtype, layout, smooth):
 
     kernel_name, variant = kernel_name.split("/")[0], kernel_name
     kernel, calls = getattr(quant, kernel_name), []
+    recorded = {n for n in dir(quant) if n.startswith("_") and n.endswith("_kernel")}
+    saved = {n: getattr(quant, n) for n in recorded}
 
     class Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **kw: calls.append((args, kw))
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):  # the launcher's other kernels are recorded and dropped
+            return lambda *args, **kw: calls.append((args, kw)) if self.name == kernel_name else None
 
     check = quant._check_device
-    setattr(quant, kernel_name, Recorder())
+    for n in recorded:
+        setattr(quant, n, Recorder(n))
     quant._check_device = lambda *a: None
     try:
         dt = getattr(torch, dtype)
@@ -399,12 +437,14 @@ def _compile_sm90(kernel_name, d, block, dtype, layout, smooth):
             x = torch.empty(2, 4096, 16, d, dtype=dt, device="meta").transpose(1, 2)
         COMPILE_KERNELS[variant](x, block, torch.empty(2, 16, d, device="meta") if smooth else None)
     finally:
-        setattr(quant, kernel_name, kernel)
+        for n, k in saved.items():
+            setattr(quant, n, k)
         quant._check_device = check
     (args, kw), = calls
     names = [p.name for p in kernel.params if not p.is_constexpr]
     dns = {p.name for p in kernel.params if p.do_not_specialize}
-    types = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int8: "*i8"}
+    types = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.float64: "*fp64",
+             torch.int8: "*i8"}
     sig, attrs = {}, {}
     constexprs = {k: v for k, v in kw.items() if k not in ("num_warps", "enable_fp_fusion")}
     for name, a in zip(names, args):
@@ -445,6 +485,8 @@ def test_quant_kernels_compile_for_sm90():
         assert loads["scalar"] == 0 and loads["vector"] > 0, f"{case}: global loads {loads}"
         if case.startswith("_quant_v_kernel"):  # V's codes leave in vectors (the mma order permutes registers)
             assert loads["byte_stores"] == 0, f"{case}: {loads['byte_stores']} byte stores of V's codes"
+        if case.startswith("_quant_qk_kernel/k_mean") and "True)" in case:  # torch's sum / L: one IEEE division
+            assert loads["div_rn_f64"] > 0, f"{case}: the K mean's fp64 division is not div.rn.f64"
 
 
 def _compile_main(cases):
@@ -470,7 +512,7 @@ def _compile_main(cases):
                 ptx = _compile_sm90(kernel_name, *c)
                 # tile loads: v4 = 16 bytes; 2-byte (b16) loads of a bf16/fp16 tile would mean the VEC hint is lost
                 res[key] = {"vector": ptx.count("ld.global.v4"), "scalar": ptx.count("ld.global.b16"),
-                            "byte_stores": ptx.count("st.global.b8")}
+                            "byte_stores": ptx.count("st.global.b8"), "div_rn_f64": ptx.count("div.rn.f64")}
             except Exception as e:  # noqa: BLE001 - report every failing case, not only the first
                 res[key] = f"{type(e).__name__}: {str(e)[-600:]}"
     print(json.dumps({"results": res}))
