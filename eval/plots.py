@@ -60,6 +60,9 @@ def plot_prefill(path) -> Optional[Path]:
     if not dims:
         return None
     fig, axes = plt.subplots(len(causals), len(dims), figsize=(4.2 * len(dims), 3.4 * len(causals)), squeeze=False)
+    # one colour per provider in every panel (a panel without some provider must not shift the others' colours)
+    colour = {prov: f"C{i}" for i, prov in enumerate(sorted({r["provider"] for r in rows}))}
+    handles = {}
     for i, causal in enumerate(causals):
         for j, d in enumerate(dims):
             ax = axes[i][j]
@@ -69,14 +72,14 @@ def plot_prefill(path) -> Optional[Path]:
                     lines[r["provider"]].append((r["L"], r["tflops"]))
             for prov, pts in sorted(lines.items()):
                 pts.sort()
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=prov,
-                        linestyle="--" if prov.startswith(("sdpa", "sage")) else "-")
+                handles[prov], = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=prov,
+                                         color=colour[prov], linestyle="--" if prov.startswith(("sdpa", "sage")) else "-")
             ax.set_xscale("log", base=2)
             ax.set_xlabel("sequence length L")
             ax.set_ylabel("TFLOP/s (4·b·h·L²·d, ½ causal)")
             ax.set_title(f"d={d}, {'causal' if causal else 'non-causal'}")
             ax.grid(alpha=0.3)
-    axes[0][-1].legend(fontsize=7)
+    axes[0][-1].legend([handles[p] for p in sorted(handles)], sorted(handles), fontsize=7)
     fig.suptitle(_title(data, "prefill attention"), fontsize=9)
     return _save(fig, path)
 
