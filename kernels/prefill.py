@@ -819,7 +819,7 @@ class _AttnPlan:
         self.attn = self.ws = None
         if self.hopper:
             self.ws = prefill_hopper.WsLaunch(q8, sq, k8, sk, v8t, sv, out if out is not None else o, causal=causal,
-                                              Lk=lk, device=dev)
+                                              Lk=lk)
         else:
             self.attn = _attn_spec(q8, sq, k8, sk, v8t, sv, out if out is not None else o, stride_kvb, causal=causal,
                                    window=window, softcap=softcap, has_key_valid=key_valid is not None,

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl  # PropagateNan: Gluon reuses triton.language's enum
 
-from .device import current_cuda_device, sm_count
+from .device import current_cuda_device
 from .launch import LeanLaunch, lean
 from .reference import MAGIC, MAGIC_BITS, P_BLOCK_GAP, SQ_MIN
 
@@ -62,7 +62,7 @@ HEAD_DIMS = (64, 128)
 _STAGES = {64: 4, 128: 3}
 #: the kernel's schedule switches (``launch_ws`` keywords) and their defaults (PERF_NOTES session 45): I2F conversions,
 #: P.V in 4 MMAs, V's keys in the operand order; the kernel takes FLAGS (the booleans' bits) + PV_PARTS
-SCHEDULE = {"i2f": True, "pv_parts": 4, "keys_permuted": True, "persistent": False}
+SCHEDULE = {"i2f": True, "pv_parts": 4, "keys_permuted": True}
 _I2F_BIT, _KEYS_PERMUTED_BIT = 1, 2  # FLAGS' bits
 #: registers per thread of the second consumer and the producer (setmaxnreg); the default partition is consumer 0
 _WORKER_REGS = (232, 40)
@@ -91,51 +91,27 @@ if HAVE_GLUON:
     _PART1 = gl.constexpr(1)
 
     @gluon.jit
-    def _tile(t, Lq, Lk, HQ, HK, IS_CAUSAL: gl.constexpr, ROWS: gl.constexpr, BN: gl.constexpr):
-        """(i_m, i_bh, i_kv, n_blocks) of tile t: row block i_m (ROWS rows) of (batch, query head) i_bh, a head's row
-        blocks neighbours and the longest causal one first; i_kv its (batch, KV head) row; n_blocks the KV blocks its
-        rows reach."""
-        n_m = gl.cdiv(Lq, ROWS)
-        i_m = n_m - 1 - t % n_m
-        i_bh = t // n_m
-        i_kv = (i_bh // HQ) * HK + (i_bh % HQ) // (HQ // HK)
-        hi = Lk
-        if IS_CAUSAL:
-            hi = gl.minimum(hi, (i_m + 1) * ROWS + (Lk - Lq))
-        return i_m, i_bh, i_kv, gl.cdiv(hi, BN)
-
-    @gluon.jit
-    def _producer(q_desc, k_desc, v_desc, sk_desc, sv_desc, q_smem, k_smem, v_smem, sk_smem, sv_smem, q_bar, q_free,
-                  ready, empty, Lq, Lk, HQ, HK, K_ROWS, SK_ROW, NBLK, SV_STEP, N_TILES, IS_CAUSAL: gl.constexpr,
-                  BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
-        """Per tile of this program: the Q tile (every consumer's part) once the consumers are done with the last
-        one's (``q_free``), then per block into ring slot it % STAGES (``it`` counts the program's blocks over its
-        tiles, so the ring runs on into the next tile while the consumers finish one): K [BN, d], V^T [d, BN], the
+    def _producer(q_desc, k_desc, v_desc, sk_desc, sv_desc, q_smem, k_smem, v_smem, sk_smem, sv_smem, q_bar, ready,
+                  empty, q_row, k_row, sk_row, v_row, sv_row, sv_step, n_blocks, BN: gl.constexpr, D: gl.constexpr,
+                  STAGES: gl.constexpr):
+        """The Q tile once (every consumer's part), then per block into slot j % STAGES: K [BN, d], V^T [d, BN], the
         keys' scales sk [BN] and V's channel scales sv [d] (so no consumer waits on a global load in its loop)."""
         PART_M: gl.constexpr = q_desc.block_type.shape[0]
         PARTS: gl.constexpr = q_smem.shape[0]
+        mbarrier.expect(q_bar, PARTS * q_desc.block_type.nbytes)
+        for i in gl.static_range(PARTS):
+            tma.async_copy_global_to_shared(q_desc, [q_row + i * PART_M, 0], q_bar, q_smem.index(i))
         nbytes: gl.constexpr = (k_desc.block_type.nbytes + v_desc.block_type.nbytes + sk_desc.block_type.nbytes
                                 + sv_desc.block_type.nbytes)
-        it = 0
-        tc = 0
-        for t in range(gl.program_id(0), N_TILES, gl.num_programs(0)):
-            i_m, i_bh, i_kv, n_blocks = _tile(t, Lq, Lk, HQ, HK, IS_CAUSAL, PARTS * PART_M, BN)
-            mbarrier.wait(q_free, (tc & 1) ^ 1)  # a fresh barrier passes phase 1
-            mbarrier.expect(q_bar, PARTS * q_desc.block_type.nbytes)
-            for i in gl.static_range(PARTS):
-                tma.async_copy_global_to_shared(q_desc, [i_bh * Lq + (i_m * PARTS + i) * PART_M, 0], q_bar,
-                                                q_smem.index(i))
-            for j in range(n_blocks):
-                s = it % STAGES
-                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-                bar = ready.index(s)
-                mbarrier.expect(bar, nbytes)
-                tma.async_copy_global_to_shared(k_desc, [i_kv * K_ROWS + j * BN, 0], bar, k_smem.index(s))
-                tma.async_copy_global_to_shared(v_desc, [i_kv * D, j * BN], bar, v_smem.index(s))
-                tma.async_copy_global_to_shared(sk_desc, [i_kv * SK_ROW + j * BN], bar, sk_smem.index(s))
-                tma.async_copy_global_to_shared(sv_desc, [(i_kv * NBLK + j * SV_STEP) * D], bar, sv_smem.index(s))
-                it += 1
-            tc += 1
+        for j in range(n_blocks):
+            s = j % STAGES
+            mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
+            bar = ready.index(s)
+            mbarrier.expect(bar, nbytes)
+            tma.async_copy_global_to_shared(k_desc, [k_row + j * BN, 0], bar, k_smem.index(s))
+            tma.async_copy_global_to_shared(v_desc, [v_row, j * BN], bar, v_smem.index(s))
+            tma.async_copy_global_to_shared(sk_desc, [sk_row + j * BN], bar, sk_smem.index(s))
+            tma.async_copy_global_to_shared(sv_desc, [(sv_row + j * sv_step) * D], bar, sv_smem.index(s))
 
     @gluon.jit
     def _first_nan_key(p_sk, lo, hi, SCAN: gl.constexpr):
@@ -262,33 +238,13 @@ if HAVE_GLUON:
         return gl.fma(acc, gl.convert_layout(r, gl.SliceLayout(1, o_l))[:, None], pv_f)
 
     @gluon.jit
-    def _consumer(q_smem, k_smem, v_smem, sk_smem, sv_smem, ones_smem, q_bar, q_free, ready, empty, SQ, SK, O, Lq,
-                  Lk, HQ, HK, SK_ROW, N_TILES, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh,
+    def _consumer(q_smem, k_smem, v_smem, sk_smem, sv_smem, ones_smem, q_bar, ready, empty, SQ, SK, O, Lq, Lk, i_m,
+                  i_b, i_hq, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh, sk_row, n_blocks,
                   PART: gl.constexpr, IS_CAUSAL: gl.constexpr, FLAGS: gl.constexpr, PV_PARTS: gl.constexpr):
-        """Per tile of this program (``_tile``), rows [i_m * 128 + 64 PART, +64) of one (b, head): the portable
-        kernel's program of BLOCK_M 64, block by block ``_block`` (Q.K^T, softmax, P.V in PV_PARTS MMAs, waited for
-        within the block) and the fold (the schedules that overlap blocks, or add a third consumer, were slower or no
-        faster: PERF_NOTES sessions 35, 44, 45); Q released (``q_free``) after the tile's last Q.K^T."""
-        PARTS: gl.constexpr = q_smem.shape[0]
-        BM: gl.constexpr = q_smem.shape[1]
-        BN: gl.constexpr = k_smem.shape[1]
-        it = 0
-        tc = 0
-        for t in range(gl.program_id(0), N_TILES, gl.num_programs(0)):
-            i_m, i_bh, i_kv, n_blocks = _tile(t, Lq, Lk, HQ, HK, IS_CAUSAL, PARTS * BM, BN)
-            _consumer_tile(q_smem, k_smem, v_smem, sk_smem, sv_smem, ones_smem, q_bar, ready, empty, SQ, SK, O, Lq,
-                           Lk, i_m, i_bh // HQ, i_bh % HQ, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh,
-                           i_kv * SK_ROW, n_blocks, it, tc, q_free, PART, IS_CAUSAL, FLAGS, PV_PARTS)
-            it += n_blocks
-            tc += 1
-
-    @gluon.jit
-    def _consumer_tile(q_smem, k_smem, v_smem, sk_smem, sv_smem, ones_smem, q_bar, ready, empty, SQ, SK, O, Lq, Lk,
-                       i_m, i_b, i_hq, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh, sk_row, n_blocks, it0,
-                       tc, q_free, PART: gl.constexpr, IS_CAUSAL: gl.constexpr, FLAGS: gl.constexpr,
-                       PV_PARTS: gl.constexpr):
-        """One tile's rows of a consumer (``_consumer``): ring slots from the program's block count ``it0``, Q's
-        phase from its tile count ``tc``."""
+        """Rows [i_m * 128 + 64 PART, +64) of one (b, head): the portable kernel's program of BLOCK_M 64, block by
+        block ``_block`` (Q.K^T, softmax, P.V in PV_PARTS MMAs, waited for within the block) and the fold (the
+        schedules that overlap blocks, or add a third consumer, were slower or no faster: PERF_NOTES sessions 35,
+        44, 45)."""
         BM: gl.constexpr = q_smem.shape[1]
         PARTS: gl.constexpr = q_smem.shape[0]
         D: gl.constexpr = q_smem.shape[2]
@@ -328,10 +284,10 @@ if HAVE_GLUON:
         q = q_smem.index(PART)
         n_full = full_hi // BN
         n_mine = gl.cdiv(hi, BN)
-        mbarrier.wait(q_bar, tc & 1)
+        mbarrier.wait(q_bar, 0)
         for j in range(n_mine):
-            s = (it0 + j) % STAGES
-            mbarrier.wait(ready.index(s), ((it0 + j) // STAGES) & 1)
+            s = j % STAGES
+            mbarrier.wait(ready.index(s), (j // STAGES) & 1)
             if j < n_full:
                 pv, rs, r, l_i, m_i, c_i = _block(q, k_smem.index(s), v_smem.index(s), sk_smem.index(s), ones_smem, j,
                                                   sq, l_i, m_i, c_i, o_pos, Lk, s_zero, o_zero, n8_zero, p_l, False,
@@ -343,10 +299,9 @@ if HAVE_GLUON:
             l_i = gl.fma(l_i, r, gl.convert_layout(gl.max(rs, 1), row_l).to(gl.float32))  # each column: the row sum
             acc = _fold(acc, r, pv, sv_smem.index(s), o_l, FLAGS)
             mbarrier.arrive(empty.index(s), count=1)
-        mbarrier.arrive(q_free, count=1)  # every Q.K^T of the tile was waited for in its block
         for j in range(n_mine, n_blocks):  # another part's diagonal block lies past these rows: wait, release
-            s = (it0 + j) % STAGES
-            mbarrier.wait(ready.index(s), ((it0 + j) // STAGES) & 1)
+            s = j % STAGES
+            mbarrier.wait(ready.index(s), (j // STAGES) & 1)
             mbarrier.arrive(empty.index(s), count=1)
         has_key = l_i != 0
         l_o = gl.convert_layout(gl.where(has_key, l_i, 1.0), gl.SliceLayout(1, o_l))
@@ -358,16 +313,14 @@ if HAVE_GLUON:
                + c_o[None, :])
         gl.store(p_o, o.to(O.dtype.element_ty), mask=(r_o < Lq)[:, None])
 
-    @gluon.jit(do_not_specialize=["Lq", "Lk", "K_ROWS", "N_TILES"])
+    @gluon.jit(do_not_specialize=["Lq", "Lk", "K_ROWS"])
     def _int8_attn_fwd_ws_kernel(q_desc, k_desc, v_desc, sk_desc, sv_desc, SQ, SK, O, Lq, Lk, K_ROWS, SK_ROW, HQ, HK,
-                                 NBLK, SV_STEP, N_TILES, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh,
+                                 NBLK, SV_STEP, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh,
                                  IS_CAUSAL: gl.constexpr, D: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
                                  FLAGS: gl.constexpr, PV_PARTS: gl.constexpr, R_CONSUMER: gl.constexpr,
                                  R_PRODUCER: gl.constexpr):
-        """grid (programs,): program p runs tiles p, p + programs, ... of the N_TILES = cdiv(Lq, 128) * b * HQ tiles of
-        128 query rows (``_tile``: row blocks of one head neighbours, the longest causal ones first); two consumer
-        warpgroups of 64 rows each share every KV slot. With fewer programs than tiles (``persistent``) the ring runs
-        on from one tile into the next.
+        """grid (cdiv(Lq, 128) * b * HQ,), row blocks of one head neighbours, the longest causal ones first; two
+        consumer warpgroups of 64 rows each share every KV slot.
         q_desc over q8 as [b HQ Lq, d] (block [64, d]), k_desc over k8 as [b HK K_ROWS, d] (block [BN, d]),
         v_desc over v8t as [b HK d, Lpad] (block [d, BN]), sk_desc over sk as [b HK SK_ROW] (block [BN]; SK_ROW a
         multiple of 4: a 1-D TMA copy starts 16-byte aligned), sv_desc over sv as [b HK NBLK d] (block [d]; SV_STEP 0:
@@ -375,34 +328,47 @@ if HAVE_GLUON:
         per head, SK_ROW sk's (both >= Lk). SK: sk itself (the NaN scan)."""
         PART_M: gl.constexpr = q_desc.block_type.shape[0]
         PARTS: gl.constexpr = 2
+        n_m = gl.cdiv(Lq, PARTS * PART_M)
+        pid = gl.program_id(0)
+        i_m = n_m - 1 - pid % n_m
+        i_bh = pid // n_m
+        i_b = i_bh // HQ
+        i_hq = i_bh % HQ
+        i_hk = i_hq // (HQ // HK)
+        hi = Lk
+        if IS_CAUSAL:
+            hi = gl.minimum(hi, (i_m + 1) * (PARTS * PART_M) + (Lk - Lq))
+        n_blocks = gl.cdiv(hi, BN)
         q_smem = gl.allocate_shared_memory(gl.int8, [PARTS, PART_M, D], q_desc.layout)
         k_smem = gl.allocate_shared_memory(gl.int8, [STAGES, BN, D], k_desc.layout)
         v_smem = gl.allocate_shared_memory(gl.int8, [STAGES, D, BN], v_desc.layout)
         sk_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BN], sk_desc.layout)
         sv_smem = gl.allocate_shared_memory(gl.float32, [STAGES, D], sv_desc.layout)
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        q_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         ones_smem = gl.allocate_shared_memory(gl.int8, [8, BN], gl.NVMMASharedLayout.get_default_for([8, BN], gl.int8))
         ones_smem.store(gl.full([8, BN], 1, gl.int8, layout=gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])))
         mbarrier.init(q_bar, count=1)
-        mbarrier.init(q_free, count=PARTS)  # every consumer releases Q
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=PARTS)  # every consumer releases a slot
         fence_async_shared()
+        q_row = i_bh * Lq + i_m * (PARTS * PART_M)
+        k_row = (i_b * HK + i_hk) * K_ROWS  # k8 and sk may hold more rows than the Lk keys attended
+        sk_row = (i_b * HK + i_hk) * SK_ROW
+        v_row = (i_b * HK + i_hk) * D
+        sv_row = (i_b * HK + i_hk) * NBLK
         # tuples spelled out in the call: a tuple held in a variable or concatenated unwraps its constexprs
         gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, ones_smem, q_bar, q_free, ready, empty, SQ, SK, O,
-                         Lq, Lk, HQ, HK, SK_ROW, N_TILES, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh,
+            (_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, ones_smem, q_bar, ready, empty, SQ, SK, O, Lq, Lk,
+                         i_m, i_b, i_hq, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh, sk_row, n_blocks,
                          _PART0, IS_CAUSAL, FLAGS, PV_PARTS)),
-            (_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, ones_smem, q_bar, q_free, ready, empty, SQ, SK, O,
-                         Lq, Lk, HQ, HK, SK_ROW, N_TILES, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh,
+            (_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, ones_smem, q_bar, ready, empty, SQ, SK, O, Lq, Lk,
+                         i_m, i_b, i_hq, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh, sk_row, n_blocks,
                          _PART1, IS_CAUSAL, FLAGS, PV_PARTS)),
             (_producer, (q_desc, k_desc, v_desc, sk_desc, sv_desc, q_smem, k_smem, v_smem, sk_smem, sv_smem, q_bar,
-                         q_free, ready, empty, Lq, Lk, HQ, HK, K_ROWS, SK_ROW, NBLK, SV_STEP, N_TILES, IS_CAUSAL, BN, D,
-                         STAGES)),
+                         ready, empty, q_row, k_row, sk_row, v_row, sv_row, SV_STEP, n_blocks, BN, D, STAGES)),
         ], [4, 4], [R_CONSUMER, R_PRODUCER])
 
 
@@ -445,7 +411,7 @@ def descriptors(q8, k8, v8t, sk, sv):
 
 def schedule_constexprs(**schedule) -> dict:
     """The kernel's FLAGS (bit set of the boolean switches) and PV_PARTS for ``SCHEDULE``'s switches, defaults where
-    not given, and ``persistent`` (the grid's: a program an SM looping over the tiles, not a constexpr)."""
+    not given."""
     unknown = set(schedule) - set(SCHEDULE)
     if unknown:
         raise ValueError(f"unknown schedule switch(es) {sorted(unknown)}; known: {sorted(SCHEDULE)}")
@@ -453,23 +419,21 @@ def schedule_constexprs(**schedule) -> dict:
     if on["pv_parts"] not in (1, 2, 4):
         raise ValueError(f"pv_parts={on['pv_parts']!r}: 1, 2 or 4 (an int8 wgmma takes 32 keys or more)")
     flags = (_I2F_BIT if on["i2f"] else 0) | (_KEYS_PERMUTED_BIT if on["keys_permuted"] else 0)
-    return dict(FLAGS=flags, PV_PARTS=int(on["pv_parts"]), persistent=bool(on["persistent"]))
+    return dict(FLAGS=flags, PV_PARTS=int(on["pv_parts"]))
 
 
-def ws_spec(q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, worker_regs=None, device=None, **schedule):
+def ws_spec(q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, worker_regs=None, **schedule):
     """(grid, scalars, constexprs) of ``_int8_attn_fwd_ws_kernel`` after its five descriptors and 3 tensors
     (sk and sv dense with sk's rows a multiple of 4: ``launch_ws``)."""
     b, hq, lq, d = q8.shape
     hk, nblk = k8.shape[1], sv.shape[2]
     if sk.shape[2] < Lk or sk.shape[2] % 4:
         raise ValueError(f"sk {tuple(sk.shape)} must hold >= Lk = {Lk} rows per head, a multiple of 4")
-    tiles = -(-lq // (2 * PART_M)) * b * hq
-    cx = schedule_constexprs(**schedule)
-    grid = (min(tiles, sm_count(device or q8.device)) if cx.pop("persistent") else tiles,)
-    scalars = (lq, Lk, k8.shape[2], sk.shape[2], hq, hk, nblk, 1 if nblk > 1 else 0, tiles, sq.stride(0),
-               sq.stride(1), out.stride(0), out.stride(1), out.stride(2))
-    kw = dict(IS_CAUSAL=bool(causal), D=d, BN=BLOCK_N, STAGES=_STAGES[d], **cx,
-              R_CONSUMER=(worker_regs or _WORKER_REGS)[0],
+    grid = (-(-lq // (2 * PART_M)) * b * hq,)
+    scalars = (lq, Lk, k8.shape[2], sk.shape[2], hq, hk, nblk, 1 if nblk > 1 else 0, sq.stride(0), sq.stride(1),
+               out.stride(0), out.stride(1), out.stride(2))
+    kw = dict(IS_CAUSAL=bool(causal), D=d, BN=BLOCK_N, STAGES=_STAGES[d],
+              **schedule_constexprs(**schedule), R_CONSUMER=(worker_regs or _WORKER_REGS)[0],
               R_PRODUCER=(worker_regs or _WORKER_REGS)[1], num_warps=4)
     return grid, scalars, kw
 
@@ -491,10 +455,9 @@ class WsLaunch:
 
     __slots__ = ("grid", "scalars", "kw", "dims", "memo")
 
-    def __init__(self, q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, worker_regs=None, device=None,
-                 **schedule):
+    def __init__(self, q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, worker_regs=None, **schedule):
         self.grid, self.scalars, self.kw = ws_spec(q8, sq, k8, sk, v8t, sv, out, causal=causal, Lk=Lk,
-                                                   worker_regs=worker_regs, device=device, **schedule)
+                                                   worker_regs=worker_regs, **schedule)
         self.dims = _desc_dims(q8, k8, v8t, sk, sv)
         self.memo = {}
 

@@ -87,7 +87,7 @@ def test_each_kernel_matches_its_twin(case):
 
 #: schedules that reorder or regroup the same operations: bit for bit the default schedule's output
 EXACT_SCHEDULES = [dict(pv_parts=1), dict(pv_parts=2), dict(worker_regs=(240, 24)), dict(keys_permuted=False),
-                   dict(keys_permuted=False, pv_parts=2), dict(keys_permuted=False, pv_parts=1), dict(persistent=True)]
+                   dict(keys_permuted=False, pv_parts=2), dict(keys_permuted=False, pv_parts=1)]
 
 
 @pytest.mark.gpu
