@@ -621,7 +621,8 @@ class TurboLayer(CacheLayerMixin):
         rp = plan.replay if plan is not None else None
         if rp is None:
             return False
-        queue = batch is not None and prefill_attention_path(self.turbo_config, key_states.device) == "exact"
+        queue = batch is not None and prefill_attention_path(self.turbo_config, key_states.device, keys=T,
+                                                             head_dim=d) == "exact"
         pend = queue and self.smoothed and self.qk_smooth is None  # the flush makes this layer's factors
         if not pend:
             self._fix_smooth_factors(key_states)

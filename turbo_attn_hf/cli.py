@@ -68,12 +68,16 @@ def info() -> int:
     print(f"turbo_attn_hf {turbo_attn_hf.__version__} | python {platform.python_version()} | torch {torch.__version__} "
           f"| triton {triton.__version__} | transformers {tv} | CUDA {torch.version.cuda}")
     print(f"device: {dev}")
-    from turbo_attn_hf.config import PREFILL_ATTENTION_BY_CAPABILITY, TurboConfig, prefill_attention_path
+    from turbo_attn_hf.config import (PREFILL_ATTENTION_BY_CAPABILITY, PREFILL_INT8_FROM_KEYS, TurboConfig,
+                                      prefill_attention_path)
 
     here = prefill_attention_path(TurboConfig(), torch.device("cuda", 0) if torch.cuda.is_available()
                                   else torch.device("cpu"))
     table = ", ".join(f"sm_{k}x: {v}" for k, v in sorted(PREFILL_ATTENTION_BY_CAPABILITY.items()))
-    print(f"prefill attention (auto): {here} here | {table} | other GPUs and CPU: int8")
+    longer = "; ".join(f"int8 from {n} keys at head_dim {d} on sm_{m}x" for (m, d), n in
+                       sorted(PREFILL_INT8_FROM_KEYS.items()))
+    print(f"prefill attention (auto): {here} here | {table} ({longer}: plain prompts, Gluon kernel) | other GPUs "
+          "and CPU: int8")
     from turbo_attn_hf.kernels import prefill, prefill_hopper
 
     try:  # an invalid setting is an error at the first prefill; here it is shown

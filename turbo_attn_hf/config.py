@@ -36,8 +36,14 @@ PREFILL_ATTENTION_MODES = ("auto", "int8", "exact")
 PACKED_K_BITS_MODES = ("auto", "head", 8)
 #: ``prefill_attention: auto`` by CUDA compute capability (major): the path measured fastest there. sm_90: the INT8
 #: prefill (Gluon kernel and quantization passes) runs at 0.62-1.02x cuDNN's bf16 attention, causal <= 0.98x (issue
-#: 20, PERF_NOTES session 46), so the exact path wins; GPUs not listed (not measured) keep the INT8 kernel
+#: 20, PERF_NOTES session 46), so the exact path wins below ``PREFILL_INT8_FROM_KEYS``; GPUs not listed (not measured)
+#: keep the INT8 kernel
 PREFILL_ATTENTION_BY_CAPABILITY = {9: "exact"}
+#: ``auto`` on (compute capability major, head_dim): from this many keys a plain prompt (no mask, no softcap, exact
+#: softmax) takes the INT8 prefill where the Gluon kernel runs it. Through generate() on an H200 (Llama-3-8B shape, 32
+#: layers, int4) the TTFT was 0.945 / 0.933x sdpa's (exact / INT8) at 16k and 0.963 / 0.932x at 32k, a tie at 8k
+#: (eval/results/ttft_prefill_path_32l_s46_h200.json); head_dim 64 and 256 stay exact (0.62-0.81x, 0.42-0.53x)
+PREFILL_INT8_FROM_KEYS = {(9, 128): 16384}
 
 
 class TurboConfigError(ValueError):
@@ -95,8 +101,9 @@ class TurboConfig:
             ``"exact"``: PyTorch's scaled_dot_product_attention in the model dtype (cuDNN / flash on a GPU), as a
             vLLM FP8 KV cache prefills: the cache is quantized all the same, decode reads it as before.
             ``"auto"`` (default): the path measured fastest on the GPU (``PREFILL_ATTENTION_BY_CAPABILITY``:
-            exact on sm_90, where the INT8 prefill is 0.62-1.02x cuDNN; INT8 elsewhere and on CPU) and INT8 with
-            logit softcapping (SDPA has none). :func:`prefill_attention_path`.
+            exact on sm_90, where the INT8 prefill is 0.62-1.02x cuDNN, but INT8 for plain prompts of 16k keys and
+            more at head_dim 128, where it is the faster path through generate(): ``PREFILL_INT8_FROM_KEYS``; INT8
+            elsewhere and on CPU) and INT8 with logit softcapping (SDPA has none). :func:`prefill_attention_path`.
         packed_k_bits: K's width in packed (2/4-bit) blocks. ``"head"``: K packed to the head's bits, as V. ``8``:
             K blocks keep their INT8 codes and only V is packed (6 bits an element for a 4-bit head: 0.379x bf16 at
             head_dim 128 instead of 0.262x). ``"auto"`` (default): 8 for q/k-norm families (``QK_NORM_MODEL_TYPES``),
@@ -392,13 +399,27 @@ EXACT_MASK_LIMIT = 1 << 28
 
 
 def prefill_attention_path(cfg: TurboConfig, device: "torch.device", softcap: Optional[float] = None,
-                           mask_elems: int = 0) -> str:
+                           mask_elems: int = 0, *, keys: int = 0, head_dim: int = 0) -> str:
     """``"int8"`` or ``"exact"``: how a prompt attends over its own K/V on ``device`` (``TurboConfig.prefill_attention``;
     ``auto`` from ``PREFILL_ATTENTION_BY_CAPABILITY``; INT8 with a softcap, off CUDA, or where the exact path's mask
-    would hold more than ``EXACT_MASK_LIMIT`` elements: ``mask_elems``, 0 for a plain causal prompt)."""
+    would hold more than ``EXACT_MASK_LIMIT`` elements: ``mask_elems``, 0 for a plain causal prompt; INT8 for a plain
+    prompt of at least ``PREFILL_INT8_FROM_KEYS`` ``keys`` at its ``head_dim`` where the Gluon kernel runs it)."""
     mode = cfg.prefill_attention
     if mode != "auto":
         return mode
     if softcap or device.type != "cuda" or mask_elems > EXACT_MASK_LIMIT:
         return "int8"
-    return PREFILL_ATTENTION_BY_CAPABILITY.get(_capability_major(device), "int8")
+    major = _capability_major(device)
+    from_keys = PREFILL_INT8_FROM_KEYS.get((major, head_dim))
+    if from_keys is not None and keys >= from_keys and not mask_elems and cfg.softmax == "exact" \
+            and _gluon_prefill_ready():
+        return "int8"
+    return PREFILL_ATTENTION_BY_CAPABILITY.get(major, "int8")
+
+
+def _gluon_prefill_ready() -> bool:
+    """The INT8 prefill would run the Gluon kernel: it imports with a tested Triton and TURBO_PREFILL_KERNEL allows it
+    (the portable kernel is slower than SDPA on sm_90 at every length)."""
+    from .kernels import prefill, prefill_hopper
+
+    return prefill.kernel_choice() != "portable" and prefill_hopper.gluon_available()

@@ -467,6 +467,50 @@ def test_prefill_attention_resolution(monkeypatch):
     assert TurboConfig.from_dict(TurboConfig(prefill_attention="exact").to_dict()).prefill_attention == "exact"
 
 
+def test_long_plain_prompts_take_the_int8_prefill_on_sm90(monkeypatch):
+    """``auto`` on sm_90: from ``PREFILL_INT8_FROM_KEYS`` keys at head_dim 128 a plain prompt takes the INT8 prefill
+    (the faster path through generate() there), not below, not at other head dims, not with a mask or SAS, not where
+    the Gluon kernel would not run it; the attention entry and the cache's store queue ask with the prompt's keys."""
+    from turbo_attn_hf import config as C
+
+    cuda = torch.device("cuda", 0)
+    auto, n = TurboConfig(), C.PREFILL_INT8_FROM_KEYS[(9, 128)]
+    monkeypatch.setattr(C, "_capability_major", lambda device: 9)
+    monkeypatch.setattr(C, "_gluon_prefill_ready", lambda: True)
+    assert C.prefill_attention_path(auto, cuda, keys=n, head_dim=128) == "int8"
+    assert C.prefill_attention_path(auto, cuda, keys=n - 1, head_dim=128) == "exact"
+    assert C.prefill_attention_path(auto, cuda, keys=4 * n, head_dim=64) == "exact"
+    assert C.prefill_attention_path(auto, cuda, keys=4 * n, head_dim=256) == "exact"
+    assert C.prefill_attention_path(auto, cuda, mask_elems=n * n, keys=n, head_dim=128) == "exact"  # padding / window
+    assert C.prefill_attention_path(TurboConfig(softmax="sas"), cuda, keys=n, head_dim=128) == "exact"
+    assert C.prefill_attention_path(TurboConfig(prefill_attention="exact"), cuda, keys=n, head_dim=128) == "exact"
+    monkeypatch.setattr(C, "_capability_major", lambda device: 8)  # unlisted: INT8 at every length, as before
+    assert C.prefill_attention_path(auto, cuda, keys=16, head_dim=128) == "int8"
+    monkeypatch.setattr(C, "_capability_major", lambda device: 9)
+    monkeypatch.setattr(C, "_gluon_prefill_ready", lambda: False)
+    assert C.prefill_attention_path(auto, cuda, keys=n, head_dim=128) == "exact"
+    q = torch.empty(1, 8, n, 128, device="meta")
+    monkeypatch.setattr(C, "_gluon_prefill_ready", lambda: True)
+    from turbo_attn_hf import attention as A
+
+    assert A.exact_path_elems(auto, q, q[:, :2], causal=True, window=None, softcap=None, key_valid=None,
+                              device=cuda) is None
+    q64 = q[..., :64]  # head_dim 64: exact at any length (mask elements 0: SDPA's own causal)
+    assert A.exact_path_elems(auto, q64, q64[:, :2], causal=True, window=None, softcap=None, key_valid=None,
+                              device=cuda) == 0
+
+
+def test_gluon_prefill_ready_follows_the_kernel_choice(monkeypatch):
+    from turbo_attn_hf import config as C
+    from turbo_attn_hf.kernels import prefill, prefill_hopper
+
+    monkeypatch.setattr(prefill_hopper, "gluon_available", lambda: True)
+    with prefill.chosen_kernel("portable"):
+        assert not C._gluon_prefill_ready()
+    with prefill.chosen_kernel("auto"):
+        assert C._gluon_prefill_ready()
+
+
 def test_prefill_attention_exact_skips_the_int8_kernel(monkeypatch):
     """Without a TurboCache, ``exact`` runs SDPA on the given K/V (the INT8 path is never asked for)."""
     from turbo_attn_hf import attention

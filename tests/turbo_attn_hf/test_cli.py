@@ -39,7 +39,7 @@ def test_info(capsys):
     assert cli.main(["info"]) == 0
     text = capsys.readouterr().out
     assert "turbo_int8" in text and "registered: True" in text and "int4" in text
-    assert "prefill attention (auto): int8 here | sm_9x: exact" in text  # this CPU machine
+    assert "prefill attention (auto): int8 here | sm_9x: exact (int8 from 16384 keys at head_dim 128" in text  # CPU
     assert "packed K (packed_k_bits auto): INT8 K + packed V for q/k-norm families (gemma3" in text
     assert "INT8 prefill kernel: auto (TURBO_PREFILL_KERNEL: auto, portable, hopper; auto = hopper" in text
     assert "here at head_dim 128: portable (not a CUDA device)" in text  # this CPU machine
