@@ -72,8 +72,9 @@ def plot_prefill(path) -> Optional[Path]:
                     lines[r["provider"]].append((r["L"], r["tflops"]))
             for prov, pts in sorted(lines.items()):
                 pts.sort()
+                dash = "--" if prov.startswith(("sdpa", "sage")) else "-"
                 handles[prov], = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=prov,
-                                         color=colour[prov], linestyle="--" if prov.startswith(("sdpa", "sage")) else "-")
+                                         color=colour[prov], linestyle=dash)
             ax.set_xscale("log", base=2)
             ax.set_xlabel("sequence length L")
             ax.set_ylabel("TFLOP/s (4·b·h·L²·d, ½ causal)")

@@ -58,7 +58,8 @@ Host path (time to first token, issue 19): ``turbo_attention`` is three launches
 the caller has no K mean). Its
 checks, tiles, strides and constexprs are worked out once per key (shapes, strides, dtypes, devices, options:
 ``_AttnPlan``); a repeated call (every layer of a prefill) allocates the outputs and relaunches the compiled
-kernels without Triton's per-call binder (``LeanLaunch.launch_memo``; the Gluon kernel: ``prefill_hopper.WsLaunch``). CPU, launches stubbed
+kernels without Triton's per-call binder (``LeanLaunch.launch_memo``; the Gluon kernel:
+``prefill_hopper.WsLaunch``). CPU, launches stubbed
 (``eval/experiments/host_step.py --components``): ~150-260 -> ~22-40 us a call (eval/PERF_NOTES.md).
 """
 
