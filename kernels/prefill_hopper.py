@@ -62,7 +62,7 @@ HEAD_DIMS = (64, 128)
 _STAGES = {64: 4, 128: 3}
 #: the kernel's schedule switches (``launch_ws`` keywords) and their defaults (PERF_NOTES session 45): I2F conversions,
 #: P.V in 4 MMAs, V's keys in the operand order; the kernel takes FLAGS (the booleans' bits) + PV_PARTS
-SCHEDULE = {"i2f": True, "pv_parts": 4, "keys_permuted": True, "nan_scan": True, "wide_scan": False}
+SCHEDULE = {"i2f": True, "pv_parts": 4, "keys_permuted": True}
 _I2F_BIT, _KEYS_PERMUTED_BIT = 1, 2  # FLAGS' bits
 #: registers per thread of the second consumer and the producer (setmaxnreg); the default partition is consumer 0
 _WORKER_REGS = (232, 40)
@@ -268,14 +268,12 @@ if HAVE_GLUON:
         if IS_CAUSAL:
             full_hi = gl.minimum(full_hi, (pos_min + 1) // BN * BN)
         full_hi = gl.minimum(gl.maximum(full_hi, 0), hi)
-        SCAN: gl.constexpr = 4096 if FLAGS & 8 else 1024
-        if FLAGS & 4:
-            if IS_CAUSAL:
-                first = _first_nan_key(SK + sk_row, 0, gl.minimum(hi, Lk), SCAN)
-                l_i = l_i + gl.where(first <= o_pos, float("nan"), 0.0)
-            else:
-                first = _first_nan_key(SK + sk_row, 0, full_hi, SCAN)
-                l_i = l_i + gl.where(first < full_hi, float("nan"), 0.0)
+        if IS_CAUSAL:
+            first = _first_nan_key(SK + sk_row, 0, gl.minimum(hi, Lk), 1024)
+            l_i = l_i + gl.where(first <= o_pos, float("nan"), 0.0)
+        else:
+            first = _first_nan_key(SK + sk_row, 0, full_hi, 1024)
+            l_i = l_i + gl.where(first < full_hi, float("nan"), 0.0)
         m_i = gl.full([BM], float("-inf"), gl.float32, row_l)
         c_i = gl.full([BM], float("-inf"), gl.float32, row_l)
         acc = gl.zeros([BM, D], gl.float32, layout=o_l)
@@ -420,7 +418,7 @@ def schedule_constexprs(**schedule) -> dict:
     on = {**SCHEDULE, **schedule}
     if on["pv_parts"] not in (1, 2, 4):
         raise ValueError(f"pv_parts={on['pv_parts']!r}: 1, 2 or 4 (an int8 wgmma takes 32 keys or more)")
-    flags = (_I2F_BIT if on["i2f"] else 0) | (_KEYS_PERMUTED_BIT if on["keys_permuted"] else 0) | (4 if on["nan_scan"] else 0) | (8 if on["wide_scan"] else 0)
+    flags = (_I2F_BIT if on["i2f"] else 0) | (_KEYS_PERMUTED_BIT if on["keys_permuted"] else 0)
     return dict(FLAGS=flags, PV_PARTS=int(on["pv_parts"]))
 
 
