@@ -473,8 +473,9 @@ def _k_sums(k4: torch.Tensor, programs: int):
 
 
 def k_mean(k: torch.Tensor) -> torch.Tensor:
-    """``reference.k_smooth_mean(k)`` bit for bit (fp32 ``[..., d]``, K ``[..., L, d]`` fp16/bf16/fp32, any strides)
-    from one read of K (``_k_sum_kernel``) instead of torch's fp64 cast and reduction."""
+    """``reference.k_smooth_mean(k)`` (fp32 ``[..., d]``, K ``[..., L, d]`` fp16/bf16/fp32, any strides) from one read
+    of K (``_k_sum_kernel``) instead of torch's fp64 cast and reduction: bit for bit for 16-bit keys (exact fp64
+    sums); fp32 keys' fp64 sums may round differently in another order."""
     _check_tokens_input(k, "k")
     lead, (L, d) = k.shape[:-2], k.shape[-2:]
     k4 = _as_4d(k)
