@@ -73,11 +73,11 @@ import triton
 import triton.language as tl
 
 from . import prefill_hopper
-from .device import current_cuda_device, sm_count
+from .device import current_cuda_device
 from .launch import LeanLaunch, lean
 from .quant import (_check_device, _k_sum_kernel, _k_sum_spec, _mean_arg, _pow2, _qk_spec, _quant_qk_kernel,
                     _quant_v_kernel, _v_channel_amax, _v_spec, check_qk_smooth, factor_arg, interpreting,
-                    k_smooth_mean, quantize_per_token, quantize_v_blocks, quantize_v_channels)
+                    quantize_per_token, quantize_v_blocks, quantize_v_channels)
 from .reference import (
     DEFAULT_BLOCK_N,
     DEFAULT_P_SCALE,
@@ -535,6 +535,15 @@ def hopper_takes(device, d, block_n, *, window, softcap, key_valid, softmax, p_s
     return ""
 
 
+def gluon_runs(device, d, block_n=None, *, window=None, softcap=None, key_valid=None, softmax="exact",
+               p_scale=DEFAULT_P_SCALE) -> bool:
+    """``turbo_attention`` with these options runs the Gluon Hopper kernel (the kernel choice allows it and
+    :func:`hopper_takes` the call; ``block_n`` None: ``turbo_attention``'s default)."""
+    return kernel_choice() != "portable" and not hopper_takes(
+        device, d, default_block_n(d) if block_n is None else block_n, window=window, softcap=softcap,
+        key_valid=key_valid, softmax=softmax, p_scale=p_scale)
+
+
 def _launch(q8, sq, k8, sk, v8t, sv, out, *, causal, window, softcap, key_valid, use_sas, thr2, block_p,
             Lk, block_n, config=None, hopper=False):
     if hopper:
@@ -791,8 +800,8 @@ class _AttnPlan:
         self.channel = v_scale != "block"
         self.block_n = block_n
         nblk = max(1, -(-lk // block_n))
-        self.hopper = kernel_choice() != "portable" and not hopper_takes(
-            dev, d, block_n, window=window, softcap=softcap, key_valid=key_valid, softmax=softmax, p_scale=p_scale)
+        self.hopper = gluon_runs(dev, d, block_n, window=window, softcap=softcap, key_valid=key_valid, softmax=softmax,
+                                 p_scale=p_scale)
         sk_row = -(-lk // 4) * 4 if self.hopper else lk  # the Gluon kernel's 1-D TMA copies start 16-byte aligned
         self.shapes = ((b, hq, lq, d), (b, hq, lq), (b, hk, lk, d), (b, hk, sk_row), (b, hk, d, nblk * block_n),
                        (b, hk, 1 if self.channel else nblk, d), (b, lq, hq, d))
@@ -809,7 +818,7 @@ class _AttnPlan:
         # reduction cast K to fp64 first: 3-4x the Q+K pass's time, PERF_NOTES session 46)
         self.ksum, parts = None, 0
         if self.smooth and k_mean is None:
-            *self.ksum, parts = _k_sum_spec(k, 2 * sm_count(dev))
+            *self.ksum, parts = _k_sum_spec(k)
             smb, smh = hk * parts * d, parts * d
         scale = d ** -0.5 if scale is None else float(scale)
         self.qk = _qk_spec(q, k, scale * LOG2E, 1.0, smb, smh, self.smooth, rotate_qk, has_factor, parts, sk_row)

@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .device import sm_count
 from .hadamard import hadamard_rows
 from .interpreter import interpreting
 from .launch import lean
@@ -406,10 +407,12 @@ def _qk_spec(q4: torch.Tensor, k4: torch.Tensor, q_scale: float, k_scale: float,
     return grid, scalars, kw
 
 
-def _k_sum_spec(k4: torch.Tensor, programs: int):
+def _k_sum_spec(k4: torch.Tensor, programs: Optional[int] = None):
     """(grid, scalars, kwargs, splits) of ``_k_sum_kernel`` on K ``[b, H, L, d]``: each (b, head)'s tokens in as many
-    splits (of whole tiles, at least 4 a split) as give about ``programs`` programs in all."""
+    splits (of whole tiles, at least 4 a split) as give about ``programs`` programs in all (default: two an SM of
+    K's device)."""
     b, h, L, d = k4.shape
+    programs = programs or 2 * sm_count(k4.device)
     bd = _pow2(d)
     bt = 16 if interpreting() else max(8, 8192 // bd)
     tiles = max(1, -(-L // bt))
@@ -463,9 +466,9 @@ def quantize_per_token(x: torch.Tensor, *, scale: float = 1.0, smooth: Optional[
     return x8.reshape(*lead, L, d), s.reshape(*lead, L)
 
 
-def _k_sums(k4: torch.Tensor, programs: int):
+def _k_sums(k4: torch.Tensor):
     """(``[b * H * splits * d]`` fp64 channel sums of K's token splits, splits): ``_k_sum_kernel``'s launch."""
-    grid, scalars, kw, ns = _k_sum_spec(k4, programs)
+    grid, scalars, kw, ns = _k_sum_spec(k4)
     part = torch.empty(grid[0] * k4.shape[3], dtype=torch.float64, device=k4.device)
     if k4.shape[2] > 0 and grid[0] > 0:
         lean(_k_sum_kernel)[grid](k4, part, *scalars, **kw)
@@ -480,7 +483,7 @@ def k_mean(k: torch.Tensor) -> torch.Tensor:
     lead, (L, d) = k.shape[:-2], k.shape[-2:]
     k4 = _as_4d(k)
     b, h = k4.shape[0], k4.shape[1]
-    part, ns = _k_sums(k4, 256)
+    part, ns = _k_sums(k4)
     return (part.view(b, h, ns, d).sum(2) / L).float().reshape(*lead, d)
 
 
@@ -513,7 +516,7 @@ def quantize_qk(q: torch.Tensor, k: torch.Tensor, *, q_scale: float = 1.0,
     if b * (hq * lq + hk * lk) > 0:
         parts = 0
         if isinstance(smooth, str):
-            m, parts = _k_sums(k, 256)
+            m, parts = _k_sums(k)
             smb, smh = hk * parts * d, parts * d
         else:
             m, smb, smh = _mean_arg(smooth, sk, b, hk, d)

@@ -411,15 +411,14 @@ def prefill_attention_path(cfg: TurboConfig, device: "torch.device", softcap: Op
         return "int8"
     major = _capability_major(device)
     from_keys = PREFILL_INT8_FROM_KEYS.get((major, head_dim))
-    if from_keys is not None and keys >= from_keys and not mask_elems and cfg.softmax == "exact" \
-            and _gluon_prefill_ready():
+    if from_keys is not None and keys >= from_keys and not mask_elems and _gluon_prefill_runs(device, head_dim, cfg):
         return "int8"
     return PREFILL_ATTENTION_BY_CAPABILITY.get(major, "int8")
 
 
-def _gluon_prefill_ready() -> bool:
-    """The INT8 prefill would run the Gluon kernel: it imports with a tested Triton and TURBO_PREFILL_KERNEL allows it
-    (the portable kernel is slower than SDPA on sm_90 at every length)."""
-    from .kernels import prefill, prefill_hopper
+def _gluon_prefill_runs(device: "torch.device", head_dim: int, cfg: TurboConfig) -> bool:
+    """The INT8 prefill of a plain prompt would run the Gluon kernel (``prefill.gluon_runs``: the kernel choice, the
+    Triton release, the GPU, the softmax); the portable kernel is slower than SDPA on sm_90 at every length."""
+    from .kernels import prefill
 
-    return prefill.kernel_choice() != "portable" and prefill_hopper.gluon_available()
+    return prefill.gluon_runs(device, head_dim, softmax=cfg.softmax)

@@ -128,7 +128,7 @@ def test_k_mean_from_split_sums_is_the_torch_mean(shape, dtype, layout, programs
     (``smooth="k"``, what turbo_attention runs without a given mean)."""
     q, k, mean = _qk_case(shape, dtype, layout, device, True)
     spec = quant._k_sum_spec
-    monkeypatch.setattr(quant, "_k_sum_spec", lambda k4, n: spec(k4, programs))
+    monkeypatch.setattr(quant, "_k_sum_spec", lambda k4, n=None: spec(k4, programs))
     got = quant.k_mean(k)
     assert got.dtype == torch.float32 and torch.equal(got.isnan(), mean.isnan())
     assert torch.equal(got.nan_to_num(), mean.nan_to_num())

@@ -476,7 +476,7 @@ def test_long_plain_prompts_take_the_int8_prefill_on_sm90(monkeypatch):
     cuda = torch.device("cuda", 0)
     auto, n = TurboConfig(), C.PREFILL_INT8_FROM_KEYS[(9, 128)]
     monkeypatch.setattr(C, "_capability_major", lambda device: 9)
-    monkeypatch.setattr(C, "_gluon_prefill_ready", lambda: True)
+    monkeypatch.setattr(C, "_gluon_prefill_runs", lambda device, d, cfg: cfg.softmax == "exact")
     assert C.prefill_attention_path(auto, cuda, keys=n, head_dim=128) == "int8"
     assert C.prefill_attention_path(auto, cuda, keys=n - 1, head_dim=128) == "exact"
     assert C.prefill_attention_path(auto, cuda, keys=4 * n, head_dim=64) == "exact"
@@ -487,10 +487,10 @@ def test_long_plain_prompts_take_the_int8_prefill_on_sm90(monkeypatch):
     monkeypatch.setattr(C, "_capability_major", lambda device: 8)  # unlisted: INT8 at every length, as before
     assert C.prefill_attention_path(auto, cuda, keys=16, head_dim=128) == "int8"
     monkeypatch.setattr(C, "_capability_major", lambda device: 9)
-    monkeypatch.setattr(C, "_gluon_prefill_ready", lambda: False)
+    monkeypatch.setattr(C, "_gluon_prefill_runs", lambda device, d, cfg: False)
     assert C.prefill_attention_path(auto, cuda, keys=n, head_dim=128) == "exact"
     q = torch.empty(1, 8, n, 128, device="meta")
-    monkeypatch.setattr(C, "_gluon_prefill_ready", lambda: True)
+    monkeypatch.setattr(C, "_gluon_prefill_runs", lambda device, d, cfg: cfg.softmax == "exact")
     from turbo_attn_hf import attention as A
 
     assert A.exact_path_elems(auto, q, q[:, :2], causal=True, window=None, softcap=None, key_valid=None,
@@ -500,15 +500,19 @@ def test_long_plain_prompts_take_the_int8_prefill_on_sm90(monkeypatch):
                               device=cuda) == 0
 
 
-def test_gluon_prefill_ready_follows_the_kernel_choice(monkeypatch):
+def test_gluon_prefill_runs_follows_the_prefills_decision(monkeypatch):
+    """The rule asks the prefill's own decision (``prefill.gluon_runs``): the kernel choice and ``hopper_takes``."""
     from turbo_attn_hf import config as C
-    from turbo_attn_hf.kernels import prefill, prefill_hopper
+    from turbo_attn_hf.kernels import prefill
 
-    monkeypatch.setattr(prefill_hopper, "gluon_available", lambda: True)
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(prefill, "hopper_takes", lambda device, d, block_n, softmax, **kw: "" if softmax == "exact"
+                        else "its options")
     with prefill.chosen_kernel("portable"):
-        assert not C._gluon_prefill_ready()
+        assert not C._gluon_prefill_runs(cuda, 128, TurboConfig())
     with prefill.chosen_kernel("auto"):
-        assert C._gluon_prefill_ready()
+        assert C._gluon_prefill_runs(cuda, 128, TurboConfig())
+        assert not C._gluon_prefill_runs(cuda, 128, TurboConfig(softmax="sas"))
 
 
 def test_prefill_attention_exact_skips_the_int8_kernel(monkeypatch):
