@@ -62,8 +62,8 @@ HEAD_DIMS = (64, 128)
 _STAGES = {64: 4, 128: 3}
 #: the kernel's schedule switches (``launch_ws`` keywords) and their defaults (PERF_NOTES session 45): I2F conversions,
 #: P.V in 4 MMAs, V's keys in the operand order; the kernel takes FLAGS (the booleans' bits) + PV_PARTS
-SCHEDULE = {"i2f": True, "pv_parts": 4, "keys_permuted": True}
-_I2F_BIT, _KEYS_PERMUTED_BIT = 1, 2  # FLAGS' bits
+SCHEDULE = {"i2f": True, "pv_parts": 4, "keys_permuted": True, "pv_half": False, "pipelined": False, "pingpong": False, "dbg_noexp": False, "dbg_nomax": False, "dbg_nors": False, "dbg_nopv": False, "rowsum_fadd": False}
+_I2F_BIT, _KEYS_PERMUTED_BIT, _PV16_BIT, _PIPE_BIT, _PINGPONG_BIT = 1, 2, 4, 8, 16  # FLAGS' bits
 #: registers per thread of the second consumer and the producer (setmaxnreg); the default partition is consumer 0
 _WORKER_REGS = (232, 40)
 _data_ptr = torch.Tensor.data_ptr
@@ -86,14 +86,40 @@ if HAVE_GLUON:
     _MAGIC_BITS = gl.constexpr(MAGIC_BITS)
     _GAP = gl.constexpr(P_BLOCK_GAP)
     _SQ_MIN = gl.constexpr(SQ_MIN)
-    _I2F, _KEYS_PERMUTED = gl.constexpr(_I2F_BIT), gl.constexpr(_KEYS_PERMUTED_BIT)
+    _I2F, _KEYS_PERMUTED, _PV16 = gl.constexpr(_I2F_BIT), gl.constexpr(_KEYS_PERMUTED_BIT), gl.constexpr(_PV16_BIT)
+    _PIPE, _PINGPONG = gl.constexpr(_PIPE_BIT), gl.constexpr(_PINGPONG_BIT)
+    _BAR0 = gl.constexpr(8)  # named barriers 8, 9: the consumers' turns at issuing MMAs (Gluon's own use 0-3)
+
+    @gluon.jit
+    def _named_barrier(bar, ARRIVE: gl.constexpr):
+        """``bar.sync`` / ``bar.arrive`` of named barrier ``bar`` for both consumer warpgroups (256 threads), once a
+        thread."""
+        lay: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        x = gl.full([128], 0, gl.int32, lay) + bar
+        if ARRIVE:
+            gl.inline_asm_elementwise("bar.arrive $1, 256; mov.b32 $0, 0;", "=r,r", [x], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+        else:
+            gl.inline_asm_elementwise("bar.sync $1, 256; mov.b32 $0, 0;", "=r,r", [x], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+
+    @gluon.jit
+    def _turn(k, n_turns, PART: gl.constexpr, ARRIVE: gl.constexpr, FLAGS: gl.constexpr):
+        """FlashAttention-3's ping-pong: a consumer waits for its turn before issuing a phase's MMAs and hands the
+        turn over after (the first n_turns phases of each; phases alternate between the two)."""
+        if FLAGS & _PINGPONG:
+            if k < n_turns:
+                if ARRIVE:
+                    _named_barrier(_BAR0 + 1 - PART, True)
+                else:
+                    _named_barrier(_BAR0 + PART, False)
     _PART0 = gl.constexpr(0)  # consumer partitions' PART: partition arguments must be constexpr objects
     _PART1 = gl.constexpr(1)
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, sk_desc, sv_desc, q_smem, k_smem, v_smem, sk_smem, sv_smem, q_bar, ready,
                   empty, q_row, k_row, sk_row, v_row, sv_row, sv_step, n_blocks, BN: gl.constexpr, D: gl.constexpr,
-                  STAGES: gl.constexpr):
+                  STAGES: gl.constexpr, FLAGS: gl.constexpr):
         """The Q tile once (every consumer's part), then per block into slot j % STAGES: K [BN, d], V^T [d, BN], the
         keys' scales sk [BN] and V's channel scales sv [d] (so no consumer waits on a global load in its loop)."""
         PART_M: gl.constexpr = q_desc.block_type.shape[0]
@@ -101,17 +127,24 @@ if HAVE_GLUON:
         mbarrier.expect(q_bar, PARTS * q_desc.block_type.nbytes)
         for i in gl.static_range(PARTS):
             tma.async_copy_global_to_shared(q_desc, [q_row + i * PART_M, 0], q_bar, q_smem.index(i))
-        nbytes: gl.constexpr = (k_desc.block_type.nbytes + v_desc.block_type.nbytes + sk_desc.block_type.nbytes
-                                + sv_desc.block_type.nbytes)
+        if FLAGS & _PV16:
+            nbytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes + sk_desc.block_type.nbytes
+        else:
+            nbytes: gl.constexpr = (k_desc.block_type.nbytes + v_desc.block_type.nbytes + sk_desc.block_type.nbytes
+                                    + sv_desc.block_type.nbytes)
         for j in range(n_blocks):
             s = j % STAGES
             mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
             bar = ready.index(s)
             mbarrier.expect(bar, nbytes)
             tma.async_copy_global_to_shared(k_desc, [k_row + j * BN, 0], bar, k_smem.index(s))
-            tma.async_copy_global_to_shared(v_desc, [v_row, j * BN], bar, v_smem.index(s))
+            if FLAGS & _PV16:
+                tma.async_copy_global_to_shared(v_desc, [v_row + j * BN, 0], bar, v_smem.index(s))
+            else:
+                tma.async_copy_global_to_shared(v_desc, [v_row, j * BN], bar, v_smem.index(s))
             tma.async_copy_global_to_shared(sk_desc, [sk_row + j * BN], bar, sk_smem.index(s))
-            tma.async_copy_global_to_shared(sv_desc, [(sv_row + j * sv_step) * D], bar, sv_smem.index(s))
+            if not (FLAGS & _PV16):
+                tma.async_copy_global_to_shared(sv_desc, [(sv_row + j * sv_step) * D], bar, sv_smem.index(s))
 
     @gluon.jit
     def _first_nan_key(p_sk, lo, hi, SCAN: gl.constexpr):
@@ -181,15 +214,20 @@ if HAVE_GLUON:
         """P's codes of the keys [start, start + width) of a block (their scaled scores ``t``) and their P.V and row
         sums issued onto ``pv`` / ``rs`` (a new sum unless USE_ACC), not waited for."""
         row_t: gl.constexpr = gl.SliceLayout(1, t.type.layout)
-        p8 = _codes(t, gl.convert_layout(sq, row_t), gl.convert_layout(c_safe, row_t)).to(gl.int8)
         W: gl.constexpr = t.shape[1]
-        p8 = _operand(p8, p_l, FLAGS)
-        pv = warpgroup_mma(p8, v_tile.slice(start, W, dim=1).permute((1, 0)), pv, use_acc=USE_ACC, is_async=True)
+        if FLAGS & _PV16:  # p itself in V's 16-bit type, accumulated onto acc (already rescaled) in fp32
+            p = gl.exp2(gl.fma(t, gl.convert_layout(sq, row_t)[:, None], -gl.convert_layout(c_safe, row_t)[:, None]))
+            p8 = gl.convert_layout(p.to(v_tile.dtype), p_l)
+            pv = warpgroup_mma(p8, v_tile.slice(start, W, dim=0), pv, use_acc=True, is_async=True)
+        else:
+            p8 = _codes(t, gl.convert_layout(sq, row_t), gl.convert_layout(c_safe, row_t)).to(gl.int8)
+            p8 = _operand(p8, p_l, FLAGS)
+            pv = warpgroup_mma(p8, v_tile.slice(start, W, dim=1).permute((1, 0)), pv, use_acc=USE_ACC, is_async=True)
         rs = warpgroup_mma(p8, ones_smem.slice(start, W, dim=1).permute((1, 0)), rs, use_acc=USE_ACC, is_async=True)
         return pv, rs
 
     @gluon.jit
-    def _block(q, k_tile, v_tile, sk_tile, ones_smem, j, sq, l_i, m_i, c_i, o_pos, Lk, s_zero, o_zero, n8_zero,
+    def _block(q, k_tile, v_tile, sk_tile, ones_smem, j, sq, l_i, m_i, c_i, o_pos, Lk, s_zero, o_zero, n8_zero, acc,
                p_l: gl.constexpr, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, PV_PARTS: gl.constexpr,
                FLAGS: gl.constexpr):
         """``prefill._attn_update`` for KV block j (block P scale, exp2 softmax) up to the fold: Q.K^T, the scaled
@@ -205,6 +243,8 @@ if HAVE_GLUON:
         t, sk = _scores(s_i32, sk_tile.load(col_l), j * BN + gl.arange(0, BN, layout=col_l), o_pos, Lk, MASKED,
                         IS_CAUSAL, FLAGS)
         m_new, c_new, c_safe, r = _state(gl.max(t, 1) * sq, m_i, c_i, MASKED)
+        if FLAGS & _PV16:  # P.V accumulates onto acc * r (FlashAttention's order), no int32 tile to fold
+            o_zero = acc * gl.convert_layout(r, gl.SliceLayout(1, acc.type.layout))[:, None]
         if PV_PARTS == 1:
             pv, rs = _issue_pv(t, sq, c_safe, v_tile, ones_smem, 0, o_zero, n8_zero, p_l, False, FLAGS)
         else:
@@ -226,6 +266,62 @@ if HAVE_GLUON:
         if MASKED and not IS_CAUSAL:  # the tail block: every row sees its keys < Lk (sk 0 past it); + 0 is exact
             l_i = l_i + gl.sum(sk * 0.0, 0)
         return pv, rs, r, l_i, m_new, c_new
+
+    @gluon.jit
+    def _n_blocks_of(m0, Lq, Lk, BM: gl.constexpr, BN: gl.constexpr, IS_CAUSAL: gl.constexpr):
+        """KV blocks the query rows [m0, m0 + BM) attend (0 if none)."""
+        hi = Lk
+        if IS_CAUSAL:
+            hi = gl.minimum(hi, m0 + (Lk - Lq) + BM)
+        return gl.maximum(gl.cdiv(hi, BN), 0)
+
+    @gluon.jit
+    def _softmax16(s_i32, sk_tile, j, sq, l_i, m_i, c_i, o_pos, Lk, p_l: gl.constexpr, v_dtype: gl.constexpr,
+                   MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, FLAGS: gl.constexpr):
+        """(P, r, l, m, c) of block j from its int32 scores: P = exp2(t sq - c) in V's 16-bit type as the P.V
+        operand."""
+        BN: gl.constexpr = s_i32.shape[1]
+        col_l: gl.constexpr = gl.SliceLayout(0, s_i32.type.layout)
+        t, sk = _scores(s_i32, sk_tile.load(col_l), j * BN + gl.arange(0, BN, layout=col_l), o_pos, Lk, MASKED,
+                        IS_CAUSAL, FLAGS)
+        if FLAGS & 64:
+            m_new, c_new, c_safe, r = _state(sq * 3.0, m_i, c_i, MASKED)
+        else:
+            m_new, c_new, c_safe, r = _state(gl.max(t, 1) * sq, m_i, c_i, MASKED)
+        if FLAGS & 32:
+            p = gl.fma(t, sq[:, None], -c_safe[:, None])
+        else:
+            p = gl.exp2(gl.fma(t, sq[:, None], -c_safe[:, None]))
+        if MASKED and not IS_CAUSAL:
+            l_i = l_i + gl.sum(sk * 0.0, 0)
+        if FLAGS & 512:  # the row sums by adds, this block's at once
+            l_i = gl.fma(l_i, r, gl.sum(p, 1))
+        return gl.convert_layout(p.to(v_dtype), p_l), r, l_i, m_new, c_new
+
+    @gluon.jit
+    def _step16(q, k_tile, sk_tile, v_prev, ones_smem, j, p_prev, r_prev, acc, sq, l_i, m_i, c_i, o_pos, Lk, s_zero,
+                n8_zero, n_turns, row_l: gl.constexpr, p_l: gl.constexpr, MASKED: gl.constexpr,
+                IS_CAUSAL: gl.constexpr, FLAGS: gl.constexpr, PART: gl.constexpr):
+        """FlashAttention-3's in-warpgroup order for block j: its Q.K^T and block j-1's P.V issued together, this
+        block's softmax while P.V runs, then acc rescaled for block j."""
+        _turn(j, n_turns, PART, False, FLAGS)
+        s_tok = warpgroup_mma(q, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        if not (FLAGS & 256):
+            acc = warpgroup_mma(p_prev, v_prev, acc, is_async=True)
+        if FLAGS & (128 | 512):
+            rs = n8_zero
+        else:
+            rs = warpgroup_mma(p_prev, ones_smem.permute((1, 0)), n8_zero, use_acc=False, is_async=True)
+        _turn(j, n_turns, PART, True, FLAGS)
+        N_AFTER: gl.constexpr = (0 if FLAGS & (128 | 512) else 1) + (0 if FLAGS & 256 else 1)
+        s_i32 = warpgroup_mma_wait(N_AFTER, deps=(s_tok, ))
+        p, r, l_i, m_i, c_i = _softmax16(s_i32, sk_tile, j, sq, l_i, m_i, c_i, o_pos, Lk, p_l, v_prev.dtype, MASKED,
+                                         IS_CAUSAL, FLAGS)
+        acc, rs, p, p_prev = warpgroup_mma_wait(0, deps=(acc, rs, p, p_prev))  # the softmax stays ahead of it
+        if not (FLAGS & 512):
+            l_i = gl.fma(l_i, r_prev, gl.convert_layout(gl.max(rs, 1), row_l))
+        acc = acc * gl.convert_layout(r, gl.SliceLayout(1, acc.type.layout))[:, None]
+        return p, r, acc, l_i, m_i, c_i
 
     @gluon.jit
     def _fold(acc, r, pv, sv_smem, o_l: gl.constexpr, FLAGS: gl.constexpr):
@@ -251,8 +347,18 @@ if HAVE_GLUON:
         BN: gl.constexpr = k_smem.shape[1]
         STAGES: gl.constexpr = k_smem.shape[0]
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
-        o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 32])
-        p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=4)
+        if FLAGS & _PV16:
+            o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                          instr_shape=[16, D, 16])
+            p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+            n8_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
+            n8_zero = gl.zeros([BM, 8], gl.float32, layout=n8_l)
+        else:
+            o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                          instr_shape=[16, D, 32])
+            p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=4)
+            n8_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 32])
+            n8_zero = gl.zeros([BM, 8], gl.int32, layout=n8_l)
         row_l: gl.constexpr = gl.SliceLayout(1, s_l)
         m0 = i_m * (PARTS * BM) + PART * BM
         o_m = m0 + gl.arange(0, BM, layout=row_l)
@@ -279,25 +385,79 @@ if HAVE_GLUON:
         acc = gl.zeros([BM, D], gl.float32, layout=o_l)
         s_zero = gl.zeros([BM, BN], gl.int32, layout=s_l)
         o_zero = gl.zeros([BM, D], gl.int32, layout=o_l)
-        n8_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 32])
-        n8_zero = gl.zeros([BM, 8], gl.int32, layout=n8_l)
         q = q_smem.index(PART)
         n_full = full_hi // BN
         n_mine = gl.cdiv(hi, BN)
         mbarrier.wait(q_bar, 0)
-        for j in range(n_mine):
+        if FLAGS & _PIPE:
+            n_turns = 0
+            if FLAGS & _PINGPONG:  # both consumers take turns for as many phases as the shorter has (1 + blocks)
+                n_other = _n_blocks_of(i_m * (PARTS * BM) + (1 - PART) * BM, Lq, Lk, BM, BN, IS_CAUSAL)
+                n_turns = gl.minimum(n_mine, n_other)
+                n_turns = gl.where(n_turns > 0, n_turns + 1, 0)
+                if PART == 1:
+                    if n_turns > 0:
+                        _named_barrier(_BAR0, True)  # consumer 0 goes first
+            if n_mine > 0:
+                mbarrier.wait(ready.index(0), 0)
+                _turn(0, n_turns, PART, False, FLAGS)
+                s_tok = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                _turn(0, n_turns, PART, True, FLAGS)
+                s_i32 = warpgroup_mma_wait(0, deps=(s_tok, ))
+                if n_full > 0:
+                    p, r, l_i, m_i, c_i = _softmax16(s_i32, sk_smem.index(0), 0, sq, l_i, m_i, c_i, o_pos, Lk, p_l,
+                                                     v_smem.dtype, False, IS_CAUSAL, FLAGS)
+                else:
+                    p, r, l_i, m_i, c_i = _softmax16(s_i32, sk_smem.index(0), 0, sq, l_i, m_i, c_i, o_pos, Lk, p_l,
+                                                     v_smem.dtype, True, IS_CAUSAL, FLAGS)
+                acc = acc * gl.convert_layout(r, gl.SliceLayout(1, o_l))[:, None]
+                for j in range(1, n_full):
+                    s = j % STAGES
+                    mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+                    p, r, acc, l_i, m_i, c_i = _step16(q, k_smem.index(s), sk_smem.index(s),
+                                                       v_smem.index((j - 1) % STAGES), ones_smem, j, p, r, acc, sq,
+                                                       l_i, m_i, c_i, o_pos, Lk, s_zero, n8_zero, n_turns, row_l, p_l,
+                                                       False, IS_CAUSAL, FLAGS, PART)
+                    mbarrier.arrive(empty.index((j - 1) % STAGES), count=1)
+                for j in range(gl.maximum(n_full, 1), n_mine):
+                    s = j % STAGES
+                    mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+                    p, r, acc, l_i, m_i, c_i = _step16(q, k_smem.index(s), sk_smem.index(s),
+                                                       v_smem.index((j - 1) % STAGES), ones_smem, j, p, r, acc, sq,
+                                                       l_i, m_i, c_i, o_pos, Lk, s_zero, n8_zero, n_turns, row_l, p_l,
+                                                       True, IS_CAUSAL, FLAGS, PART)
+                    mbarrier.arrive(empty.index((j - 1) % STAGES), count=1)
+                s = (n_mine - 1) % STAGES
+                _turn(n_mine, n_turns, PART, False, FLAGS)
+                acc = warpgroup_mma(p, v_smem.index(s), acc, is_async=True)
+                if FLAGS & 512:
+                    _turn(n_mine, n_turns, PART, True, FLAGS)
+                    acc = warpgroup_mma_wait(0, deps=(acc, ))
+                else:
+                    rs = warpgroup_mma(p, ones_smem.permute((1, 0)), n8_zero, use_acc=False, is_async=True)
+                    _turn(n_mine, n_turns, PART, True, FLAGS)
+                    acc, rs = warpgroup_mma_wait(0, deps=(acc, rs))
+                    l_i = gl.fma(l_i, r, gl.convert_layout(gl.max(rs, 1), row_l))
+                mbarrier.arrive(empty.index(s), count=1)
+            if PART == 0:
+                if n_turns > 0:  # consumer 1's last hand-over
+                    _named_barrier(_BAR0, False)
+        for j in range(n_mine if not (FLAGS & _PIPE) else 0):
             s = j % STAGES
             mbarrier.wait(ready.index(s), (j // STAGES) & 1)
             if j < n_full:
                 pv, rs, r, l_i, m_i, c_i = _block(q, k_smem.index(s), v_smem.index(s), sk_smem.index(s), ones_smem, j,
-                                                  sq, l_i, m_i, c_i, o_pos, Lk, s_zero, o_zero, n8_zero, p_l, False,
+                                                  sq, l_i, m_i, c_i, o_pos, Lk, s_zero, o_zero, n8_zero, acc, p_l, False,
                                                   IS_CAUSAL, PV_PARTS, FLAGS)
             else:
                 pv, rs, r, l_i, m_i, c_i = _block(q, k_smem.index(s), v_smem.index(s), sk_smem.index(s), ones_smem, j,
-                                                  sq, l_i, m_i, c_i, o_pos, Lk, s_zero, o_zero, n8_zero, p_l, True,
+                                                  sq, l_i, m_i, c_i, o_pos, Lk, s_zero, o_zero, n8_zero, acc, p_l, True,
                                                   IS_CAUSAL, PV_PARTS, FLAGS)
             l_i = gl.fma(l_i, r, gl.convert_layout(gl.max(rs, 1), row_l).to(gl.float32))  # each column: the row sum
-            acc = _fold(acc, r, pv, sv_smem.index(s), o_l, FLAGS)
+            if FLAGS & _PV16:
+                acc = pv
+            else:
+                acc = _fold(acc, r, pv, sv_smem.index(s), o_l, FLAGS)
             mbarrier.arrive(empty.index(s), count=1)
         for j in range(n_mine, n_blocks):  # another part's diagonal block lies past these rows: wait, release
             s = j % STAGES
@@ -315,7 +475,7 @@ if HAVE_GLUON:
 
     @gluon.jit(do_not_specialize=["Lq", "Lk", "K_ROWS"])
     def _int8_attn_fwd_ws_kernel(q_desc, k_desc, v_desc, sk_desc, sv_desc, SQ, SK, O, Lq, Lk, K_ROWS, SK_ROW, HQ, HK,
-                                 NBLK, SV_STEP, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh,
+                                 V_ROWS, NBLK, SV_STEP, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh,
                                  IS_CAUSAL: gl.constexpr, D: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
                                  FLAGS: gl.constexpr, PV_PARTS: gl.constexpr, R_CONSUMER: gl.constexpr,
                                  R_PRODUCER: gl.constexpr):
@@ -341,14 +501,18 @@ if HAVE_GLUON:
         n_blocks = gl.cdiv(hi, BN)
         q_smem = gl.allocate_shared_memory(gl.int8, [PARTS, PART_M, D], q_desc.layout)
         k_smem = gl.allocate_shared_memory(gl.int8, [STAGES, BN, D], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(gl.int8, [STAGES, D, BN], v_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
         sk_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BN], sk_desc.layout)
         sv_smem = gl.allocate_shared_memory(gl.float32, [STAGES, D], sv_desc.layout)
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        ones_smem = gl.allocate_shared_memory(gl.int8, [8, BN], gl.NVMMASharedLayout.get_default_for([8, BN], gl.int8))
-        ones_smem.store(gl.full([8, BN], 1, gl.int8, layout=gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])))
+        if FLAGS & _PV16:
+            one_t: gl.constexpr = v_desc.dtype
+        else:
+            one_t: gl.constexpr = gl.int8
+        ones_smem = gl.allocate_shared_memory(one_t, [8, BN], gl.NVMMASharedLayout.get_default_for([8, BN], one_t))
+        ones_smem.store(gl.full([8, BN], 1, one_t, layout=gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])))
         mbarrier.init(q_bar, count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
@@ -357,7 +521,7 @@ if HAVE_GLUON:
         q_row = i_bh * Lq + i_m * (PARTS * PART_M)
         k_row = (i_b * HK + i_hk) * K_ROWS  # k8 and sk may hold more rows than the Lk keys attended
         sk_row = (i_b * HK + i_hk) * SK_ROW
-        v_row = (i_b * HK + i_hk) * D
+        v_row = (i_b * HK + i_hk) * V_ROWS
         sv_row = (i_b * HK + i_hk) * NBLK
         # tuples spelled out in the call: a tuple held in a variable or concatenated unwraps its constexprs
         gl.warp_specialize([
@@ -368,7 +532,8 @@ if HAVE_GLUON:
                          i_m, i_b, i_hq, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh, sk_row, n_blocks,
                          _PART1, IS_CAUSAL, FLAGS, PV_PARTS)),
             (_producer, (q_desc, k_desc, v_desc, sk_desc, sv_desc, q_smem, k_smem, v_smem, sk_smem, sv_smem, q_bar,
-                         ready, empty, q_row, k_row, sk_row, v_row, sv_row, SV_STEP, n_blocks, BN, D, STAGES)),
+                         ready, empty, q_row, k_row, sk_row, v_row, sv_row, SV_STEP, n_blocks, BN, D, STAGES,
+                         FLAGS)),
         ], [4, 4], [R_CONSUMER, R_PRODUCER])
 
 
@@ -387,26 +552,39 @@ class _Desc:
         self.base, self.shape, self.strides, self.padding = base, shape, strides, "zero"
 
 
+_GL_DTYPES = {torch.int8: "int8", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
 @functools.lru_cache(maxsize=None)
-def _layouts(d: int):
-    """Shared-memory layouts of the five TMA tiles at head_dim ``d`` (q, k, v^T int8; sk, sv fp32)."""
+def _layouts(d: int, v_dtype: str = "int8"):
+    """Shared-memory layouts of the five TMA tiles at head_dim ``d`` (q, k int8; V^T int8 or V 16-bit; sk, sv
+    fp32)."""
+    v_blk = [d, BLOCK_N] if v_dtype == "int8" else [BLOCK_N, d]
     return tuple(gl.NVMMASharedLayout.get_default_for(blk, dt) for blk, dt in (
-        ([PART_M, d], gl.int8), ([BLOCK_N, d], gl.int8), ([d, BLOCK_N], gl.int8), ([BLOCK_N], gl.float32),
+        ([PART_M, d], gl.int8), ([BLOCK_N, d], gl.int8), (v_blk, getattr(gl, v_dtype)), ([BLOCK_N], gl.float32),
         ([d], gl.float32)))
 
 
-def _desc_dims(q8, k8, v8t, sk, sv):
-    """(shape, strides, block) of the five descriptors: q8 / k8 / v8t as dense 2-D int8 arrays, sk / sv as 1-D."""
+def _v_rows(v) -> int:
+    """Rows of the V descriptor per (b, head): d for V^T int8 ``[b, Hk, d, Lpad]``, Lpad for 16-bit V
+    ``[b, Hk, Lpad, d]``."""
+    return v.shape[2]
+
+
+def _desc_dims(q8, k8, v, sk, sv):
+    """(shape, strides, block) of the five descriptors: q8 / k8 / v as dense 2-D arrays, sk / sv as 1-D."""
     b, hq, lq, d = q8.shape
-    hk, lk, lpad = k8.shape[1], k8.shape[2], v8t.shape[3]
+    hk, lk = k8.shape[1], k8.shape[2]
+    cols = v.shape[3]
+    v_blk = [d, BLOCK_N] if v.dtype == torch.int8 else [BLOCK_N, d]
     return (([b * hq * lq, d], [d, 1], [PART_M, d]), ([b * hk * lk, d], [d, 1], [BLOCK_N, d]),
-            ([b * hk * d, lpad], [lpad, 1], [d, BLOCK_N]), ([sk.numel()], [1], [BLOCK_N]), ([sv.numel()], [1], [d]))
+            ([b * hk * v.shape[2], cols], [cols, 1], v_blk), ([sk.numel()], [1], [BLOCK_N]), ([sv.numel()], [1], [d]))
 
 
-def descriptors(q8, k8, v8t, sk, sv):
-    """TMA descriptors of the operands as dense 2-D (int8 tiles) and 1-D (scales) arrays."""
+def descriptors(q8, k8, v, sk, sv):
+    """TMA descriptors of the operands as dense 2-D (int8 / 16-bit tiles) and 1-D (scales) arrays."""
     return tuple(TensorDescriptor(t, shape, strides, block, lay) for t, (shape, strides, block), lay in zip(
-        (q8, k8, v8t, sk, sv), _desc_dims(q8, k8, v8t, sk, sv), _layouts(q8.shape[3])))
+        (q8, k8, v, sk, sv), _desc_dims(q8, k8, v, sk, sv), _layouts(q8.shape[3], _GL_DTYPES[v.dtype])))
 
 
 def schedule_constexprs(**schedule) -> dict:
@@ -418,7 +596,9 @@ def schedule_constexprs(**schedule) -> dict:
     on = {**SCHEDULE, **schedule}
     if on["pv_parts"] not in (1, 2, 4):
         raise ValueError(f"pv_parts={on['pv_parts']!r}: 1, 2 or 4 (an int8 wgmma takes 32 keys or more)")
-    flags = (_I2F_BIT if on["i2f"] else 0) | (_KEYS_PERMUTED_BIT if on["keys_permuted"] else 0)
+    flags = ((_I2F_BIT if on["i2f"] else 0) | (_KEYS_PERMUTED_BIT if on["keys_permuted"] and not on["pv_half"] else 0)
+             | (_PV16_BIT if on["pv_half"] else 0) | (_PIPE_BIT if on["pipelined"] else 0)
+             | (_PINGPONG_BIT if on["pingpong"] else 0) | (32 if on["dbg_noexp"] else 0) | (64 if on["dbg_nomax"] else 0) | (128 if on["dbg_nors"] else 0) | (256 if on["dbg_nopv"] else 0) | (512 if on["rowsum_fadd"] else 0))
     return dict(FLAGS=flags, PV_PARTS=int(on["pv_parts"]))
 
 
@@ -430,7 +610,7 @@ def ws_spec(q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, worker_regs=
     if sk.shape[2] < Lk or sk.shape[2] % 4:
         raise ValueError(f"sk {tuple(sk.shape)} must hold >= Lk = {Lk} rows per head, a multiple of 4")
     grid = (-(-lq // (2 * PART_M)) * b * hq,)
-    scalars = (lq, Lk, k8.shape[2], sk.shape[2], hq, hk, nblk, 1 if nblk > 1 else 0, sq.stride(0), sq.stride(1),
+    scalars = (lq, Lk, k8.shape[2], sk.shape[2], hq, hk, _v_rows(v8t), nblk, 1 if nblk > 1 else 0, sq.stride(0), sq.stride(1),
                out.stride(0), out.stride(1), out.stride(2))
     kw = dict(IS_CAUSAL=bool(causal), D=d, BN=BLOCK_N, STAGES=_STAGES[d],
               **schedule_constexprs(**schedule), R_CONSUMER=(worker_regs or _WORKER_REGS)[0],

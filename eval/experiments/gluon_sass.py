@@ -29,7 +29,8 @@ def compile_sm90(d: int, causal: bool, **schedule):
 
     b, hq, hk, L = 1, 4, 2, 256
     q8, k8 = torch.zeros(b, hq, L, d, dtype=torch.int8), torch.zeros(b, hk, L, d, dtype=torch.int8)
-    v8t = torch.zeros(b, hk, d, L, dtype=torch.int8)
+    v8t = (torch.zeros(b, hk, L, d, dtype=torch.bfloat16) if schedule.get("pv_half")
+           else torch.zeros(b, hk, d, L, dtype=torch.int8))
     sq, sk, sv = torch.zeros(b, hq, L), torch.zeros(b, hk, L), torch.zeros(b, hk, L // ph.BLOCK_N, d)
     out = torch.empty(b, L, hq, d, dtype=torch.bfloat16)
     _, scalars, kw = ph.ws_spec(q8, sq, k8, sk, v8t, sv, out, causal=causal, Lk=L, **schedule)
