@@ -15,7 +15,8 @@ Providers, timed in the same process with ``triton.testing.do_bench`` (median, 2
   kernel_sas    the same with SAS softmax
   turbo_hopper  ``turbo_exact`` with the Gluon Hopper kernel (``TURBO_PREFILL_KERNEL=hopper``, the default
                 ``auto`` on sm_90; issue 20)
-  kernel_hopper ``prefill_hopper.launch_ws`` alone, V quantized in its operand order (as turbo_attention does)
+  kernel_hopper ``prefill_hopper.launch_ws`` alone, on V's operand as turbo_attention writes it (16-bit V padded to
+                whole blocks for bf16 / fp16 inputs, else INT8 V^T in its operand order)
 TFLOP/s = 4·b·h·L²·d / time (halved when causal) for every provider (INT8 "TOPS" for turbo, the same count).
 Each turbo output is checked against sdpa_flash (relative L2 error, column ``err``).
 Writes ``<out>/bench_prefill.json`` (rows + machine line + formulas) and, with matplotlib, a PNG.
@@ -118,12 +119,15 @@ def make_providers(q, k, v, causal: bool, names, dry_run: bool = False) -> dict[
                 out[f"kernel_{m}"] = (lambda m=m: prefill.int8_flash_attention(
                     q8, sq, k8, sk, v8t, sv, causal=causal, softmax=m, Lk=L, out_dtype=q.dtype,
                     block_n=bn if by_channel else None, _kernel="portable"))
-        if "kernel_hopper" in names and not by_channel:  # V quantized in its operand order, as turbo_attention does
+        if "kernel_hopper" in names and not by_channel:  # V's operand as turbo_attention's plan writes it
             from turbo_attn_hf.kernels import prefill_hopper
 
             why = prefill.hopper_takes(q.device, d, bn, window=None, softcap=None, key_valid=None, softmax="exact",
                                        p_scale="block")
-            v8m = quant.quantize_v_blocks(v, bn, mma_order=True)[0]
+            if v.dtype in prefill_hopper.PV_HALF_DTYPES:  # P.V on V itself, padded to whole blocks
+                v8m = quant.v_operand_half(v, bn)
+            else:
+                v8m = quant.quantize_v_blocks(v, bn, mma_order=True)[0]
             o = torch.empty(q.shape[0], L, q.shape[1], d, dtype=q.dtype, device=q.device)
 
             def kernel_hopper():

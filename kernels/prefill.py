@@ -788,7 +788,7 @@ class _AttnPlan:
     device, relaunched without Triton's binder while every pointer is 16-byte aligned (``LeanLaunch.launch_memo``)."""
 
     __slots__ = ("cuda", "device", "dtype", "shapes", "smooth", "mean_stride", "mean_direct", "channel", "block_n",
-                 "kv_arg", "qk", "v", "attn", "memo", "hopper", "ksum", "ws")
+                 "kv_arg", "qk", "v", "attn", "memo", "hopper", "ksum", "ws", "v_op")
 
     def __init__(self, q, k, v, key_valid, out, k_mean, *, scale, causal, window, softcap, softmax, sas_threshold,
                  smooth_k, p_scale, block_n, v_scale, rotate_qk=False, has_factor=False):
@@ -803,10 +803,15 @@ class _AttnPlan:
         self.hopper = gluon_runs(dev, d, block_n, window=window, softcap=softcap, key_valid=key_valid, softmax=softmax,
                                  p_scale=p_scale)
         sk_row = -(-lk // 4) * 4 if self.hopper else lk  # the Gluon kernel's 1-D TMA copies start 16-byte aligned
-        self.shapes = ((b, hq, lq, d), (b, hq, lq), (b, hk, lk, d), (b, hk, sk_row), (b, hk, d, nblk * block_n),
-                       (b, hk, 1 if self.channel else nblk, d), (b, lq, hq, d))
+        # the Gluon kernel's P.V runs on V itself (16-bit, padded, non-finite tokens zeroed by the V pass): faster
+        # there and half the INT8 P.V's error (PERF_NOTES session 47); INT8 with V's channel scales (INT-FA's choice)
+        half = self.hopper and v.dtype in prefill_hopper.PV_HALF_DTYPES and not self.channel
+        self.v_op = v.dtype if half else torch.int8
+        self.shapes = ((b, hq, lq, d), (b, hq, lq), (b, hk, lk, d), (b, hk, sk_row),
+                       (b, hk, nblk * block_n, d) if half else (b, hk, d, nblk * block_n),
+                       (b, hk, 1 if self.channel or half else nblk, d), (b, lq, hq, d))
         meta = [torch.empty(sh, dtype=dt, device="meta") for sh, dt in zip(
-            self.shapes, (torch.int8, torch.float32, torch.int8, torch.float32, torch.int8, torch.float32, q.dtype))]
+            self.shapes, (torch.int8, torch.float32, torch.int8, torch.float32, self.v_op, torch.float32, q.dtype))]
         q8, sq, k8, sk, v8t, sv, o = meta
         # the mean is passed contiguous (plan strides); a given one that already is fp32 [b, hk, d] on this device
         # and contiguous (TurboCache's) is passed as it is, any other is converted (``_mean_arg``) each call
@@ -822,8 +827,9 @@ class _AttnPlan:
             smb, smh = hk * parts * d, parts * d
         scale = d ** -0.5 if scale is None else float(scale)
         self.qk = _qk_spec(q, k, scale * LOG2E, 1.0, smb, smh, self.smooth, rotate_qk, has_factor, parts, sk_row)
-        # poison: sk [b, hk, sk_row], contiguous; the Gluon kernel takes V's keys in its operand order
-        self.v = _v_spec(v, block_n, hk * sk_row, sk_row, self.channel, True, mma_order=self.hopper)
+        # poison: sk [b, hk, sk_row], contiguous; the Gluon kernel takes V's INT8 keys in its operand order
+        self.v = _v_spec(v, block_n, hk * sk_row, sk_row, self.channel, True, mma_order=self.hopper and not half,
+                         half=half)
         kv, stride_kvb = _key_valid_arg(key_valid, q)
         self.kv_arg = key_valid is not None
         self.attn = self.ws = None
@@ -844,7 +850,7 @@ class _AttnPlan:
         sq = torch.empty(s_sq, dtype=torch.float32, device=dev)
         k8 = torch.empty(s_k8, dtype=torch.int8, device=dev)
         sk = torch.empty(s_sk, dtype=torch.float32, device=dev)
-        v8t = torch.empty(s_v8t, dtype=torch.int8, device=dev)
+        v8t = torch.empty(s_v8t, dtype=self.v_op, device=dev)
         sv = torch.empty(s_sv, dtype=torch.float32, device=dev)
         if out is None:
             out = torch.empty(s_o, dtype=self.dtype, device=dev)

@@ -11,7 +11,13 @@ warp-specialized partitions as FlashAttention-3 is on Hopper (issue 20):
   the online softmax and ``IGMMA`` P.V on its rows in order, P.V in ``pv_parts`` MMAs over the block's keys, each
   issued as soon as its codes are ready; the warp schedulers interleave the two halves.
 With ``keys_permuted`` V^T's keys are stored in ``mma_key_order`` (the V pass writes them so), which makes P's codes
-in the score accumulator's registers the P.V operand's own, without lane shuffles. Measured on an H200 (PERF_NOTES
+in the score accumulator's registers the P.V operand's own, without lane shuffles.
+With a 16-bit V (``PV_HALF_DTYPES``: V itself, padded to whole blocks, as ``quant.v_operand_half`` writes it;
+``turbo_attention``'s plan on bf16 / fp16 inputs) P.V runs on 16-bit operands, SageAttention's split: P =
+exp2(t sq - c) rounded to V's type (the score accumulator's registers are the operand's as they are) accumulates onto
+acc in fp32, so there is no int32 tile to fold, and the registers that frees hold FlashAttention-3's in-warpgroup
+order (block j's Q.K^T beside block j-1's P.V, ``_step_half``). Twin: ``reference.int8_flash_attention`` with the
+16-bit V. Measured (PERF_NOTES session 47): 1.02-1.14x the INT8 P.V's speed and about half its error. Measured on an H200 (PERF_NOTES
 session 45): 1.01-1.20x the portable kernel, 0.87-1.03x cuDNN's bf16 attention at d 128 (kernel alone). FA3's
 schedules that hold a second score tile (the next Q.K^T beside the softmax or the fold) spill or are slower here,
 as are three consumer warpgroups (sessions 35, 44, 45); ``SCHEDULE`` holds the switches that are kept.
@@ -49,8 +55,8 @@ try:  # Gluon is experimental: a Triton without it (or with another API) keeps t
 except ImportError:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
-__all__ = ["HAVE_GLUON", "TESTED_TRITON", "PART_M", "BLOCK_N", "HEAD_DIMS", "SCHEDULE", "supports", "gluon_available",
-           "schedule_constexprs", "mma_key_order", "WsLaunch", "launch_ws"]
+__all__ = ["HAVE_GLUON", "TESTED_TRITON", "PART_M", "BLOCK_N", "HEAD_DIMS", "SCHEDULE", "PV_HALF_DTYPES", "supports",
+           "gluon_available", "schedule_constexprs", "mma_key_order", "WsLaunch", "launch_ws"]
 
 #: Triton releases this kernel was compiled (CPU test) and run with; another release falls back to the portable kernel
 TESTED_TRITON = ("3.6",)
@@ -62,8 +68,10 @@ HEAD_DIMS = (64, 128)
 _STAGES = {64: 4, 128: 3}
 #: the kernel's schedule switches (``launch_ws`` keywords) and their defaults (PERF_NOTES session 45): I2F conversions,
 #: P.V in 4 MMAs, V's keys in the operand order; the kernel takes FLAGS (the booleans' bits) + PV_PARTS
-SCHEDULE = {"i2f": True, "pv_parts": 4, "keys_permuted": True, "pv_half": False, "pipelined": False, "pingpong": False, "dbg_noexp": False, "dbg_nomax": False, "dbg_nors": False, "dbg_nopv": False, "rowsum_fadd": False}
-_I2F_BIT, _KEYS_PERMUTED_BIT, _PV16_BIT, _PIPE_BIT, _PINGPONG_BIT = 1, 2, 4, 8, 16  # FLAGS' bits
+SCHEDULE = {"i2f": True, "pv_parts": 4, "keys_permuted": True}
+_I2F_BIT, _KEYS_PERMUTED_BIT, _PV_HALF_BIT = 1, 2, 4  # FLAGS' bits (P.V on 16-bit V: from V's dtype, not a switch)
+#: V's dtypes the kernel takes as they are (P.V on 16-bit operands); an int8 V^T is the INT8 P.V
+PV_HALF_DTYPES = (torch.bfloat16, torch.float16)
 #: registers per thread of the second consumer and the producer (setmaxnreg); the default partition is consumer 0
 _WORKER_REGS = (232, 40)
 _data_ptr = torch.Tensor.data_ptr
@@ -86,33 +94,8 @@ if HAVE_GLUON:
     _MAGIC_BITS = gl.constexpr(MAGIC_BITS)
     _GAP = gl.constexpr(P_BLOCK_GAP)
     _SQ_MIN = gl.constexpr(SQ_MIN)
-    _I2F, _KEYS_PERMUTED, _PV16 = gl.constexpr(_I2F_BIT), gl.constexpr(_KEYS_PERMUTED_BIT), gl.constexpr(_PV16_BIT)
-    _PIPE, _PINGPONG = gl.constexpr(_PIPE_BIT), gl.constexpr(_PINGPONG_BIT)
-    _BAR0 = gl.constexpr(8)  # named barriers 8, 9: the consumers' turns at issuing MMAs (Gluon's own use 0-3)
-
-    @gluon.jit
-    def _named_barrier(bar, ARRIVE: gl.constexpr):
-        """``bar.sync`` / ``bar.arrive`` of named barrier ``bar`` for both consumer warpgroups (256 threads), once a
-        thread."""
-        lay: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        x = gl.full([128], 0, gl.int32, lay) + bar
-        if ARRIVE:
-            gl.inline_asm_elementwise("bar.arrive $1, 256; mov.b32 $0, 0;", "=r,r", [x], dtype=gl.int32,
-                                      is_pure=False, pack=1)
-        else:
-            gl.inline_asm_elementwise("bar.sync $1, 256; mov.b32 $0, 0;", "=r,r", [x], dtype=gl.int32,
-                                      is_pure=False, pack=1)
-
-    @gluon.jit
-    def _turn(k, n_turns, PART: gl.constexpr, ARRIVE: gl.constexpr, FLAGS: gl.constexpr):
-        """FlashAttention-3's ping-pong: a consumer waits for its turn before issuing a phase's MMAs and hands the
-        turn over after (the first n_turns phases of each; phases alternate between the two)."""
-        if FLAGS & _PINGPONG:
-            if k < n_turns:
-                if ARRIVE:
-                    _named_barrier(_BAR0 + 1 - PART, True)
-                else:
-                    _named_barrier(_BAR0 + PART, False)
+    _I2F, _KEYS_PERMUTED = gl.constexpr(_I2F_BIT), gl.constexpr(_KEYS_PERMUTED_BIT)
+    _PV_HALF = gl.constexpr(_PV_HALF_BIT)
     _PART0 = gl.constexpr(0)  # consumer partitions' PART: partition arguments must be constexpr objects
     _PART1 = gl.constexpr(1)
 
@@ -121,29 +104,26 @@ if HAVE_GLUON:
                   empty, q_row, k_row, sk_row, v_row, sv_row, sv_step, n_blocks, BN: gl.constexpr, D: gl.constexpr,
                   STAGES: gl.constexpr, FLAGS: gl.constexpr):
         """The Q tile once (every consumer's part), then per block into slot j % STAGES: K [BN, d], V^T [d, BN], the
-        keys' scales sk [BN] and V's channel scales sv [d] (so no consumer waits on a global load in its loop)."""
+        keys' scales sk [BN] and V's channel scales sv [d] (so no consumer waits on a global load in its loop); with
+        _PV_HALF, V [BN, d] in 16 bits and no sv."""
         PART_M: gl.constexpr = q_desc.block_type.shape[0]
         PARTS: gl.constexpr = q_smem.shape[0]
         mbarrier.expect(q_bar, PARTS * q_desc.block_type.nbytes)
         for i in gl.static_range(PARTS):
             tma.async_copy_global_to_shared(q_desc, [q_row + i * PART_M, 0], q_bar, q_smem.index(i))
-        if FLAGS & _PV16:
-            nbytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes + sk_desc.block_type.nbytes
-        else:
-            nbytes: gl.constexpr = (k_desc.block_type.nbytes + v_desc.block_type.nbytes + sk_desc.block_type.nbytes
-                                    + sv_desc.block_type.nbytes)
+        nbytes: gl.constexpr = (k_desc.block_type.nbytes + v_desc.block_type.nbytes + sk_desc.block_type.nbytes
+                                + (0 if FLAGS & _PV_HALF else sv_desc.block_type.nbytes))
         for j in range(n_blocks):
             s = j % STAGES
             mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
             bar = ready.index(s)
             mbarrier.expect(bar, nbytes)
             tma.async_copy_global_to_shared(k_desc, [k_row + j * BN, 0], bar, k_smem.index(s))
-            if FLAGS & _PV16:
+            tma.async_copy_global_to_shared(sk_desc, [sk_row + j * BN], bar, sk_smem.index(s))
+            if FLAGS & _PV_HALF:
                 tma.async_copy_global_to_shared(v_desc, [v_row + j * BN, 0], bar, v_smem.index(s))
             else:
                 tma.async_copy_global_to_shared(v_desc, [v_row, j * BN], bar, v_smem.index(s))
-            tma.async_copy_global_to_shared(sk_desc, [sk_row + j * BN], bar, sk_smem.index(s))
-            if not (FLAGS & _PV16):
                 tma.async_copy_global_to_shared(sv_desc, [(sv_row + j * sv_step) * D], bar, sv_smem.index(s))
 
     @gluon.jit
@@ -214,20 +194,15 @@ if HAVE_GLUON:
         """P's codes of the keys [start, start + width) of a block (their scaled scores ``t``) and their P.V and row
         sums issued onto ``pv`` / ``rs`` (a new sum unless USE_ACC), not waited for."""
         row_t: gl.constexpr = gl.SliceLayout(1, t.type.layout)
+        p8 = _codes(t, gl.convert_layout(sq, row_t), gl.convert_layout(c_safe, row_t)).to(gl.int8)
         W: gl.constexpr = t.shape[1]
-        if FLAGS & _PV16:  # p itself in V's 16-bit type, accumulated onto acc (already rescaled) in fp32
-            p = gl.exp2(gl.fma(t, gl.convert_layout(sq, row_t)[:, None], -gl.convert_layout(c_safe, row_t)[:, None]))
-            p8 = gl.convert_layout(p.to(v_tile.dtype), p_l)
-            pv = warpgroup_mma(p8, v_tile.slice(start, W, dim=0), pv, use_acc=True, is_async=True)
-        else:
-            p8 = _codes(t, gl.convert_layout(sq, row_t), gl.convert_layout(c_safe, row_t)).to(gl.int8)
-            p8 = _operand(p8, p_l, FLAGS)
-            pv = warpgroup_mma(p8, v_tile.slice(start, W, dim=1).permute((1, 0)), pv, use_acc=USE_ACC, is_async=True)
+        p8 = _operand(p8, p_l, FLAGS)
+        pv = warpgroup_mma(p8, v_tile.slice(start, W, dim=1).permute((1, 0)), pv, use_acc=USE_ACC, is_async=True)
         rs = warpgroup_mma(p8, ones_smem.slice(start, W, dim=1).permute((1, 0)), rs, use_acc=USE_ACC, is_async=True)
         return pv, rs
 
     @gluon.jit
-    def _block(q, k_tile, v_tile, sk_tile, ones_smem, j, sq, l_i, m_i, c_i, o_pos, Lk, s_zero, o_zero, n8_zero, acc,
+    def _block(q, k_tile, v_tile, sk_tile, ones_smem, j, sq, l_i, m_i, c_i, o_pos, Lk, s_zero, o_zero, n8_zero,
                p_l: gl.constexpr, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, PV_PARTS: gl.constexpr,
                FLAGS: gl.constexpr):
         """``prefill._attn_update`` for KV block j (block P scale, exp2 softmax) up to the fold: Q.K^T, the scaled
@@ -243,8 +218,6 @@ if HAVE_GLUON:
         t, sk = _scores(s_i32, sk_tile.load(col_l), j * BN + gl.arange(0, BN, layout=col_l), o_pos, Lk, MASKED,
                         IS_CAUSAL, FLAGS)
         m_new, c_new, c_safe, r = _state(gl.max(t, 1) * sq, m_i, c_i, MASKED)
-        if FLAGS & _PV16:  # P.V accumulates onto acc * r (FlashAttention's order), no int32 tile to fold
-            o_zero = acc * gl.convert_layout(r, gl.SliceLayout(1, acc.type.layout))[:, None]
         if PV_PARTS == 1:
             pv, rs = _issue_pv(t, sq, c_safe, v_tile, ones_smem, 0, o_zero, n8_zero, p_l, False, FLAGS)
         else:
@@ -268,60 +241,102 @@ if HAVE_GLUON:
         return pv, rs, r, l_i, m_new, c_new
 
     @gluon.jit
-    def _n_blocks_of(m0, Lq, Lk, BM: gl.constexpr, BN: gl.constexpr, IS_CAUSAL: gl.constexpr):
-        """KV blocks the query rows [m0, m0 + BM) attend (0 if none)."""
-        hi = Lk
-        if IS_CAUSAL:
-            hi = gl.minimum(hi, m0 + (Lk - Lq) + BM)
-        return gl.maximum(gl.cdiv(hi, BN), 0)
+    def _blocks_int8(q, k_smem, v_smem, sk_smem, sv_smem, ones_smem, ready, empty, acc, sq, l_i, m_i, c_i, o_pos, Lk,
+                     s_zero, n_full, n_mine, p_l: gl.constexpr, IS_CAUSAL: gl.constexpr, PV_PARTS: gl.constexpr,
+                     FLAGS: gl.constexpr):
+        """A consumer's blocks with the INT8 P.V: ``_block`` (waited for within the block) and the fold, each slot
+        released after it (the schedules that overlap blocks spill the int32 P.V tile: PERF_NOTES sessions 35, 44,
+        45). Returns acc, l."""
+        STAGES: gl.constexpr = k_smem.shape[0]
+        o_l: gl.constexpr = acc.type.layout
+        row_l: gl.constexpr = gl.SliceLayout(1, s_zero.type.layout)
+        o_zero = gl.zeros(acc.shape, gl.int32, layout=o_l)
+        n8_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 32])
+        n8_zero = gl.zeros([acc.shape[0], 8], gl.int32, layout=n8_l)
+        for j in range(n_mine):
+            s = j % STAGES
+            mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+            if j < n_full:
+                pv, rs, r, l_i, m_i, c_i = _block(q, k_smem.index(s), v_smem.index(s), sk_smem.index(s), ones_smem, j,
+                                                  sq, l_i, m_i, c_i, o_pos, Lk, s_zero, o_zero, n8_zero, p_l, False,
+                                                  IS_CAUSAL, PV_PARTS, FLAGS)
+            else:
+                pv, rs, r, l_i, m_i, c_i = _block(q, k_smem.index(s), v_smem.index(s), sk_smem.index(s), ones_smem, j,
+                                                  sq, l_i, m_i, c_i, o_pos, Lk, s_zero, o_zero, n8_zero, p_l, True,
+                                                  IS_CAUSAL, PV_PARTS, FLAGS)
+            l_i = gl.fma(l_i, r, gl.convert_layout(gl.max(rs, 1), row_l).to(gl.float32))  # each column: the row sum
+            acc = _fold(acc, r, pv, sv_smem.index(s), o_l, FLAGS)
+            mbarrier.arrive(empty.index(s), count=1)
+        return acc, l_i
 
     @gluon.jit
-    def _softmax16(s_i32, sk_tile, j, sq, l_i, m_i, c_i, o_pos, Lk, p_l: gl.constexpr, v_dtype: gl.constexpr,
-                   MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, FLAGS: gl.constexpr):
-        """(P, r, l, m, c) of block j from its int32 scores: P = exp2(t sq - c) in V's 16-bit type as the P.V
-        operand."""
+    def _softmax_half(s_i32, sk_tile, j, sq, l_i, m_i, c_i, o_pos, Lk, p_l: gl.constexpr, V_T: gl.constexpr,
+                      MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, FLAGS: gl.constexpr):
+        """Block j's softmax for the 16-bit P.V: (P, r, l, m, c) with P = exp2(t sq - c) rounded to ``p_l``'s type
+        as the P.V operand (V's type ``V_T``), l = l r + the row sums of the unrounded p (adds, as FlashAttention)."""
         BN: gl.constexpr = s_i32.shape[1]
         col_l: gl.constexpr = gl.SliceLayout(0, s_i32.type.layout)
         t, sk = _scores(s_i32, sk_tile.load(col_l), j * BN + gl.arange(0, BN, layout=col_l), o_pos, Lk, MASKED,
                         IS_CAUSAL, FLAGS)
-        if FLAGS & 64:
-            m_new, c_new, c_safe, r = _state(sq * 3.0, m_i, c_i, MASKED)
-        else:
-            m_new, c_new, c_safe, r = _state(gl.max(t, 1) * sq, m_i, c_i, MASKED)
-        if FLAGS & 32:
-            p = gl.fma(t, sq[:, None], -c_safe[:, None])
-        else:
-            p = gl.exp2(gl.fma(t, sq[:, None], -c_safe[:, None]))
-        if MASKED and not IS_CAUSAL:
+        m_new, c_new, c_safe, r = _state(gl.max(t, 1) * sq, m_i, c_i, MASKED)
+        p = gl.exp2(gl.fma(t, sq[:, None], -c_safe[:, None]))
+        if MASKED and not IS_CAUSAL:  # the tail block: every row sees its keys < Lk (sk 0 past it); + 0 is exact
             l_i = l_i + gl.sum(sk * 0.0, 0)
-        if FLAGS & 512:  # the row sums by adds, this block's at once
-            l_i = gl.fma(l_i, r, gl.sum(p, 1))
-        return gl.convert_layout(p.to(v_dtype), p_l), r, l_i, m_new, c_new
+        l_i = gl.fma(l_i, r, gl.sum(p, 1))
+        return gl.convert_layout(p.to(V_T), p_l), r, l_i, m_new, c_new
 
     @gluon.jit
-    def _step16(q, k_tile, sk_tile, v_prev, ones_smem, j, p_prev, r_prev, acc, sq, l_i, m_i, c_i, o_pos, Lk, s_zero,
-                n8_zero, n_turns, row_l: gl.constexpr, p_l: gl.constexpr, MASKED: gl.constexpr,
-                IS_CAUSAL: gl.constexpr, FLAGS: gl.constexpr, PART: gl.constexpr):
-        """FlashAttention-3's in-warpgroup order for block j: its Q.K^T and block j-1's P.V issued together, this
-        block's softmax while P.V runs, then acc rescaled for block j."""
-        _turn(j, n_turns, PART, False, FLAGS)
+    def _step_half(q, k_tile, sk_tile, v_prev, j, p_prev, acc, sq, l_i, m_i, c_i, o_pos, Lk, s_zero,
+                   p_l: gl.constexpr, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, FLAGS: gl.constexpr):
+        """FlashAttention-3's in-warpgroup order for block j >= 1: its Q.K^T and block j-1's P.V issued together,
+        block j's softmax while P.V runs, then acc (block j-1 added) rescaled to block j's reference point. The
+        second score tile this needs fits beside acc because a 16-bit P.V accumulates onto acc itself (no int32
+        tile to fold: PERF_NOTES session 47)."""
         s_tok = warpgroup_mma(q, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        if not (FLAGS & 256):
-            acc = warpgroup_mma(p_prev, v_prev, acc, is_async=True)
-        if FLAGS & (128 | 512):
-            rs = n8_zero
-        else:
-            rs = warpgroup_mma(p_prev, ones_smem.permute((1, 0)), n8_zero, use_acc=False, is_async=True)
-        _turn(j, n_turns, PART, True, FLAGS)
-        N_AFTER: gl.constexpr = (0 if FLAGS & (128 | 512) else 1) + (0 if FLAGS & 256 else 1)
-        s_i32 = warpgroup_mma_wait(N_AFTER, deps=(s_tok, ))
-        p, r, l_i, m_i, c_i = _softmax16(s_i32, sk_tile, j, sq, l_i, m_i, c_i, o_pos, Lk, p_l, v_prev.dtype, MASKED,
-                                         IS_CAUSAL, FLAGS)
-        acc, rs, p, p_prev = warpgroup_mma_wait(0, deps=(acc, rs, p, p_prev))  # the softmax stays ahead of it
-        if not (FLAGS & 512):
-            l_i = gl.fma(l_i, r_prev, gl.convert_layout(gl.max(rs, 1), row_l))
+        acc = warpgroup_mma(p_prev, v_prev, acc, is_async=True)
+        s_i32 = warpgroup_mma_wait(1, deps=(s_tok, ))
+        p, r, l_i, m_i, c_i = _softmax_half(s_i32, sk_tile, j, sq, l_i, m_i, c_i, o_pos, Lk, p_l, v_prev.dtype,
+                                            MASKED, IS_CAUSAL, FLAGS)
+        acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
         acc = acc * gl.convert_layout(r, gl.SliceLayout(1, acc.type.layout))[:, None]
-        return p, r, acc, l_i, m_i, c_i
+        return p, acc, l_i, m_i, c_i
+
+    @gluon.jit
+    def _blocks_half(q, k_smem, v_smem, sk_smem, ready, empty, acc, sq, l_i, m_i, c_i, o_pos, Lk, s_zero, n_full,
+                     n_mine, p_l: gl.constexpr, IS_CAUSAL: gl.constexpr, FLAGS: gl.constexpr):
+        """A consumer's blocks with the 16-bit P.V (``_step_half``'s order): block 0's Q.K^T and softmax, the
+        unmasked blocks, the masked ones (two loops: no MMA in flight across a masked / unmasked branch), then the
+        last block's P.V. Each slot is released once its P.V has been waited for. Returns acc, l."""
+        STAGES: gl.constexpr = k_smem.shape[0]
+        if n_mine > 0:
+            mbarrier.wait(ready.index(0), 0)
+            s_i32 = warpgroup_mma_wait(0, deps=(warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero,
+                                                              use_acc=False, is_async=True), ))
+            if n_full > 0:
+                p, r, l_i, m_i, c_i = _softmax_half(s_i32, sk_smem.index(0), 0, sq, l_i, m_i, c_i, o_pos, Lk, p_l,
+                                                    v_smem.dtype, False, IS_CAUSAL, FLAGS)
+            else:
+                p, r, l_i, m_i, c_i = _softmax_half(s_i32, sk_smem.index(0), 0, sq, l_i, m_i, c_i, o_pos, Lk, p_l,
+                                                    v_smem.dtype, True, IS_CAUSAL, FLAGS)
+            acc = acc * gl.convert_layout(r, gl.SliceLayout(1, acc.type.layout))[:, None]
+            for j in range(1, n_full):
+                s = j % STAGES
+                mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+                p, acc, l_i, m_i, c_i = _step_half(q, k_smem.index(s), sk_smem.index(s),
+                                                   v_smem.index((j - 1) % STAGES), j, p, acc, sq, l_i, m_i, c_i,
+                                                   o_pos, Lk, s_zero, p_l, False, IS_CAUSAL, FLAGS)
+                mbarrier.arrive(empty.index((j - 1) % STAGES), count=1)
+            for j in range(gl.maximum(n_full, 1), n_mine):
+                s = j % STAGES
+                mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+                p, acc, l_i, m_i, c_i = _step_half(q, k_smem.index(s), sk_smem.index(s),
+                                                   v_smem.index((j - 1) % STAGES), j, p, acc, sq, l_i, m_i, c_i,
+                                                   o_pos, Lk, s_zero, p_l, True, IS_CAUSAL, FLAGS)
+                mbarrier.arrive(empty.index((j - 1) % STAGES), count=1)
+            s = (n_mine - 1) % STAGES
+            acc = warpgroup_mma_wait(0, deps=(warpgroup_mma(p, v_smem.index(s), acc, is_async=True), ))
+            mbarrier.arrive(empty.index(s), count=1)
+        return acc, l_i
 
     @gluon.jit
     def _fold(acc, r, pv, sv_smem, o_l: gl.constexpr, FLAGS: gl.constexpr):
@@ -337,28 +352,18 @@ if HAVE_GLUON:
     def _consumer(q_smem, k_smem, v_smem, sk_smem, sv_smem, ones_smem, q_bar, ready, empty, SQ, SK, O, Lq, Lk, i_m,
                   i_b, i_hq, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh, sk_row, n_blocks,
                   PART: gl.constexpr, IS_CAUSAL: gl.constexpr, FLAGS: gl.constexpr, PV_PARTS: gl.constexpr):
-        """Rows [i_m * 128 + 64 PART, +64) of one (b, head): the portable kernel's program of BLOCK_M 64, block by
-        block ``_block`` (Q.K^T, softmax, P.V in PV_PARTS MMAs, waited for within the block) and the fold (the
-        schedules that overlap blocks, or add a third consumer, were slower or no faster: PERF_NOTES sessions 35,
-        44, 45)."""
+        """Rows [i_m * 128 + 64 PART, +64) of one (b, head): the portable kernel's program of BLOCK_M 64 over its
+        blocks (``_blocks_int8``, or ``_blocks_half`` for a 16-bit V), then the output."""
         BM: gl.constexpr = q_smem.shape[1]
         PARTS: gl.constexpr = q_smem.shape[0]
         D: gl.constexpr = q_smem.shape[2]
         BN: gl.constexpr = k_smem.shape[1]
         STAGES: gl.constexpr = k_smem.shape[0]
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
-        if FLAGS & _PV16:
-            o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                          instr_shape=[16, D, 16])
-            p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
-            n8_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
-            n8_zero = gl.zeros([BM, 8], gl.float32, layout=n8_l)
-        else:
-            o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                          instr_shape=[16, D, 32])
-            p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=4)
-            n8_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 32])
-            n8_zero = gl.zeros([BM, 8], gl.int32, layout=n8_l)
+        K_MMA: gl.constexpr = 16 if FLAGS & _PV_HALF else 32  # the P.V MMA's K: 16-bit or 8-bit operands
+        o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, D, K_MMA])
+        p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=K_MMA // 8)
         row_l: gl.constexpr = gl.SliceLayout(1, s_l)
         m0 = i_m * (PARTS * BM) + PART * BM
         o_m = m0 + gl.arange(0, BM, layout=row_l)
@@ -384,81 +389,16 @@ if HAVE_GLUON:
         c_i = gl.full([BM], float("-inf"), gl.float32, row_l)
         acc = gl.zeros([BM, D], gl.float32, layout=o_l)
         s_zero = gl.zeros([BM, BN], gl.int32, layout=s_l)
-        o_zero = gl.zeros([BM, D], gl.int32, layout=o_l)
         q = q_smem.index(PART)
         n_full = full_hi // BN
         n_mine = gl.cdiv(hi, BN)
         mbarrier.wait(q_bar, 0)
-        if FLAGS & _PIPE:
-            n_turns = 0
-            if FLAGS & _PINGPONG:  # both consumers take turns for as many phases as the shorter has (1 + blocks)
-                n_other = _n_blocks_of(i_m * (PARTS * BM) + (1 - PART) * BM, Lq, Lk, BM, BN, IS_CAUSAL)
-                n_turns = gl.minimum(n_mine, n_other)
-                n_turns = gl.where(n_turns > 0, n_turns + 1, 0)
-                if PART == 1:
-                    if n_turns > 0:
-                        _named_barrier(_BAR0, True)  # consumer 0 goes first
-            if n_mine > 0:
-                mbarrier.wait(ready.index(0), 0)
-                _turn(0, n_turns, PART, False, FLAGS)
-                s_tok = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                _turn(0, n_turns, PART, True, FLAGS)
-                s_i32 = warpgroup_mma_wait(0, deps=(s_tok, ))
-                if n_full > 0:
-                    p, r, l_i, m_i, c_i = _softmax16(s_i32, sk_smem.index(0), 0, sq, l_i, m_i, c_i, o_pos, Lk, p_l,
-                                                     v_smem.dtype, False, IS_CAUSAL, FLAGS)
-                else:
-                    p, r, l_i, m_i, c_i = _softmax16(s_i32, sk_smem.index(0), 0, sq, l_i, m_i, c_i, o_pos, Lk, p_l,
-                                                     v_smem.dtype, True, IS_CAUSAL, FLAGS)
-                acc = acc * gl.convert_layout(r, gl.SliceLayout(1, o_l))[:, None]
-                for j in range(1, n_full):
-                    s = j % STAGES
-                    mbarrier.wait(ready.index(s), (j // STAGES) & 1)
-                    p, r, acc, l_i, m_i, c_i = _step16(q, k_smem.index(s), sk_smem.index(s),
-                                                       v_smem.index((j - 1) % STAGES), ones_smem, j, p, r, acc, sq,
-                                                       l_i, m_i, c_i, o_pos, Lk, s_zero, n8_zero, n_turns, row_l, p_l,
-                                                       False, IS_CAUSAL, FLAGS, PART)
-                    mbarrier.arrive(empty.index((j - 1) % STAGES), count=1)
-                for j in range(gl.maximum(n_full, 1), n_mine):
-                    s = j % STAGES
-                    mbarrier.wait(ready.index(s), (j // STAGES) & 1)
-                    p, r, acc, l_i, m_i, c_i = _step16(q, k_smem.index(s), sk_smem.index(s),
-                                                       v_smem.index((j - 1) % STAGES), ones_smem, j, p, r, acc, sq,
-                                                       l_i, m_i, c_i, o_pos, Lk, s_zero, n8_zero, n_turns, row_l, p_l,
-                                                       True, IS_CAUSAL, FLAGS, PART)
-                    mbarrier.arrive(empty.index((j - 1) % STAGES), count=1)
-                s = (n_mine - 1) % STAGES
-                _turn(n_mine, n_turns, PART, False, FLAGS)
-                acc = warpgroup_mma(p, v_smem.index(s), acc, is_async=True)
-                if FLAGS & 512:
-                    _turn(n_mine, n_turns, PART, True, FLAGS)
-                    acc = warpgroup_mma_wait(0, deps=(acc, ))
-                else:
-                    rs = warpgroup_mma(p, ones_smem.permute((1, 0)), n8_zero, use_acc=False, is_async=True)
-                    _turn(n_mine, n_turns, PART, True, FLAGS)
-                    acc, rs = warpgroup_mma_wait(0, deps=(acc, rs))
-                    l_i = gl.fma(l_i, r, gl.convert_layout(gl.max(rs, 1), row_l))
-                mbarrier.arrive(empty.index(s), count=1)
-            if PART == 0:
-                if n_turns > 0:  # consumer 1's last hand-over
-                    _named_barrier(_BAR0, False)
-        for j in range(n_mine if not (FLAGS & _PIPE) else 0):
-            s = j % STAGES
-            mbarrier.wait(ready.index(s), (j // STAGES) & 1)
-            if j < n_full:
-                pv, rs, r, l_i, m_i, c_i = _block(q, k_smem.index(s), v_smem.index(s), sk_smem.index(s), ones_smem, j,
-                                                  sq, l_i, m_i, c_i, o_pos, Lk, s_zero, o_zero, n8_zero, acc, p_l, False,
-                                                  IS_CAUSAL, PV_PARTS, FLAGS)
-            else:
-                pv, rs, r, l_i, m_i, c_i = _block(q, k_smem.index(s), v_smem.index(s), sk_smem.index(s), ones_smem, j,
-                                                  sq, l_i, m_i, c_i, o_pos, Lk, s_zero, o_zero, n8_zero, acc, p_l, True,
-                                                  IS_CAUSAL, PV_PARTS, FLAGS)
-            l_i = gl.fma(l_i, r, gl.convert_layout(gl.max(rs, 1), row_l).to(gl.float32))  # each column: the row sum
-            if FLAGS & _PV16:
-                acc = pv
-            else:
-                acc = _fold(acc, r, pv, sv_smem.index(s), o_l, FLAGS)
-            mbarrier.arrive(empty.index(s), count=1)
+        if FLAGS & _PV_HALF:
+            acc, l_i = _blocks_half(q, k_smem, v_smem, sk_smem, ready, empty, acc, sq, l_i, m_i, c_i, o_pos, Lk,
+                                    s_zero, n_full, n_mine, p_l, IS_CAUSAL, FLAGS)
+        else:
+            acc, l_i = _blocks_int8(q, k_smem, v_smem, sk_smem, sv_smem, ones_smem, ready, empty, acc, sq, l_i, m_i,
+                                    c_i, o_pos, Lk, s_zero, n_full, n_mine, p_l, IS_CAUSAL, PV_PARTS, FLAGS)
         for j in range(n_mine, n_blocks):  # another part's diagonal block lies past these rows: wait, release
             s = j % STAGES
             mbarrier.wait(ready.index(s), (j // STAGES) & 1)
@@ -482,10 +422,12 @@ if HAVE_GLUON:
         """grid (cdiv(Lq, 128) * b * HQ,), row blocks of one head neighbours, the longest causal ones first; two
         consumer warpgroups of 64 rows each share every KV slot.
         q_desc over q8 as [b HQ Lq, d] (block [64, d]), k_desc over k8 as [b HK K_ROWS, d] (block [BN, d]),
-        v_desc over v8t as [b HK d, Lpad] (block [d, BN]), sk_desc over sk as [b HK SK_ROW] (block [BN]; SK_ROW a
-        multiple of 4: a 1-D TMA copy starts 16-byte aligned), sv_desc over sv as [b HK NBLK d] (block [d]; SV_STEP 0:
-        one block of channel scales for every KV block). Rows a tile reads past its head are masked. K_ROWS: k8's rows
-        per head, SK_ROW sk's (both >= Lk). SK: sk itself (the NaN scan)."""
+        v_desc over v8t as [b HK d, Lpad] (block [d, BN]; _PV_HALF: over 16-bit V as [b HK Lpad, d], block [BN, d]),
+        sk_desc over sk as [b HK SK_ROW] (block [BN]; SK_ROW a multiple of 4: a 1-D TMA copy starts 16-byte
+        aligned), sv_desc over sv as [b HK NBLK d] (block [d]; SV_STEP 0: one block of channel scales for every KV
+        block). Rows a tile reads past its head are masked. K_ROWS: k8's rows per head, SK_ROW sk's (both >= Lk),
+        V_ROWS the V descriptor's (d, or Lpad with _PV_HALF, whose rows must be finite: a masked p is 0, and 0 times
+        a non-finite value is NaN). SK: sk itself (the NaN scan)."""
         PART_M: gl.constexpr = q_desc.block_type.shape[0]
         PARTS: gl.constexpr = 2
         n_m = gl.cdiv(Lq, PARTS * PART_M)
@@ -507,12 +449,8 @@ if HAVE_GLUON:
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        if FLAGS & _PV16:
-            one_t: gl.constexpr = v_desc.dtype
-        else:
-            one_t: gl.constexpr = gl.int8
-        ones_smem = gl.allocate_shared_memory(one_t, [8, BN], gl.NVMMASharedLayout.get_default_for([8, BN], one_t))
-        ones_smem.store(gl.full([8, BN], 1, one_t, layout=gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])))
+        ones_smem = gl.allocate_shared_memory(gl.int8, [8, BN], gl.NVMMASharedLayout.get_default_for([8, BN], gl.int8))
+        ones_smem.store(gl.full([8, BN], 1, gl.int8, layout=gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])))
         mbarrier.init(q_bar, count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
@@ -552,39 +490,30 @@ class _Desc:
         self.base, self.shape, self.strides, self.padding = base, shape, strides, "zero"
 
 
-_GL_DTYPES = {torch.int8: "int8", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
 @functools.lru_cache(maxsize=None)
-def _layouts(d: int, v_dtype: str = "int8"):
+def _layouts(d: int, v_dtype: torch.dtype = torch.int8):
     """Shared-memory layouts of the five TMA tiles at head_dim ``d`` (q, k int8; V^T int8 or V 16-bit; sk, sv
     fp32)."""
-    v_blk = [d, BLOCK_N] if v_dtype == "int8" else [BLOCK_N, d]
+    v_tile = ([d, BLOCK_N], gl.int8) if v_dtype == torch.int8 else (
+        [BLOCK_N, d], gl.bfloat16 if v_dtype == torch.bfloat16 else gl.float16)
     return tuple(gl.NVMMASharedLayout.get_default_for(blk, dt) for blk, dt in (
-        ([PART_M, d], gl.int8), ([BLOCK_N, d], gl.int8), (v_blk, getattr(gl, v_dtype)), ([BLOCK_N], gl.float32),
-        ([d], gl.float32)))
-
-
-def _v_rows(v) -> int:
-    """Rows of the V descriptor per (b, head): d for V^T int8 ``[b, Hk, d, Lpad]``, Lpad for 16-bit V
-    ``[b, Hk, Lpad, d]``."""
-    return v.shape[2]
+        ([PART_M, d], gl.int8), ([BLOCK_N, d], gl.int8), v_tile, ([BLOCK_N], gl.float32), ([d], gl.float32)))
 
 
 def _desc_dims(q8, k8, v, sk, sv):
-    """(shape, strides, block) of the five descriptors: q8 / k8 / v as dense 2-D arrays, sk / sv as 1-D."""
+    """(shape, strides, block) of the five descriptors: q8 / k8 / v as dense 2-D arrays (v: V^T int8 ``[b, hk, d,
+    Lpad]`` or V 16-bit ``[b, hk, Lpad, d]``), sk / sv as 1-D."""
     b, hq, lq, d = q8.shape
-    hk, lk = k8.shape[1], k8.shape[2]
-    cols = v.shape[3]
-    v_blk = [d, BLOCK_N] if v.dtype == torch.int8 else [BLOCK_N, d]
+    hk, lk, rows, cols = k8.shape[1], k8.shape[2], v.shape[2], v.shape[3]
+    v_block = [d, BLOCK_N] if v.dtype == torch.int8 else [BLOCK_N, d]
     return (([b * hq * lq, d], [d, 1], [PART_M, d]), ([b * hk * lk, d], [d, 1], [BLOCK_N, d]),
-            ([b * hk * v.shape[2], cols], [cols, 1], v_blk), ([sk.numel()], [1], [BLOCK_N]), ([sv.numel()], [1], [d]))
+            ([b * hk * rows, cols], [cols, 1], v_block), ([sk.numel()], [1], [BLOCK_N]), ([sv.numel()], [1], [d]))
 
 
 def descriptors(q8, k8, v, sk, sv):
     """TMA descriptors of the operands as dense 2-D (int8 / 16-bit tiles) and 1-D (scales) arrays."""
     return tuple(TensorDescriptor(t, shape, strides, block, lay) for t, (shape, strides, block), lay in zip(
-        (q8, k8, v, sk, sv), _desc_dims(q8, k8, v, sk, sv), _layouts(q8.shape[3], _GL_DTYPES[v.dtype])))
+        (q8, k8, v, sk, sv), _desc_dims(q8, k8, v, sk, sv), _layouts(q8.shape[3], v.dtype)))
 
 
 def schedule_constexprs(**schedule) -> dict:
@@ -596,25 +525,29 @@ def schedule_constexprs(**schedule) -> dict:
     on = {**SCHEDULE, **schedule}
     if on["pv_parts"] not in (1, 2, 4):
         raise ValueError(f"pv_parts={on['pv_parts']!r}: 1, 2 or 4 (an int8 wgmma takes 32 keys or more)")
-    flags = ((_I2F_BIT if on["i2f"] else 0) | (_KEYS_PERMUTED_BIT if on["keys_permuted"] and not on["pv_half"] else 0)
-             | (_PV16_BIT if on["pv_half"] else 0) | (_PIPE_BIT if on["pipelined"] else 0)
-             | (_PINGPONG_BIT if on["pingpong"] else 0) | (32 if on["dbg_noexp"] else 0) | (64 if on["dbg_nomax"] else 0) | (128 if on["dbg_nors"] else 0) | (256 if on["dbg_nopv"] else 0) | (512 if on["rowsum_fadd"] else 0))
+    flags = (_I2F_BIT if on["i2f"] else 0) | (_KEYS_PERMUTED_BIT if on["keys_permuted"] else 0)
     return dict(FLAGS=flags, PV_PARTS=int(on["pv_parts"]))
 
 
-def ws_spec(q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, worker_regs=None, **schedule):
+def ws_spec(q8, sq, k8, sk, v, sv, out, *, causal: bool, Lk: int, worker_regs=None, **schedule):
     """(grid, scalars, constexprs) of ``_int8_attn_fwd_ws_kernel`` after its five descriptors and 3 tensors
-    (sk and sv dense with sk's rows a multiple of 4: ``launch_ws``)."""
+    (sk and sv dense with sk's rows a multiple of 4: ``launch_ws``). ``v``: V^T int8 (INT8 P.V) or V in 16 bits
+    (``PV_HALF_DTYPES``, ``[b, hk, Lpad, d]``: P.V on 16-bit operands; ``sv`` is then not read)."""
     b, hq, lq, d = q8.shape
     hk, nblk = k8.shape[1], sv.shape[2]
     if sk.shape[2] < Lk or sk.shape[2] % 4:
         raise ValueError(f"sk {tuple(sk.shape)} must hold >= Lk = {Lk} rows per head, a multiple of 4")
+    half = v.dtype in PV_HALF_DTYPES
+    if half and (v.shape[2] < Lk or v.shape[2] % BLOCK_N):
+        raise ValueError(f"16-bit V {tuple(v.shape)} must hold whole blocks of {BLOCK_N} rows per head, >= Lk = {Lk}")
     grid = (-(-lq // (2 * PART_M)) * b * hq,)
-    scalars = (lq, Lk, k8.shape[2], sk.shape[2], hq, hk, _v_rows(v8t), nblk, 1 if nblk > 1 else 0, sq.stride(0), sq.stride(1),
-               out.stride(0), out.stride(1), out.stride(2))
-    kw = dict(IS_CAUSAL=bool(causal), D=d, BN=BLOCK_N, STAGES=_STAGES[d],
-              **schedule_constexprs(**schedule), R_CONSUMER=(worker_regs or _WORKER_REGS)[0],
-              R_PRODUCER=(worker_regs or _WORKER_REGS)[1], num_warps=4)
+    scalars = (lq, Lk, k8.shape[2], sk.shape[2], hq, hk, v.shape[2], nblk, 1 if nblk > 1 else 0, sq.stride(0),
+               sq.stride(1), out.stride(0), out.stride(1), out.stride(2))
+    cx = schedule_constexprs(**schedule)
+    if half:  # V's keys in natural order; its 16-bit P is the accumulator's registers as they are
+        cx["FLAGS"] = (cx["FLAGS"] & ~_KEYS_PERMUTED_BIT) | _PV_HALF_BIT
+    kw = dict(IS_CAUSAL=bool(causal), D=d, BN=BLOCK_N, STAGES=_STAGES[d], **cx,
+              R_CONSUMER=(worker_regs or _WORKER_REGS)[0], R_PRODUCER=(worker_regs or _WORKER_REGS)[1], num_warps=4)
     return grid, scalars, kw
 
 
@@ -661,12 +594,16 @@ class WsLaunch:
 def launch_ws(q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, worker_regs=None, v8t_in_mma_order=False,
               **schedule):
     """Run the kernel once (CUDA sm_90; ``int8_flash_attention`` checks the operands' shapes and dtypes): any
-    strides, sk's rows padded here. ``schedule``: ``SCHEDULE``'s switches, ``worker_regs``: (consumer, producer)
-    registers, for the A/B (PERF_NOTES). ``v8t_in_mma_order``: v8t's keys are already in ``mma_key_order`` (else,
-    with ``keys_permuted``, a copy is). A caller launching one shape again and again keeps a ``WsLaunch``."""
+    strides, sk's rows padded here. ``v8t``: V^T int8, or V itself in 16 bits (``[b, hk, >= Lk, d]``, finite, as
+    ``quant.v_operand_half`` writes it; its rows padded with zeros to whole blocks here). ``schedule``: ``SCHEDULE``'s
+    switches, ``worker_regs``: (consumer, producer) registers, for the A/B (PERF_NOTES). ``v8t_in_mma_order``: v8t's
+    keys are already in ``mma_key_order`` (else, with ``keys_permuted``, a copy is). A caller launching one shape again and again keeps a ``WsLaunch``."""
     if sk.shape[2] % 4:  # rows of whole 16-byte units (1-D TMA copies start aligned); the pad is never read as a key
         sk = torch.nn.functional.pad(sk, (0, 4 - sk.shape[2] % 4))
-    if schedule_constexprs(**schedule)["FLAGS"] & _KEYS_PERMUTED_BIT and not v8t_in_mma_order:
+    if v8t.dtype in PV_HALF_DTYPES:  # whole blocks of rows (``ws_spec``)
+        if v8t.shape[2] % BLOCK_N:
+            v8t = torch.nn.functional.pad(v8t, (0, 0, 0, -v8t.shape[2] % BLOCK_N))
+    elif schedule_constexprs(**schedule)["FLAGS"] & _KEYS_PERMUTED_BIT and not v8t_in_mma_order:
         v8t = v8t[..., mma_key_order(v8t.shape[-1]).to(v8t.device)]
     q8, k8, v8t, sk, sv = (_tma_operand(t) for t in (q8, k8, v8t, sk, sv))
     return WsLaunch(q8, sq, k8, sk, v8t, sv, out, causal=causal, Lk=Lk, worker_regs=worker_regs,

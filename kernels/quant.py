@@ -43,8 +43,8 @@ from .launch import lean
 from .reference import DEFAULT_BLOCK_N, _finite_token_amax, k_smooth_mean  # noqa: F401  (k_smooth_mean re-exported)
 from .rotation import rotation_block
 
-__all__ = ["quantize_per_token", "quantize_qk", "quantize_v_blocks", "quantize_v_channels", "k_smooth_mean", "k_mean",
-           "interpreting"]
+__all__ = ["quantize_per_token", "quantize_qk", "quantize_v_blocks", "quantize_v_channels", "v_operand_half",
+           "k_smooth_mean", "k_mean", "interpreting"]
 
 
 
@@ -138,14 +138,16 @@ def _quant_token_rows(p_x, p_x8, p_s, b_mean, b_f, scale, o_t, L, stride_xl, str
 @triton.jit
 def _quant_v_block(p_x, p_amax, p_v8t, p_sv, p_poison, i_n, L, stride_xl, stride_xd, stride_vd,
                    HAS_AMAX: tl.constexpr, POISON: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-                   BN: tl.constexpr, MMA_ORDER: tl.constexpr):
+                   BN: tl.constexpr, MMA_ORDER: tl.constexpr, HALF: tl.constexpr = False):
     """INT8 of V block ``i_n`` (BN tokens) of one head, per channel, written transposed: ``p_x`` its rows
     (any strides), ``p_v8t`` its ``[D, Lpad]`` codes (row stride ``stride_vd``; tokens >= L written as 0),
     ``p_sv`` its ``[Lpad // BN, D]`` scales; with HAS_AMAX the channel amax ``p_amax`` [D] over the whole
     sequence is used instead and block 0 writes the one row of scales. A token with a NaN/Inf is coded 0,
     kept out of the block's scales, and (POISON) flagged as NaN in the key scales ``p_poison`` [L]. MMA_ORDER: each
     32 tokens' columns in the Gluon prefill's P.V operand order (``prefill_hopper.mma_key_order``: token
-    16h + 8e + 2c + b at column 16h + 4c + 2e + b)."""
+    16h + 8e + 2c + b at column 16h + 4c + 2e + b). HALF: no codes: the block's rows of V itself in ``p_v8t``'s
+    16-bit type (``[Lpad, D]``, row stride ``stride_vd``), a poisoned token's row and tokens >= L written as 0, no
+    scales (the Gluon prefill's 16-bit P.V operand: a masked p is 0, and 0 times a non-finite value is NaN)."""
     o_t = i_n * BN + tl.arange(0, BN)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
@@ -158,6 +160,19 @@ def _quant_v_block(p_x, p_amax, p_v8t, p_sv, p_poison, i_n, L, stride_xl, stride
     b_bad = ~(tl.reduce(b_ax, 1, _max_nan) < float("inf"))  # [BN]
     if POISON:  # the key's scale carries the flag: exactly the score columns the kernel does not mask
         tl.store(p_poison + o_t, tl.full([BN], float("nan"), tl.float32), mask=b_bad)
+    if HALF:
+        tl.store(p_v8t + o_t[:, None].to(tl.int64) * stride_vd + o_d[None, :],
+                 tl.where(b_bad[:, None], 0.0, b_x).to(p_v8t.dtype.element_ty), mask=m_d[None, :])
+    else:
+        _quant_v_codes(b_x, b_ax, b_bad, p_amax, p_v8t, p_sv, i_n, o_t, o_d, m_d, stride_vd, HAS_AMAX=HAS_AMAX, D=D,
+                       BN=BN, BD=BD, MMA_ORDER=MMA_ORDER)
+
+
+@triton.jit
+def _quant_v_codes(b_x, b_ax, b_bad, p_amax, p_v8t, p_sv, i_n, o_t, o_d, m_d, stride_vd, HAS_AMAX: tl.constexpr,
+                   D: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, MMA_ORDER: tl.constexpr):
+    """``_quant_v_block``'s INT8 codes of the block ``b_x`` (``b_ax`` = |b_x|, ``b_bad`` its poisoned tokens),
+    transposed, and their scales."""
     if HAS_AMAX:
         b_amax = tl.load(p_amax + o_d, mask=m_d, other=0.0)
     else:
@@ -230,13 +245,13 @@ def _quant_v_kernel(
     stride_sb, stride_sh,
     stride_pb, stride_ph,
     HAS_AMAX: tl.constexpr, POISON: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
-    VEC: tl.constexpr, MMA_ORDER: tl.constexpr = False,
+    VEC: tl.constexpr, MMA_ORDER: tl.constexpr = False, HALF: tl.constexpr = False,
 ):
     """grid (Lpad // BN * b * H,). X [b, H, L, D] (b, H, L strides multiples of VEC) -> V8T [b, H, D, Lpad]
     (tokens contiguous; tokens >= L are 0), SV [b, H, Lpad // BN, D] = amax over the block's tokens / 127 per
     channel; with HAS_AMAX the per-channel AMAX [b, H, D] (contiguous) over the whole sequence is used instead
     and the first block writes SV [b, H, 1, D]. POISON: POISON_S [b, H, L] (last stride 1) is set to NaN at
-    tokens holding a NaN/Inf."""
+    tokens holding a NaN/Inf. HALF: V8T is V itself [b, H, Lpad, D] in 16 bits (``_quant_v_block``), SV unused."""
     n_blk = tl.maximum(tl.cdiv(L, BN), 1)
     i_n, i_bh = tl.program_id(0) % n_blk, tl.program_id(0) // n_blk
     i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
@@ -244,7 +259,7 @@ def _quant_v_kernel(
     _quant_v_block(X + i_b * stride_xb + i_h * stride_xh, AMAX + i_bh.to(tl.int64) * D,
                    V8T + i_b * stride_vb + i_h * stride_vh, SV + i_b * stride_sb + i_h * stride_sh,
                    POISON_S + i_b * stride_pb + i_h * stride_ph, i_n, L, stride_xl, stride_xd, stride_vd,
-                   HAS_AMAX=HAS_AMAX, POISON=POISON, D=D, BD=BD, BN=BN, MMA_ORDER=MMA_ORDER)
+                   HAS_AMAX=HAS_AMAX, POISON=POISON, D=D, BD=BD, BN=BN, MMA_ORDER=MMA_ORDER, HALF=HALF)
 
 
 @triton.jit(do_not_specialize=["NQ", "LQ", "LK", "stride_qb", "stride_qh", "stride_ql", "stride_kb", "stride_kh",
@@ -424,18 +439,18 @@ def _k_sum_spec(k4: torch.Tensor, programs: Optional[int] = None):
 
 
 def _v_spec(v: torch.Tensor, block: int, spb: int, sph: int, has_amax: bool, poison: bool,
-            mma_order: bool = False):
+            mma_order: bool = False, half: bool = False):
     """(grid, scalars, kwargs) of ``_quant_v_kernel`` on ``v [b, h, L, d]`` into contiguous ``v8t [b, h, d, Lpad]``
     and ``sv [b, h, nblk, d]`` (``nblk`` 1 with ``has_amax``); ``mma_order``: v8t's tokens in the Gluon prefill's
-    operand order (block a multiple of 32)."""
+    operand order (block a multiple of 32); ``half``: into V itself, contiguous ``[b, h, Lpad, d]`` in v's dtype."""
     b, h, L, d = v.shape
     nblk = max(1, -(-L // block))
     lpad = nblk * block
     ns = 1 if has_amax else nblk
     grid = (nblk * b * h,)
-    scalars = (L, h, *v.stride(), h * d * lpad, d * lpad, lpad, h * ns * d, ns * d, spb, sph)
+    scalars = (L, h, *v.stride(), h * d * lpad, d * lpad, d if half else lpad, h * ns * d, ns * d, spb, sph)
     kw = dict(HAS_AMAX=has_amax, POISON=poison, D=d, BD=_pow2(d), BN=block, VEC=_vec(v), MMA_ORDER=bool(mma_order),
-              num_warps=4, enable_fp_fusion=False)
+              HALF=bool(half), num_warps=4, enable_fp_fusion=False)
     return grid, scalars, kw
 
 
@@ -577,6 +592,23 @@ def quantize_v_blocks(v: torch.Tensor, block: int = DEFAULT_BLOCK_N, *, poison: 
         grid, scalars, kw = _v_spec(v, block, spb, sph, False, poison is not None, mma_order)
         lean(_quant_v_kernel)[grid](v, sv, v8t, sv, ps, *scalars, **kw)
     return v8t, sv
+
+
+def v_operand_half(v: torch.Tensor, block: int = DEFAULT_BLOCK_N, *, poison: Optional[torch.Tensor] = None):
+    """V itself as the Gluon prefill's 16-bit P.V operand (one Triton pass): ``[b, H, Lpad, d]`` contiguous in v's
+    dtype (fp16/bf16; Lpad = L rounded up to ``block``), tokens >= L zero, and a token holding a NaN/Inf zeroed and
+    flagged in ``poison`` (the key scales ``sk``) as ``quantize_v_blocks`` does. v: ``[b, H, L, d]``, any strides."""
+    _check_v(v, block)
+    if v.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"v_operand_half takes fp16/bf16 V, got {v.dtype}")
+    b, h, L, d = v.shape
+    out = torch.empty(b, h, max(1, -(-L // block)) * block, d, dtype=v.dtype, device=v.device)
+    dummy = torch.empty(1, dtype=torch.float32, device=v.device)
+    ps, spb, sph = _poison_arg(poison, dummy, b, h, L)
+    if b * h > 0:
+        grid, scalars, kw = _v_spec(v, block, spb, sph, False, poison is not None, half=True)
+        lean(_quant_v_kernel)[grid](v, dummy, out, dummy, ps, *scalars, **kw)
+    return out
 
 
 def quantize_v_channels(v: torch.Tensor, block: int = DEFAULT_BLOCK_N, *, poison: Optional[torch.Tensor] = None):

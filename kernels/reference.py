@@ -370,7 +370,9 @@ def int8_flash_attention(q8, sq, k8, sk, v8t, sv, *, causal=True, window=None, s
         where m_new - S2 > threshold);  p8 = quantize_p(p)
         l = l r + sum(p8);  acc = fma(acc, r, i32_scaled((p8 . v8)_int32, sv_block))
 
-    and ``o = acc / l`` (0 where l == 0). A NaN scale (a non-finite token, see ``quantize_per_token``) keeps
+    and ``o = acc / l`` (0 where l == 0). With a 16-bit ``v8t`` (V itself, ``[b, Hk, Lpad, d]``: the Gluon prefill's
+    P.V on 16-bit operands, ``sv`` unused) P is p rounded to V's type and ``l = l r + sum(p)``, ``acc = acc r +
+    P . V`` in fp32. A NaN scale (a non-finite token, see ``quantize_per_token``) keeps
     NaN through every max here: a NaN sk makes the rows that do not mask that key NaN, a NaN sq (l starts at
     NaN) its row. "static" is INT-FlashAttention's P scale 1/127 relative to the
     running max (c = m: r is the usual alpha); "block" quantizes each block relative to its own max (all 127
@@ -390,9 +392,13 @@ def int8_flash_attention(q8, sq, k8, sk, v8t, sv, *, causal=True, window=None, s
     g = hq // hk
     if Lk is None:
         Lk = k8.shape[2]
-    lpad = v8t.shape[-1]
-    nblk = sv.shape[2]
-    if nblk > 1:
+    half = v8t.dtype in (torch.float16, torch.bfloat16)  # P.V on V itself ``[b, Hk, Lpad, d]``, P in its type
+    lpad = v8t.shape[2] if half else v8t.shape[-1]
+    nblk = 1 if half else sv.shape[2]
+    if half:
+        block = DEFAULT_BLOCK_N if block_n is None else int(block_n)
+        svr = None
+    elif nblk > 1:
         block = lpad // nblk
         svr = sv.float().repeat_interleave(g, dim=1)  # [b, hq, nblk, d]
     else:
@@ -407,7 +413,10 @@ def int8_flash_attention(q8, sq, k8, sk, v8t, sv, *, causal=True, window=None, s
                             and d <= 256 and block <= 1024) else torch.float64
     qf = q8.to(idt)
     kf = k8[:, :, :Lk].to(idt).repeat_interleave(g, dim=1)  # [b, hq, Lk, d]
-    vf = v8t.to(idt).transpose(-1, -2).repeat_interleave(g, dim=1)  # [b, hq, Lpad, d]
+    if half:
+        vf = v8t.float().repeat_interleave(g, dim=1)  # [b, hq, Lpad, d]
+    else:
+        vf = v8t.to(idt).transpose(-1, -2).repeat_interleave(g, dim=1)  # [b, hq, Lpad, d]
     skr = sk[:, :, :Lk].float().repeat_interleave(g, dim=1)  # [b, hq, Lk]
     sqf = sq.float().clamp_min(SQ_MIN)  # keeps NaN (a poisoned query row)
     pos = torch.arange(lq, device=dev) + (Lk - lq)  # absolute position of each query row
@@ -446,10 +455,15 @@ def int8_flash_attention(q8, sq, k8, sk, v8t, sv, *, causal=True, window=None, s
                 p = sas_exp2(x, (thr2 - (m_safe - c_safe))[..., None])
             else:
                 p = sas_exp2(x, thr2)
-        p8 = quantize_p(p)  # integer-valued fp32 in [0, 127]
-        pv = (p8.to(idt) @ vf[:, :, start:end]).to(torch.float32)
-        l = l * r + p8.sum(dim=-1)
-        acc = fma(acc, r[..., None], i32_scaled(pv, svr[:, :, start // block][:, :, None, :], int_to_float))
+        if half:  # the products of the rounded P and V exact in fp32; l sums the unrounded p
+            pv = p.to(v8t.dtype).float() @ vf[:, :, start:end]
+            l = l * r + p.sum(dim=-1)
+            acc = acc * r[..., None] + pv
+        else:
+            p8 = quantize_p(p)  # integer-valued fp32 in [0, 127]
+            pv = (p8.to(idt) @ vf[:, :, start:end]).to(torch.float32)
+            l = l * r + p8.sum(dim=-1)
+            acc = fma(acc, r[..., None], i32_scaled(pv, svr[:, :, start // block][:, :, None, :], int_to_float))
         m, c = m_new, c_new
     o = torch.where(l[..., None] != 0, acc / torch.where(l != 0, l, torch.ones_like(l))[..., None],
                     torch.zeros_like(acc))

@@ -16,9 +16,10 @@ import subprocess
 import tempfile
 
 
-def compile_sm90(d: int, causal: bool, **schedule):
-    """(cubin bytes, ptx) of ``_int8_attn_fwd_ws_kernel`` for sm_90 at head_dim ``d``; ``schedule``: ``ws_spec``'s
-    switches (``pv_parts``, ...)."""
+def compile_sm90(d: int, causal: bool, v_dtype: str = "int8", **schedule):
+    """(cubin bytes, ptx) of ``_int8_attn_fwd_ws_kernel`` for sm_90 at head_dim ``d``; ``v_dtype``: "int8" (V^T,
+    INT8 P.V) or "bfloat16" / "float16" (P.V on 16-bit V); ``schedule``: ``ws_spec``'s switches (``pv_parts``,
+    ...)."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -29,8 +30,8 @@ def compile_sm90(d: int, causal: bool, **schedule):
 
     b, hq, hk, L = 1, 4, 2, 256
     q8, k8 = torch.zeros(b, hq, L, d, dtype=torch.int8), torch.zeros(b, hk, L, d, dtype=torch.int8)
-    v8t = (torch.zeros(b, hk, L, d, dtype=torch.bfloat16) if schedule.get("pv_half")
-           else torch.zeros(b, hk, d, L, dtype=torch.int8))
+    v8t = (torch.zeros(b, hk, d, L, dtype=torch.int8) if v_dtype == "int8"
+           else torch.zeros(b, hk, L, d, dtype=getattr(torch, v_dtype)))
     sq, sk, sv = torch.zeros(b, hq, L), torch.zeros(b, hk, L), torch.zeros(b, hk, L // ph.BLOCK_N, d)
     out = torch.empty(b, L, hq, d, dtype=torch.bfloat16)
     _, scalars, kw = ph.ws_spec(q8, sq, k8, sk, v8t, sv, out, causal=causal, Lk=L, **schedule)
@@ -86,18 +87,19 @@ def main(argv=None) -> int:
     ap.add_argument("--dims", default="128,64")
     ap.add_argument("--causal", default="0,1")
     ap.add_argument("--schedules", default="{}", help="JSON objects of launch_ws switches, joined by ';'")
+    ap.add_argument("--v", default="int8", help="V operand dtypes: int8 (INT8 P.V), bfloat16, float16")
     ap.add_argument("--top", type=int, default=16)
     a = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("gluon_sass: unset TRITON_INTERPRET (the interpreter compiles nothing)")
     for d in map(int, a.dims.split(",")):
         for causal in map(int, a.causal.split(",")):
-            for sched in map(json.loads, a.schedules.split(";")):
-                cubin, ptx = compile_sm90(d, bool(causal), **sched)
+            for sched, v in ((sc, v) for sc in map(json.loads, a.schedules.split(";")) for v in a.v.split(",")):
+                cubin, ptx = compile_sm90(d, bool(causal), v, **sched)
                 regs, ops = sass_counts(cubin)
                 maxnreg = sorted(set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)))
                 serial = any("C7512" in line for line in ptxas_infos(ptx))
-                print(f"d {d} causal {causal} {json.dumps(sched)}: {sum(ops.values())} SASS instructions, "
+                print(f"d {d} causal {causal} V {v} {json.dumps(sched)}: {sum(ops.values())} SASS instructions, "
                       f"kernel registers {regs}, setmaxnreg {maxnreg}, spill stores {ops['STL']} / loads {ops['LDL']}"
                       f"{', WGMMA SERIALIZED (ptxas C7512)' if serial else ''}")
                 print("  " + ", ".join(f"{k} {v}" for k, v in ops.most_common(a.top)))

@@ -7,7 +7,8 @@ kernel's output (the same math: 0 expected). FA3 protocol shapes (16k tokens, hi
 
 A variant is ``hopper`` and the switches of ``prefill_hopper.launch_ws`` it sets, joined by ``+``: ``no<key>`` /
 ``<key>`` turn a boolean key of ``prefill_hopper.SCHEDULE`` off / on (``noi2f``: the magic-number conversions),
-``pv<N>`` sets ``pv_parts``, ``regs<C>_<P>`` the consumer / producer registers (``hopper+pv1+regs240_24``).
+``pv<N>`` sets ``pv_parts``, ``regs<C>_<P>`` the consumer / producer registers (``hopper+pv1+regs240_24``), ``half``
+runs P.V on V itself in 16 bits (``hopper+half``).
 Schedules measured and removed: three consumer warpgroups (git a158f56), the next block's Q.K^T beside P.V, the row
 max as a tree and Q.K^T in halves (git 2baef6d), P's row sums by integer adds (PERF_NOTES sessions 44, 45).
 """
@@ -31,6 +32,9 @@ def _schedule(variant: str) -> dict:
     for sw in switches:
         if sw.startswith("regs"):
             kw["worker_regs"] = tuple(int(x) for x in sw[4:].split("_"))
+            continue
+        if sw == "half":  # not a switch: V itself in 16 bits (P.V on 16-bit operands)
+            kw["half"] = True
             continue
         if sw.startswith("pv") and sw[2:].isdigit():
             kw["pv_parts"] = int(sw[2:])
@@ -74,8 +78,8 @@ def main(argv=None) -> int:
                 for name in a.variants.split(","):
                     kw = _schedule(name)
                     vt = v8t
-                    if kw.get("pv_half"):  # V itself, each head's rows padded with zeros to whole KV blocks
-                        vt = torch.nn.functional.pad(v, (0, 0, 0, -L % prefill_hopper.BLOCK_N)).contiguous()
+                    if kw.pop("half", False):  # V itself (launch_ws pads each head's rows to whole blocks)
+                        vt = v
                     elif {**prefill_hopper.SCHEDULE, **kw}["keys_permuted"]:  # as the V pass writes it
                         vt = v8t[..., prefill_hopper.mma_key_order(v8t.shape[-1]).to(v8t.device)].contiguous()
                         kw["v8t_in_mma_order"] = True

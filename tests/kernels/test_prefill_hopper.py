@@ -11,15 +11,23 @@ import torch
 
 from turbo_attn_hf.kernels import prefill, prefill_hopper, quant, reference
 
-def _operands(b, hq, hk, lq, lk, d, device, seed=0, poison=()):
+def _operands(b, hq, hk, lq, lk, d, device, seed=0, poison=(), half=False, poison_v=()):
+    """The kernel's operands: INT8 V^T and its scales, or (``half``) V itself as the V pass writes it (16-bit, padded,
+    bad tokens zeroed and flagged in sk) and an unread sv."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     q, k, v = (torch.randn(b, h, L, d, generator=g).to(device=device, dtype=torch.bfloat16)
                for h, L in ((hq, lq), (hk, lk), (hk, lk)))
     for bi, hi, t in poison:
         k[bi, hi, t, 3] = float("nan")
+    for bi, hi, t in poison_v:
+        v[bi, hi, t, 5] = float("inf")
     q8, sq = quant.quantize_per_token(q, scale=d ** -0.5 * reference.LOG2E)
     k8, sk = quant.quantize_per_token(k, smooth=reference.k_smooth_mean(k))
-    v8t, sv = quant.quantize_v_blocks(v, prefill_hopper.BLOCK_N)
+    if half:
+        sk = torch.nn.functional.pad(sk, (0, -lk % 4)).contiguous()
+        return q8, sq, k8, sk, quant.v_operand_half(v, prefill_hopper.BLOCK_N, poison=sk), torch.empty(
+            b, hk, 1, d, device=device)
+    v8t, sv = quant.quantize_v_blocks(v, prefill_hopper.BLOCK_N, poison=sk if poison_v else None)
     return q8, sq, k8, sk, v8t, sv
 
 
@@ -83,6 +91,41 @@ def test_each_kernel_matches_its_twin(case):
     # the same integer dots, scales and softmax in the same order; the FMA contraction of the two compilers may
     # round an fp32 step differently, which can move one p8 level
     assert float(diff.max()) < 2e-2 and float((diff > 0).float().mean()) < 0.05
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c)))
+def test_the_16bit_pv_matches_its_twin(case):
+    """P.V on V itself (bf16, the V pass's padded operand; FlashAttention-3's in-warpgroup order) against the
+    reference with the same 16-bit V and ``int_to_float="exact"``."""
+    from test_prefill import assert_close, tol
+
+    b, hq, hk, lq, lk, d, causal = case
+    ops = _operands(b, hq, hk, lq, lk, d, "cuda", seed=lq + lk, half=True)
+    out = prefill_hopper.launch_ws(*ops, torch.empty(b, lq, hq, d, device="cuda", dtype=torch.bfloat16),
+                                   causal=causal, Lk=lk)
+    cpu_ops = [t.cpu() for t in ops]
+    cpu_ops[3] = cpu_ops[3][..., :lk]
+    ref = reference.int8_flash_attention(*cpu_ops, causal=causal, Lk=lk, out_dtype=torch.float32,
+                                         int_to_float="exact")
+    assert_close(f"16-bit P.V {case}", ref, out, *tol(torch.device("cuda"), torch.bfloat16))
+    assert out.isfinite().all()
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_bad_value_token_poisons_exactly_the_rows_that_see_it_with_either_pv(causal):
+    """An Inf in V's token 400: the V pass zeroes it in the 16-bit operand (a masked p is 0, and 0 x Inf would be NaN
+    in rows that do not see it) and flags its key; the rows that see it are NaN, as with the INT8 P.V."""
+    lq = lk = 700
+    int8 = _operands(1, 2, 1, lq, lk, 128, "cuda", poison_v=[(0, 0, 400)])
+    half = _operands(1, 2, 1, lq, lk, 128, "cuda", poison_v=[(0, 0, 400)], half=True)
+    outs = [prefill_hopper.launch_ws(*ops, torch.empty(1, lq, 2, 128, device="cuda", dtype=torch.bfloat16),
+                                     causal=causal, Lk=lk) for ops in (int8, half)]
+    assert torch.equal(outs[0].isnan(), outs[1].isnan())
+    assert outs[1].isnan().any() and not outs[1].isnan().all()
 
 
 #: schedules that reorder or regroup the same operations: bit for bit the default schedule's output
@@ -159,7 +202,7 @@ def test_turbo_attention_relaunches_the_gluon_kernel_bit_for_bit(case):
     """turbo_attention on the Gluon path: a plan's first call goes through Gluon's binder, the later ones relaunch
     from ``WsLaunch``'s memo (light descriptors; sk's rows padded to 4 by the plan, K's mean from split sums). Every
     call gives the same bits, as do the call with K's mean given and one writing into a given ``out``; the portable
-    kernel's output (its own conversions) is close."""
+    kernel's output (INT8 P.V, its own conversions) is close."""
     b, hq, hk, lq, lk, d, causal = case
     g = torch.Generator().manual_seed(lk)
     q, k, v = (torch.randn(b, h, L, d, generator=g).to(device="cuda", dtype=torch.bfloat16)
@@ -168,6 +211,7 @@ def test_turbo_attention_relaunches_the_gluon_kernel_bit_for_bit(case):
         outs = [prefill.turbo_attention(q, k, v, causal=causal) for _ in range(3)]
         plans = [p for p in prefill._PLANS.values() if p.ws is not None and p.shapes[0] == (b, hq, lq, d)]
         assert plans and all(p.ws.memo for p in plans), "the Gluon plan was not relaunched from its memo"
+        assert all(p.v_op == torch.bfloat16 for p in plans), "the Gluon plan's P.V is not on 16-bit V"
         outs.append(prefill.turbo_attention(q, k, v, causal=causal, k_mean=reference.k_smooth_mean(k)))
         outs.append(prefill.turbo_attention(q, k, v, causal=causal, out=torch.empty_like(outs[0])))
     for i, o in enumerate(outs[1:], 1):

@@ -1,8 +1,8 @@
 """The Gluon Hopper prefill kernel (kernels/prefill_hopper.py) compiles for sm_90 on a CPU-only machine, through
 Triton's real pipeline (Gluon -> TTGIR -> LLVM -> PTX -> ptxas), so CI notices when a Triton release stops compiling
 it (issue 20: Gluon's API moves between releases). Each case also checks the code for what the design rests on: both
-dots on 8-bit wgmma, TMA loads in the producer, and the producer handing its registers to the consumers (in the PTX: the
-SASS listing Triton keeps is cut short for a kernel this long). Runs in a
+dots on 8-bit wgmma (P.V on a 16-bit wgmma for a 16-bit V), TMA loads in the producer, and the producer handing its
+registers to the consumers (in the PTX: the SASS listing Triton keeps is cut short for a kernel this long). Runs in a
 subprocess without TRITON_INTERPRET (``sm90.py``); this file doubles as its script."""
 import json
 import sys
@@ -13,7 +13,8 @@ import sm90
 
 # (head_dim, causal, schedule): the default schedule and each switch the GPU tests run, across the four shapes
 CONFIGS = [(128, True, {}), (128, False, {"pv_parts": 2, "i2f": True}), (64, True, {"pv_parts": 1}),
-           (64, False, {"pv_parts": 1, "i2f": False, "keys_permuted": False})]
+           (64, False, {"pv_parts": 1, "i2f": False, "keys_permuted": False}),
+           (128, True, {"v_dtype": "bfloat16"}), (64, False, {"v_dtype": "float16"})]  # P.V on 16-bit V
 
 
 def _compile(d, causal, schedule):
@@ -21,8 +22,12 @@ def _compile(d, causal, schedule):
     from turbo_attn_hf.kernels import prefill_hopper as ph
 
     ptx = compile_sm90(d, causal, **schedule)[1]  # ptxas built the cubin from it
-    for what, pattern in (("8-bit wgmma", f"wgmma.mma_async.sync.aligned.m64n{ph.BLOCK_N}k32.s32.s8.s8"),
-                          ("TMA loads", "cp.async.bulk.tensor"), ("register hand-over", "setmaxnreg.dec")):
+    checks = [("8-bit wgmma", f"wgmma.mma_async.sync.aligned.m64n{ph.BLOCK_N}k32.s32.s8.s8"),
+              ("TMA loads", "cp.async.bulk.tensor"), ("register hand-over", "setmaxnreg.dec")]
+    v = {"bfloat16": "bf16", "float16": "f16"}.get(schedule.get("v_dtype"))
+    if v:  # P.V on V itself: a 16-bit wgmma with P from registers
+        checks.append(("16-bit P.V wgmma", f"wgmma.mma_async.sync.aligned.m64n{d}k16.f32.{v}.{v}"))
+    for what, pattern in checks:
         if pattern not in ptx:
             raise AssertionError(f"no {what} ({pattern}) in the PTX")
     serial = [line for line in ptxas_infos(ptx) if "C7512" in line]

@@ -255,6 +255,24 @@ def test_v_blocks_in_mma_order_are_the_natural_codes_permuted(device, poisoned_e
         quant.quantize_v_blocks(v, 16, mma_order=True)
 
 
+@pytest.mark.parametrize("layout", ["contig", "hf"])
+def test_v_operand_half_is_v_padded_with_its_bad_tokens_zeroed(layout, device, poisoned_empty):
+    """The Gluon prefill's 16-bit P.V operand: V itself, contiguous, each head's rows padded with zeros to whole
+    blocks, a token holding a NaN/Inf zeroed and flagged NaN in the key scales (as the INT8 V pass flags it)."""
+    v = _layout(_rand((2, 3, 200, 64), torch.bfloat16, device, seed=4), layout)
+    v[1, 2, 150, 5] = float("inf")
+    v[0, 1, 7, 0] = float("nan")
+    sk = torch.ones(2, 3, 204, device=device)
+    out = quant.v_operand_half(v, 128, poison=sk)
+    want = torch.nn.functional.pad(v.cpu(), (0, 0, 0, 56))
+    want[1, 2, 150] = 0
+    want[0, 1, 7] = 0
+    assert out.shape == (2, 3, 256, 64) and out.is_contiguous() and torch.equal(out.cpu(), want)
+    assert sorted(map(tuple, sk.isnan().nonzero().tolist())) == [(0, 1, 7), (1, 2, 150)]
+    with pytest.raises(ValueError, match="fp16/bf16"):
+        quant.v_operand_half(v.float(), 128)
+
+
 @pytest.mark.parametrize("shape,block,dtype", [c[:3] for c in V_CASES],
                          ids=[f"{'x'.join(map(str, s))}-B{b}" for s, b, _, _ in V_CASES])
 def test_v_channels_bit_exact(shape, block, dtype, device, poisoned_empty):
@@ -397,6 +415,9 @@ COMPILE_KERNELS = {
         x, block, poison=torch.empty(x.shape[:3], device="meta")),  # as the prefill launches it
     "_quant_v_kernel/mma_order": lambda x, block, mean: quant.quantize_v_blocks(  # as for the Gluon prefill
         x, block, poison=torch.empty(x.shape[:3], device="meta"), mma_order=True),
+    "_quant_v_kernel/half": lambda x, block, mean: quant.v_operand_half(  # the Gluon prefill's 16-bit V
+        x.to(torch.bfloat16) if x.dtype == torch.float32 else x, block, poison=torch.empty(x.shape[:3],
+                                                                                         device="meta")),
     # the prefill's Q+K pass with rotate_qk: its +-1 Hadamard dots (smooth: two bf16 terms; bf16 plain: one)
     "_quant_qk_kernel": lambda x, block, mean: quant.quantize_qk(
         x, x, smooth=mean, rotate=True,
