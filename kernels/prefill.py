@@ -544,6 +544,17 @@ def gluon_runs(device, d, block_n=None, *, window=None, softcap=None, key_valid=
         key_valid=key_valid, softmax=softmax, p_scale=p_scale)
 
 
+def pv_dtype(device, v_dtype, d, block_n=None, *, window=None, softcap=None, key_valid=None, softmax="exact",
+             p_scale=DEFAULT_P_SCALE, v_scale=DEFAULT_V_SCALE):
+    """The type ``turbo_attention`` runs P.V in for V of ``v_dtype`` and these options: V's own 16-bit type where the
+    Gluon kernel runs the call with V's per-block scales (P.V on V itself: faster there and about half the INT8 P.V's
+    error, PERF_NOTES session 47), else None (INT8 P.V; per-channel V scales are INT-FlashAttention's INT8 choice).
+    ``reference.turbo_attention(..., pv_dtype=...)`` is the twin of either."""
+    half = v_dtype in prefill_hopper.PV_HALF_DTYPES and v_scale == "block" and gluon_runs(
+        device, d, block_n, window=window, softcap=softcap, key_valid=key_valid, softmax=softmax, p_scale=p_scale)
+    return v_dtype if half else None
+
+
 def _launch(q8, sq, k8, sk, v8t, sv, out, *, causal, window, softcap, key_valid, use_sas, thr2, block_p,
             Lk, block_n, config=None, hopper=False):
     if hopper:
@@ -803,9 +814,9 @@ class _AttnPlan:
         self.hopper = gluon_runs(dev, d, block_n, window=window, softcap=softcap, key_valid=key_valid, softmax=softmax,
                                  p_scale=p_scale)
         sk_row = -(-lk // 4) * 4 if self.hopper else lk  # the Gluon kernel's 1-D TMA copies start 16-byte aligned
-        # the Gluon kernel's P.V runs on V itself (16-bit, padded, non-finite tokens zeroed by the V pass): faster
-        # there and half the INT8 P.V's error (PERF_NOTES session 47); INT8 with V's channel scales (INT-FA's choice)
-        half = self.hopper and v.dtype in prefill_hopper.PV_HALF_DTYPES and not self.channel
+        # P.V on V itself in the Gluon kernel (16-bit, padded, non-finite tokens zeroed by the V pass): ``pv_dtype``
+        half = pv_dtype(dev, v.dtype, d, block_n, window=window, softcap=softcap, key_valid=key_valid,
+                        softmax=softmax, p_scale=p_scale, v_scale=v_scale) is not None
         self.v_op = v.dtype if half else torch.int8
         self.shapes = ((b, hq, lq, d), (b, hq, lq), (b, hk, lk, d), (b, hk, sk_row),
                        (b, hk, nblk * block_n, d) if half else (b, hk, d, nblk * block_n),

@@ -476,7 +476,8 @@ def int8_flash_attention(q8, sq, k8, sk, v8t, sv, *, causal=True, window=None, s
 
 def turbo_attention(q, k, v, *, scale=None, causal=True, window=None, softcap=None, key_valid=None,
                     softmax="exact", sas_threshold=6.0, smooth_k=True, out=None, p_scale=DEFAULT_P_SCALE,
-                    block_n=None, v_scale=DEFAULT_V_SCALE, k_mean=None, rotate_qk=False, qk_smooth=None):
+                    block_n=None, v_scale=DEFAULT_V_SCALE, k_mean=None, rotate_qk=False, qk_smooth=None,
+                    pv_dtype=None):
     """INT8 attention, plain PyTorch: the same math as ``turbo_attn_hf.kernels.prefill.turbo_attention``.
 
     q ``[b, Hq, Lq, d]``, k, v ``[b, Hk, Lk, d]`` (bf16/fp16/fp32), Hq % Hk == 0, Lq <= Lk.
@@ -495,6 +496,8 @@ def turbo_attention(q, k, v, *, scale=None, causal=True, window=None, softcap=No
       rotate_qk: Hadamard-rotate Q and K inside their quantization (``rotate_qk="hadamard"``); with qk_smooth
         (``rotation.smooth_scales`` factors ``s [b, Hk, d]``, "smooth_hadamard") Q by ``diag(s)`` and K by
         ``diag(1/s)`` first. q, k and k_mean stay unrotated (see ``quantize_per_token``).
+      pv_dtype: None (INT8 P.V) or the 16-bit type of the Gluon kernel's P.V on V itself (``prefill.pv_dtype``):
+        V rounded to it, its non-finite tokens zeroed and flagged in sk, P rounded to it, I2F conversions.
     Non-finite inputs: NaN rows exactly where ``nonfinite_rows`` says (a bad token is quantized as zeros with a
     NaN scale, kept out of every statistic; K's mean is not finite in a channel -> that channel unsmoothed).
     """
@@ -515,10 +518,18 @@ def turbo_attention(q, k, v, *, scale=None, causal=True, window=None, softcap=No
     k8, sk = quantize_per_token(k, smooth=mean, rotate=rotate_qk, factor=fk)
     if block_n is None:
         block_n = default_block_n(d)
-    v8t, sv = (quantize_v_blocks if v_scale == "block" else quantize_v_channels)(v, block_n, poison=sk)
+    if pv_dtype is not None:  # ``quant.v_operand_half``: V padded to whole blocks, a bad token zeroed and flagged
+        bad = ~torch.isfinite(v).all(-1)
+        sk = torch.where(bad, torch.full_like(sk, math.nan), sk)
+        v8t = torch.nn.functional.pad(torch.where(bad[..., None], 0.0, v.float()).to(pv_dtype),
+                                      (0, 0, 0, -v.shape[2] % block_n))
+        sv = None
+    else:
+        v8t, sv = (quantize_v_blocks if v_scale == "block" else quantize_v_channels)(v, block_n, poison=sk)
     return int8_flash_attention(q8, sq, k8, sk, v8t, sv, causal=causal, window=window, softcap=softcap,
                                 key_valid=key_valid, softmax=softmax, sas_threshold=sas_threshold,
-                                Lk=k.shape[2], out_dtype=q.dtype, p_scale=p_scale, out=out, block_n=block_n)
+                                Lk=k.shape[2], out_dtype=q.dtype, p_scale=p_scale, out=out, block_n=block_n,
+                                int_to_float="magic" if pv_dtype is None else "exact")
 
 
 def _check_inputs_ref(q, k, v, key_valid) -> None:

@@ -36,6 +36,17 @@ def tol(device, dtype):
     return (TOL_CUDA if device.type == "cuda" else TOL)[dtype]
 
 
+def turbo_ref(q, k, v, device="cpu", **opts):
+    """``R.turbo_attention`` on fp32 copies (on ``device``) with the P.V that ``prefill.turbo_attention`` runs for these
+    inputs and options (``prefill.pv_dtype``: on V itself in 16 bits where the Gluon kernel runs the call, else
+    INT8), so each kernel is held to its own twin."""
+    pv = prefill.pv_dtype(q.device, v.dtype, q.shape[-1], opts.get("block_n"), **{
+        key: opts[key] for key in ("window", "softcap", "key_valid", "softmax", "p_scale", "v_scale") if key in opts})
+    return R.turbo_attention(q.float().to(device), k.float().to(device), v.float().to(device), pv_dtype=pv,
+                             **{key: (val.to(device) if isinstance(val, torch.Tensor) else val)
+                                for key, val in opts.items()})
+
+
 def assert_close(name, ref, out, rms_tol, max_tol):
     """RMS-relative + max-abs (scaled by max(1, |ref|)) comparison, FLA style; prints the worst index."""
     ref, out = ref.float().cpu(), out.float().cpu()
@@ -127,9 +138,7 @@ def test_kernel_matches_reference(case, device):
     res = prefill.turbo_attention(q, k, v, block_n=block_n, out=out, **opts)
     assert res.data_ptr() == out.data_ptr() and res.shape == (b, lq, hq, d) and res.dtype == dtype
     # reference on fp32 copies: same quantized math, fp32 output (the kernel's rounding shows alone)
-    ref = R.turbo_attention(q.float().cpu(), k.float().cpu(), v.float().cpu(), block_n=block_n,
-                            **{key: (val.cpu() if isinstance(val, torch.Tensor) else val)
-                               for key, val in opts.items()})
+    ref = turbo_ref(q, k, v, block_n=block_n, **opts)
     assert_close(_case_id(case), ref, out, *tol(device, dtype))
 
 
@@ -157,9 +166,7 @@ def test_kernel_matches_reference_rotated(case, device):
         opts["key_valid"] = padding_mask(b, lk, device)
     s = smooth_scales(k) if mode == "smooth_hadamard" else None
     out = prefill.turbo_attention(q, k, v, block_n=block_n, rotate_qk=True, qk_smooth=s, **opts)
-    ref = R.turbo_attention(q.float().cpu(), k.float().cpu(), v.float().cpu(), block_n=block_n, rotate_qk=True,
-                            qk_smooth=None if s is None else s.cpu(),
-                            **{key: (val.cpu() if isinstance(val, torch.Tensor) else val) for key, val in opts.items()})
+    ref = turbo_ref(q, k, v, block_n=block_n, rotate_qk=True, qk_smooth=s, **opts)
     assert_close(f"{mode}-{d}", ref, out, *tol(device, dtype))
 
 
@@ -167,7 +174,7 @@ def test_default_tiles_and_fresh_output(device):
     """No out=, default block_n (64) and p_scale; HF-layout fp16 inputs."""
     q, k, v = make_qkv(1, 4, 2, 70, 130, 64, torch.float16, device, hf_layout=True)
     o = prefill.turbo_attention(q, k, v)
-    ref = R.turbo_attention(q.float().cpu(), k.float().cpu(), v.float().cpu())
+    ref = turbo_ref(q, k, v)
     assert o.shape == (1, 70, 4, 64) and o.dtype == torch.float16
     assert_close("defaults", ref, o, *tol(device, torch.float16))
 
@@ -397,8 +404,7 @@ def _exact_finite_rows(q, k, v, opts):
 def _check_nonfinite(name, q, k, v, out, opts, device, dtype):
     want = R.nonfinite_rows(q.cpu(), k.cpu(), v.cpu(), causal=opts.get("causal", True), window=opts.get("window"),
                             key_valid=None if opts.get("key_valid") is None else opts["key_valid"].cpu())
-    ref = R.turbo_attention(q.float().cpu(), k.float().cpu(), v.float().cpu(),
-                            **{key: (val.cpu() if isinstance(val, torch.Tensor) else val) for key, val in opts.items()})
+    ref = turbo_ref(q, k, v, **opts)
     got = ~torch.isfinite(out.float().cpu()).all(-1)
     got_ref = ~torch.isfinite(ref).all(-1)
     assert torch.equal(got_ref, want), f"{name}: reference non-finite rows {got_ref.nonzero().tolist()} != " \

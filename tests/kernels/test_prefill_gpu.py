@@ -15,6 +15,7 @@ import textwrap
 import pytest
 import torch
 
+from test_prefill import turbo_ref
 from turbo_attn_hf.kernels import prefill
 from turbo_attn_hf.kernels import reference as R
 
@@ -84,7 +85,7 @@ def test_prefill_real_sizes(case):
     prefill.turbo_attention(q, k, v, out=out, **opts)
     torch.cuda.synchronize()
     assert torch.isfinite(out).all(), "unwritten or non-finite output"
-    ref = R.turbo_attention(q.float(), k.float(), v.float(), **opts)
+    ref = turbo_ref(q, k, v, "cuda", **opts)
     rms, mx, idx = _metrics(out, ref)
     # fp64 attention on the first and last query head (the full set costs minutes of fp64 matmuls)
     mask_opts = {key: val for key, val in opts.items() if key not in ("softmax", "p_scale")}
@@ -106,16 +107,24 @@ def test_prefill_real_sizes(case):
 def test_fp16_and_kernel_only_path():
     q, k, v = _inputs(1, 8, 2, 3000, 3000, 128, dtype=torch.float16)
     o = prefill.turbo_attention(q, k, v, causal=True)
-    ref = R.turbo_attention(q.float(), k.float(), v.float(), causal=True)
+    ref = turbo_ref(q, k, v, "cuda", causal=True)
     rms, mx, _ = _metrics(o, ref)
     assert o.dtype == torch.float16 and rms <= KERNEL_RMS and mx <= KERNEL_MAX
     q8, sq = prefill.quantize_per_token(q, scale=128 ** -0.5 * R.LOG2E)
     k8, sk = prefill.quantize_per_token(k, smooth=R.k_smooth_mean(k))
     # the V block must be turbo_attention's default (128 at d128 since the H200 sweep), or the math differs
-    v8t, sv = prefill.quantize_v_blocks(v, R.default_block_n(128))
-    o2 = prefill.int8_flash_attention(q8, sq, k8, sk, v8t, sv, causal=True, window=None, softcap=None,
-                                      key_valid=None, softmax="exact", sas_threshold=6.0, Lk=3000,
-                                      out_dtype=torch.float16)
+    if prefill.pv_dtype(q.device, v.dtype, 128) is None:
+        v8t, sv = prefill.quantize_v_blocks(v, R.default_block_n(128))
+        o2 = prefill.int8_flash_attention(q8, sq, k8, sk, v8t, sv, causal=True, window=None, softcap=None,
+                                          key_valid=None, softmax="exact", sas_threshold=6.0, Lk=3000,
+                                          out_dtype=torch.float16)
+    else:  # the Gluon kernel's P.V on V itself, on the operand the plan's V pass writes
+        from turbo_attn_hf.kernels import prefill_hopper, quant
+
+        sk = torch.nn.functional.pad(sk, (0, -3000 % 4)).contiguous()
+        o2 = prefill_hopper.launch_ws(q8, sq, k8, sk, quant.v_operand_half(v, R.default_block_n(128), poison=sk),
+                                      torch.empty(1, 2, 1, 128, device="cuda"), torch.empty_like(o), causal=True,
+                                      Lk=3000)
     assert torch.equal(o, o2)
 
 
@@ -139,7 +148,7 @@ def test_large_batch_offsets_int64():
     v = torch.randn(b, h, L, d, device="cuda", dtype=torch.bfloat16)
     out = prefill.turbo_attention(q, k, v, causal=True)
     for i in (0, b - 1):
-        ref = R.turbo_attention(q[i:i + 1].float(), k[i:i + 1].float(), v[i:i + 1].float(), causal=True)
+        ref = turbo_ref(q[i:i + 1], k[i:i + 1], v[i:i + 1], "cuda", causal=True)
         rms, mx, _ = _metrics(out[i:i + 1], ref)
         assert rms <= KERNEL_RMS and mx <= KERNEL_MAX, (i, rms, mx)
 
@@ -175,7 +184,7 @@ def test_nonfinite_inputs_real_size(opts):
     diff = (got != want).nonzero()
     assert torch.equal(got, want), f"{len(diff)} rows differ, e.g. {diff[:5].tolist()}"
     assert torch.isnan(out[want]).all()
-    ref = R.turbo_attention(q.float(), k.float(), v.float(), **opts)
+    ref = turbo_ref(q, k, v, "cuda", **opts)
     assert torch.equal(~torch.isfinite(ref).all(-1), want)
     rms, mx, idx = _metrics(out[~want], ref[~want])
     tags = {key: val for key, val in opts.items() if not isinstance(val, torch.Tensor)}
