@@ -35,14 +35,15 @@ K_SCALE_RANGES = ("channel", "rope_pair")
 PREFILL_ATTENTION_MODES = ("auto", "int8", "exact")
 PACKED_K_BITS_MODES = ("auto", "head", 8)
 #: ``prefill_attention: auto`` by CUDA compute capability (major): the path measured fastest there. sm_90: the INT8
-#: prefill (Gluon kernel and quantization passes) runs at 0.62-1.02x cuDNN's bf16 attention, causal <= 0.98x (issue
-#: 20, PERF_NOTES session 46), so the exact path wins below ``PREFILL_INT8_FROM_KEYS``; GPUs not listed (not measured)
-#: keep the INT8 kernel
+#: prefill (Gluon kernel and quantization passes) runs at 0.64-1.04x cuDNN's bf16 attention, <= 0.94x below 16k keys
+#: (issue 20, PERF_NOTES session 47), so the exact path wins below ``PREFILL_INT8_FROM_KEYS``; GPUs not listed (not
+#: measured) keep the INT8 kernel
 PREFILL_ATTENTION_BY_CAPABILITY = {9: "exact"}
 #: ``auto`` on (compute capability major, head_dim): from this many keys a plain prompt (no mask, no softcap, exact
 #: softmax) takes the INT8 prefill where the Gluon kernel runs it. Through generate() on an H200 (Llama-3-8B shape, 32
 #: layers, int4) the TTFT was 0.945 / 0.933x sdpa's (exact / INT8) at 16k and 0.963 / 0.932x at 32k, a tie at 8k
-#: (eval/results/ttft_prefill_path_32l_s46_h200.json); head_dim 64 and 256 stay exact (0.62-0.81x, 0.42-0.53x)
+#: (eval/results/ttft_prefill_path_32l_s46_h200.json; 0.934x at 32k with session 47's kernel,
+#: eval/results/ttft_auto_32k_s47_h200.json); head_dim 64 and 256 stay exact (0.64-0.91x, 0.42-0.53x)
 PREFILL_INT8_FROM_KEYS = {(9, 128): 16384}
 
 
@@ -101,7 +102,7 @@ class TurboConfig:
             ``"exact"``: PyTorch's scaled_dot_product_attention in the model dtype (cuDNN / flash on a GPU), as a
             vLLM FP8 KV cache prefills: the cache is quantized all the same, decode reads it as before.
             ``"auto"`` (default): the path measured fastest on the GPU (``PREFILL_ATTENTION_BY_CAPABILITY``:
-            exact on sm_90, where the INT8 prefill is 0.62-1.02x cuDNN, but INT8 for plain prompts of 16k keys and
+            exact on sm_90, where the INT8 prefill is 0.64-1.04x cuDNN, but INT8 for plain prompts of 16k keys and
             more at head_dim 128, where it is the faster path through generate(): ``PREFILL_INT8_FROM_KEYS``; INT8
             elsewhere and on CPU) and INT8 with logit softcapping (SDPA has none). :func:`prefill_attention_path`.
         packed_k_bits: K's width in packed (2/4-bit) blocks. ``"head"``: K packed to the head's bits, as V. ``8``:
