@@ -64,10 +64,11 @@ TESTED_TRITON = ("3.6",)
 PART_M = 64
 BLOCK_N = 128
 HEAD_DIMS = (64, 128)
-#: ring slots of K/V tiles per head dim (32 KB a slot at d 128)
+#: ring slots of K/V tiles per head dim (32 KB a slot at d 128, 48 KB with a 16-bit V)
 _STAGES = {64: 4, 128: 3}
 #: the kernel's schedule switches (``launch_ws`` keywords) and their defaults (PERF_NOTES session 45): I2F conversions,
-#: P.V in 4 MMAs, V's keys in the operand order; the kernel takes FLAGS (the booleans' bits) + PV_PARTS
+#: P.V in 4 MMAs, V's keys in the operand order (the last two: the INT8 P.V's); the kernel takes FLAGS (the booleans'
+#: bits) + PV_PARTS
 SCHEDULE = {"i2f": True, "pv_parts": 4, "keys_permuted": True}
 _I2F_BIT, _KEYS_PERMUTED_BIT, _PV_HALF_BIT = 1, 2, 4  # FLAGS' bits (P.V on 16-bit V: from V's dtype, not a switch)
 #: V's dtypes the kernel takes as they are (P.V on 16-bit operands); an int8 V^T is the INT8 P.V

@@ -3,7 +3,8 @@ loads, and the SASS instruction counts by opcode, per head_dim / causal / schedu
 instructions a block can be counted before a GPU session measures it. Runs Triton's real pipeline (Gluon -> PTX ->
 ptxas) and the ``cuobjdump`` / ``nvdisasm`` that ship with Triton; needs no GPU and no TRITON_INTERPRET.
 
-    python -m eval.experiments.gluon_sass [--dims 128,64] [--causal 0,1] [--schedules '{};{"pv_parts":1}'] [--top 16]
+    python -m eval.experiments.gluon_sass [--dims 128,64] [--causal 0,1] [--schedules '{};{"pv_parts":1}']
+        [--v int8,bfloat16] [--top 16]
 """
 from __future__ import annotations
 
