@@ -10,7 +10,8 @@ A variant is ``hopper`` and the switches of ``prefill_hopper.launch_ws`` it sets
 ``pv<N>`` sets ``pv_parts``, ``regs<C>_<P>`` the consumer / producer registers (``hopper+pv1+regs240_24``), ``half``
 runs P.V on V itself in 16 bits (``hopper+half``).
 Schedules measured and removed: three consumer warpgroups (git a158f56), the next block's Q.K^T beside P.V, the row
-max as a tree and Q.K^T in halves (git 2baef6d), P's row sums by integer adds (PERF_NOTES sessions 44, 45).
+max as a tree and Q.K^T in halves (git 2baef6d), P's row sums by integer adds (PERF_NOTES sessions 44, 45), FA3's
+ping-pong of the two consumers and the stage-removal switches of the session 47 decomposition (git 47809cd).
 """
 from __future__ import annotations
 
