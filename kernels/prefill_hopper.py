@@ -43,7 +43,7 @@ import triton.language as tl  # PropagateNan: Gluon reuses triton.language's enu
 
 from .device import current_cuda_device
 from .launch import LeanLaunch, lean
-from .reference import MAGIC, MAGIC_BITS, P_BLOCK_GAP, SQ_MIN
+from .reference import MAGIC, MAGIC_BITS, P_BLOCK_GAP, PV_HALF_DTYPES, SQ_MIN
 
 try:  # Gluon is experimental: a Triton without it (or with another API) keeps the portable kernel
     from triton.experimental import gluon
@@ -71,8 +71,6 @@ _STAGES = {64: 4, 128: 3}
 #: bits) + PV_PARTS
 SCHEDULE = {"i2f": True, "pv_parts": 4, "keys_permuted": True}
 _I2F_BIT, _KEYS_PERMUTED_BIT, _PV_HALF_BIT = 1, 2, 4  # FLAGS' bits (P.V on 16-bit V: from V's dtype, not a switch)
-#: V's dtypes the kernel takes as they are (P.V on 16-bit operands); an int8 V^T is the INT8 P.V
-PV_HALF_DTYPES = (torch.bfloat16, torch.float16)
 #: registers per thread of the second consumer and the producer (setmaxnreg); the default partition is consumer 0
 _WORKER_REGS = (232, 40)
 _data_ptr = torch.Tensor.data_ptr
@@ -303,6 +301,20 @@ if HAVE_GLUON:
         return p, acc, l_i, m_i, c_i
 
     @gluon.jit
+    def _steps_half(q, k_smem, v_smem, sk_smem, ready, empty, lo, hi, p, acc, sq, l_i, m_i, c_i, o_pos, Lk, s_zero,
+                    p_l: gl.constexpr, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, FLAGS: gl.constexpr):
+        """``_step_half`` for the blocks [lo, hi) (lo >= 1), each block j-1's slot released once its P.V is in."""
+        STAGES: gl.constexpr = k_smem.shape[0]
+        for j in range(lo, hi):
+            s = j % STAGES
+            mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+            p, acc, l_i, m_i, c_i = _step_half(q, k_smem.index(s), sk_smem.index(s), v_smem.index((j - 1) % STAGES),
+                                               j, p, acc, sq, l_i, m_i, c_i, o_pos, Lk, s_zero, p_l, MASKED,
+                                               IS_CAUSAL, FLAGS)
+            mbarrier.arrive(empty.index((j - 1) % STAGES), count=1)
+        return p, acc, l_i, m_i, c_i
+
+    @gluon.jit
     def _blocks_half(q, k_smem, v_smem, sk_smem, ready, empty, acc, sq, l_i, m_i, c_i, o_pos, Lk, s_zero, n_full,
                      n_mine, p_l: gl.constexpr, IS_CAUSAL: gl.constexpr, FLAGS: gl.constexpr):
         """A consumer's blocks with the 16-bit P.V (``_step_half``'s order): block 0's Q.K^T and softmax, the
@@ -320,20 +332,11 @@ if HAVE_GLUON:
                 p, r, l_i, m_i, c_i = _softmax_half(s_i32, sk_smem.index(0), 0, sq, l_i, m_i, c_i, o_pos, Lk, p_l,
                                                     v_smem.dtype, True, IS_CAUSAL, FLAGS)
             acc = acc * gl.convert_layout(r, gl.SliceLayout(1, acc.type.layout))[:, None]
-            for j in range(1, n_full):
-                s = j % STAGES
-                mbarrier.wait(ready.index(s), (j // STAGES) & 1)
-                p, acc, l_i, m_i, c_i = _step_half(q, k_smem.index(s), sk_smem.index(s),
-                                                   v_smem.index((j - 1) % STAGES), j, p, acc, sq, l_i, m_i, c_i,
-                                                   o_pos, Lk, s_zero, p_l, False, IS_CAUSAL, FLAGS)
-                mbarrier.arrive(empty.index((j - 1) % STAGES), count=1)
-            for j in range(gl.maximum(n_full, 1), n_mine):
-                s = j % STAGES
-                mbarrier.wait(ready.index(s), (j // STAGES) & 1)
-                p, acc, l_i, m_i, c_i = _step_half(q, k_smem.index(s), sk_smem.index(s),
-                                                   v_smem.index((j - 1) % STAGES), j, p, acc, sq, l_i, m_i, c_i,
-                                                   o_pos, Lk, s_zero, p_l, True, IS_CAUSAL, FLAGS)
-                mbarrier.arrive(empty.index((j - 1) % STAGES), count=1)
+            p, acc, l_i, m_i, c_i = _steps_half(q, k_smem, v_smem, sk_smem, ready, empty, 1, n_full, p, acc, sq, l_i,
+                                                m_i, c_i, o_pos, Lk, s_zero, p_l, False, IS_CAUSAL, FLAGS)
+            p, acc, l_i, m_i, c_i = _steps_half(q, k_smem, v_smem, sk_smem, ready, empty, gl.maximum(n_full, 1),
+                                                n_mine, p, acc, sq, l_i, m_i, c_i, o_pos, Lk, s_zero, p_l, True,
+                                                IS_CAUSAL, FLAGS)
             s = (n_mine - 1) % STAGES
             acc = warpgroup_mma_wait(0, deps=(warpgroup_mma(p, v_smem.index(s), acc, is_async=True), ))
             mbarrier.arrive(empty.index(s), count=1)

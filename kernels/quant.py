@@ -40,7 +40,8 @@ from .device import sm_count
 from .hadamard import hadamard_rows
 from .interpreter import interpreting
 from .launch import lean
-from .reference import DEFAULT_BLOCK_N, _finite_token_amax, k_smooth_mean  # noqa: F401  (k_smooth_mean re-exported)
+from .reference import (DEFAULT_BLOCK_N, PV_HALF_DTYPES, _finite_token_amax,  # noqa: F401  (k_smooth_mean re-exported)
+                        k_smooth_mean)
 from .rotation import rotation_block
 
 __all__ = ["quantize_per_token", "quantize_qk", "quantize_v_blocks", "quantize_v_channels", "v_operand_half",
@@ -599,7 +600,7 @@ def v_operand_half(v: torch.Tensor, block: int = DEFAULT_BLOCK_N, *, poison: Opt
     dtype (fp16/bf16; Lpad = L rounded up to ``block``), tokens >= L zero, and a token holding a NaN/Inf zeroed and
     flagged in ``poison`` (the key scales ``sk``) as ``quantize_v_blocks`` does. v: ``[b, H, L, d]``, any strides."""
     _check_v(v, block)
-    if v.dtype not in (torch.float16, torch.bfloat16):
+    if v.dtype not in PV_HALF_DTYPES:
         raise ValueError(f"v_operand_half takes fp16/bf16 V, got {v.dtype}")
     b, h, L, d = v.shape
     out = torch.empty(b, h, max(1, -(-L // block)) * block, d, dtype=v.dtype, device=v.device)

@@ -101,6 +101,8 @@ def default_block_n(head_dim: int) -> int:
 #: "block" P scale: a block is quantized relative to c = max(block max, running max - P_BLOCK_GAP) (log2
 #: units), so the accumulator, kept relative to c, stays below 2^(P_BLOCK_GAP + 50) (no fp32 overflow).
 P_BLOCK_GAP = 32.0
+#: V's types the P.V runs on as they are (the Gluon prefill's 16-bit P.V: ``int8_flash_attention`` with a 16-bit v8t)
+PV_HALF_DTYPES = (torch.bfloat16, torch.float16)
 #: lower clamp of the query scale sq (an all-zero query row has sq = 0; -inf * 0 would give NaN).
 SQ_MIN = 2.0 ** -100
 #: a decode tile whose largest P·V weight is at or below this (relative to the running max) adds nothing to P·V: its
@@ -392,7 +394,7 @@ def int8_flash_attention(q8, sq, k8, sk, v8t, sv, *, causal=True, window=None, s
     g = hq // hk
     if Lk is None:
         Lk = k8.shape[2]
-    half = v8t.dtype in (torch.float16, torch.bfloat16)  # P.V on V itself ``[b, Hk, Lpad, d]``, P in its type
+    half = v8t.dtype in PV_HALF_DTYPES  # P.V on V itself ``[b, Hk, Lpad, d]``, P in its type
     lpad = v8t.shape[2] if half else v8t.shape[-1]
     nblk = 1 if half else sv.shape[2]
     if half:
@@ -520,7 +522,7 @@ def turbo_attention(q, k, v, *, scale=None, causal=True, window=None, softcap=No
         block_n = default_block_n(d)
     if pv_dtype is not None:  # ``quant.v_operand_half``: V padded to whole blocks, a bad token zeroed and flagged
         bad = ~torch.isfinite(v).all(-1)
-        sk = torch.where(bad, torch.full_like(sk, math.nan), sk)
+        _poison_tokens(sk, bad)
         v8t = torch.nn.functional.pad(torch.where(bad[..., None], 0.0, v.float()).to(pv_dtype),
                                       (0, 0, 0, -v.shape[2] % block_n))
         sv = None
