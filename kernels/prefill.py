@@ -520,8 +520,9 @@ def chosen_kernel(name: str):
         _KERNEL[0] = old
 
 
-def hopper_takes(device, d, block_n, *, window, softcap, key_valid, softmax, p_scale) -> str:
-    """'' when the Gluon Hopper kernel runs this call, else why not (a phrase for a log line or an error)."""
+def hopper_takes(device, d, block_n, *, window, softcap, key_valid, softmax, p_scale, pv_half=False) -> str:
+    """'' when the Gluon Hopper kernel runs this call, else why not (a phrase for a log line or an error);
+    ``pv_half``: its P.V would run on 16-bit V (``pv_dtype``), which head_dim 256 needs."""
     if interpreting() or device.type != "cuda":
         return "not a CUDA device"
     if not prefill_hopper.gluon_available():
@@ -530,18 +531,20 @@ def hopper_takes(device, d, block_n, *, window, softcap, key_valid, softmax, p_s
         return "not an sm_90 GPU"
     if not prefill_hopper.supports(d=d, block_n=block_n, window=window, softcap=softcap,
                                    has_key_valid=key_valid is not None, use_sas=softmax == "sas",
-                                   block_p=p_scale == "block"):
-        return "its options (head_dim 64/128, block_n 128, no window, softcap, padding mask or SAS, block P scale)"
+                                   block_p=p_scale == "block", pv_half=pv_half):
+        return ("its options (head_dim 64/128, or 256 with 16-bit V and per-block V scales; block_n 128, no window, "
+                "softcap, padding mask or SAS, block P scale)")
     return ""
 
 
 def gluon_runs(device, d, block_n=None, *, window=None, softcap=None, key_valid=None, softmax="exact",
-               p_scale=DEFAULT_P_SCALE) -> bool:
+               p_scale=DEFAULT_P_SCALE, pv_half=False) -> bool:
     """``turbo_attention`` with these options runs the Gluon Hopper kernel (the kernel choice allows it and
-    :func:`hopper_takes` the call; ``block_n`` None: ``turbo_attention``'s default)."""
+    :func:`hopper_takes` the call; ``block_n`` None: ``turbo_attention``'s default; ``pv_half``: V is 16-bit with
+    per-block scales, so P.V would run on it)."""
     return kernel_choice() != "portable" and not hopper_takes(
         device, d, default_block_n(d) if block_n is None else block_n, window=window, softcap=softcap,
-        key_valid=key_valid, softmax=softmax, p_scale=p_scale)
+        key_valid=key_valid, softmax=softmax, p_scale=p_scale, pv_half=pv_half)
 
 
 def pv_dtype(device, v_dtype, d, block_n=None, *, window=None, softcap=None, key_valid=None, softmax="exact",
@@ -551,7 +554,8 @@ def pv_dtype(device, v_dtype, d, block_n=None, *, window=None, softcap=None, key
     error, PERF_NOTES session 47), else None (INT8 P.V; per-channel V scales are INT-FlashAttention's INT8 choice).
     ``reference.turbo_attention(..., pv_dtype=...)`` is the twin of either."""
     half = v_dtype in prefill_hopper.PV_HALF_DTYPES and v_scale == "block" and gluon_runs(
-        device, d, block_n, window=window, softcap=softcap, key_valid=key_valid, softmax=softmax, p_scale=p_scale)
+        device, d, block_n, window=window, softcap=softcap, key_valid=key_valid, softmax=softmax, p_scale=p_scale,
+        pv_half=True)
     return v_dtype if half else None
 
 
@@ -812,7 +816,7 @@ class _AttnPlan:
         self.block_n = block_n
         nblk = max(1, -(-lk // block_n))
         self.hopper = gluon_runs(dev, d, block_n, window=window, softcap=softcap, key_valid=key_valid, softmax=softmax,
-                                 p_scale=p_scale)
+                                 p_scale=p_scale, pv_half=v.dtype in prefill_hopper.PV_HALF_DTYPES and not self.channel)
         sk_row = -(-lk // 4) * 4 if self.hopper else lk  # the Gluon kernel's 1-D TMA copies start 16-byte aligned
         # P.V on V itself in the Gluon kernel (16-bit, padded, non-finite tokens zeroed by the V pass): ``pv_dtype``
         half = pv_dtype(dev, v.dtype, d, block_n, window=window, softcap=softcap, key_valid=key_valid,

@@ -24,7 +24,8 @@ as are three consumer warpgroups (sessions 35, 44, 45); ``SCHEDULE`` holds the s
 Why Gluon: ``tl.dot`` gives neither the producer/consumer split nor async wgmma control (``eval/PERF_NOTES.md``,
 prefill rows 1-15; DESIGN.md §8). Gluon's API moves between Triton releases, so the path is gated on the versions
 it was compiled and tested with (``TESTED_TRITON``) and the portable kernel stays the fallback for everything
-outside ``supports``: a sliding window, softcap, a padding mask, SAS, static P scale, head_dim outside 64/128.
+outside ``supports``: a sliding window, softcap, a padding mask, SAS, static P scale, head_dim outside 64/128/256
+(256: P.V on 16-bit V only).
 
 Both 8-bit wgmma operands must be K-major: K tiles ``[BN, d]`` (d contiguous) are the B operand of Q.K^T through
 a permuted view, V^T tiles ``[d, BN]`` (tokens contiguous) that of P.V; P goes from registers (int8 A operand).
@@ -55,7 +56,7 @@ try:  # Gluon is experimental: a Triton without it (or with another API) keeps t
 except ImportError:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
-__all__ = ["HAVE_GLUON", "TESTED_TRITON", "PART_M", "BLOCK_N", "HEAD_DIMS", "SCHEDULE", "PV_HALF_DTYPES", "supports",
+__all__ = ["HAVE_GLUON", "TESTED_TRITON", "PART_M", "BLOCK_N", "HEAD_DIMS", "INT8_PV_HEAD_DIMS", "SCHEDULE", "PV_HALF_DTYPES", "supports",
            "gluon_available", "schedule_constexprs", "mma_key_order", "WsLaunch", "launch_ws"]
 
 #: Triton releases this kernel was compiled (CPU test) and run with; another release falls back to the portable kernel
@@ -63,14 +64,20 @@ TESTED_TRITON = ("3.6",)
 #: query rows of a consumer warpgroup (a program has two) and keys of a KV block (the V scale block)
 PART_M = 64
 BLOCK_N = 128
-HEAD_DIMS = (64, 128)
-#: ring slots of K/V tiles per head dim (32 KB a slot at d 128, 48 KB with a 16-bit V)
-_STAGES = {64: 4, 128: 3}
+HEAD_DIMS = (64, 128, 256)
+#: head dims of the INT8 P.V; d 256 runs only P.V on 16-bit V (the int32 P.V tile beside a 128-register acc does not
+#: fit a consumer's registers)
+INT8_PV_HEAD_DIMS = (64, 128)
+#: ring slots of K/V tiles per head dim (32 KB a slot at d 128, 48 KB with a 16-bit V; 96 KB at d 256: two slots and
+#: the Q tile are 231,472 of the 232,448 bytes a block may have)
+_STAGES = {64: 4, 128: 3, 256: 2}
 #: the kernel's schedule switches (``launch_ws`` keywords) and their defaults (PERF_NOTES session 45): I2F conversions,
 #: P.V in 4 MMAs, V's keys in the operand order (the last two: the INT8 P.V's); the kernel takes FLAGS (the booleans'
 #: bits) + PV_PARTS
 SCHEDULE = {"i2f": True, "pv_parts": 4, "keys_permuted": True}
-_I2F_BIT, _KEYS_PERMUTED_BIT, _PV_HALF_BIT = 1, 2, 4  # FLAGS' bits (P.V on 16-bit V: from V's dtype, not a switch)
+#: FLAGS' bits; P.V on 16-bit V (from V's dtype) and its serial order (from d: block j-1's P.V waited for before block
+#: j's Q.K^T, where the in-warpgroup order's second score tile beside a 128-register acc spills) are not switches
+_I2F_BIT, _KEYS_PERMUTED_BIT, _PV_HALF_BIT, _PV_SERIAL_BIT = 1, 2, 4, 8
 #: registers per thread of the second consumer and the producer (setmaxnreg); the default partition is consumer 0
 _WORKER_REGS = (232, 40)
 _data_ptr = torch.Tensor.data_ptr
@@ -81,10 +88,11 @@ def gluon_available() -> bool:
     return HAVE_GLUON and triton.__version__.rsplit(".", 1)[0] in TESTED_TRITON
 
 
-def supports(*, d: int, block_n: int, window, softcap, has_key_valid: bool, use_sas: bool, block_p: bool) -> bool:
-    """Whether this kernel computes the call (causal bottom-right or full; else the portable kernel does). Device
-    and Triton are the caller's."""
-    return (d in HEAD_DIMS and block_n == BLOCK_N and window is None and softcap is None and not has_key_valid
+def supports(*, d: int, block_n: int, window, softcap, has_key_valid: bool, use_sas: bool, block_p: bool,
+             pv_half: bool = False) -> bool:
+    """Whether this kernel computes the call (causal bottom-right or full; else the portable kernel does); ``pv_half``:
+    P.V would run on 16-bit V (``PV_HALF_DTYPES``, per-block V scales). Device and Triton are the caller's."""
+    return (d in (HEAD_DIMS if pv_half else INT8_PV_HEAD_DIMS) and block_n == BLOCK_N and window is None and softcap is None and not has_key_valid
             and not use_sas and block_p)
 
 
@@ -95,6 +103,7 @@ if HAVE_GLUON:
     _SQ_MIN = gl.constexpr(SQ_MIN)
     _I2F, _KEYS_PERMUTED = gl.constexpr(_I2F_BIT), gl.constexpr(_KEYS_PERMUTED_BIT)
     _PV_HALF = gl.constexpr(_PV_HALF_BIT)
+    _PV_SERIAL = gl.constexpr(_PV_SERIAL_BIT)
     _PART0 = gl.constexpr(0)  # consumer partitions' PART: partition arguments must be constexpr objects
     _PART1 = gl.constexpr(1)
 
@@ -290,13 +299,21 @@ if HAVE_GLUON:
         """FlashAttention-3's in-warpgroup order for block j >= 1: its Q.K^T and block j-1's P.V issued together,
         block j's softmax while P.V runs, then acc (block j-1 added) rescaled to block j's reference point. The
         second score tile this needs fits beside acc because a 16-bit P.V accumulates onto acc itself (no int32
-        tile to fold: PERF_NOTES session 47)."""
-        s_tok = warpgroup_mma(q, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        acc = warpgroup_mma(p_prev, v_prev, acc, is_async=True)
-        s_i32 = warpgroup_mma_wait(1, deps=(s_tok, ))
-        p, r, l_i, m_i, c_i = _softmax_half(s_i32, sk_tile, j, sq, l_i, m_i, c_i, o_pos, Lk, p_l, v_prev.dtype,
-                                            MASKED, IS_CAUSAL, FLAGS)
-        acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
+        tile to fold: PERF_NOTES session 47). _PV_SERIAL (d 256, acc 128 registers): block j-1's P.V is waited
+        for before block j's Q.K^T is issued; the other consumer warpgroup's MMAs fill the gap."""
+        if FLAGS & _PV_SERIAL:
+            acc = warpgroup_mma_wait(0, deps=(warpgroup_mma(p_prev, v_prev, acc, is_async=True), ))
+            s_i32 = warpgroup_mma_wait(0, deps=(warpgroup_mma(q, k_tile.permute((1, 0)), s_zero, use_acc=False,
+                                                              is_async=True), ))
+            p, r, l_i, m_i, c_i = _softmax_half(s_i32, sk_tile, j, sq, l_i, m_i, c_i, o_pos, Lk, p_l, v_prev.dtype,
+                                                MASKED, IS_CAUSAL, FLAGS)
+        else:
+            s_tok = warpgroup_mma(q, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            acc = warpgroup_mma(p_prev, v_prev, acc, is_async=True)
+            s_i32 = warpgroup_mma_wait(1, deps=(s_tok, ))
+            p, r, l_i, m_i, c_i = _softmax_half(s_i32, sk_tile, j, sq, l_i, m_i, c_i, o_pos, Lk, p_l, v_prev.dtype,
+                                                MASKED, IS_CAUSAL, FLAGS)
+            acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
         acc = acc * gl.convert_layout(r, gl.SliceLayout(1, acc.type.layout))[:, None]
         return p, acc, l_i, m_i, c_i
 
@@ -542,6 +559,9 @@ def ws_spec(q8, sq, k8, sk, v, sv, out, *, causal: bool, Lk: int, worker_regs=No
     if sk.shape[2] < Lk or sk.shape[2] % 4:
         raise ValueError(f"sk {tuple(sk.shape)} must hold >= Lk = {Lk} rows per head, a multiple of 4")
     half = v.dtype in PV_HALF_DTYPES
+    if not half and d not in INT8_PV_HEAD_DIMS:
+        raise ValueError(f"head_dim {d} runs only P.V on 16-bit V {PV_HALF_DTYPES}; the INT8 P.V takes head_dim "
+                         f"{INT8_PV_HEAD_DIMS}")
     if half and (v.shape[2] < Lk or v.shape[2] % BLOCK_N):
         raise ValueError(f"16-bit V {tuple(v.shape)} must hold whole blocks of {BLOCK_N} rows per head, >= Lk = {Lk}")
     grid = (-(-lq // (2 * PART_M)) * b * hq,)
@@ -549,7 +569,7 @@ def ws_spec(q8, sq, k8, sk, v, sv, out, *, causal: bool, Lk: int, worker_regs=No
                sq.stride(1), out.stride(0), out.stride(1), out.stride(2))
     cx = schedule_constexprs(**schedule)
     if half:  # V's keys in natural order; its 16-bit P is the accumulator's registers as they are
-        cx["FLAGS"] = (cx["FLAGS"] & ~_KEYS_PERMUTED_BIT) | _PV_HALF_BIT
+        cx["FLAGS"] = (cx["FLAGS"] & ~_KEYS_PERMUTED_BIT) | _PV_HALF_BIT | (_PV_SERIAL_BIT if d > 128 else 0)
     kw = dict(IS_CAUSAL=bool(causal), D=d, BN=BLOCK_N, STAGES=_STAGES[d], **cx,
               R_CONSUMER=(worker_regs or _WORKER_REGS)[0], R_PRODUCER=(worker_regs or _WORKER_REGS)[1], num_warps=4)
     return grid, scalars, kw

@@ -91,7 +91,8 @@ def info() -> int:
         choice, here, pv = str(e), "-", "-"
     print(f"INT8 prefill kernel: {choice} (TURBO_PREFILL_KERNEL: {', '.join(prefill.PREFILL_KERNELS)}; auto = hopper, "
           f"the Gluon kernel, on sm_90 with Triton {'/'.join(prefill_hopper.TESTED_TRITON)} for head_dim "
-          f"{'/'.join(map(str, prefill_hopper.HEAD_DIMS))} without window, softcap, padding mask or SAS, portable "
+          f"{'/'.join(map(str, prefill_hopper.HEAD_DIMS))} (256: P.V on 16-bit V) without window, softcap, padding "
+          "mask or SAS, portable "
           f"elsewhere); here at head_dim 128: {here}")
     print(f"prefill P.V: INT8 Q.K^T with P.V on V itself in 16 bits where the Gluon kernel runs (bf16/fp16, per-block "
           f"V scales; SageAttention's split), INT8 P.V otherwise; here at head_dim 128, bf16: {pv}")

@@ -43,6 +43,7 @@ def compile_sm90(d: int, causal: bool, v_dtype: str = "int8", **schedule):
     sig.update({k: "constexpr" for k in cx})
     k = triton.compile(GluonASTSource(fn, sig, constexprs=cx), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": kw["num_warps"]})
+    compile_sm90.shared = k.metadata.shared  # bytes of shared memory a program (dynamic)
     return k.asm["cubin"], k.asm["ptx"]
 
 
@@ -101,6 +102,7 @@ def main(argv=None) -> int:
                 maxnreg = sorted(set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)))
                 serial = any("C7512" in line for line in ptxas_infos(ptx))
                 print(f"d {d} causal {causal} V {v} {json.dumps(sched)}: {sum(ops.values())} SASS instructions, "
+                      f"shared memory {compile_sm90.shared} B, "
                       f"kernel registers {regs}, setmaxnreg {maxnreg}, spill stores {ops['STL']} / loads {ops['LDL']}"
                       f"{', WGMMA SERIALIZED (ptxas C7512)' if serial else ''}")
                 print("  " + ", ".join(f"{k} {v}" for k, v in ops.most_common(a.top)))

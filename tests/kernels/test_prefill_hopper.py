@@ -41,7 +41,13 @@ def test_auto_is_the_default_and_hopper_refuses_what_it_cannot_run(monkeypatch):
     assert not prefill_hopper.supports(d=128, block_n=128, window=64, softcap=None, has_key_valid=False,
                                        use_sas=False, block_p=True)
     assert not prefill_hopper.supports(d=256, block_n=128, window=None, softcap=None, has_key_valid=False,
-                                       use_sas=False, block_p=True)
+                                       use_sas=False, block_p=True)  # head_dim 256: only P.V on 16-bit V
+    assert prefill_hopper.supports(d=256, block_n=128, window=None, softcap=None, has_key_valid=False,
+                                   use_sas=False, block_p=True, pv_half=True)
+    with pytest.raises(ValueError, match="head_dim 256 runs only P.V on 16-bit V"):
+        z = torch.zeros(1, 1, 128, 256, dtype=torch.int8)
+        prefill_hopper.ws_spec(z, torch.zeros(1, 1, 128), z, torch.zeros(1, 1, 128), z.transpose(2, 3),
+                               torch.zeros(1, 1, 1, 256), torch.empty(1, 128, 1, 256), causal=True, Lk=128)
     assert prefill_hopper.supports(d=64, block_n=128, window=None, softcap=None, has_key_valid=False,
                                    use_sas=False, block_p=True)
     monkeypatch.setattr(prefill, "_KERNEL", ["fastest"])
@@ -64,6 +70,8 @@ CASES = [  # b, hq, hk, lq, lk, d, causal
     (1, 4, 4, 1024, 1024, 128, True), (2, 8, 2, 777, 1500, 128, True), (1, 4, 1, 300, 300, 128, False),
     (2, 4, 2, 4096, 4096, 64, True), (1, 2, 2, 129, 4000, 64, False), (1, 8, 8, 1, 257, 128, True),
 ]
+#: head_dim 256 runs only the 16-bit P.V (``prefill_hopper.INT8_PV_HEAD_DIMS``)
+HALF_CASES = CASES + [(1, 4, 2, 1024, 1024, 256, True), (2, 2, 1, 300, 1500, 256, False), (1, 2, 2, 1, 257, 256, True)]
 
 
 @pytest.mark.gpu
@@ -95,7 +103,7 @@ def test_each_kernel_matches_its_twin(case):
 
 @pytest.mark.gpu
 @sm90
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c)))
+@pytest.mark.parametrize("case", HALF_CASES, ids=lambda c: "x".join(map(str, c)))
 def test_the_16bit_pv_matches_its_twin(case):
     """P.V on V itself (bf16, the V pass's padded operand; FlashAttention-3's in-warpgroup order) against the
     reference with the same 16-bit V and ``int_to_float="exact"``."""
@@ -194,7 +202,8 @@ def test_choosing_hopper_where_it_cannot_run_keeps_the_portable_kernel(monkeypat
     assert not any(p.hopper for p in prefill._PLANS.values())
 
 
-TURBO_CASES = [(1, 8, 2, 333, 1021, 128, True), (2, 4, 4, 1000, 1000, 64, False), (1, 4, 1, 1, 4099, 128, True)]
+TURBO_CASES = [(1, 8, 2, 333, 1021, 128, True), (2, 4, 4, 1000, 1000, 64, False), (1, 4, 1, 1, 4099, 128, True),
+               (1, 4, 2, 1000, 2001, 256, True)]
 
 
 @pytest.mark.gpu
