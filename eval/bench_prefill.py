@@ -123,7 +123,7 @@ def make_providers(q, k, v, causal: bool, names, dry_run: bool = False) -> dict[
             from turbo_attn_hf.kernels import prefill_hopper
 
             why = prefill.hopper_takes(q.device, d, bn, window=None, softcap=None, key_valid=None, softmax="exact",
-                                       p_scale="block")
+                                       p_scale="block", pv_half=v.dtype in prefill_hopper.PV_HALF_DTYPES)
             if v.dtype in prefill_hopper.PV_HALF_DTYPES:  # P.V on V itself, padded to whole blocks
                 v8m = quant.v_operand_half(v, bn)
             else:
