@@ -9,7 +9,8 @@ reverted scratch reuse: trees ba483a5 and 3f56f35). ``TTFT_STATIC=1``: the stati
 timing. ``TTFT_GC=off``: the garbage collector frozen and disabled after the model is built.
 Per shape: R rounds, each round one generate(1) per config in turn (alternating, same process); then a
 torch.profiler trace of one generate(1) per config: wall, GPU kernel sum, GPU busy (union), idle gaps inside the
-first forward, launches, top kernels; and the forward alone (model(ids, past_key_values=fresh cache))."""
+first forward, launches, top kernels; and the forward alone (model(ids, past_key_values=fresh cache)).
+``TTFT_HEAD_DIM=256``: the same hidden size in heads of 256 (16 query / 4 KV heads; issue 20's head_dim 256 path)."""
 import json, statistics, sys, time, os, tempfile
 import torch
 from eval.bench_e2e import build_model, LLAMA3_8B, set_impl, new_cache
@@ -27,7 +28,9 @@ def use(c):
         set_impl(model, name)
     else:
         set_impl(model, dataclasses.replace(TurboConfig.preset(name), prefill_attention=path))
-model = build_model(L, LLAMA3_8B, "cuda", torch.bfloat16)
+HD = int(os.environ.get("TTFT_HEAD_DIM", "128"))
+model = build_model(L, dict(LLAMA3_8B, head_dim=HD, num_attention_heads=4096 // HD, num_key_value_heads=1024 // HD),
+                    "cuda", torch.bfloat16)
 if os.environ.get("TTFT_GC") == "off":  # session 20: is the host's slow mode the garbage collector?
     import gc
     gc.collect(); gc.freeze(); gc.disable()
@@ -107,4 +110,4 @@ for T in shapes:
               f"mallocs {tr['mallocs']} syncs {tr['syncs']}", flush=True)
         for k, v, n in tr["top"]: print(f"      {v:8.3f} ms {n:5d}  {k}")
     res[T] = row
-json.dump(dict(machine=torch.cuda.get_device_name(), layers=L, rounds=R, rows=res), open(out, "w"), indent=1)
+json.dump(dict(machine=torch.cuda.get_device_name(), layers=L, head_dim=HD, rounds=R, rows=res), open(out, "w"), indent=1)
