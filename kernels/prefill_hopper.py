@@ -16,9 +16,11 @@ With a 16-bit V (``PV_HALF_DTYPES``: V itself, padded to whole blocks, as ``quan
 ``turbo_attention``'s plan on bf16 / fp16 inputs) P.V runs on 16-bit operands, SageAttention's split: P =
 exp2(t sq - c) rounded to V's type (the score accumulator's registers are the operand's as they are) accumulates onto
 acc in fp32, so there is no int32 tile to fold, and the registers that frees hold FlashAttention-3's in-warpgroup
-order (block j's Q.K^T beside block j-1's P.V, ``_step_half``). Twin: ``reference.int8_flash_attention`` with the
-16-bit V. Measured (PERF_NOTES session 47): 1.02-1.14x the INT8 P.V's speed and about half its error. Measured on an H200 (PERF_NOTES
-session 45): 1.01-1.20x the portable kernel, 0.87-1.03x cuDNN's bf16 attention at d 128 (kernel alone). FA3's
+order (block j's Q.K^T beside block j-1's P.V, ``_step_half``); at head_dim 256 (acc alone is 128 registers) each
+block's P.V is waited for before the next Q.K^T, in two ring slots of 96 KB. Twin: ``reference.int8_flash_attention``
+with the 16-bit V. Measured on an H200 (PERF_NOTES sessions 45, 47, 48): 1.02-1.14x the INT8 P.V's speed and about
+half its error; 1.01-1.20x the portable kernel, 0.87-1.03x cuDNN's bf16 attention at d 128, 0.88-1.03x at d 256
+(kernel alone; the portable kernel there is 0.42-0.53x). FA3's
 schedules that hold a second score tile (the next Q.K^T beside the softmax or the fold) spill or are slower here,
 as are three consumer warpgroups (sessions 35, 44, 45); ``SCHEDULE`` holds the switches that are kept.
 Why Gluon: ``tl.dot`` gives neither the producer/consumer split nor async wgmma control (``eval/PERF_NOTES.md``,
@@ -56,7 +58,8 @@ try:  # Gluon is experimental: a Triton without it (or with another API) keeps t
 except ImportError:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
-__all__ = ["HAVE_GLUON", "TESTED_TRITON", "PART_M", "BLOCK_N", "HEAD_DIMS", "INT8_PV_HEAD_DIMS", "SCHEDULE", "PV_HALF_DTYPES", "supports",
+__all__ = ["HAVE_GLUON", "TESTED_TRITON", "PART_M", "BLOCK_N", "HEAD_DIMS", "INT8_PV_HEAD_DIMS", "SCHEDULE",
+           "PV_HALF_DTYPES", "supports",
            "gluon_available", "schedule_constexprs", "mma_key_order", "WsLaunch", "launch_ws"]
 
 #: Triton releases this kernel was compiled (CPU test) and run with; another release falls back to the portable kernel
@@ -92,8 +95,8 @@ def supports(*, d: int, block_n: int, window, softcap, has_key_valid: bool, use_
              pv_half: bool = False) -> bool:
     """Whether this kernel computes the call (causal bottom-right or full; else the portable kernel does); ``pv_half``:
     P.V would run on 16-bit V (``PV_HALF_DTYPES``, per-block V scales). Device and Triton are the caller's."""
-    return (d in (HEAD_DIMS if pv_half else INT8_PV_HEAD_DIMS) and block_n == BLOCK_N and window is None and softcap is None and not has_key_valid
-            and not use_sas and block_p)
+    return (d in (HEAD_DIMS if pv_half else INT8_PV_HEAD_DIMS) and block_n == BLOCK_N and window is None
+            and softcap is None and not has_key_valid and not use_sas and block_p)
 
 
 if HAVE_GLUON:

@@ -255,7 +255,8 @@ def exact_path_elems(cfg: TurboConfig, q: torch.Tensor, k: torch.Tensor, *, caus
     else None. The one rule for the first prefill of a TurboCache layer (``device``: the layer's, no
     ``torch.device`` made per call) and for calls without a cache."""
     elems = exact_mask_elems(q, k, causal, window, key_valid)
-    path = prefill_attention_path(cfg, device or q.device, softcap, elems, keys=k.shape[2], head_dim=q.shape[3])
+    path = prefill_attention_path(cfg, device or q.device, softcap, elems, keys=k.shape[2], head_dim=q.shape[3],
+                                  dtype=k.dtype)
     return elems if path == "exact" else None
 
 

@@ -622,7 +622,7 @@ class TurboLayer(CacheLayerMixin):
         if rp is None:
             return False
         queue = batch is not None and prefill_attention_path(self.turbo_config, key_states.device, keys=T,
-                                                             head_dim=d) == "exact"
+                                                             head_dim=d, dtype=value_states.dtype) == "exact"
         pend = queue and self.smoothed and self.qk_smooth is None  # the flush makes this layer's factors
         if not pend:
             self._fix_smooth_factors(key_states)

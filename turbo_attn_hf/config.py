@@ -43,8 +43,10 @@ PREFILL_ATTENTION_BY_CAPABILITY = {9: "exact"}
 #: softmax) takes the INT8 prefill where the Gluon kernel runs it. Through generate() on an H200 (Llama-3-8B shape, 32
 #: layers, int4) the TTFT was 0.945 / 0.933x sdpa's (exact / INT8) at 16k and 0.963 / 0.932x at 32k, a tie at 8k
 #: (eval/results/ttft_prefill_path_32l_s46_h200.json; 0.934x at 32k with session 47's kernel,
-#: eval/results/ttft_auto_32k_s47_h200.json); head_dim 64 and 256 stay exact (0.64-0.91x, 0.42-0.53x)
-PREFILL_INT8_FROM_KEYS = {(9, 128): 16384}
+#: eval/results/ttft_auto_32k_s47_h200.json). Head_dim 256 (the Gluon kernel on 16-bit V, session 48; 16 layers of
+#: that hidden size in heads of 256): exact / INT8 0.948 / 0.952x at 8k, 0.965 / 0.959x at 16k, 0.953 / 0.921x at 32k
+#: (eval/results/ttft_prefill_path_d256_16l_s48_h200.json). Head_dim 64 stays exact (0.64-0.91x cuDNN)
+PREFILL_INT8_FROM_KEYS = {(9, 128): 16384, (9, 256): 16384}
 
 
 class TurboConfigError(ValueError):
@@ -400,11 +402,13 @@ EXACT_MASK_LIMIT = 1 << 28
 
 
 def prefill_attention_path(cfg: TurboConfig, device: "torch.device", softcap: Optional[float] = None,
-                           mask_elems: int = 0, *, keys: int = 0, head_dim: int = 0) -> str:
+                           mask_elems: int = 0, *, keys: int = 0, head_dim: int = 0,
+                           dtype: Optional["torch.dtype"] = None) -> str:
     """``"int8"`` or ``"exact"``: how a prompt attends over its own K/V on ``device`` (``TurboConfig.prefill_attention``;
     ``auto`` from ``PREFILL_ATTENTION_BY_CAPABILITY``; INT8 with a softcap, off CUDA, or where the exact path's mask
     would hold more than ``EXACT_MASK_LIMIT`` elements: ``mask_elems``, 0 for a plain causal prompt; INT8 for a plain
-    prompt of at least ``PREFILL_INT8_FROM_KEYS`` ``keys`` at its ``head_dim`` where the Gluon kernel runs it)."""
+    prompt of at least ``PREFILL_INT8_FROM_KEYS`` ``keys`` at its ``head_dim`` where the Gluon kernel runs it, with
+    the prompt's V ``dtype``: head_dim 256 runs there only on 16-bit V)."""
     mode = cfg.prefill_attention
     if mode != "auto":
         return mode
@@ -412,14 +416,18 @@ def prefill_attention_path(cfg: TurboConfig, device: "torch.device", softcap: Op
         return "int8"
     major = _capability_major(device)
     from_keys = PREFILL_INT8_FROM_KEYS.get((major, head_dim))
-    if from_keys is not None and keys >= from_keys and not mask_elems and _gluon_prefill_runs(device, head_dim, cfg):
+    if (from_keys is not None and keys >= from_keys and not mask_elems
+            and _gluon_prefill_runs(device, head_dim, cfg, dtype)):
         return "int8"
     return PREFILL_ATTENTION_BY_CAPABILITY.get(major, "int8")
 
 
-def _gluon_prefill_runs(device: "torch.device", head_dim: int, cfg: TurboConfig) -> bool:
+def _gluon_prefill_runs(device: "torch.device", head_dim: int, cfg: TurboConfig,
+                        dtype: Optional["torch.dtype"] = None) -> bool:
     """The INT8 prefill of a plain prompt would run the Gluon kernel (``prefill.gluon_runs``: the kernel choice, the
-    Triton release, the GPU, the softmax); the portable kernel is slower than SDPA on sm_90 at every length."""
+    Triton release, the GPU, the softmax; ``dtype``: V's, whose 16-bit types P.V runs on); the portable kernel is
+    slower than SDPA on sm_90 at every length."""
     from .kernels import prefill
 
-    return prefill.gluon_runs(device, head_dim, softmax=cfg.softmax)
+    half = dtype in prefill.prefill_hopper.PV_HALF_DTYPES
+    return prefill.gluon_runs(device, head_dim, softmax=cfg.softmax, pv_half=half)

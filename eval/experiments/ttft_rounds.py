@@ -110,4 +110,5 @@ for T in shapes:
               f"mallocs {tr['mallocs']} syncs {tr['syncs']}", flush=True)
         for k, v, n in tr["top"]: print(f"      {v:8.3f} ms {n:5d}  {k}")
     res[T] = row
-json.dump(dict(machine=torch.cuda.get_device_name(), layers=L, head_dim=HD, rounds=R, rows=res), open(out, "w"), indent=1)
+json.dump(dict(machine=torch.cuda.get_device_name(), layers=L, head_dim=HD, rounds=R, rows=res), open(out, "w"),
+          indent=1)

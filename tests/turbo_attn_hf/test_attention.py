@@ -468,29 +468,31 @@ def test_prefill_attention_resolution(monkeypatch):
 
 
 def test_long_plain_prompts_take_the_int8_prefill_on_sm90(monkeypatch):
-    """``auto`` on sm_90: from ``PREFILL_INT8_FROM_KEYS`` keys at head_dim 128 a plain prompt takes the INT8 prefill
-    (the faster path through generate() there), not below, not at other head dims, not with a mask or SAS, not where
-    the Gluon kernel would not run it; the attention entry and the cache's store queue ask with the prompt's keys."""
+    """``auto`` on sm_90: from ``PREFILL_INT8_FROM_KEYS`` keys at head_dim 128 / 256 a plain prompt takes the INT8
+    prefill (the faster path through generate() there), not below, not at other head dims, not with a mask or SAS,
+    not where the Gluon kernel would not run it; the attention entry and the cache's store queue ask with the prompt's
+    keys (and V's dtype: head_dim 256 runs on 16-bit V only)."""
     from turbo_attn_hf import config as C
 
     cuda = torch.device("cuda", 0)
     auto, n = TurboConfig(), C.PREFILL_INT8_FROM_KEYS[(9, 128)]
     monkeypatch.setattr(C, "_capability_major", lambda device: 9)
-    monkeypatch.setattr(C, "_gluon_prefill_runs", lambda device, d, cfg: cfg.softmax == "exact")
+    monkeypatch.setattr(C, "_gluon_prefill_runs", lambda device, d, cfg, dtype=None: cfg.softmax == "exact")
     assert C.prefill_attention_path(auto, cuda, keys=n, head_dim=128) == "int8"
     assert C.prefill_attention_path(auto, cuda, keys=n - 1, head_dim=128) == "exact"
     assert C.prefill_attention_path(auto, cuda, keys=4 * n, head_dim=64) == "exact"
-    assert C.prefill_attention_path(auto, cuda, keys=4 * n, head_dim=256) == "exact"
+    assert C.prefill_attention_path(auto, cuda, keys=n, head_dim=256, dtype=torch.bfloat16) == "int8"
+    assert C.prefill_attention_path(auto, cuda, keys=n - 1, head_dim=256, dtype=torch.bfloat16) == "exact"
     assert C.prefill_attention_path(auto, cuda, mask_elems=n * n, keys=n, head_dim=128) == "exact"  # padding / window
     assert C.prefill_attention_path(TurboConfig(softmax="sas"), cuda, keys=n, head_dim=128) == "exact"
     assert C.prefill_attention_path(TurboConfig(prefill_attention="exact"), cuda, keys=n, head_dim=128) == "exact"
     monkeypatch.setattr(C, "_capability_major", lambda device: 8)  # unlisted: INT8 at every length, as before
     assert C.prefill_attention_path(auto, cuda, keys=16, head_dim=128) == "int8"
     monkeypatch.setattr(C, "_capability_major", lambda device: 9)
-    monkeypatch.setattr(C, "_gluon_prefill_runs", lambda device, d, cfg: False)
+    monkeypatch.setattr(C, "_gluon_prefill_runs", lambda device, d, cfg, dtype=None: False)
     assert C.prefill_attention_path(auto, cuda, keys=n, head_dim=128) == "exact"
     q = torch.empty(1, 8, n, 128, device="meta")
-    monkeypatch.setattr(C, "_gluon_prefill_runs", lambda device, d, cfg: cfg.softmax == "exact")
+    monkeypatch.setattr(C, "_gluon_prefill_runs", lambda device, d, cfg, dtype=None: cfg.softmax == "exact")
     from turbo_attn_hf import attention as A
 
     assert A.exact_path_elems(auto, q, q[:, :2], causal=True, window=None, softcap=None, key_valid=None,
@@ -513,6 +515,12 @@ def test_gluon_prefill_runs_follows_the_prefills_decision(monkeypatch):
     with prefill.chosen_kernel("auto"):
         assert C._gluon_prefill_runs(cuda, 128, TurboConfig())
         assert not C._gluon_prefill_runs(cuda, 128, TurboConfig(softmax="sas"))
+    # head_dim 256: the Gluon kernel only with P.V on 16-bit V, so the rule passes the prompt's V dtype on
+    monkeypatch.setattr(prefill, "hopper_takes", lambda device, d, block_n, softmax, pv_half=False, **kw: ""
+                        if d != 256 or pv_half else "its options")
+    with prefill.chosen_kernel("auto"):
+        assert C._gluon_prefill_runs(cuda, 256, TurboConfig(), torch.bfloat16)
+        assert not C._gluon_prefill_runs(cuda, 256, TurboConfig(), torch.float32)
 
 
 def test_prefill_attention_exact_skips_the_int8_kernel(monkeypatch):
