@@ -31,8 +31,9 @@ outside ``supports``: a sliding window, softcap, a padding mask, SAS, static P s
 
 Both 8-bit wgmma operands must be K-major: K tiles ``[BN, d]`` (d contiguous) are the B operand of Q.K^T through
 a permuted view, V^T tiles ``[d, BN]`` (tokens contiguous) that of P.V; P goes from registers (int8 A operand).
-Non-finite inputs follow ``reference.nonfinite_rows`` as the portable kernel does: a NaN key scale found by a scan
-of sk before the loop starts l at NaN in the rows that see it; masked blocks keep NaN in the row max.
+Non-finite inputs follow ``reference.nonfinite_rows`` as the portable kernel does: with the INT8 P.V a NaN key scale
+found by a scan of sk before the loop starts l at NaN in the rows that see it; with the 16-bit P.V the NaN scores
+carry it there themselves; masked blocks keep NaN in the row max.
 """
 
 from __future__ import annotations
@@ -403,12 +404,15 @@ if HAVE_GLUON:
         if IS_CAUSAL:
             full_hi = gl.minimum(full_hi, (pos_min + 1) // BN * BN)
         full_hi = gl.minimum(gl.maximum(full_hi, 0), hi)
-        if IS_CAUSAL:
-            first = _first_nan_key(SK + sk_row, 0, gl.minimum(hi, Lk), 1024)
-            l_i = l_i + gl.where(first <= o_pos, float("nan"), 0.0)
-        else:
-            first = _first_nan_key(SK + sk_row, 0, full_hi, 1024)
-            l_i = l_i + gl.where(first < full_hi, float("nan"), 0.0)
+        # the INT8 P.V turns a NaN p into a code, so rows that see a NaN key scale are found before the loop; with
+        # the 16-bit P.V a NaN score gives NaN p, P and row sum in exactly those rows (masked scores are -inf first)
+        if not (FLAGS & _PV_HALF):
+            if IS_CAUSAL:
+                first = _first_nan_key(SK + sk_row, 0, gl.minimum(hi, Lk), 1024)
+                l_i = l_i + gl.where(first <= o_pos, float("nan"), 0.0)
+            else:
+                first = _first_nan_key(SK + sk_row, 0, full_hi, 1024)
+                l_i = l_i + gl.where(first < full_hi, float("nan"), 0.0)
         m_i = gl.full([BM], float("-inf"), gl.float32, row_l)
         c_i = gl.full([BM], float("-inf"), gl.float32, row_l)
         acc = gl.zeros([BM, D], gl.float32, layout=o_l)
@@ -431,11 +435,18 @@ if HAVE_GLUON:
         l_o = gl.convert_layout(gl.where(has_key, l_i, 1.0), gl.SliceLayout(1, o_l))
         o = acc / l_o[:, None]
         o = gl.where(gl.convert_layout(has_key, gl.SliceLayout(1, o_l))[:, None], o, 0.0)
-        r_o = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, o_l))
-        c_o = gl.arange(0, D, layout=gl.SliceLayout(0, o_l))
+        # 16-byte stores of whole row segments (the accumulator's layout stores 4 bytes a thread); at d 256 the layout
+        # change's scratch (32 KB) does not fit beside the ring
+        if D > 128:
+            st_l: gl.constexpr = o_l
+        else:
+            st_l: gl.constexpr = gl.BlockedLayout([1, 8], [256 // D, D // 8], [4, 1], [1, 0])
+        o = gl.convert_layout(o.to(O.dtype.element_ty), st_l)
+        r_o = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, st_l))
+        c_o = gl.arange(0, D, layout=gl.SliceLayout(0, st_l))
         p_o = (O + i_b.to(gl.int64) * stride_ob + i_hq.to(gl.int64) * stride_oh + r_o[:, None].to(gl.int64) * stride_om
                + c_o[None, :])
-        gl.store(p_o, o.to(O.dtype.element_ty), mask=(r_o < Lq)[:, None])
+        gl.store(p_o, o, mask=(r_o < Lq)[:, None])
 
     @gluon.jit(do_not_specialize=["Lq", "Lk", "K_ROWS"])
     def _int8_attn_fwd_ws_kernel(q_desc, k_desc, v_desc, sk_desc, sv_desc, SQ, SK, O, Lq, Lk, K_ROWS, SK_ROW, HQ, HK,
