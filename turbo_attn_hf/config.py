@@ -35,8 +35,8 @@ K_SCALE_RANGES = ("channel", "rope_pair")
 PREFILL_ATTENTION_MODES = ("auto", "int8", "exact")
 PACKED_K_BITS_MODES = ("auto", "head", 8)
 #: ``prefill_attention: auto`` by CUDA compute capability (major): the path measured fastest there. sm_90: the INT8
-#: prefill (Gluon kernel and quantization passes) runs at 0.64-1.04x cuDNN's bf16 attention, <= 0.94x below 16k keys
-#: (issue 20, PERF_NOTES session 47), so the exact path wins below ``PREFILL_INT8_FROM_KEYS``; GPUs not listed (not
+#: prefill (Gluon kernel and quantization passes) runs at 0.67-1.02x cuDNN's bf16 attention, <= 0.95x below 16k keys
+#: (issue 20, PERF_NOTES session 48), so the exact path wins below ``PREFILL_INT8_FROM_KEYS``; GPUs not listed (not
 #: measured) keep the INT8 kernel
 PREFILL_ATTENTION_BY_CAPABILITY = {9: "exact"}
 #: ``auto`` on (compute capability major, head_dim): from this many keys a plain prompt (no mask, no softcap, exact
@@ -104,9 +104,9 @@ class TurboConfig:
             ``"exact"``: PyTorch's scaled_dot_product_attention in the model dtype (cuDNN / flash on a GPU), as a
             vLLM FP8 KV cache prefills: the cache is quantized all the same, decode reads it as before.
             ``"auto"`` (default): the path measured fastest on the GPU (``PREFILL_ATTENTION_BY_CAPABILITY``:
-            exact on sm_90, where the INT8 prefill is 0.64-1.04x cuDNN, but INT8 for plain prompts of 16k keys and
-            more at head_dim 128, where it is the faster path through generate(): ``PREFILL_INT8_FROM_KEYS``; INT8
-            elsewhere and on CPU) and INT8 with logit softcapping (SDPA has none). :func:`prefill_attention_path`.
+            exact on sm_90, where the INT8 prefill is 0.67-1.02x cuDNN, but INT8 for plain prompts of 16k keys and
+            more at head_dim 128 and 256, where it is the faster path through generate(): ``PREFILL_INT8_FROM_KEYS``;
+            INT8 elsewhere and on CPU) and INT8 with logit softcapping (SDPA has none). :func:`prefill_attention_path`.
         packed_k_bits: K's width in packed (2/4-bit) blocks. ``"head"``: K packed to the head's bits, as V. ``8``:
             K blocks keep their INT8 codes and only V is packed (6 bits an element for a 4-bit head: 0.379x bf16 at
             head_dim 128 instead of 0.262x). ``"auto"`` (default): 8 for q/k-norm families (``QK_NORM_MODEL_TYPES``),
