@@ -83,17 +83,18 @@ def info() -> int:
     try:  # an invalid setting is an error at the first prefill; here it is shown
         choice = prefill.kernel_choice()
         dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-        why = prefill.hopper_takes(dev, 128, prefill_hopper.BLOCK_N, window=None, softcap=None, key_valid=None,
-                                   softmax="exact", p_scale="block") if choice != "portable" else "not chosen"
-        here = "hopper" if not why else f"portable ({why})"
+        here, here256 = ("hopper" if not why else f"portable ({why})" for why in (
+            prefill.hopper_takes(dev, d, prefill_hopper.BLOCK_N, window=None, softcap=None, key_valid=None,
+                                 softmax="exact", p_scale="block", pv_half=True) if choice != "portable"
+            else "not chosen" for d in (128, 256)))
         pv = "16-bit (V itself)" if prefill.pv_dtype(dev, torch.bfloat16, 128) is not None else "INT8"
     except ValueError as e:
-        choice, here, pv = str(e), "-", "-"
+        choice, here, here256, pv = str(e), "-", "-", "-"
     print(f"INT8 prefill kernel: {choice} (TURBO_PREFILL_KERNEL: {', '.join(prefill.PREFILL_KERNELS)}; auto = hopper, "
           f"the Gluon kernel, on sm_90 with Triton {'/'.join(prefill_hopper.TESTED_TRITON)} for head_dim "
           f"{'/'.join(map(str, prefill_hopper.HEAD_DIMS))} (256: P.V on 16-bit V) without window, softcap, padding "
           "mask or SAS, portable "
-          f"elsewhere); here at head_dim 128: {here}")
+          f"elsewhere); here at head_dim 128: {here}; at head_dim 256, bf16: {here256}")
     print(f"prefill P.V: INT8 Q.K^T with P.V on V itself in 16 bits where the Gluon kernel runs (bf16/fp16, per-block "
           f"V scales; SageAttention's split), INT8 P.V otherwise; here at head_dim 128, bf16: {pv}")
     from turbo_attn_hf.config import QK_NORM_MODEL_TYPES

@@ -44,6 +44,7 @@ def test_info(capsys):
     assert "INT8 prefill kernel: auto (TURBO_PREFILL_KERNEL: auto, portable, hopper; auto = hopper" in text
     assert "prefill P.V: INT8 Q.K^T with P.V on V itself in 16 bits" in text and "bf16: INT8" in text  # CPU
     assert "here at head_dim 128: portable (not a CUDA device)" in text  # this CPU machine
+    assert "at head_dim 256, bf16: portable (not a CUDA device)" in text
     assert "rotary embedding (eager forwards): one launch (TURBO_ATTN_FUSED_ROPE=0: HF ops" in text
 
 
