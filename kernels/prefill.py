@@ -141,9 +141,6 @@ _INTERPRET_BLOCK_N = (16, 32, 64, 128)
 #: on an H200 at head_dim 64 and 128, L 4k-16k, PERF_NOTES session 45)
 PREFILL_KERNELS = ("auto", "portable", "hopper")
 _KERNEL = [os.environ.get("TURBO_PREFILL_KERNEL", "auto")]
-#: the Gluon kernel quantizes Q itself where it can (``_AttnPlan.q_raw``); False: Q through the Q+K pass (the A/B of
-#: ``eval.experiments.prefill_hopper_ab``; part of the plans' key)
-_Q_IN_KERNEL = [True]
 
 
 # ------------------------------------------------------------------------------------------ kernel
@@ -727,7 +724,7 @@ def turbo_attention(q, k, v, *, scale=None, causal=True, window=None, softcap=No
     try:  # everything the checks and the launches read; a repeated call (every layer of a prefill) skips both
         key = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device, v.shape, v.stride(),
                v.dtype, v.device, scale, causal, window, softcap, softmax, sas_threshold, smooth_k, p_scale, block_n,
-               v_scale, bool(rotate_qk), _KERNEL[0], _Q_IN_KERNEL[0],
+               v_scale, bool(rotate_qk), _KERNEL[0],
                None if qk_smooth is None else (qk_smooth.shape, qk_smooth.stride(), qk_smooth.dtype, qk_smooth.device),
                None if key_valid is None else (key_valid.shape, key_valid.stride(), key_valid.dtype, key_valid.device),
                None if out is None else (out.shape, out.stride(), out.dtype, out.device),
@@ -806,7 +803,7 @@ class _AttnPlan:
     device, relaunched without Triton's binder while every pointer is 16-byte aligned (``LeanLaunch.launch_memo``)."""
 
     __slots__ = ("cuda", "device", "dtype", "shapes", "smooth", "mean_stride", "mean_direct", "channel", "block_n",
-                 "kv_arg", "qk", "v", "attn", "memo", "hopper", "ksum", "ws", "v_op", "q_raw")
+                 "kv_arg", "qk", "v", "attn", "memo", "hopper", "ksum", "ws", "v_op")
 
     def __init__(self, q, k, v, key_valid, out, k_mean, *, scale, causal, window, softcap, softmax, sas_threshold,
                  smooth_k, p_scale, block_n, v_scale, rotate_qk=False, has_factor=False):
@@ -844,12 +841,7 @@ class _AttnPlan:
             *self.ksum, parts = _k_sum_spec(k)
             smb, smh = hk * parts * d, parts * d
         scale = d ** -0.5 if scale is None else float(scale)
-        # the Gluon kernel's consumers quantize Q themselves (the same bits as the pass): the Q+K pass does K only,
-        # and Q's codes and scales make no round trip through memory (PERF_NOTES session 49)
-        self.q_raw = (self.hopper and _Q_IN_KERNEL[0] and not rotate_qk and q.dtype in prefill_hopper.PV_HALF_DTYPES
-                      and q.stride(3) == 1)
-        self.qk = _qk_spec(q, k, scale * LOG2E, 1.0, smb, smh, self.smooth, rotate_qk, has_factor, parts, sk_row,
-                           quantize_q=not self.q_raw)
+        self.qk = _qk_spec(q, k, scale * LOG2E, 1.0, smb, smh, self.smooth, rotate_qk, has_factor, parts, sk_row)
         # poison: sk [b, hk, sk_row], contiguous; the Gluon kernel takes V's INT8 keys in its operand order
         self.v = _v_spec(v, block_n, hk * sk_row, sk_row, self.channel, True, mma_order=self.hopper and not half,
                          half=half)
@@ -857,9 +849,8 @@ class _AttnPlan:
         self.kv_arg = key_valid is not None
         self.attn = self.ws = None
         if self.hopper:
-            self.ws = prefill_hopper.WsLaunch(q if self.q_raw else q8, sq, k8, sk, v8t, sv,
-                                              out if out is not None else o, causal=causal, Lk=lk,
-                                              q_scale=scale * LOG2E if self.q_raw else None)
+            self.ws = prefill_hopper.WsLaunch(q8, sq, k8, sk, v8t, sv, out if out is not None else o, causal=causal,
+                                              Lk=lk)
         else:
             self.attn = _attn_spec(q8, sq, k8, sk, v8t, sv, out if out is not None else o, stride_kvb, causal=causal,
                                    window=window, softcap=softcap, has_key_valid=key_valid is not None,
@@ -870,13 +861,10 @@ class _AttnPlan:
     def run(self, q, k, v, key_valid, out, k_mean, qk_smooth=None):
         dev = self.device
         s_q8, s_sq, s_k8, s_sk, s_v8t, s_sv, s_o = self.shapes
+        q8 = torch.empty(s_q8, dtype=torch.int8, device=dev)
+        sq = torch.empty(s_sq, dtype=torch.float32, device=dev)
         k8 = torch.empty(s_k8, dtype=torch.int8, device=dev)
         sk = torch.empty(s_sk, dtype=torch.float32, device=dev)
-        if self.q_raw:  # the pass writes no Q (its pointers are never read)
-            q8, sq = k8, sk
-        else:
-            q8 = torch.empty(s_q8, dtype=torch.int8, device=dev)
-            sq = torch.empty(s_sq, dtype=torch.float32, device=dev)
         v8t = torch.empty(s_v8t, dtype=self.v_op, device=dev)
         sv = torch.empty(s_sv, dtype=torch.float32, device=dev)
         if out is None:
@@ -902,7 +890,7 @@ class _AttnPlan:
         amax = _v_channel_amax(v) if self.channel else sv  # after K's pass: V marks poisoned keys in sk
         lean(_quant_v_kernel).launch_memo(memo_v, dev_key, grid, (v, amax, v8t, sv, sk), scalars, kw, hooks)
         if self.ws is not None:
-            return self.ws(q, None, k8, sk, v8t, sv, out) if self.q_raw else self.ws(q8, sq, k8, sk, v8t, sv, out)
+            return self.ws(q8, sq, k8, sk, v8t, sv, out)
         grid, scalars, kw = self.attn
         lean(_int8_attn_fwd_kernel).launch_memo(memo_attn, dev_key, grid, (q8, sq, k8, sk, v8t, sv, kv, out),
                                                 scalars, kw, hooks)

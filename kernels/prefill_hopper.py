@@ -78,13 +78,12 @@ _STAGES = {64: 4, 128: 3, 256: 2}
 #: the kernel's schedule switches (``launch_ws`` keywords) and their defaults (PERF_NOTES session 45): I2F conversions,
 #: P.V in 4 MMAs, V's keys in the operand order (the last two: the INT8 P.V's); the kernel takes FLAGS (the booleans'
 #: bits) + PV_PARTS
-SCHEDULE = {"i2f": True, "pv_parts": 4, "keys_permuted": True, "warpgroups": 2, "joint": False}
+SCHEDULE = {"i2f": True, "pv_parts": 4, "keys_permuted": True}
 #: FLAGS' bits; P.V on 16-bit V (from V's dtype) and its serial order (from d: block j-1's P.V waited for before block
 #: j's Q.K^T, where the in-warpgroup order's second score tile beside a 128-register acc spills) are not switches
-_I2F_BIT, _KEYS_PERMUTED_BIT, _PV_HALF_BIT, _PV_SERIAL_BIT, _Q_RAW_BIT = 1, 2, 4, 8, 16
-#: registers per thread (setmaxnreg) of the second consumer and the producer by consumer warpgroups (with one
-#: consumer partition the compiler gives it what the producer leaves); the default partition is consumer 0
-_WORKER_REGS = {2: (232, 40), 3: (160, 24)}
+_I2F_BIT, _KEYS_PERMUTED_BIT, _PV_HALF_BIT, _PV_SERIAL_BIT = 1, 2, 4, 8
+#: registers per thread of the second consumer and the producer (setmaxnreg); the default partition is consumer 0
+_WORKER_REGS = (232, 40)
 _data_ptr = torch.Tensor.data_ptr
 
 
@@ -109,8 +108,6 @@ if HAVE_GLUON:
     _I2F, _KEYS_PERMUTED = gl.constexpr(_I2F_BIT), gl.constexpr(_KEYS_PERMUTED_BIT)
     _PV_HALF = gl.constexpr(_PV_HALF_BIT)
     _PV_SERIAL = gl.constexpr(_PV_SERIAL_BIT)
-    _Q_RAW = gl.constexpr(_Q_RAW_BIT)
-    _PART_M = gl.constexpr(PART_M)
     _PART0 = gl.constexpr(0)  # consumer partitions' PART: partition arguments must be constexpr objects
     _PART1 = gl.constexpr(1)
 
@@ -121,13 +118,11 @@ if HAVE_GLUON:
         """The Q tile once (every consumer's part), then per block into slot j % STAGES: K [BN, d], V^T [d, BN], the
         keys' scales sk [BN] and V's channel scales sv [d] (so no consumer waits on a global load in its loop); with
         _PV_HALF, V [BN, d] in 16 bits and no sv."""
-        if not (FLAGS & _Q_RAW):  # else the consumers quantize Q themselves
-            PART_M: gl.constexpr = q_desc.block_type.shape[0]
-            WGS: gl.constexpr = q_smem.shape[0] // PART_M
-            mbarrier.expect(q_bar, WGS * q_desc.block_type.nbytes)
-            for i in gl.static_range(WGS):  # a box a warpgroup's rows (a TMA box's sides are powers of two)
-                tma.async_copy_global_to_shared(q_desc, [q_row + i * PART_M, 0], q_bar,
-                                                q_smem.slice(i * PART_M, PART_M))
+        PART_M: gl.constexpr = q_desc.block_type.shape[0]
+        PARTS: gl.constexpr = q_smem.shape[0]
+        mbarrier.expect(q_bar, PARTS * q_desc.block_type.nbytes)
+        for i in gl.static_range(PARTS):
+            tma.async_copy_global_to_shared(q_desc, [q_row + i * PART_M, 0], q_bar, q_smem.index(i))
         nbytes: gl.constexpr = (k_desc.block_type.nbytes + v_desc.block_type.nbytes + sk_desc.block_type.nbytes
                                 + (0 if FLAGS & _PV_HALF else sv_desc.block_type.nbytes))
         for j in range(n_blocks):
@@ -146,47 +141,13 @@ if HAVE_GLUON:
     @gluon.jit
     def _first_nan_key(p_sk, lo, hi, SCAN: gl.constexpr):
         """Smallest key index in [lo, hi) whose scale is NaN, else hi (``prefill._first_nan_key``)."""
-        NW: gl.constexpr = gl.num_warps()
-        lay: gl.constexpr = gl.BlockedLayout([SCAN // (32 * NW)], [32], [NW], [0])
+        lay: gl.constexpr = gl.BlockedLayout([SCAN // 128], [32], [4], [0])
         first = gl.full([SCAN], 0, gl.int32, lay) + hi
         for s in range(lo, hi, SCAN):
             o = s + gl.arange(0, SCAN, layout=lay)
             x = gl.load(p_sk + o, mask=o < hi, other=0.0)
             first = gl.minimum(first, gl.where(x != x, o, hi))
         return gl.min(first, 0)
-
-    @gluon.jit
-    def _max_nan(a, b):
-        """max that keeps NaN (``quant._max_nan``): a non-finite amax flags a poisoned token."""
-        return gl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-    @gluon.jit
-    def _quantize_q(p_q, o_m, Lq, stride_ql, q_scale, q_dst, row_l: gl.constexpr):
-        """``quant._quant_token_rows`` for Q in the consumer (_Q_RAW): rows ``o_m`` of one head (``p_q`` its first,
-        channels contiguous) to int8 codes in ``q_dst`` (the wgmma's A tile) and their scales (``row_l``), the same
-        bits as the Q+K pass: amax (NaN-keeping), 127 / amax correctly rounded, codes rounded half away from zero,
-        a poisoned row coded 0 with a NaN scale; rows >= Lq are 0 with scale 0."""
-        BM: gl.constexpr = q_dst.shape[0]
-        D: gl.constexpr = q_dst.shape[1]
-        NW: gl.constexpr = gl.num_warps()
-        x_l: gl.constexpr = gl.BlockedLayout([1, 8], [256 // D if D < 256 else 1, D // 8 if D < 256 else 32], [NW, 1],
-                                             [1, 0])
-        r = gl.convert_layout(o_m, gl.SliceLayout(1, x_l))
-        c = gl.arange(0, D, layout=gl.SliceLayout(0, x_l))
-        x = gl.load(p_q + r[:, None].to(gl.int64) * stride_ql + c[None, :], mask=(r < Lq)[:, None],
-                    other=0.0).to(gl.float32)
-        amax = gl.reduce(gl.abs(x), 1, _max_nan)
-        bad = ~(amax < float("inf"))
-        amax = gl.where(bad, 0.0, amax)
-        inv = gl.where(amax > 0, gl.div_rn(gl.full([BM], 127.0, gl.float32, amax.type.layout),
-                                           gl.where(amax > 0, amax, 1.0)), 0.0)
-        xs = gl.fma(x, inv[:, None], 0.0)  # x * inv rounded, as a product the + 0.5 cannot be contracted into
-        code = gl.where(xs >= 0, xs + 0.5, xs - 0.5).to(gl.int32)
-        lim = gl.where(bad, 0, 127)[:, None]
-        q_dst.store(gl.minimum(gl.maximum(code, -lim), lim).to(gl.int8))
-        fence_async_shared()  # the codes, stored through the generic proxy, are read by the wgmma's async proxy
-        sq = gl.div_rn(amax, gl.full([BM], 127.0, gl.float32, amax.type.layout)) * q_scale
-        return gl.convert_layout(gl.where(bad, float("nan"), sq), row_l)
 
     @gluon.jit
     def _split_halves(t):
@@ -220,8 +181,6 @@ if HAVE_GLUON:
         else:
             m_new = gl.maximum(m_i, bmax)
         c_new = gl.maximum(bmax, m_new - _GAP)
-        if MASKED:  # a block none of whose keys the row sees (a causal tile's upper warpgroup): c and acc as they were
-            c_new = gl.where(bmax == float("-inf"), c_i, c_new)
         c_safe = gl.where(c_new == float("-inf"), 0.0, c_new)
         return m_new, c_new, c_safe, gl.exp2(c_i - c_safe)
 
@@ -304,8 +263,7 @@ if HAVE_GLUON:
         o_l: gl.constexpr = acc.type.layout
         row_l: gl.constexpr = gl.SliceLayout(1, s_zero.type.layout)
         o_zero = gl.zeros(acc.shape, gl.int32, layout=o_l)
-        n8_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
-                                                       instr_shape=[16, 8, 32])
+        n8_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 32])
         n8_zero = gl.zeros([acc.shape[0], 8], gl.int32, layout=n8_l)
         for j in range(n_mine):
             s = j % STAGES
@@ -417,32 +375,25 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _consumer(q_smem, k_smem, v_smem, sk_smem, sv_smem, ones_smem, q_bar, ready, empty, SQ, SK, O, Lq, Lk, i_m,
-                  i_b, i_hq, stride_sqb, stride_sqh, stride_sql, q_scale, stride_ob, stride_om, stride_oh, sk_row,
-                  n_blocks,
+                  i_b, i_hq, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh, sk_row, n_blocks,
                   PART: gl.constexpr, IS_CAUSAL: gl.constexpr, FLAGS: gl.constexpr, PV_PARTS: gl.constexpr):
-        """Rows [i_m * PARTS BM + PART BM, +BM) of one (b, head), BM = 16 rows a warp (64 a warpgroup): the portable
-        kernel's program over its blocks (``_blocks_int8``, or ``_blocks_half`` for a 16-bit V), then the output."""
-        NW: gl.constexpr = gl.num_warps()
-        BM: gl.constexpr = 16 * NW
-        PARTS: gl.constexpr = q_smem.shape[0] // BM
-        D: gl.constexpr = q_smem.shape[1]
+        """Rows [i_m * 128 + 64 PART, +64) of one (b, head): the portable kernel's program of BLOCK_M 64 over its
+        blocks (``_blocks_int8``, or ``_blocks_half`` for a 16-bit V), then the output."""
+        BM: gl.constexpr = q_smem.shape[1]
+        PARTS: gl.constexpr = q_smem.shape[0]
+        D: gl.constexpr = q_smem.shape[2]
         BN: gl.constexpr = k_smem.shape[1]
         STAGES: gl.constexpr = k_smem.shape[0]
-        s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BN, 32])
+        s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
         K_MMA: gl.constexpr = 16 if FLAGS & _PV_HALF else 32  # the P.V MMA's K: 16-bit or 8-bit operands
-        o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+        o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, D, K_MMA])
         p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=K_MMA // 8)
         row_l: gl.constexpr = gl.SliceLayout(1, s_l)
         m0 = i_m * (PARTS * BM) + PART * BM
         o_m = m0 + gl.arange(0, BM, layout=row_l)
         o_pos = o_m + (Lk - Lq)
-        q = q_smem.slice(PART * BM, BM)
-        p_sq = SQ + i_b.to(gl.int64) * stride_sqb + i_hq.to(gl.int64) * stride_sqh
-        if FLAGS & _Q_RAW:  # SQ is Q itself in 16 bits: its codes and scales here, not in a pass
-            sq = _quantize_q(p_sq, o_m, Lq, stride_sql, q_scale, q, row_l)
-        else:
-            sq = gl.load(p_sq + o_m * stride_sql, mask=o_m < Lq, other=0.0)
+        sq = gl.load(SQ + i_b * stride_sqb + i_hq * stride_sqh + o_m, mask=o_m < Lq, other=0.0)
         l_i = gl.where(sq == sq, 0.0, sq)  # a NaN query scale starts l at NaN
         sq = gl.maximum(sq, _SQ_MIN, propagate_nan=tl.PropagateNan.ALL)
         pos_min = m0 + (Lk - Lq)
@@ -457,19 +408,19 @@ if HAVE_GLUON:
         # the 16-bit P.V a NaN score gives NaN p, P and row sum in exactly those rows (masked scores are -inf first)
         if not (FLAGS & _PV_HALF):
             if IS_CAUSAL:
-                first = _first_nan_key(SK + sk_row, 0, gl.minimum(hi, Lk), 256 * NW)
+                first = _first_nan_key(SK + sk_row, 0, gl.minimum(hi, Lk), 1024)
                 l_i = l_i + gl.where(first <= o_pos, float("nan"), 0.0)
             else:
-                first = _first_nan_key(SK + sk_row, 0, full_hi, 256 * NW)
+                first = _first_nan_key(SK + sk_row, 0, full_hi, 1024)
                 l_i = l_i + gl.where(first < full_hi, float("nan"), 0.0)
         m_i = gl.full([BM], float("-inf"), gl.float32, row_l)
         c_i = gl.full([BM], float("-inf"), gl.float32, row_l)
         acc = gl.zeros([BM, D], gl.float32, layout=o_l)
         s_zero = gl.zeros([BM, BN], gl.int32, layout=s_l)
+        q = q_smem.index(PART)
         n_full = full_hi // BN
         n_mine = gl.cdiv(hi, BN)
-        if not (FLAGS & _Q_RAW):
-            mbarrier.wait(q_bar, 0)
+        mbarrier.wait(q_bar, 0)
         if FLAGS & _PV_HALF:
             acc, l_i = _blocks_half(q, k_smem, v_smem, sk_smem, ready, empty, acc, sq, l_i, m_i, c_i, o_pos, Lk,
                                     s_zero, n_full, n_mine, p_l, IS_CAUSAL, FLAGS)
@@ -489,7 +440,7 @@ if HAVE_GLUON:
         if D > 128:
             st_l: gl.constexpr = o_l
         else:
-            st_l: gl.constexpr = gl.BlockedLayout([1, 8], [256 // D, D // 8], [NW, 1], [1, 0])
+            st_l: gl.constexpr = gl.BlockedLayout([1, 8], [256 // D, D // 8], [4, 1], [1, 0])
         o = gl.convert_layout(o.to(O.dtype.element_ty), st_l)
         r_o = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, st_l))
         c_o = gl.arange(0, D, layout=gl.SliceLayout(0, st_l))
@@ -499,23 +450,22 @@ if HAVE_GLUON:
 
     @gluon.jit(do_not_specialize=["Lq", "Lk", "K_ROWS"])
     def _int8_attn_fwd_ws_kernel(q_desc, k_desc, v_desc, sk_desc, sv_desc, SQ, SK, O, Lq, Lk, K_ROWS, SK_ROW, HQ, HK,
-                                 V_ROWS, NBLK, SV_STEP, stride_sqb, stride_sqh, stride_sql, q_scale, stride_ob,
-                                 stride_om, stride_oh,
+                                 V_ROWS, NBLK, SV_STEP, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh,
                                  IS_CAUSAL: gl.constexpr, D: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-                                 FLAGS: gl.constexpr, PV_PARTS: gl.constexpr, WGS: gl.constexpr,
-                                 PARTS: gl.constexpr, R_CONSUMER: gl.constexpr, R_PRODUCER: gl.constexpr):
-        """grid (cdiv(Lq, 64 WGS) * b * HQ,), row blocks of one head neighbours, the longest causal ones first; WGS
-        consumer warpgroups of 64 rows each share every KV slot, in PARTS partitions (WGS, or one of them all).
-        q_desc over q8 as [b HQ Lq, d] (block [64, d]; None with _Q_RAW: SQ is then Q itself in 16 bits, rows
-        stride_sql apart, quantized by the consumers with q_scale; else SQ is sq, stride_sql 1), k_desc over k8 as [b HK K_ROWS, d] (block [BN, d]),
+                                 FLAGS: gl.constexpr, PV_PARTS: gl.constexpr, R_CONSUMER: gl.constexpr,
+                                 R_PRODUCER: gl.constexpr):
+        """grid (cdiv(Lq, 128) * b * HQ,), row blocks of one head neighbours, the longest causal ones first; two
+        consumer warpgroups of 64 rows each share every KV slot.
+        q_desc over q8 as [b HQ Lq, d] (block [64, d]), k_desc over k8 as [b HK K_ROWS, d] (block [BN, d]),
         v_desc over v8t as [b HK d, Lpad] (block [d, BN]; _PV_HALF: over 16-bit V as [b HK Lpad, d], block [BN, d]),
         sk_desc over sk as [b HK SK_ROW] (block [BN]; SK_ROW a multiple of 4: a 1-D TMA copy starts 16-byte
         aligned), sv_desc over sv as [b HK NBLK d] (block [d]; SV_STEP 0: one block of channel scales for every KV
         block). Rows a tile reads past its head are masked. K_ROWS: k8's rows per head, SK_ROW sk's (both >= Lk),
         V_ROWS the V descriptor's (d, or Lpad with _PV_HALF, whose rows must be finite: a masked p is 0, and 0 times
         a non-finite value is NaN). SK: sk itself (the NaN scan)."""
-        ROWS: gl.constexpr = WGS * _PART_M
-        n_m = gl.cdiv(Lq, ROWS)
+        PART_M: gl.constexpr = q_desc.block_type.shape[0]
+        PARTS: gl.constexpr = 2
+        n_m = gl.cdiv(Lq, PARTS * PART_M)
         pid = gl.program_id(0)
         i_m = n_m - 1 - pid % n_m
         i_bh = pid // n_m
@@ -524,10 +474,9 @@ if HAVE_GLUON:
         i_hk = i_hq // (HQ // HK)
         hi = Lk
         if IS_CAUSAL:
-            hi = gl.minimum(hi, (i_m + 1) * ROWS + (Lk - Lq))
+            hi = gl.minimum(hi, (i_m + 1) * (PARTS * PART_M) + (Lk - Lq))
         n_blocks = gl.cdiv(hi, BN)
-        q_smem = gl.allocate_shared_memory(gl.int8, [ROWS, D], gl.NVMMASharedLayout.get_default_for([_PART_M, D],
-                                                                                                  gl.int8))
+        q_smem = gl.allocate_shared_memory(gl.int8, [PARTS, PART_M, D], q_desc.layout)
         k_smem = gl.allocate_shared_memory(gl.int8, [STAGES, BN, D], k_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
         sk_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BN], sk_desc.layout)
@@ -536,41 +485,29 @@ if HAVE_GLUON:
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         ones_smem = gl.allocate_shared_memory(gl.int8, [8, BN], gl.NVMMASharedLayout.get_default_for([8, BN], gl.int8))
-        ones_smem.store(gl.full([8, BN], 1, gl.int8, layout=gl.BlockedLayout([1, 16], [4, 8], [gl.num_warps(), 1],
-                                                                          [1, 0])))
+        ones_smem.store(gl.full([8, BN], 1, gl.int8, layout=gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])))
         mbarrier.init(q_bar, count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=PARTS)  # every consumer releases a slot
         fence_async_shared()
-        q_row = i_bh * Lq + i_m * ROWS
+        q_row = i_bh * Lq + i_m * (PARTS * PART_M)
         k_row = (i_b * HK + i_hk) * K_ROWS  # k8 and sk may hold more rows than the Lk keys attended
         sk_row = (i_b * HK + i_hk) * SK_ROW
         v_row = (i_b * HK + i_hk) * V_ROWS
         sv_row = (i_b * HK + i_hk) * NBLK
         # tuples spelled out in the call: a tuple held in a variable or concatenated unwraps its constexprs
-        if PARTS == 2:
-            gl.warp_specialize([
-                (_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, ones_smem, q_bar, ready, empty, SQ, SK, O, Lq,
-                             Lk, i_m, i_b, i_hq, stride_sqb, stride_sqh, stride_sql, q_scale, stride_ob, stride_om,
-                             stride_oh, sk_row, n_blocks, _PART0, IS_CAUSAL, FLAGS, PV_PARTS)),
-                (_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, ones_smem, q_bar, ready, empty, SQ, SK, O, Lq,
-                             Lk, i_m, i_b, i_hq, stride_sqb, stride_sqh, stride_sql, q_scale, stride_ob, stride_om,
-                             stride_oh, sk_row, n_blocks, _PART1, IS_CAUSAL, FLAGS, PV_PARTS)),
-                (_producer, (q_desc, k_desc, v_desc, sk_desc, sv_desc, q_smem, k_smem, v_smem, sk_smem, sv_smem,
-                             q_bar, ready, empty, q_row, k_row, sk_row, v_row, sv_row, SV_STEP, n_blocks, BN, D,
-                             STAGES, FLAGS)),
-            ], [4, 4], [R_CONSUMER, R_PRODUCER])
-        else:  # one consumer partition of every warpgroup: one copy of the loop's code; the producer is the default
-            # partition (the kernel's 4 warps: a program's warps need not be a power of two, the kernel's must)
-            gl.warp_specialize([
-                (_producer, (q_desc, k_desc, v_desc, sk_desc, sv_desc, q_smem, k_smem, v_smem, sk_smem, sv_smem,
-                             q_bar, ready, empty, q_row, k_row, sk_row, v_row, sv_row, SV_STEP, n_blocks, BN, D,
-                             STAGES, FLAGS)),
-                (_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, ones_smem, q_bar, ready, empty, SQ, SK, O, Lq,
-                             Lk, i_m, i_b, i_hq, stride_sqb, stride_sqh, stride_sql, q_scale, stride_ob, stride_om,
-                             stride_oh, sk_row, n_blocks, _PART0, IS_CAUSAL, FLAGS, PV_PARTS)),
-            ], [4 * WGS], [R_CONSUMER])
+        gl.warp_specialize([
+            (_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, ones_smem, q_bar, ready, empty, SQ, SK, O, Lq, Lk,
+                         i_m, i_b, i_hq, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh, sk_row, n_blocks,
+                         _PART0, IS_CAUSAL, FLAGS, PV_PARTS)),
+            (_consumer, (q_smem, k_smem, v_smem, sk_smem, sv_smem, ones_smem, q_bar, ready, empty, SQ, SK, O, Lq, Lk,
+                         i_m, i_b, i_hq, stride_sqb, stride_sqh, stride_ob, stride_om, stride_oh, sk_row, n_blocks,
+                         _PART1, IS_CAUSAL, FLAGS, PV_PARTS)),
+            (_producer, (q_desc, k_desc, v_desc, sk_desc, sv_desc, q_smem, k_smem, v_smem, sk_smem, sv_smem, q_bar,
+                         ready, empty, q_row, k_row, sk_row, v_row, sv_row, SV_STEP, n_blocks, BN, D, STAGES,
+                         FLAGS)),
+        ], [4, 4], [R_CONSUMER, R_PRODUCER])
 
 
 def _tma_operand(t: torch.Tensor) -> torch.Tensor:
@@ -609,40 +546,29 @@ def _desc_dims(q8, k8, v, sk, sv):
 
 
 def descriptors(q8, k8, v, sk, sv):
-    """TMA descriptors of the operands as dense 2-D (int8 / 16-bit tiles) and 1-D (scales) arrays; Q's is None
-    where ``q8`` is Q itself in 16 bits (the consumers quantize it)."""
-    return tuple(None if t is q8 and t.dtype != torch.int8 else TensorDescriptor(t, shape, strides, block, lay)
-                 for t, (shape, strides, block), lay in zip((q8, k8, v, sk, sv), _desc_dims(q8, k8, v, sk, sv),
-                                                           _layouts(q8.shape[3], v.dtype)))
+    """TMA descriptors of the operands as dense 2-D (int8 / 16-bit tiles) and 1-D (scales) arrays."""
+    return tuple(TensorDescriptor(t, shape, strides, block, lay) for t, (shape, strides, block), lay in zip(
+        (q8, k8, v, sk, sv), _desc_dims(q8, k8, v, sk, sv), _layouts(q8.shape[3], v.dtype)))
 
 
 def schedule_constexprs(**schedule) -> dict:
-    """The kernel's FLAGS (bit set of the boolean switches), PV_PARTS and PARTS (consumer partitions: one a
-    warpgroup, or one of them all with ``joint``) for ``SCHEDULE``'s switches, defaults where not given."""
+    """The kernel's FLAGS (bit set of the boolean switches) and PV_PARTS for ``SCHEDULE``'s switches, defaults where
+    not given."""
     unknown = set(schedule) - set(SCHEDULE)
     if unknown:
         raise ValueError(f"unknown schedule switch(es) {sorted(unknown)}; known: {sorted(SCHEDULE)}")
     on = {**SCHEDULE, **schedule}
     if on["pv_parts"] not in (1, 2, 4):
         raise ValueError(f"pv_parts={on['pv_parts']!r}: 1, 2 or 4 (an int8 wgmma takes 32 keys or more)")
-    if on["warpgroups"] not in ((2, 3) if on["joint"] else (2,)):
-        raise ValueError(f"warpgroups={on['warpgroups']!r}: 2, or 2 or 3 with joint (one consumer partition)")
     flags = (_I2F_BIT if on["i2f"] else 0) | (_KEYS_PERMUTED_BIT if on["keys_permuted"] else 0)
-    return dict(FLAGS=flags, PV_PARTS=int(on["pv_parts"]), WGS=int(on["warpgroups"]),
-                PARTS=1 if on["joint"] else int(on["warpgroups"]))
+    return dict(FLAGS=flags, PV_PARTS=int(on["pv_parts"]))
 
 
-def ws_spec(q8, sq, k8, sk, v, sv, out, *, causal: bool, Lk: int, worker_regs=None, q_scale=None, **schedule):
+def ws_spec(q8, sq, k8, sk, v, sv, out, *, causal: bool, Lk: int, worker_regs=None, **schedule):
     """(grid, scalars, constexprs) of ``_int8_attn_fwd_ws_kernel`` after its five descriptors and 3 tensors
     (sk and sv dense with sk's rows a multiple of 4: ``launch_ws``). ``v``: V^T int8 (INT8 P.V) or V in 16 bits
-    (``PV_HALF_DTYPES``, ``[b, hk, Lpad, d]``: P.V on 16-bit operands; ``sv`` is then not read). ``q_scale``: ``q8``
-    is Q itself in 16 bits (channels contiguous, any other strides), quantized per token by the kernel's consumers
-    with this scale (``quant.quantize_per_token``'s ``scale``) as the Q pass would; ``sq`` is then not read."""
+    (``PV_HALF_DTYPES``, ``[b, hk, Lpad, d]``: P.V on 16-bit operands; ``sv`` is then not read)."""
     b, hq, lq, d = q8.shape
-    raw = q_scale is not None
-    if raw and (q8.dtype not in PV_HALF_DTYPES or q8.stride(3) != 1):
-        raise ValueError(f"Q quantized in the kernel must be {PV_HALF_DTYPES} with contiguous channels; got "
-                         f"{q8.dtype}, strides {q8.stride()}")
     hk, nblk = k8.shape[1], sv.shape[2]
     if sk.shape[2] < Lk or sk.shape[2] % 4:
         raise ValueError(f"sk {tuple(sk.shape)} must hold >= Lk = {Lk} rows per head, a multiple of 4")
@@ -652,18 +578,14 @@ def ws_spec(q8, sq, k8, sk, v, sv, out, *, causal: bool, Lk: int, worker_regs=No
                          f"{INT8_PV_HEAD_DIMS}")
     if half and (v.shape[2] < Lk or v.shape[2] % BLOCK_N):
         raise ValueError(f"16-bit V {tuple(v.shape)} must hold whole blocks of {BLOCK_N} rows per head, >= Lk = {Lk}")
+    grid = (-(-lq // (2 * PART_M)) * b * hq,)
+    scalars = (lq, Lk, k8.shape[2], sk.shape[2], hq, hk, v.shape[2], nblk, 1 if nblk > 1 else 0, sq.stride(0),
+               sq.stride(1), out.stride(0), out.stride(1), out.stride(2))
     cx = schedule_constexprs(**schedule)
-    grid = (-(-lq // (cx["WGS"] * PART_M)) * b * hq,)
-    q_rows = q8.stride()[:3] if raw else sq.stride()
-    scalars = (lq, Lk, k8.shape[2], sk.shape[2], hq, hk, v.shape[2], nblk, 1 if nblk > 1 else 0, *q_rows,
-               float(q_scale) if raw else 1.0, out.stride(0), out.stride(1), out.stride(2))
-    if raw:
-        cx["FLAGS"] |= _Q_RAW_BIT
     if half:  # V's keys in natural order; its 16-bit P is the accumulator's registers as they are
         cx["FLAGS"] = (cx["FLAGS"] & ~_KEYS_PERMUTED_BIT) | _PV_HALF_BIT | (_PV_SERIAL_BIT if d > 128 else 0)
-    r_consumer, r_producer = worker_regs or _WORKER_REGS[cx["WGS"]]
-    kw = dict(IS_CAUSAL=bool(causal), D=d, BN=BLOCK_N, STAGES=_STAGES[d], **cx, R_CONSUMER=r_consumer,
-              R_PRODUCER=r_producer, num_warps=4)
+    kw = dict(IS_CAUSAL=bool(causal), D=d, BN=BLOCK_N, STAGES=_STAGES[d], **cx,
+              R_CONSUMER=(worker_regs or _WORKER_REGS)[0], R_PRODUCER=(worker_regs or _WORKER_REGS)[1], num_warps=4)
     return grid, scalars, kw
 
 
@@ -684,18 +606,14 @@ class WsLaunch:
 
     __slots__ = ("grid", "scalars", "kw", "dims", "memo")
 
-    def __init__(self, q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, worker_regs=None, q_scale=None,
-                 **schedule):
+    def __init__(self, q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, worker_regs=None, **schedule):
         self.grid, self.scalars, self.kw = ws_spec(q8, sq, k8, sk, v8t, sv, out, causal=causal, Lk=Lk,
-                                                   worker_regs=worker_regs, q_scale=q_scale, **schedule)
+                                                   worker_regs=worker_regs, **schedule)
         self.dims = _desc_dims(q8, k8, v8t, sk, sv)
         self.memo = {}
 
     def __call__(self, q8, sq, k8, sk, v8t, sv, out):
-        """``q8`` is Q itself (``sq`` None) where the launch was planned with ``q_scale``."""
         tiles = (q8, k8, v8t, sk, sv)
-        raw = self.kw["FLAGS"] & _Q_RAW_BIT
-        sq = q8 if raw else sq
         aligned = not ((_data_ptr(sq) | _data_ptr(out) | functools.reduce(operator.or_, map(_data_ptr, tiles)))
                        & 15)
         key = current_cuda_device()
@@ -707,21 +625,17 @@ class WsLaunch:
                 self.memo[key] = hit
             return out
         descs = [_Desc(t, shape, strides) for t, (shape, strides, _) in zip(tiles, self.dims)]
-        if raw:
-            descs[0] = None
         LeanLaunch.relaunch(hit, self.grid, (*descs, _data_ptr(sq), _data_ptr(sk), _data_ptr(out), *self.scalars))
         return out
 
 
 def launch_ws(q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, worker_regs=None, v8t_in_mma_order=False,
-              q_scale=None, **schedule):
+              **schedule):
     """Run the kernel once (CUDA sm_90; ``int8_flash_attention`` checks the operands' shapes and dtypes): any
     strides, sk's rows padded here. ``v8t``: V^T int8, or V itself in 16 bits (``[b, hk, >= Lk, d]``, finite, as
     ``quant.v_operand_half`` writes it; its rows padded with zeros to whole blocks here). ``schedule``: ``SCHEDULE``'s
     switches, ``worker_regs``: (consumer, producer) registers, for the A/B (PERF_NOTES). ``v8t_in_mma_order``: v8t's
-    keys are already in ``mma_key_order`` (else, with ``keys_permuted``, a copy is). ``q_scale``: ``q8`` is Q itself
-    in 16 bits, quantized by the kernel (``ws_spec``). A caller launching one shape again and again keeps a
-    ``WsLaunch``."""
+    keys are already in ``mma_key_order`` (else, with ``keys_permuted``, a copy is). A caller launching one shape again and again keeps a ``WsLaunch``."""
     if sk.shape[2] % 4:  # rows of whole 16-byte units (1-D TMA copies start aligned); the pad is never read as a key
         sk = torch.nn.functional.pad(sk, (0, 4 - sk.shape[2] % 4))
     if v8t.dtype in PV_HALF_DTYPES:  # whole blocks of rows (``ws_spec``)
@@ -729,8 +643,6 @@ def launch_ws(q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, worker_reg
             v8t = torch.nn.functional.pad(v8t, (0, 0, 0, -v8t.shape[2] % BLOCK_N))
     elif schedule_constexprs(**schedule)["FLAGS"] & _KEYS_PERMUTED_BIT and not v8t_in_mma_order:
         v8t = v8t[..., mma_key_order(v8t.shape[-1]).to(v8t.device)]
-    q8 = q8.contiguous() if q_scale is not None and q8.stride(3) != 1 else q8
-    q8 = q8 if q_scale is not None else _tma_operand(q8)
-    k8, v8t, sk, sv = (_tma_operand(t) for t in (k8, v8t, sk, sv))
-    return WsLaunch(q8, sq, k8, sk, v8t, sv, out, causal=causal, Lk=Lk, worker_regs=worker_regs, q_scale=q_scale,
+    q8, k8, v8t, sk, sv = (_tma_operand(t) for t in (q8, k8, v8t, sk, sv))
+    return WsLaunch(q8, sq, k8, sk, v8t, sv, out, causal=causal, Lk=Lk, worker_regs=worker_regs,
                     **schedule)(q8, sq, k8, sk, v8t, sv, out)

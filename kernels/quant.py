@@ -400,16 +400,15 @@ def _tokens_spec(x4: torch.Tensor, scale: float, smb: int, smh: int, has_smooth:
 
 def _qk_spec(q4: torch.Tensor, k4: torch.Tensor, q_scale: float, k_scale: float, smb: int, smh: int,
              has_smooth: bool, rotate: bool = False, has_factor: bool = False, mean_parts: int = 0,
-             sk_row: Optional[int] = None, quantize_q: bool = True):
+             sk_row: Optional[int] = None):
     """(grid, scalars, kwargs) of ``_quant_qk_kernel``: Q ``[b, HQ, LQ, d]`` and K ``[b, HK, LK, d]`` (same b, d);
     ``rotate``: Hadamard-rotate both in the pass (``has_factor``: with the smoothing factors, fp32 ``[b, HK, d]``
     contiguous); ``mean_parts``: the mean is finished from that many fp64 partial sums (``_k_sum_spec``); ``sk_row``:
-    K's scales a head apart in ``sk`` (default LK); ``quantize_q`` False: K's programs only (the Gluon prefill
-    quantizes Q itself)."""
+    K's scales a head apart in ``sk`` (default LK)."""
     b, hq, lq, d = q4.shape
     hk, lk = k4.shape[1], k4.shape[2]
     bt, warps = _qk_tile(d, rotate)
-    nq = -(-lq // bt) * b * hq if quantize_q else 0
+    nq = -(-lq // bt) * b * hq
     grid = (nq + -(-lk // bt) * b * hk,)
     n = rotation_block(d) if rotate else 16
     if rotate:  # H+-1 = sqrt(n) H: 1/sqrt(n) goes into each row's scale (exact for n = 16, 64, 256)

@@ -17,10 +17,10 @@ import subprocess
 import tempfile
 
 
-def compile_sm90(d: int, causal: bool, v_dtype: str = "int8", q_raw: bool = False, **schedule):
+def compile_sm90(d: int, causal: bool, v_dtype: str = "int8", **schedule):
     """(cubin bytes, ptx) of ``_int8_attn_fwd_ws_kernel`` for sm_90 at head_dim ``d``; ``v_dtype``: "int8" (V^T,
-    INT8 P.V) or "bfloat16" / "float16" (P.V on 16-bit V); ``q_raw``: Q in bf16, quantized by the kernel;
-    ``schedule``: ``ws_spec``'s switches (``pv_parts``, ...)."""
+    INT8 P.V) or "bfloat16" / "float16" (P.V on 16-bit V); ``schedule``: ``ws_spec``'s switches (``pv_parts``,
+    ...)."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -30,22 +30,19 @@ def compile_sm90(d: int, causal: bool, v_dtype: str = "int8", q_raw: bool = Fals
     from turbo_attn_hf.kernels import prefill_hopper as ph
 
     b, hq, hk, L = 1, 4, 2, 256
-    q8, k8 = (torch.zeros(b, hq, L, d, dtype=torch.bfloat16 if q_raw else torch.int8),
-              torch.zeros(b, hk, L, d, dtype=torch.int8))
+    q8, k8 = torch.zeros(b, hq, L, d, dtype=torch.int8), torch.zeros(b, hk, L, d, dtype=torch.int8)
     v8t = (torch.zeros(b, hk, d, L, dtype=torch.int8) if v_dtype == "int8"
            else torch.zeros(b, hk, L, d, dtype=getattr(torch, v_dtype)))
     sq, sk, sv = torch.zeros(b, hq, L), torch.zeros(b, hk, L), torch.zeros(b, hk, L // ph.BLOCK_N, d)
     out = torch.empty(b, L, hq, d, dtype=torch.bfloat16)
-    _, scalars, kw = ph.ws_spec(q8, sq, k8, sk, v8t, sv, out, causal=causal, Lk=L,
-                                q_scale=0.1 if q_raw else None, **schedule)
+    _, scalars, kw = ph.ws_spec(q8, sq, k8, sk, v8t, sv, out, causal=causal, Lk=L, **schedule)
     fn = ph._int8_attn_fwd_ws_kernel
-    args = list(ph.descriptors(q8, k8, v8t, sk, sv)) + [q8 if q_raw else sq, sk, out] + list(scalars)
+    args = list(ph.descriptors(q8, k8, v8t, sk, sv)) + [sq, sk, out] + list(scalars)
     sig = {p.name: mangle_type(a) for p, a in zip(fn.params, args)}
-    options = {k: kw[k] for k in ("num_warps", "enable_fp_fusion") if k in kw}
-    cx = {k: v for k, v in kw.items() if k not in options}
+    cx = {k: v for k, v in kw.items() if k != "num_warps"}
     sig.update({k: "constexpr" for k in cx})
     k = triton.compile(GluonASTSource(fn, sig, constexprs=cx), target=GPUTarget("cuda", 90, 32),
-                       options=options)
+                       options={"num_warps": kw["num_warps"]})
     compile_sm90.shared = k.metadata.shared  # bytes of shared memory a program (dynamic)
     return k.asm["cubin"], k.asm["ptx"]
 
@@ -93,22 +90,18 @@ def main(argv=None) -> int:
     ap.add_argument("--causal", default="0,1")
     ap.add_argument("--schedules", default="{}", help="JSON objects of launch_ws switches, joined by ';'")
     ap.add_argument("--v", default="int8", help="V operand dtypes: int8 (INT8 P.V), bfloat16, float16")
-    ap.add_argument("--q", default="int8", help="Q operands: int8 (the Q pass's codes), raw (bf16, quantized in "
-                    "the kernel), or both joined by ','")
     ap.add_argument("--top", type=int, default=16)
     a = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("gluon_sass: unset TRITON_INTERPRET (the interpreter compiles nothing)")
     for d in map(int, a.dims.split(",")):
         for causal in map(int, a.causal.split(",")):
-            for sched, v, qf in ((sc, v, qf) for sc in map(json.loads, a.schedules.split(";"))
-                                 for v in a.v.split(",") for qf in a.q.split(",")):
-                cubin, ptx = compile_sm90(d, bool(causal), v, qf == "raw", **sched)
+            for sched, v in ((sc, v) for sc in map(json.loads, a.schedules.split(";")) for v in a.v.split(",")):
+                cubin, ptx = compile_sm90(d, bool(causal), v, **sched)
                 regs, ops = sass_counts(cubin)
                 maxnreg = sorted(set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)))
                 serial = any("C7512" in line for line in ptxas_infos(ptx))
-                print(f"d {d} causal {causal} V {v} Q {qf} {json.dumps(sched)}: {sum(ops.values())} SASS "
-                      f"instructions, "
+                print(f"d {d} causal {causal} V {v} {json.dumps(sched)}: {sum(ops.values())} SASS instructions, "
                       f"shared memory {compile_sm90.shared} B, "
                       f"kernel registers {regs}, setmaxnreg {maxnreg}, spill stores {ops['STL']} / loads {ops['LDL']}"
                       f"{', WGMMA SERIALIZED (ptxas C7512)' if serial else ''}")

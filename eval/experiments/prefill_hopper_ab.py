@@ -8,9 +8,7 @@ kernel's output (the same math: 0 expected). FA3 protocol shapes (16k tokens, hi
 A variant is ``hopper`` and the switches of ``prefill_hopper.launch_ws`` it sets, joined by ``+``: ``no<key>`` /
 ``<key>`` turn a boolean key of ``prefill_hopper.SCHEDULE`` off / on (``noi2f``: the magic-number conversions),
 ``pv<N>`` sets ``pv_parts``, ``regs<C>_<P>`` the consumer / producer registers (``hopper+pv1+regs240_24``), ``half``
-runs P.V on V itself in 16 bits (``hopper+half``), ``qraw`` quantizes Q in the kernel (from bf16 Q: the Q pass's work
-in the kernel's time). ``turbo`` is ``prefill.turbo_attention`` on the Gluon kernel, quantization passes included
-(``turbo+qpass``: Q through the Q+K pass, not the kernel).
+runs P.V on V itself in 16 bits (``hopper+half``).
 Schedules measured and removed: three consumer warpgroups (git a158f56), the next block's Q.K^T beside P.V, the row
 max as a tree and Q.K^T in halves (git 2baef6d), P's row sums by integer adds (PERF_NOTES sessions 44, 45), FA3's
 ping-pong of the two consumers and the stage-removal switches of the session 47 decomposition (git 47809cd).
@@ -29,19 +27,15 @@ def _schedule(variant: str) -> dict:
     from turbo_attn_hf.kernels.prefill_hopper import SCHEDULE
 
     head, *switches = variant.split("+")
-    if head == "turbo":
-        if switches not in ([], ["qpass"]):
-            raise SystemExit(f"variant {variant!r}: 'turbo' or 'turbo+qpass'")
-        return {"turbo": True, "qpass": bool(switches)}
     if head != "hopper":
-        raise SystemExit(f"variant {variant!r} must start with 'hopper' or 'turbo'")
+        raise SystemExit(f"variant {variant!r} must start with 'hopper'")
     kw = {}
     for sw in switches:
         if sw.startswith("regs"):
             kw["worker_regs"] = tuple(int(x) for x in sw[4:].split("_"))
             continue
-        if sw in ("half", "qraw"):  # not switches: V itself in 16 bits (P.V on 16-bit operands), Q in bf16
-            kw[sw] = True
+        if sw == "half":  # not a switch: V itself in 16 bits (P.V on 16-bit operands)
+            kw["half"] = True
             continue
         if sw.startswith("pv") and sw[2:].isdigit():
             kw["pv_parts"] = int(sw[2:])
@@ -53,18 +47,6 @@ def _schedule(variant: str) -> dict:
                              "joined by '+'")
         kw[key] = on
     return kw
-
-
-def _turbo(q, k, v, causal, qpass):
-    """``turbo_attention`` on the Gluon kernel, output [b, L, h, d]; ``qpass``: Q through the Q+K pass."""
-    from turbo_attn_hf.kernels import prefill
-
-    prefill._Q_IN_KERNEL[0] = not qpass  # part of the plans' key: both plans coexist
-    try:
-        with prefill.chosen_kernel("hopper"):
-            return prefill.turbo_attention(q, k, v, causal=causal)
-    finally:
-        prefill._Q_IN_KERNEL[0] = True
 
 
 def main(argv=None) -> int:
@@ -96,19 +78,14 @@ def main(argv=None) -> int:
                                                                         _kernel="portable")}
                 for name in a.variants.split(","):
                     kw = _schedule(name)
-                    if kw.pop("turbo", False):
-                        fns[name] = functools.partial(_turbo, q, k, v, causal, kw["qpass"])
-                        continue
-                    if kw.pop("qraw", False):
-                        kw["q_scale"] = d ** -0.5 * reference.LOG2E
                     vt = v8t
                     if kw.pop("half", False):  # V itself (launch_ws pads each head's rows to whole blocks)
                         vt = v
                     elif {**prefill_hopper.SCHEDULE, **kw}["keys_permuted"]:  # as the V pass writes it
                         vt = v8t[..., prefill_hopper.mma_key_order(v8t.shape[-1]).to(v8t.device)].contiguous()
                         kw["v8t_in_mma_order"] = True
-                    fns[name] = functools.partial(prefill_hopper.launch_ws, q if "q_scale" in kw else q8, sq, k8,
-                                                  sk, vt, sv, out, causal=causal, Lk=L, **kw)
+                    fns[name] = functools.partial(prefill_hopper.launch_ws, q8, sq, k8, sk, vt, sv, out,
+                                                  causal=causal, Lk=L, **kw)
                 fns["sdpa_cudnn"] = None
                 ref = fns["portable"]().float()
                 exact = reference.attention_fp64(q[:1, :2], k[:1, :2], v[:1, :2], causal=causal)  # [1, L, 2, d]

@@ -140,7 +140,7 @@ def test_a_bad_value_token_poisons_exactly_the_rows_that_see_it_with_either_pv(c
 
 #: schedules that reorder or regroup the same operations: bit for bit the default schedule's output
 EXACT_SCHEDULES = [dict(pv_parts=1), dict(pv_parts=2), dict(worker_regs=(240, 24)), dict(keys_permuted=False),
-                   dict(keys_permuted=False, pv_parts=2), dict(keys_permuted=False, pv_parts=1), dict(joint=True)]
+                   dict(keys_permuted=False, pv_parts=2), dict(keys_permuted=False, pv_parts=1)]
 
 
 @pytest.mark.gpu
@@ -156,30 +156,6 @@ def test_every_exact_schedule_gives_the_same_output(case, schedule):
                                      dtype=torch.bfloat16), causal=causal, Lk=lk, **sch)
             for sch in ({}, schedule)]
     assert torch.equal(outs[0], outs[1])
-
-
-@pytest.mark.gpu
-@sm90
-@pytest.mark.parametrize("case", HALF_CASES, ids=lambda c: "x".join(map(str, c)))
-def test_q_quantized_in_the_kernel_is_the_q_pass_bit_for_bit(case):
-    """Q in bf16 as HF hands it (``[b, L, h, d]`` transposed: channels contiguous, rows h * d apart), one row
-    poisoned: the consumers' codes and scales are the Q pass's, so the output is the same bits (NaN in the same
-    rows), with either consumer split."""
-    b, hq, hk, lq, lk, d, causal = case
-    g = torch.Generator().manual_seed(lq + d)
-    q = torch.randn(b, lq, hq, d, generator=g).to(device="cuda", dtype=torch.bfloat16).transpose(1, 2)
-    q[0, 0, lq // 2, 1] = float("inf")
-    _, _, k8, sk, v, sv = _operands(b, hq, hk, lq, lk, d, "cuda", seed=lq + lk, half=True)
-    scale = d ** -0.5 * reference.LOG2E
-    q8, sq = quant.quantize_per_token(q, scale=scale)
-    outs = [prefill_hopper.launch_ws(*qs, k8, sk, v, sv, torch.empty(b, lq, hq, d, device="cuda",
-                                     dtype=torch.bfloat16), causal=causal, Lk=lk, **kw)
-            for qs, kw in (((q8, sq), {}), ((q, None), dict(q_scale=scale)), ((q, None), dict(q_scale=scale,
-                                                                                             joint=True)))]
-    nan = outs[0].isnan()
-    assert nan[0, lq // 2, 0].all() and not nan[0, :, 1].any()
-    for o in outs[1:]:
-        assert torch.equal(o.isnan(), nan) and torch.equal(o.nan_to_num(), outs[0].nan_to_num())
 
 
 def test_the_mma_key_order_puts_a_threads_score_keys_in_its_operand_slots():
@@ -199,21 +175,6 @@ def test_schedule_switches_are_checked():
         prefill_hopper.schedule_constexprs(pingpong=True)
     with pytest.raises(ValueError, match="1, 2 or 4"):
         prefill_hopper.schedule_constexprs(pv_parts=8)
-    with pytest.raises(ValueError, match="2 or 3 with joint"):
-        prefill_hopper.schedule_constexprs(warpgroups=3)
-    assert prefill_hopper.schedule_constexprs(joint=True)["PARTS"] == 1
-
-
-def test_q_quantized_in_the_kernel_must_be_16bit_with_contiguous_channels():
-    z8 = torch.zeros(1, 1, 128, 64, dtype=torch.int8)
-    v = torch.zeros(1, 1, 128, 64, dtype=torch.bfloat16)
-    args = (torch.zeros(1, 1, 128), z8, torch.zeros(1, 1, 128), v, torch.zeros(1, 1, 1, 64),
-            torch.empty(1, 128, 1, 64))
-    for q in (torch.zeros(1, 1, 128, 64), torch.zeros(1, 1, 64, 128, dtype=torch.bfloat16).transpose(2, 3)):
-        with pytest.raises(ValueError, match="Q quantized in the kernel must be"):
-            prefill_hopper.ws_spec(q, *args, causal=True, Lk=128, q_scale=0.1)
-    grid, scalars, kw = prefill_hopper.ws_spec(v, *args, causal=True, Lk=128, q_scale=0.1)
-    assert kw["FLAGS"] & prefill_hopper._Q_RAW_BIT and scalars[9:13] == (*v.stride()[:3], 0.1)
 
 
 @pytest.mark.gpu

@@ -15,9 +15,7 @@ import sm90
 CONFIGS = [(128, True, {}), (128, False, {"pv_parts": 2, "i2f": True}), (64, True, {"pv_parts": 1}),
            (64, False, {"pv_parts": 1, "i2f": False, "keys_permuted": False}),
            (128, True, {"v_dtype": "bfloat16"}), (64, False, {"v_dtype": "float16"}),  # P.V on 16-bit V
-           (256, True, {"v_dtype": "bfloat16"}),  # head_dim 256: only on 16-bit V, in the serial order
-           (128, False, {"v_dtype": "bfloat16", "q_raw": True}), (256, True, {"v_dtype": "bfloat16", "q_raw": True}),
-           (64, True, {"v_dtype": "bfloat16", "q_raw": True, "joint": True})]  # Q quantized by the consumers
+           (256, True, {"v_dtype": "bfloat16"})]  # head_dim 256: only on 16-bit V, in the serial order
 
 
 def _compile(d, causal, schedule):
