@@ -47,7 +47,7 @@ import triton.language as tl  # PropagateNan: Gluon reuses triton.language's enu
 
 from .device import current_cuda_device
 from .launch import LeanLaunch, lean
-from .reference import MAGIC, MAGIC_BITS, P_BLOCK_GAP, PV_HALF_DTYPES, SQ_MIN
+from .reference import MAGIC, MAGIC_BITS, P_BLOCK_GAP, PV_HALF_BLOCK_N, PV_HALF_DTYPES, SQ_MIN
 
 try:  # Gluon is experimental: a Triton without it (or with another API) keeps the portable kernel
     from triton.experimental import gluon
@@ -77,13 +77,18 @@ INT8_PV_HEAD_DIMS = (64, 128)
 _STAGES = {64: 4, 128: 3, 256: 2}
 #: the kernel's schedule switches (``launch_ws`` keywords) and their defaults (PERF_NOTES session 45): I2F conversions,
 #: P.V in 4 MMAs, V's keys in the operand order (the last two: the INT8 P.V's); the kernel takes FLAGS (the booleans'
-#: bits) + PV_PARTS
-SCHEDULE = {"i2f": True, "pv_parts": 4, "keys_permuted": True}
+#: bits) + PV_PARTS. ``two_ctas``: the 16-bit P.V in two CTAs an SM (None: where ``PV_HALF_BLOCK_N`` names the head
+#: dim; False: one CTA, KV blocks of BLOCK_N, for the A/B)
+SCHEDULE = {"i2f": True, "pv_parts": 4, "keys_permuted": True, "two_ctas": None}
 #: FLAGS' bits; P.V on 16-bit V (from V's dtype) and its serial order (from d: block j-1's P.V waited for before block
 #: j's Q.K^T, where the in-warpgroup order's second score tile beside a 128-register acc spills) are not switches
 _I2F_BIT, _KEYS_PERMUTED_BIT, _PV_HALF_BIT, _PV_SERIAL_BIT = 1, 2, 4, 8
 #: registers per thread of the second consumer and the producer (setmaxnreg); the default partition is consumer 0
 _WORKER_REGS = (232, 40)
+#: the 16-bit P.V in two CTAs an SM (``two_ctas``; the head dims where it compiles and was faster, PERF_NOTES session
+#: 49): KV blocks of ``PV_HALF_BLOCK_N`` keys, each block's P.V waited for before the next Q.K^T, 80 launch
+#: registers (ptxas holds every partition to them; 2 x 384 x 80 fit the register file) and 4 ring slots (75 KB a CTA)
+_TWO_CTAS = dict(maxnreg=80, worker_regs=(104, 24), stages=4)
 _data_ptr = torch.Tensor.data_ptr
 
 
@@ -526,34 +531,35 @@ class _Desc:
 
 
 @functools.lru_cache(maxsize=None)
-def _layouts(d: int, v_dtype: torch.dtype = torch.int8):
-    """Shared-memory layouts of the five TMA tiles at head_dim ``d`` (q, k int8; V^T int8 or V 16-bit; sk, sv
-    fp32)."""
-    v_tile = ([d, BLOCK_N], gl.int8) if v_dtype == torch.int8 else (
-        [BLOCK_N, d], gl.bfloat16 if v_dtype == torch.bfloat16 else gl.float16)
+def _layouts(d: int, v_dtype: torch.dtype = torch.int8, bn: int = BLOCK_N):
+    """Shared-memory layouts of the five TMA tiles at head_dim ``d`` and KV block ``bn`` (q, k int8; V^T int8 or V
+    16-bit; sk, sv fp32)."""
+    v_tile = ([d, bn], gl.int8) if v_dtype == torch.int8 else (
+        [bn, d], gl.bfloat16 if v_dtype == torch.bfloat16 else gl.float16)
     return tuple(gl.NVMMASharedLayout.get_default_for(blk, dt) for blk, dt in (
-        ([PART_M, d], gl.int8), ([BLOCK_N, d], gl.int8), v_tile, ([BLOCK_N], gl.float32), ([d], gl.float32)))
+        ([PART_M, d], gl.int8), ([bn, d], gl.int8), v_tile, ([bn], gl.float32), ([d], gl.float32)))
 
 
-def _desc_dims(q8, k8, v, sk, sv):
+def _desc_dims(q8, k8, v, sk, sv, bn: int = BLOCK_N):
     """(shape, strides, block) of the five descriptors: q8 / k8 / v as dense 2-D arrays (v: V^T int8 ``[b, hk, d,
-    Lpad]`` or V 16-bit ``[b, hk, Lpad, d]``), sk / sv as 1-D."""
+    Lpad]`` or V 16-bit ``[b, hk, Lpad, d]``), sk / sv as 1-D; ``bn``: the kernel's KV block."""
     b, hq, lq, d = q8.shape
     hk, lk, rows, cols = k8.shape[1], k8.shape[2], v.shape[2], v.shape[3]
-    v_block = [d, BLOCK_N] if v.dtype == torch.int8 else [BLOCK_N, d]
-    return (([b * hq * lq, d], [d, 1], [PART_M, d]), ([b * hk * lk, d], [d, 1], [BLOCK_N, d]),
-            ([b * hk * rows, cols], [cols, 1], v_block), ([sk.numel()], [1], [BLOCK_N]), ([sv.numel()], [1], [d]))
+    v_block = [d, bn] if v.dtype == torch.int8 else [bn, d]
+    return (([b * hq * lq, d], [d, 1], [PART_M, d]), ([b * hk * lk, d], [d, 1], [bn, d]),
+            ([b * hk * rows, cols], [cols, 1], v_block), ([sk.numel()], [1], [bn]), ([sv.numel()], [1], [d]))
 
 
-def descriptors(q8, k8, v, sk, sv):
-    """TMA descriptors of the operands as dense 2-D (int8 / 16-bit tiles) and 1-D (scales) arrays."""
+def descriptors(q8, k8, v, sk, sv, bn: int = BLOCK_N):
+    """TMA descriptors of the operands as dense 2-D (int8 / 16-bit tiles) and 1-D (scales) arrays; ``bn``: the
+    kernel's KV block (``ws_spec``'s BN)."""
     return tuple(TensorDescriptor(t, shape, strides, block, lay) for t, (shape, strides, block), lay in zip(
-        (q8, k8, v, sk, sv), _desc_dims(q8, k8, v, sk, sv), _layouts(q8.shape[3], v.dtype)))
+        (q8, k8, v, sk, sv), _desc_dims(q8, k8, v, sk, sv, bn), _layouts(q8.shape[3], v.dtype, bn)))
 
 
 def schedule_constexprs(**schedule) -> dict:
     """The kernel's FLAGS (bit set of the boolean switches) and PV_PARTS for ``SCHEDULE``'s switches, defaults where
-    not given."""
+    not given, and TWO_CTAS (``ws_spec``'s: None is the 16-bit P.V's default for the head dim)."""
     unknown = set(schedule) - set(SCHEDULE)
     if unknown:
         raise ValueError(f"unknown schedule switch(es) {sorted(unknown)}; known: {sorted(SCHEDULE)}")
@@ -561,7 +567,7 @@ def schedule_constexprs(**schedule) -> dict:
     if on["pv_parts"] not in (1, 2, 4):
         raise ValueError(f"pv_parts={on['pv_parts']!r}: 1, 2 or 4 (an int8 wgmma takes 32 keys or more)")
     flags = (_I2F_BIT if on["i2f"] else 0) | (_KEYS_PERMUTED_BIT if on["keys_permuted"] else 0)
-    return dict(FLAGS=flags, PV_PARTS=int(on["pv_parts"]))
+    return dict(FLAGS=flags, PV_PARTS=int(on["pv_parts"]), TWO_CTAS=on["two_ctas"])
 
 
 def ws_spec(q8, sq, k8, sk, v, sv, out, *, causal: bool, Lk: int, worker_regs=None, **schedule):
@@ -582,10 +588,18 @@ def ws_spec(q8, sq, k8, sk, v, sv, out, *, causal: bool, Lk: int, worker_regs=No
     scalars = (lq, Lk, k8.shape[2], sk.shape[2], hq, hk, v.shape[2], nblk, 1 if nblk > 1 else 0, sq.stride(0),
                sq.stride(1), out.stride(0), out.stride(1), out.stride(2))
     cx = schedule_constexprs(**schedule)
+    two = cx.pop("TWO_CTAS")
+    two = half and d in PV_HALF_BLOCK_N if two is None else two
+    if two and not (half and d in PV_HALF_BLOCK_N):
+        raise ValueError(f"two CTAs an SM run the 16-bit P.V at head_dim {sorted(PV_HALF_BLOCK_N)} only")
     if half:  # V's keys in natural order; its 16-bit P is the accumulator's registers as they are
-        cx["FLAGS"] = (cx["FLAGS"] & ~_KEYS_PERMUTED_BIT) | _PV_HALF_BIT | (_PV_SERIAL_BIT if d > 128 else 0)
-    kw = dict(IS_CAUSAL=bool(causal), D=d, BN=BLOCK_N, STAGES=_STAGES[d], **cx,
-              R_CONSUMER=(worker_regs or _WORKER_REGS)[0], R_PRODUCER=(worker_regs or _WORKER_REGS)[1], num_warps=4)
+        cx["FLAGS"] = (cx["FLAGS"] & ~_KEYS_PERMUTED_BIT) | _PV_HALF_BIT | (_PV_SERIAL_BIT if d > 128 or two else 0)
+    regs, stages, launch = worker_regs or _WORKER_REGS, _STAGES[d], {}
+    if two:
+        regs, stages, launch = worker_regs or _TWO_CTAS["worker_regs"], _TWO_CTAS["stages"], dict(
+            maxnreg=_TWO_CTAS["maxnreg"])
+    kw = dict(IS_CAUSAL=bool(causal), D=d, BN=PV_HALF_BLOCK_N[d] if two else BLOCK_N, STAGES=stages, **cx,
+              R_CONSUMER=regs[0], R_PRODUCER=regs[1], num_warps=4, **launch)
     return grid, scalars, kw
 
 
@@ -609,7 +623,7 @@ class WsLaunch:
     def __init__(self, q8, sq, k8, sk, v8t, sv, out, *, causal: bool, Lk: int, worker_regs=None, **schedule):
         self.grid, self.scalars, self.kw = ws_spec(q8, sq, k8, sk, v8t, sv, out, causal=causal, Lk=Lk,
                                                    worker_regs=worker_regs, **schedule)
-        self.dims = _desc_dims(q8, k8, v8t, sk, sv)
+        self.dims = _desc_dims(q8, k8, v8t, sk, sv, self.kw["BN"])
         self.memo = {}
 
     def __call__(self, q8, sq, k8, sk, v8t, sv, out):
@@ -619,7 +633,7 @@ class WsLaunch:
         key = current_cuda_device()
         hit = self.memo.get(key) if aligned and not LeanLaunch.hooks_active() else None
         if hit is None:  # Gluon's binder: compiles (or its cache), checks the descriptors, specialises the pointers
-            hit = lean(_int8_attn_fwd_ws_kernel).launch_bound(self.grid, (*descriptors(*tiles), sq, sk, out,
+            hit = lean(_int8_attn_fwd_ws_kernel).launch_bound(self.grid, (*descriptors(*tiles, self.kw["BN"]), sq, sk, out,
                                                                           *self.scalars), self.kw)
             if aligned and hit is not None:
                 self.memo[key] = hit

@@ -103,6 +103,9 @@ def default_block_n(head_dim: int) -> int:
 P_BLOCK_GAP = 32.0
 #: V's types the P.V runs on as they are (the Gluon prefill's 16-bit P.V: ``int8_flash_attention`` with a 16-bit v8t)
 PV_HALF_DTYPES = (torch.bfloat16, torch.float16)
+#: the 16-bit P.V's KV block (P's reference point c is taken per block) by head dim where it is not DEFAULT_BLOCK_N: at
+#: head_dim 64 the Gluon kernel runs two CTAs an SM, whose registers hold 64-key blocks (PERF_NOTES session 49)
+PV_HALF_BLOCK_N = {64: 64}
 #: lower clamp of the query scale sq (an all-zero query row has sq = 0; -inf * 0 would give NaN).
 SQ_MIN = 2.0 ** -100
 #: a decode tile whose largest P·V weight is at or below this (relative to the running max) adds nothing to P·V: its
@@ -397,8 +400,8 @@ def int8_flash_attention(q8, sq, k8, sk, v8t, sv, *, causal=True, window=None, s
     half = v8t.dtype in PV_HALF_DTYPES  # P.V on V itself ``[b, Hk, Lpad, d]``, P in its type
     lpad = v8t.shape[2] if half else v8t.shape[-1]
     nblk = 1 if half else sv.shape[2]
-    if half:
-        block = DEFAULT_BLOCK_N if block_n is None else int(block_n)
+    if half:  # the Gluon kernel's block for its head dim unless given
+        block = PV_HALF_BLOCK_N.get(q8.shape[3], DEFAULT_BLOCK_N) if block_n is None else int(block_n)
         svr = None
     elif nblk > 1:
         block = lpad // nblk
@@ -499,7 +502,8 @@ def turbo_attention(q, k, v, *, scale=None, causal=True, window=None, softcap=No
         (``rotation.smooth_scales`` factors ``s [b, Hk, d]``, "smooth_hadamard") Q by ``diag(s)`` and K by
         ``diag(1/s)`` first. q, k and k_mean stay unrotated (see ``quantize_per_token``).
       pv_dtype: None (INT8 P.V) or the 16-bit type of the Gluon kernel's P.V on V itself (``prefill.pv_dtype``):
-        V rounded to it, its non-finite tokens zeroed and flagged in sk, P rounded to it, I2F conversions.
+        V rounded to it, its non-finite tokens zeroed and flagged in sk, P rounded to it, I2F conversions, P's
+        reference point per ``PV_HALF_BLOCK_N`` keys where that names the head dim.
     Non-finite inputs: NaN rows exactly where ``nonfinite_rows`` says (a bad token is quantized as zeros with a
     NaN scale, kept out of every statistic; K's mean is not finite in a channel -> that channel unsmoothed).
     """
@@ -520,17 +524,18 @@ def turbo_attention(q, k, v, *, scale=None, causal=True, window=None, softcap=No
     k8, sk = quantize_per_token(k, smooth=mean, rotate=rotate_qk, factor=fk)
     if block_n is None:
         block_n = default_block_n(d)
+    loop_n = block_n
     if pv_dtype is not None:  # ``quant.v_operand_half``: V padded to whole blocks, a bad token zeroed and flagged
         bad = ~torch.isfinite(v).all(-1)
         _poison_tokens(sk, bad)
         v8t = torch.nn.functional.pad(torch.where(bad[..., None], 0.0, v.float()).to(pv_dtype),
                                       (0, 0, 0, -v.shape[2] % block_n))
-        sv = None
+        sv, loop_n = None, PV_HALF_BLOCK_N.get(d, block_n)
     else:
         v8t, sv = (quantize_v_blocks if v_scale == "block" else quantize_v_channels)(v, block_n, poison=sk)
     return int8_flash_attention(q8, sq, k8, sk, v8t, sv, causal=causal, window=window, softcap=softcap,
                                 key_valid=key_valid, softmax=softmax, sas_threshold=sas_threshold,
-                                Lk=k.shape[2], out_dtype=q.dtype, p_scale=p_scale, out=out, block_n=block_n,
+                                Lk=k.shape[2], out_dtype=q.dtype, p_scale=p_scale, out=out, block_n=loop_n,
                                 int_to_float="magic" if pv_dtype is None else "exact")
 
 

@@ -37,12 +37,13 @@ def compile_sm90(d: int, causal: bool, v_dtype: str = "int8", **schedule):
     out = torch.empty(b, L, hq, d, dtype=torch.bfloat16)
     _, scalars, kw = ph.ws_spec(q8, sq, k8, sk, v8t, sv, out, causal=causal, Lk=L, **schedule)
     fn = ph._int8_attn_fwd_ws_kernel
-    args = list(ph.descriptors(q8, k8, v8t, sk, sv)) + [sq, sk, out] + list(scalars)
+    args = list(ph.descriptors(q8, k8, v8t, sk, sv, kw["BN"])) + [sq, sk, out] + list(scalars)
     sig = {p.name: mangle_type(a) for p, a in zip(fn.params, args)}
-    cx = {k: v for k, v in kw.items() if k != "num_warps"}
+    options = {k: kw[k] for k in ("num_warps", "maxnreg") if k in kw}  # compile options, not constexprs
+    cx = {k: v for k, v in kw.items() if k not in options}
     sig.update({k: "constexpr" for k in cx})
     k = triton.compile(GluonASTSource(fn, sig, constexprs=cx), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": kw["num_warps"]})
+                       options=options)
     compile_sm90.shared = k.metadata.shared  # bytes of shared memory a program (dynamic)
     return k.asm["cubin"], k.asm["ptx"]
 

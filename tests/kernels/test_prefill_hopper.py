@@ -119,6 +119,12 @@ def test_the_16bit_pv_matches_its_twin(case):
                                          int_to_float="exact")
     assert_close(f"16-bit P.V {case}", ref, out, *tol(torch.device("cuda"), torch.bfloat16))
     assert out.isfinite().all()
+    if d in reference.PV_HALF_BLOCK_N:  # two CTAs an SM (64-key blocks) by default; one CTA runs blocks of 128
+        one = prefill_hopper.launch_ws(*ops, torch.empty(b, lq, hq, d, device="cuda", dtype=torch.bfloat16),
+                                       causal=causal, Lk=lk, two_ctas=False)
+        ref = reference.int8_flash_attention(*cpu_ops, causal=causal, Lk=lk, out_dtype=torch.float32,
+                                             int_to_float="exact", block_n=prefill_hopper.BLOCK_N)
+        assert_close(f"16-bit P.V, one CTA {case}", ref, one, *tol(torch.device("cuda"), torch.bfloat16))
 
 
 @pytest.mark.gpu
@@ -175,6 +181,25 @@ def test_schedule_switches_are_checked():
         prefill_hopper.schedule_constexprs(pingpong=True)
     with pytest.raises(ValueError, match="1, 2 or 4"):
         prefill_hopper.schedule_constexprs(pv_parts=8)
+
+
+def test_two_ctas_an_sm_are_the_16bit_pvs_default_at_head_dim_64_only():
+    """ws_spec's launch: the 16-bit P.V at head_dim 64 in two CTAs an SM (64-key blocks, 80 launch registers, the
+    serial order); every other head dim and the INT8 P.V in one; forcing two CTAs elsewhere is a clear error."""
+    def spec(d, v_dtype, **schedule):
+        z8 = torch.zeros(1, 1, 256, d, dtype=torch.int8)
+        v = torch.zeros(1, 1, 256, d, dtype=v_dtype) if v_dtype != torch.int8 else z8.transpose(2, 3)
+        return prefill_hopper.ws_spec(z8, torch.zeros(1, 1, 256), z8, torch.zeros(1, 1, 256), v,
+                                      torch.zeros(1, 1, 2, d), torch.empty(1, 256, 1, d), causal=True, Lk=256,
+                                      **schedule)[2]
+    kw = spec(64, torch.bfloat16)
+    assert (kw["BN"], kw["maxnreg"], kw["STAGES"]) == (64, 80, 4) and kw["FLAGS"] & prefill_hopper._PV_SERIAL_BIT
+    one = spec(64, torch.bfloat16, two_ctas=False)
+    assert one["BN"] == prefill_hopper.BLOCK_N and "maxnreg" not in one
+    for d, v_dtype in ((128, torch.bfloat16), (256, torch.bfloat16), (64, torch.int8)):
+        assert spec(d, v_dtype)["BN"] == prefill_hopper.BLOCK_N
+    with pytest.raises(ValueError, match="two CTAs an SM run the 16-bit P.V at head_dim"):
+        spec(128, torch.bfloat16, two_ctas=True)
 
 
 @pytest.mark.gpu

@@ -15,15 +15,20 @@ import sm90
 CONFIGS = [(128, True, {}), (128, False, {"pv_parts": 2, "i2f": True}), (64, True, {"pv_parts": 1}),
            (64, False, {"pv_parts": 1, "i2f": False, "keys_permuted": False}),
            (128, True, {"v_dtype": "bfloat16"}), (64, False, {"v_dtype": "float16"}),  # P.V on 16-bit V
-           (256, True, {"v_dtype": "bfloat16"})]  # head_dim 256: only on 16-bit V, in the serial order
+           (256, True, {"v_dtype": "bfloat16"}),  # head_dim 256: only on 16-bit V, in the serial order
+           (64, True, {"v_dtype": "bfloat16", "two_ctas": False})]  # d 64's 16-bit P.V in one CTA an SM
 
 
 def _compile(d, causal, schedule):
-    from turbo_attn_hf.eval.experiments.gluon_sass import compile_sm90, ptxas_infos
+    from turbo_attn_hf.eval.experiments.gluon_sass import compile_sm90, ptxas_infos, sass_counts
     from turbo_attn_hf.kernels import prefill_hopper as ph
 
-    ptx = compile_sm90(d, causal, **schedule)[1]  # ptxas built the cubin from it
-    checks = [("8-bit wgmma", f"wgmma.mma_async.sync.aligned.m64n{ph.BLOCK_N}k32.s32.s8.s8"),
+    from turbo_attn_hf.kernels.reference import PV_HALF_BLOCK_N
+
+    cubin, ptx = compile_sm90(d, causal, **schedule)  # ptxas built the cubin from the PTX
+    two = "v_dtype" in schedule and d in PV_HALF_BLOCK_N and schedule.get("two_ctas") is not False
+    bn = PV_HALF_BLOCK_N[d] if two else ph.BLOCK_N
+    checks = [("8-bit wgmma", f"wgmma.mma_async.sync.aligned.m64n{bn}k32.s32.s8.s8"),
               ("TMA loads", "cp.async.bulk.tensor"), ("register hand-over", "setmaxnreg.dec")]
     v = {"bfloat16": "bf16", "float16": "f16"}.get(schedule.get("v_dtype"))
     if v:  # P.V on V itself: a 16-bit wgmma with P from registers
@@ -31,6 +36,10 @@ def _compile(d, causal, schedule):
     for what, pattern in checks:
         if pattern not in ptx:
             raise AssertionError(f"no {what} ({pattern}) in the PTX")
+    if two:  # two CTAs of 3 warpgroups an SM: 64K registers and 228 KB of shared memory between them
+        regs = sass_counts(cubin)[0]
+        if not (0 < regs * 384 * 2 <= 65536 and compile_sm90.shared * 2 <= 228 * 1024 - 2048):
+            raise AssertionError(f"two CTAs an SM do not fit: {regs} registers, {compile_sm90.shared} B shared")
     serial = [line for line in ptxas_infos(ptx) if "C7512" in line]
     if serial:  # the kernel would run, every MMA waited for where it is issued
         raise AssertionError(f"ptxas serializes the wgmma: {serial[0]}")
