@@ -17,9 +17,12 @@ With a 16-bit V (``PV_HALF_DTYPES``: V itself, padded to whole blocks, as ``quan
 exp2(t sq - c) rounded to V's type (the score accumulator's registers are the operand's as they are) accumulates onto
 acc in fp32, so there is no int32 tile to fold, and the registers that frees hold FlashAttention-3's in-warpgroup
 order (block j's Q.K^T beside block j-1's P.V, ``_step_half``); at head_dim 256 (acc alone is 128 registers) each
-block's P.V is waited for before the next Q.K^T, in two ring slots of 96 KB. Twin: ``reference.int8_flash_attention``
-with the 16-bit V. Measured on an H200 (PERF_NOTES sessions 45, 47, 48): 1.02-1.14x the INT8 P.V's speed and about
-half its error; 1.01-1.20x the portable kernel, 0.87-1.03x cuDNN's bf16 attention at d 128, 0.88-1.03x at d 256
+block's P.V is waited for before the next Q.K^T, in two ring slots of 96 KB; at head_dim 64 two CTAs share an SM
+(``two_ctas``: 64-key blocks in that serial order, 80 launch registers, 4 slots of 12 KB), so four consumer warpgroups
+hide each other's latency and one CTA's first and last blocks overlap the other's loop. Twin:
+``reference.int8_flash_attention`` with the 16-bit V (its KV block ``reference.PV_HALF_BLOCK_N``). Measured on an
+H200 (PERF_NOTES sessions 45, 47-49): 1.02-1.14x the INT8 P.V's speed and about half its error; 1.01-1.20x the
+portable kernel, 0.87-1.03x cuDNN's bf16 attention at d 128, 0.88-1.03x at d 256
 (kernel alone; the portable kernel there is 0.42-0.53x). FA3's
 schedules that hold a second score tile (the next Q.K^T beside the softmax or the fold) spill or are slower here,
 as are three consumer warpgroups (sessions 35, 44, 45); ``SCHEDULE`` holds the switches that are kept.
@@ -633,8 +636,8 @@ class WsLaunch:
         key = current_cuda_device()
         hit = self.memo.get(key) if aligned and not LeanLaunch.hooks_active() else None
         if hit is None:  # Gluon's binder: compiles (or its cache), checks the descriptors, specialises the pointers
-            hit = lean(_int8_attn_fwd_ws_kernel).launch_bound(self.grid, (*descriptors(*tiles, self.kw["BN"]), sq, sk, out,
-                                                                          *self.scalars), self.kw)
+            args = (*descriptors(*tiles, self.kw["BN"]), sq, sk, out, *self.scalars)
+            hit = lean(_int8_attn_fwd_ws_kernel).launch_bound(self.grid, args, self.kw)
             if aligned and hit is not None:
                 self.memo[key] = hit
             return out

@@ -78,7 +78,7 @@ def info() -> int:
                        sorted(PREFILL_INT8_FROM_KEYS.items()))
     print(f"prefill attention (auto): {here} here | {table} ({longer}: plain prompts, Gluon kernel) | other GPUs "
           "and CPU: int8")
-    from turbo_attn_hf.kernels import prefill, prefill_hopper
+    from turbo_attn_hf.kernels import prefill, prefill_hopper, reference
 
     try:  # an invalid setting is an error at the first prefill; here it is shown
         choice = prefill.kernel_choice()
@@ -96,7 +96,9 @@ def info() -> int:
           "mask or SAS, portable "
           f"elsewhere); here at head_dim 128: {here}; at head_dim 256, bf16: {here256}")
     print(f"prefill P.V: INT8 Q.K^T with P.V on V itself in 16 bits where the Gluon kernel runs (bf16/fp16, per-block "
-          f"V scales; SageAttention's split), INT8 P.V otherwise; here at head_dim 128, bf16: {pv}")
+          f"V scales; SageAttention's split), INT8 P.V otherwise; here at head_dim 128, bf16: {pv}; the 16-bit P.V in "
+          f"two CTAs an SM at head_dim {'/'.join(map(str, sorted(reference.PV_HALF_BLOCK_N)))} (KV blocks of "
+          f"{'/'.join(str(reference.PV_HALF_BLOCK_N[d]) for d in sorted(reference.PV_HALF_BLOCK_N))} keys)")
     from turbo_attn_hf.config import QK_NORM_MODEL_TYPES
 
     print(f"packed K (packed_k_bits auto): INT8 K + packed V for q/k-norm families ({', '.join(QK_NORM_MODEL_TYPES)}), "

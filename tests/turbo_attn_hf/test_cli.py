@@ -43,6 +43,7 @@ def test_info(capsys):
     assert "packed K (packed_k_bits auto): INT8 K + packed V for q/k-norm families (gemma3" in text
     assert "INT8 prefill kernel: auto (TURBO_PREFILL_KERNEL: auto, portable, hopper; auto = hopper" in text
     assert "prefill P.V: INT8 Q.K^T with P.V on V itself in 16 bits" in text and "bf16: INT8" in text  # CPU
+    assert "two CTAs an SM at head_dim 64 (KV blocks of 64 keys)" in text
     assert "here at head_dim 128: portable (not a CUDA device)" in text  # this CPU machine
     assert "at head_dim 256, bf16: portable (not a CUDA device)" in text
     assert "rotary embedding (eager forwards): one launch (TURBO_ATTN_FUSED_ROPE=0: HF ops" in text
