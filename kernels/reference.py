@@ -377,7 +377,8 @@ def int8_flash_attention(q8, sq, k8, sk, v8t, sv, *, causal=True, window=None, s
 
     and ``o = acc / l`` (0 where l == 0). With a 16-bit ``v8t`` (V itself, ``[b, Hk, Lpad, d]``: the Gluon prefill's
     P.V on 16-bit operands, ``sv`` unused) P is p rounded to V's type and ``l = l r + sum(p)``, ``acc = acc r +
-    P . V`` in fp32. A NaN scale (a non-finite token, see ``quantize_per_token``) keeps
+    P . V`` in fp32, the loop block ``block_n`` defaulting to the kernel's (``PV_HALF_BLOCK_N`` by head dim, else
+    DEFAULT_BLOCK_N). A NaN scale (a non-finite token, see ``quantize_per_token``) keeps
     NaN through every max here: a NaN sk makes the rows that do not mask that key NaN, a NaN sq (l starts at
     NaN) its row. "static" is INT-FlashAttention's P scale 1/127 relative to the
     running max (c = m: r is the usual alpha); "block" quantizes each block relative to its own max (all 127
