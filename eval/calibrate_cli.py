@@ -16,6 +16,8 @@ import datetime
 from pathlib import Path
 from typing import Optional
 
+from turbo_attn_hf.loading import LOAD_KWARGS
+
 from . import data as edata
 
 DATASETS = ("gsm8k", "aqua", "bbh")
@@ -75,7 +77,7 @@ def main(argv: Optional[list[str]] = None) -> Path:
     kw = {"gguf_file": args.gguf_file} if args.gguf_file else {}
     tok = AutoTokenizer.from_pretrained(args.model, **kw)
     model = AutoModelForCausalLM.from_pretrained(
-        args.model, dtype=getattr(torch, args.dtype), attn_implementation="sdpa", **kw
+        args.model, dtype=getattr(torch, args.dtype), attn_implementation="sdpa", **kw, **LOAD_KWARGS
     ).to(device).eval()
     prompts = calibration_prompts(args.dataset, args.n, args.skip, args.data_dir, shots=not args.no_shots)
     model_tag = Path(args.gguf_file or args.model).stem.split(".")[0].lower().replace("-", "_")

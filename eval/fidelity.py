@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from turbo_attn_hf.generation import cache_arg, output_cache
+from turbo_attn_hf.loading import LOAD_KWARGS
 
 from . import data as edata
 from .bench_common import split_presets, write_report
@@ -495,7 +496,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
         from transformers import GgufConfig
 
         mkw["quantization_config"] = GgufConfig(dequantize=True)
-    ref = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="eager", **mkw)
+    ref = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="eager", **mkw,
+                                               **LOAD_KWARGS)
     ref = ref.to(device).eval()
     model = copy.deepcopy(ref).to(getattr(torch, args.dtype))
     model.set_attn_implementation("sdpa")

@@ -54,6 +54,8 @@ from typing import Optional
 
 import yaml
 
+from turbo_attn_hf.loading import LOAD_KWARGS
+
 from .data import find_data_dir
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
@@ -349,7 +351,7 @@ def _from_pretrained(args, dtype, attn: str, device):
 
     load_kw = {"gguf_file": args.gguf_file} if args.gguf_file else {}
     return AutoModelForCausalLM.from_pretrained(
-        args.model, dtype=dtype, attn_implementation=attn, **load_kw).to(device).eval()
+        args.model, dtype=dtype, attn_implementation=attn, **load_kw, **LOAD_KWARGS).to(device).eval()
 
 
 def _load_model(args, device):

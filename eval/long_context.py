@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from turbo_attn_hf.generation import cache_arg, output_cache
+from turbo_attn_hf.loading import LOAD_KWARGS
 
 from . import data as edata
 from .bench_common import _git_commit, write_report
@@ -442,7 +443,8 @@ def run(args) -> dict:
     if args.tiny:
         ref, model_name = tiny_model(len(tok)), "tiny random Llama (2 layers, smoke test) + " + model_name
     else:
-        ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager", **kw)
+        ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager", **kw,
+                                                   **LOAD_KWARGS)
     ref = ref.to(device).eval()
     low = copy.deepcopy(ref).to(torch.bfloat16)
     low.set_attn_implementation("sdpa")

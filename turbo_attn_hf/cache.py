@@ -1136,7 +1136,9 @@ class TurboSlidingWindowLayer(TurboLayer):
         super().__init__(turbo_config, layer_idx, n_layers)
         self.sliding_window = sliding_window
 
-    def activate_past_recording(self):  # every token is kept already; nothing to record
+    def activate_past_recording(self, **kwargs):
+        # every token is kept already, so there is nothing to record; transformers >= 5.25 passes
+        # recurrent_states_to_keep= (assisted decoding), which only linear-attention layers use
         self.record_past = True
 
 
@@ -1483,7 +1485,7 @@ class TurboStaticSlidingWindowLayer(TurboStaticLayer):
         super().__init__(turbo_config, layer_idx, n_layers, max_cache_len=max_cache_len)
         self.sliding_window = sliding_window
 
-    def activate_past_recording(self):
+    def activate_past_recording(self, **kwargs):  # as TurboSlidingLayer's
         self.record_past = True
 
 

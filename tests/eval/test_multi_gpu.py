@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from eval import multi_gpu
+from turbo_attn_hf.loading import LOAD_KWARGS
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +86,7 @@ def test_widen_heads_computes_the_same_function_with_heads_two_ranks_split(tmp_p
         assert (wide.config.num_attention_heads, wide.config.num_key_value_heads) == (12, 6)
         torch.testing.assert_close(wide(ids).logits, ref, rtol=0, atol=1e-5)
         wide.save_pretrained(tmp_path)
-        again = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa").eval()
+        again = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa", **LOAD_KWARGS).eval()
         torch.testing.assert_close(again(ids).logits, ref, rtol=0, atol=1e-5)
 
 

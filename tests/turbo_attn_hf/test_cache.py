@@ -356,6 +356,18 @@ def _tiny_config(kind):
                        max_window_layers=1)
 
 
+@pytest.mark.parametrize("max_cache_len", [None, 16], ids=["dynamic", "static"])
+def test_past_recording_takes_transformers_keywords(max_cache_len):
+    """transformers >= 5.25 passes ``recurrent_states_to_keep=`` through Cache.activate_past_recording to every
+    layer that has the method (assisted decoding): the sliding-window layers take and ignore it."""
+    c = TurboCache("int4", config=_tiny_config("qwen2"), max_cache_len=max_cache_len)
+    sliding = [l for l in c.layers if l.is_sliding]
+    assert sliding
+    for layer in sliding:
+        layer.activate_past_recording(recurrent_states_to_keep=4)
+        assert layer.record_past
+
+
 def test_construction_from_model_config_and_template():
     from transformers import DynamicCache
 

@@ -103,6 +103,26 @@ def test_chat_saved_model_dir_interpreter(tmp_path):
     assert "--- turbo_int8 [mixed] ---" in text and "TurboCache" in text
 
 
+def test_loading_turns_hub_kernels_off(tmp_path, monkeypatch):
+    """transformers >= 5.25 kernelizes from the Hub by default (it needs the ``kernels`` package and the Hub):
+    the demo loads with ``use_kernels=False`` (turbo_attn_hf/loading.py), a keyword 5.17 takes too."""
+    from transformers import AutoModelForCausalLM
+
+    model, tok = chat.build_tiny()
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    seen = {}
+    real = AutoModelForCausalLM.from_pretrained
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", spy)
+    loaded, _, _ = chat.load_model(str(tmp_path), quiet=True)
+    assert seen.get("use_kernels") is False and not loaded.use_kernels
+
+
 def test_bad_model_path_is_a_clear_error(reference_path, capsys):
     assert chat.main(["--model", "/no/such/dir", "--prompt", "hi"], out=io.StringIO()) == 2
     assert "neither a model directory nor a .gguf file" in capsys.readouterr().err

@@ -57,7 +57,10 @@ def test_from_pretrained_with_turbo_int8(tmp_path, tm):
     model.save_pretrained(tmp_path)
     from transformers import AutoModelForCausalLM
 
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="turbo_int8", dtype=torch.bfloat16)
+    from turbo_attn_hf.loading import LOAD_KWARGS  # no Hub kernels offline (transformers >= 5.25 defaults to them)
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="turbo_int8", dtype=torch.bfloat16,
+                                                  **LOAD_KWARGS)
     assert loaded.config._attn_implementation == "turbo_int8"
     ids = tm.token_ids(1, 24)
     model.set_attn_implementation("turbo_int8")

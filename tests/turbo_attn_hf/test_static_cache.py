@@ -409,7 +409,7 @@ def test_compiled_greedy_equals_eager_on_smollm2(preset):
     path, gguf = _smollm2_gguf()
     tok = AutoTokenizer.from_pretrained(path, gguf_file=gguf)
     model = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf, attn_implementation="turbo_int8",
-                                                 dtype=torch.bfloat16).cuda()
+                                                 dtype=torch.bfloat16, use_kernels=False).cuda()
     turbo_attn_hf.set_turbo_config(model, preset)
     msgs = [{"role": "user", "content": "Explain in detail how a refrigerator keeps food cold, step by step."}]
     ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
