@@ -1125,21 +1125,25 @@ class TurboLayer(CacheLayerMixin):
         return total
 
 
-class TurboSlidingWindowLayer(TurboLayer):
-    """Sliding-window twin: stores every token like :class:`TurboLayer` (the window is applied in attention,
-    so the mask offset stays 0); ``sliding_window`` is kept for reference."""
+class _KeepsTheWholeWindow:
+    """What the two sliding-window layers share: every token is stored (the window is applied in attention), so
+    assisted decoding's past recording has nothing to record."""
 
     is_sliding = True
+
+    def activate_past_recording(self, **kwargs):
+        # transformers >= 5.25 passes recurrent_states_to_keep=, which only linear-attention layers use
+        self.record_past = True
+
+
+class TurboSlidingWindowLayer(_KeepsTheWholeWindow, TurboLayer):
+    """Sliding-window twin: stores every token like :class:`TurboLayer` (the window is applied in attention,
+    so the mask offset stays 0); ``sliding_window`` is kept for reference."""
 
     def __init__(self, turbo_config: TurboConfig, layer_idx: int = 0, n_layers: Optional[int] = None,
                  sliding_window: Optional[int] = None, **kwargs):
         super().__init__(turbo_config, layer_idx, n_layers)
         self.sliding_window = sliding_window
-
-    def activate_past_recording(self, **kwargs):
-        # every token is kept already, so there is nothing to record; transformers >= 5.25 passes
-        # recurrent_states_to_keep= (assisted decoding), which only linear-attention layers use
-        self.record_past = True
 
 
 class TurboCacheFullError(RuntimeError):
@@ -1475,18 +1479,13 @@ class TurboStaticLayer(TurboLayer):
         self._push_lens()
 
 
-class TurboStaticSlidingWindowLayer(TurboStaticLayer):
+class TurboStaticSlidingWindowLayer(_KeepsTheWholeWindow, TurboStaticLayer):
     """Sliding-window twin of :class:`TurboStaticLayer` (every token kept; the window is applied in attention)."""
-
-    is_sliding = True
 
     def __init__(self, turbo_config: TurboConfig, layer_idx: int = 0, n_layers: Optional[int] = None,
                  max_cache_len: Optional[int] = None, sliding_window: Optional[int] = None, **kwargs):
         super().__init__(turbo_config, layer_idx, n_layers, max_cache_len=max_cache_len)
         self.sliding_window = sliding_window
-
-    def activate_past_recording(self, **kwargs):  # as TurboSlidingLayer's
-        self.record_past = True
 
 
 #: (id of the TurboConfig, layer index) -> the ``attention`` call key of that layer's last first decode call (the

@@ -402,14 +402,15 @@ def test_compiled_greedy_equals_eager_on_smollm2(preset):
     bf16 ops, and INT8 codes turn those last-bit differences into different tokens after a few steps, for any
     quantized cache, so the exact comparison is made where only the capture differs; HF's default inductor
     compile is then checked to replay deterministically."""
+    import torch._dynamo
     from transformers import AutoModelForCausalLM, AutoTokenizer, CompileConfig
 
-    import torch._dynamo
+    from turbo_attn_hf.loading import LOAD_KWARGS
 
     path, gguf = _smollm2_gguf()
     tok = AutoTokenizer.from_pretrained(path, gguf_file=gguf)
     model = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf, attn_implementation="turbo_int8",
-                                                 dtype=torch.bfloat16, use_kernels=False).cuda()
+                                                 dtype=torch.bfloat16, **LOAD_KWARGS).cuda()
     turbo_attn_hf.set_turbo_config(model, preset)
     msgs = [{"role": "user", "content": "Explain in detail how a refrigerator keeps food cold, step by step."}]
     ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
